@@ -1,0 +1,281 @@
+//! Types shared by the XDP program (`lb-ebpf`) and userspace (`lb-userspace`).
+//!
+//! Every key and value that crosses the kernel/user boundary is defined here
+//! once. All of them are `#[repr(C)]` with explicit padding and integer flags
+//! (no `bool`, enum or `Option`), so that their byte layout is the same on both
+//! sides and has no implicit padding. Addresses and ports are stored in
+//! network byte order, exactly as they appear in the packet, so the datapath
+//! never swaps bytes.
+#![no_std]
+
+/// Backend id 0 is reserved as "no backend" (an empty slot of a table).
+pub const BACKEND_NONE: u32 = 0;
+/// Size of the backend array; ids run from 1 to `MAX_BACKENDS - 1`.
+pub const MAX_BACKENDS: u32 = 4096;
+/// Number of services (VIP, port, protocol) the datapath can hold.
+pub const MAX_SERVICES: u32 = 256;
+
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+
+/// Scheduler ids stored in [`Service::scheduler`].
+///
+/// Hash a flow's 5-tuple into the service's selection table.
+pub const SCHED_FLOW_HASH: u32 = 0;
+/// Hash the client address alone into the selection table.
+pub const SCHED_SOURCE_HASH: u32 = 1;
+/// Walk the selection table in order with one counter per service shared
+/// by all CPUs (round robin and smooth weighted round robin).
+pub const SCHED_SEQUENCE: u32 = 2;
+
+/// [`Service::flags`]: the service has no backend able to take new flows;
+/// new flows are dropped and counted.
+pub const SVC_F_NO_BACKEND: u32 = 1;
+
+/// [`Flow::dir`]: client -> VIP, rewritten to the backend.
+pub const DIR_FORWARD: u8 = 0;
+/// [`Flow::dir`]: backend -> client, rewritten back to the VIP.
+pub const DIR_REPLY: u8 = 1;
+
+/// Indexes into the per-CPU global counter array.
+pub mod counter {
+    /// Packet to a VIP address that could not be parsed (truncated header,
+    /// bad IHL, total length beyond the frame): dropped.
+    pub const DROP_MALFORMED: u32 = 0;
+    /// New flow for a service without any backend that takes new flows: dropped.
+    pub const DROP_NO_BACKEND: u32 = 1;
+    /// The flow table refused an insert: dropped.
+    pub const DROP_FLOW_TABLE: u32 = 2;
+    /// IPv4 fragment to a VIP address (no ports to balance on): dropped.
+    pub const DROP_FRAGMENT: u32 = 3;
+    /// Rewritten packet handed to the kernel because the FIB had no
+    /// resolved neighbour (or no route) for it: the kernel finishes the job.
+    pub const FIB_FALLBACK: u32 = 4;
+    /// Packet to a VIP with TTL <= 1, passed unmodified so the kernel answers
+    /// with ICMP time exceeded.
+    pub const TTL_EXPIRED: u32 = 5;
+    /// Number of counters.
+    pub const COUNT: u32 = 6;
+
+    /// Names used by userspace (metrics labels, `lbctl status`).
+    pub const NAMES: [&str; COUNT as usize] = [
+        "malformed",
+        "no_backend",
+        "flow_table",
+        "fragment",
+        "fib_fallback",
+        "ttl_expired",
+    ];
+}
+
+/// Key of the VIP map: what a client connects to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct VipKey {
+    /// IPv4 address, network byte order.
+    pub addr: u32,
+    /// Port, network byte order.
+    pub port: u16,
+    /// IP protocol number (6 TCP, 17 UDP).
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// Value of the VIP map: one service and where its live selection table is.
+///
+/// Userspace replaces this value whole (a hash map update swaps the element
+/// atomically), which is how a new table goes live without a packet ever
+/// seeing a half-written one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Service {
+    pub service_id: u32,
+    /// One of the `SCHED_*` ids.
+    pub scheduler: u32,
+    /// First entry of this service's table in the selection-table array.
+    pub table_off: u32,
+    /// Number of entries in the table (0 means no backend).
+    pub table_len: u32,
+    /// `SVC_F_*` bits.
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// One backend, indexed by backend id in the backend array.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backend {
+    /// IPv4 address, network byte order.
+    pub addr: u32,
+    /// Port, network byte order.
+    pub port: u16,
+    pub _pad: u16,
+    pub service_id: u32,
+    pub flags: u32,
+}
+
+/// Key of the flow table: a 5-tuple as seen on the wire.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    pub src_addr: u32,
+    pub dst_addr: u32,
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Value of the flow table. A flow has two entries: the forward one keyed by
+/// the client's 5-tuple (rewrite destination to the backend) and the reply
+/// one keyed by the backend's 5-tuple (rewrite source back to the VIP).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flow {
+    pub backend_id: u32,
+    pub service_id: u32,
+    /// Forward: the backend's address; reply: the VIP. Network byte order.
+    pub nat_addr: u32,
+    /// Forward: the backend's port; reply: the VIP's port. Network byte order.
+    pub nat_port: u16,
+    /// `DIR_FORWARD` or `DIR_REPLY`.
+    pub dir: u8,
+    pub _pad: u8,
+    /// TCP close tracking, kept on the forward entry only: `FLOW_*` bits,
+    /// set with atomic OR by whichever CPU sees the FIN or RST.
+    /// (64 bits wide: BPF has atomic OR only for 64-bit words on every CPU
+    /// version the verifier accepts.)
+    pub state: u64,
+}
+
+/// [`Flow::state`]: the client sent a FIN.
+pub const FLOW_FIN_CLIENT: u64 = 1;
+/// [`Flow::state`]: the backend sent a FIN.
+pub const FLOW_FIN_BACKEND: u64 = 2;
+/// [`Flow::state`]: either side sent a RST.
+pub const FLOW_RST: u64 = 4;
+
+/// A TCP flow is closed once either side reset it or both sides sent a FIN.
+/// A new SYN on a closed flow's 5-tuple is a new connection and is scheduled
+/// afresh (and counted), as IPVS does for reused ports.
+#[inline(always)]
+pub fn flow_closed(state: u64) -> bool {
+    state & FLOW_RST != 0 || state & (FLOW_FIN_CLIENT | FLOW_FIN_BACKEND) == (FLOW_FIN_CLIENT | FLOW_FIN_BACKEND)
+}
+
+/// Per-backend counters, one copy per CPU, summed by userspace.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendStats {
+    /// Flows scheduled onto this backend.
+    pub new_flows: u64,
+    /// Client -> backend.
+    pub packets_in: u64,
+    pub bytes_in: u64,
+    /// Backend -> client.
+    pub packets_out: u64,
+    pub bytes_out: u64,
+}
+
+impl BackendStats {
+    pub fn add(&mut self, other: &Self) {
+        self.new_flows += other.new_flows;
+        self.packets_in += other.packets_in;
+        self.bytes_in += other.bytes_in;
+        self.packets_out += other.packets_out;
+        self.bytes_out += other.bytes_out;
+    }
+}
+
+/// The flow hash used by the datapath to index a selection table.
+///
+/// Defined here once so that userspace (tests, tools that predict a flow's
+/// backend) computes exactly what the kernel computes. Inputs are the raw
+/// network-order values from the packet. A murmur3-style finaliser over the
+/// mixed words: cheap (a handful of multiplies) and well spread.
+#[inline(always)]
+pub fn flow_hash(src_addr: u32, dst_addr: u32, src_port: u16, dst_port: u16, proto: u8) -> u32 {
+    let ports = ((src_port as u32) << 16) | dst_port as u32;
+    let mut h = mix(0x9e37_79b9 ^ proto as u32, src_addr);
+    h = mix(h, dst_addr);
+    h = mix(h, ports);
+    fmix(h)
+}
+
+/// Hash of the client address alone (source-hash scheduling).
+#[inline(always)]
+pub fn source_hash(src_addr: u32) -> u32 {
+    fmix(mix(0x85eb_ca6b, src_addr))
+}
+
+#[inline(always)]
+fn mix(h: u32, k: u32) -> u32 {
+    let k = k.wrapping_mul(0xcc9e_2d51).rotate_left(15).wrapping_mul(0x1b87_3593);
+    (h ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
+}
+
+#[inline(always)]
+fn fmix(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all of these are repr(C), made of integers only, with every
+    // padding byte spelled out as a field (sizes asserted by the tests below).
+    unsafe impl aya::Pod for VipKey {}
+    unsafe impl aya::Pod for Service {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for FlowKey {}
+    unsafe impl aya::Pod for Flow {}
+    unsafe impl aya::Pod for BackendStats {}
+}
+
+#[cfg(test)]
+mod tests {
+    use core::mem::{align_of, size_of};
+
+    use super::*;
+
+    #[test]
+    fn shared_type_sizes_have_no_hidden_padding() {
+        assert_eq!(size_of::<VipKey>(), 8);
+        assert_eq!(size_of::<Service>(), 24);
+        assert_eq!(size_of::<Backend>(), 16);
+        assert_eq!(size_of::<FlowKey>(), 16);
+        assert_eq!(size_of::<Flow>(), 24);
+        assert_eq!(size_of::<BackendStats>(), 40);
+        assert_eq!(align_of::<BackendStats>(), 8);
+    }
+
+    #[test]
+    fn flow_hash_depends_on_every_field() {
+        let base = flow_hash(1, 2, 3, 4, 6);
+        assert_ne!(base, flow_hash(9, 2, 3, 4, 6));
+        assert_ne!(base, flow_hash(1, 9, 3, 4, 6));
+        assert_ne!(base, flow_hash(1, 2, 9, 4, 6));
+        assert_ne!(base, flow_hash(1, 2, 3, 9, 6));
+        assert_ne!(base, flow_hash(1, 2, 3, 4, 17));
+        // swapping the ports is a different flow
+        assert_ne!(base, flow_hash(1, 2, 4, 3, 6));
+    }
+
+    #[test]
+    fn flow_hash_spreads_sequential_ports_evenly() {
+        // 30,000 flows from consecutive source ports into 3 buckets: each
+        // bucket within 3% of a third.
+        let mut buckets = [0u32; 3];
+        for port in 20_000u16..50_000 {
+            let h = flow_hash(0x0a0a_0102, 0x0a0a_0064, port.to_be(), 80u16.to_be(), 6);
+            buckets[(h % 3) as usize] += 1;
+        }
+        for b in buckets {
+            assert!((9_700..=10_300).contains(&b), "uneven buckets {buckets:?}");
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! Every map the datapath reads or writes. Userspace (lb-userspace's
+//! `dataplane` module) is the only writer of the configuration maps; the
+//! datapath writes the flow table and the counters.
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+};
+use lb_common::{
+    Backend, BackendStats, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, Service, VipKey, counter,
+};
+
+/// (VIP, port, protocol) -> service and the location of its live selection table.
+#[map]
+pub static VIPS: HashMap<VipKey, Service> = HashMap::with_max_entries(MAX_SERVICES, 0);
+
+/// Addresses that carry at least one VIP (value unused). Read only on the
+/// error path, to decide whether an unparseable packet was meant for us.
+#[map]
+pub static VIP_ADDRS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_SERVICES, 0);
+
+/// Backend id -> address and port. Id 0 is "no backend".
+#[map]
+pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// Selection tables of all services, back to back: each entry is a backend
+/// id. Sized by userspace at load time; one service's table is the slice
+/// `[table_off, table_off + table_len)` named by its `Service` value.
+#[map]
+pub static SELECT: Array<u32> = Array::with_max_entries(1, 0);
+
+/// Per-service position in a sequence table (round robin / WRR), shared by
+/// all CPUs and advanced with an atomic add.
+#[map]
+pub static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
+
+/// Connection table: wire 5-tuple -> what to rewrite. Two entries per flow
+/// (forward and reply). Sized by userspace at load time from `conntrack_max`.
+#[map]
+pub static FLOWS: LruHashMap<FlowKey, Flow> = LruHashMap::with_max_entries(1, 0);
+
+/// Per-backend counters, per CPU.
+#[map]
+pub static BACKEND_STATS: PerCpuArray<BackendStats> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Global counters (drops by reason, fallbacks), per CPU; see `lb_common::counter`.
+#[map]
+pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);

@@ -1,0 +1,186 @@
+//! Packet parsing: Ethernet -> IPv4 (with options) -> TCP/UDP.
+//!
+//! Every access goes through [`ptr_at`], whose bound check against
+//! `data_end` is what the verifier needs to accept the load or store.
+use core::mem::size_of;
+
+use aya_ebpf::programs::XdpContext;
+use lb_common::{PROTO_TCP, PROTO_UDP};
+
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_HLEN: usize = 14;
+
+#[repr(C)]
+pub struct EthHdr {
+    pub dst: [u8; 6],
+    pub src: [u8; 6],
+    /// Network byte order.
+    pub proto: u16,
+}
+
+#[repr(C)]
+pub struct Ipv4Hdr {
+    pub version_ihl: u8,
+    pub tos: u8,
+    pub tot_len: u16,
+    pub id: u16,
+    pub frag_off: u16,
+    pub ttl: u8,
+    pub proto: u8,
+    pub check: u16,
+    pub saddr: u32,
+    pub daddr: u32,
+}
+
+/// The first 20 bytes of a TCP header (options are not touched).
+#[repr(C)]
+pub struct TcpHdr {
+    pub sport: u16,
+    pub dport: u16,
+    pub seq: u32,
+    pub ack: u32,
+    pub off_res: u8,
+    pub flags: u8,
+    pub window: u16,
+    pub check: u16,
+    pub urg: u16,
+}
+
+#[repr(C)]
+pub struct UdpHdr {
+    pub sport: u16,
+    pub dport: u16,
+    pub len: u16,
+    pub check: u16,
+}
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+/// Pointer to a `T` at `offset` from the start of the frame, if the whole
+/// `T` lies inside the frame.
+#[inline(always)]
+pub fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    // Verifier: this comparison against data_end is what proves every
+    // byte of the returned T readable and writable.
+    if start + offset + size_of::<T>() > end {
+        return None;
+    }
+    Some((start + offset) as *mut T)
+}
+
+/// Why a packet could not be handled.
+pub enum ParseError {
+    /// Not IPv4/TCP/UDP, or not ours to judge: hand it to the kernel.
+    NotOurs,
+    /// IPv4 header readable, but the rest is broken; `daddr` says where it
+    /// was going so the caller can decide whether it was meant for a VIP.
+    Malformed { daddr: u32 },
+    /// A fragment (no L4 ports to balance on).
+    Fragment { daddr: u32 },
+}
+
+/// Where the interesting fields of one parsed packet are.
+pub struct Packet {
+    pub eth: *mut EthHdr,
+    pub ip: *mut Ipv4Hdr,
+    /// TCP or UDP header start: source port, then destination port.
+    pub ports: *mut [u16; 2],
+    pub proto: u8,
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    /// TCP flags (0 for UDP).
+    pub tcp_flags: u8,
+    /// The L4 checksum field.
+    pub l4_check: *mut u16,
+    /// Frame length in bytes, for the byte counters.
+    pub len: u64,
+}
+
+#[inline(always)]
+pub fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
+    let eth: *mut EthHdr = ptr_at(ctx, 0).ok_or(ParseError::NotOurs)?;
+    // SAFETY: bounds checked by ptr_at.
+    if unsafe { (*eth).proto } != ETH_P_IP.to_be() {
+        return Err(ParseError::NotOurs);
+    }
+    let ip: *mut Ipv4Hdr = ptr_at(ctx, ETH_HLEN).ok_or(ParseError::NotOurs)?;
+    // SAFETY: bounds checked by ptr_at.
+    let (vihl, tot_len, frag_off, proto, saddr, daddr) = unsafe {
+        (
+            (*ip).version_ihl,
+            u16::from_be((*ip).tot_len) as usize,
+            u16::from_be((*ip).frag_off),
+            (*ip).proto,
+            (*ip).saddr,
+            (*ip).daddr,
+        )
+    };
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return Err(ParseError::NotOurs);
+    }
+    if vihl >> 4 != 4 {
+        return Err(ParseError::Malformed { daddr });
+    }
+    // IHL is 4 bits, so ihl_len is at most 60: the verifier sees the bound.
+    let ihl_len = ((vihl & 0x0f) as usize) * 4;
+    let frame_len = ctx.data_end() - ctx.data();
+    if ihl_len < size_of::<Ipv4Hdr>() || tot_len < ihl_len || ETH_HLEN + tot_len > frame_len {
+        return Err(ParseError::Malformed { daddr });
+    }
+    // More-fragments bit or a fragment offset: not balanceable by port.
+    if frag_off & 0x3fff != 0 {
+        return Err(ParseError::Fragment { daddr });
+    }
+    let l4 = ETH_HLEN + ihl_len;
+    let (ports, sport, dport, tcp_flags, l4_check) = if proto == PROTO_TCP {
+        if tot_len < ihl_len + size_of::<TcpHdr>() {
+            return Err(ParseError::Malformed { daddr });
+        }
+        let tcp: *mut TcpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
+        // SAFETY: bounds checked by ptr_at; every field lies inside *tcp.
+        unsafe {
+            (
+                tcp as *mut [u16; 2],
+                (*tcp).sport,
+                (*tcp).dport,
+                (*tcp).flags,
+                &raw mut (*tcp).check,
+            )
+        }
+    } else {
+        if tot_len < ihl_len + size_of::<UdpHdr>() {
+            return Err(ParseError::Malformed { daddr });
+        }
+        let udp: *mut UdpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
+        // SAFETY: bounds checked by ptr_at; every field lies inside *udp.
+        unsafe {
+            (
+                udp as *mut [u16; 2],
+                (*udp).sport,
+                (*udp).dport,
+                0,
+                &raw mut (*udp).check,
+            )
+        }
+    };
+    Ok(Packet {
+        eth,
+        ip,
+        ports,
+        proto,
+        saddr,
+        daddr,
+        sport,
+        dport,
+        tcp_flags,
+        l4_check,
+        len: frame_len as u64,
+    })
+}

@@ -1,0 +1,52 @@
+//! Builds the XDP program (`lb-ebpf`) for `bpfel-unknown-none` with the
+//! nightly toolchain and bpf-linker, and leaves the object in OUT_DIR, where
+//! `dataplane.rs` embeds it.
+//!
+//! This does what `aya_build::build_ebpf` does, plus `-C target-cpu=v3`:
+//! aya-build sets the BPF rustflags itself and offers no way to add one, and
+//! the datapath needs BPF v3 for atomic fetch-and-add (one round-robin
+//! counter shared by all CPUs). Every kernel with BPF_PROG_TEST_RUN for XDP
+//! and bpf_fib_lookup (5.x) runs v3 programs.
+use std::{env, path::PathBuf, process::Command};
+
+fn main() {
+    let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let workspace = manifest_dir.parent().expect("workspace root").to_path_buf();
+    let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
+    for dir in ["lb-ebpf/src", "lb-ebpf/Cargo.toml", "lb-common/src", "lb-common/Cargo.toml"] {
+        println!("cargo:rerun-if-changed={}", workspace.join(dir).display());
+    }
+    println!("cargo:rerun-if-env-changed=PATH");
+
+    let arch = env::var("CARGO_CFG_TARGET_ARCH").expect("CARGO_CFG_TARGET_ARCH");
+    let flags = [
+        format!("--cfg=bpf_target_arch=\"{arch}\""),
+        "-Cdebuginfo=2".to_owned(),
+        "-Clink-arg=--btf".to_owned(),
+        "-Ctarget-cpu=v3".to_owned(),
+    ]
+    .join("\x1f");
+    // A separate target dir: cargo holds a lock on ours while we run.
+    let target_dir = out_dir.join("ebpf-target");
+    let mut cmd = Command::new("rustup");
+    cmd.args(["run", "nightly", "cargo", "build", "--package", "lb-ebpf", "--bins", "--release"])
+        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core", "--target-dir"])
+        .arg(&target_dir)
+        .current_dir(&workspace)
+        .env("CARGO_ENCODED_RUSTFLAGS", flags);
+    // Make sure the nightly toolchain, not the one running us, does the work.
+    for key in ["RUSTC", "RUSTC_WORKSPACE_WRAPPER", "RUSTC_WRAPPER", "CARGO", "RUSTUP_TOOLCHAIN", "CARGO_TARGET_DIR", "CARGO_BUILD_TARGET"] {
+        cmd.env_remove(key);
+    }
+    let status = cmd.status().unwrap_or_else(|e| {
+        panic!("could not run `rustup run nightly cargo` to build the XDP program: {e}; run `cargo xtask setup`")
+    });
+    if !status.success() {
+        panic!(
+            "building the XDP program (lb-ebpf) failed: {status}. Missing nightly rust-src or bpf-linker? `cargo xtask setup` installs them."
+        );
+    }
+    let built = target_dir.join("bpfel-unknown-none/release/lb-xdp");
+    std::fs::copy(&built, out_dir.join("lb-xdp"))
+        .unwrap_or_else(|e| panic!("copy {} to OUT_DIR: {e}", built.display()));
+}

@@ -1,0 +1,317 @@
+//! The control API: newline-delimited JSON over a Unix socket (mode 0600,
+//! root only). One request per line, one response line per request.
+//!
+//! Request:  `{"command":"status"}`
+//! Response: `{"ok":true,"result":{...}}` or `{"ok":false,"error":"..."}`
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader, Write as _},
+    net::Ipv4Addr,
+    os::unix::{fs::PermissionsExt as _, net::UnixStream as StdUnixStream},
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+use tokio::{
+    io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader as TokioBufReader},
+    net::{UnixListener, UnixStream},
+};
+use tracing::{debug, warn};
+
+use crate::{
+    config::{Protocol, Scheduler},
+    dataplane::{Attachment, Dataplane},
+};
+
+/// Longest request line accepted.
+const MAX_REQUEST: usize = 64 * 1024;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "command", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Request {
+    Status,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Response {
+    pub ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct BackendStatus {
+    pub address: Ipv4Addr,
+    pub port: u16,
+    pub weight: u32,
+    pub new_flows: u64,
+    pub packets_in: u64,
+    pub bytes_in: u64,
+    pub packets_out: u64,
+    pub bytes_out: u64,
+    /// weight / sum of weights.
+    pub expected_share: f64,
+    /// This backend's new flows / the service's new flows (0 when none yet).
+    pub observed_share: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ServiceStatus {
+    pub name: String,
+    pub vip: Ipv4Addr,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub scheduler: Scheduler,
+    pub new_flows: u64,
+    /// Jain's fairness index over weight-normalised new flows; None before
+    /// the first flow.
+    pub fairness: Option<f64>,
+    pub backends: Vec<BackendStatus>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Status {
+    pub interfaces: Vec<Attachment>,
+    /// Datapath drop and fallback counters by reason.
+    pub counters: BTreeMap<String, u64>,
+    pub services: Vec<ServiceStatus>,
+}
+
+/// Jain's fairness index `(sum x)^2 / (n * sum x^2)` over `x`; None when
+/// there is nothing to judge (no values or all zero).
+pub fn jain(x: &[f64]) -> Option<f64> {
+    let sum: f64 = x.iter().sum();
+    let sq: f64 = x.iter().map(|v| v * v).sum();
+    if x.is_empty() || sq == 0.0 {
+        return None;
+    }
+    Some(sum * sum / (x.len() as f64 * sq))
+}
+
+/// Build the status report from the dataplane.
+pub fn status(dp: &Dataplane) -> Result<Status, crate::dataplane::DataplaneError> {
+    let mut services = Vec::new();
+    for s in dp.services() {
+        let total_weight: u64 = s.backends.iter().map(|b| u64::from(b.config.weight)).sum();
+        let mut backends = Vec::new();
+        for b in &s.backends {
+            let st = dp.backend_stats(b.id)?;
+            backends.push(BackendStatus {
+                address: b.config.address,
+                port: b.config.port,
+                weight: b.config.weight,
+                new_flows: st.new_flows,
+                packets_in: st.packets_in,
+                bytes_in: st.bytes_in,
+                packets_out: st.packets_out,
+                bytes_out: st.bytes_out,
+                expected_share: if total_weight == 0 {
+                    0.0
+                } else {
+                    f64::from(b.config.weight) / total_weight as f64
+                },
+                observed_share: 0.0,
+            });
+        }
+        let new_flows: u64 = backends.iter().map(|b| b.new_flows).sum();
+        for b in &mut backends {
+            b.observed_share = if new_flows == 0 { 0.0 } else { b.new_flows as f64 / new_flows as f64 };
+        }
+        // Round robin ignores weights, so judge it on raw counts.
+        let normalised: Vec<f64> = backends
+            .iter()
+            .filter(|b| b.weight > 0)
+            .map(|b| match s.config.scheduler {
+                Scheduler::Rr => b.new_flows as f64,
+                _ => b.new_flows as f64 / f64::from(b.weight),
+            })
+            .collect();
+        services.push(ServiceStatus {
+            name: s.config.name.clone(),
+            vip: s.config.vip,
+            port: s.config.port,
+            protocol: s.config.protocol,
+            scheduler: s.config.scheduler,
+            new_flows,
+            fairness: jain(&normalised),
+            backends,
+        });
+    }
+    Ok(Status { interfaces: dp.attachments(), counters: dp.counters()?, services })
+}
+
+/// Handle one request line.
+pub fn handle(dp: &Mutex<Dataplane>, line: &str) -> Response {
+    let req: Request = match serde_json::from_str(line) {
+        Ok(r) => r,
+        Err(e) => return Response { ok: false, result: None, error: Some(format!("malformed request: {e}")) },
+    };
+    let dp = match dp.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    };
+    match req {
+        Request::Status => match status(&dp) {
+            Ok(s) => Response {
+                ok: true,
+                result: Some(serde_json::to_value(s).expect("status serialises")),
+                error: None,
+            },
+            Err(e) => Response { ok: false, result: None, error: Some(e.to_string()) },
+        },
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("another lbd is already serving {0}")]
+    InUse(PathBuf),
+    #[error("control socket {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+/// Bind the control socket: parent directory created (0700 if new), a
+/// stale socket file replaced, the socket itself mode 0600.
+pub fn bind(path: &Path) -> Result<UnixListener, ApiError> {
+    let io = |source| ApiError::Io { path: path.to_owned(), source };
+    if let Some(dir) = path.parent()
+        && !dir.exists()
+    {
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+    }
+    if path.exists() {
+        if StdUnixStream::connect(path).is_ok() {
+            return Err(ApiError::InUse(path.to_owned()));
+        }
+        std::fs::remove_file(path).map_err(io)?;
+    }
+    // Create the socket file without group/other bits from the start, so
+    // there is no moment in which another user could connect.
+    // SAFETY: umask only changes this process's file-creation mask.
+    let old = unsafe { libc::umask(0o177) };
+    let listener = UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = listener.map_err(io)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    Ok(listener)
+}
+
+/// Serve requests until the task is dropped.
+pub async fn serve(listener: UnixListener, dp: Arc<Mutex<Dataplane>>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "control socket accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let dp = dp.clone();
+        tokio::spawn(async move {
+            if let Err(e) = connection(stream, dp).await {
+                debug!(error = %e, "control connection ended");
+            }
+        });
+    }
+}
+
+async fn connection(stream: UnixStream, dp: Arc<Mutex<Dataplane>>) -> std::io::Result<()> {
+    // Only root (or whoever runs lbd) may drive the balancer; the file mode
+    // already says so, this guards against a loosened mode.
+    let me = unsafe { libc::geteuid() };
+    let peer = stream.peer_cred()?.uid();
+    let (rd, mut wr) = stream.into_split();
+    if peer != 0 && peer != me {
+        let resp = Response { ok: false, result: None, error: Some(format!("permission denied for uid {peer}")) };
+        wr.write_all(format!("{}\n", serde_json::to_string(&resp)?).as_bytes()).await?;
+        return Ok(());
+    }
+    let mut rd = TokioBufReader::new(rd);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        let n = (&mut rd).take(MAX_REQUEST as u64 + 1).read_until(b'\n', &mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        let resp = if buf.len() > MAX_REQUEST {
+            // Oversized: answer and drop the connection (the rest of the
+            // line is unread garbage).
+            let r = Response { ok: false, result: None, error: Some(format!("request longer than {MAX_REQUEST} bytes")) };
+            wr.write_all(format!("{}\n", serde_json::to_string(&r)?).as_bytes()).await?;
+            return Ok(());
+        } else {
+            match std::str::from_utf8(&buf) {
+                Ok(line) => {
+                    let dp = dp.clone();
+                    let line = line.trim().to_owned();
+                    tokio::task::spawn_blocking(move || handle(&dp, &line))
+                        .await
+                        .unwrap_or_else(|e| Response { ok: false, result: None, error: Some(format!("internal error: {e}")) })
+                }
+                Err(_) => Response { ok: false, result: None, error: Some("request is not UTF-8".into()) },
+            }
+        };
+        wr.write_all(format!("{}\n", serde_json::to_string(&resp)?).as_bytes()).await?;
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to lbd at {path}: {source} (is lbd running? are you root?)")]
+    Connect { path: PathBuf, source: std::io::Error },
+    #[error("talking to lbd at {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("lbd sent an unreadable answer: {0}")]
+    Decode(#[from] serde_json::Error),
+    #[error("lbd: {0}")]
+    Remote(String),
+}
+
+/// Send one request and wait for its answer (blocking; for lbctl and tests).
+pub fn call(path: &Path, req: &Request) -> Result<serde_json::Value, ClientError> {
+    let io = |source| ClientError::Io { path: path.to_owned(), source };
+    let mut s = StdUnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_owned(), source })?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).map_err(io)?;
+    let mut line = serde_json::to_string(req)?;
+    line.push('\n');
+    s.write_all(line.as_bytes()).map_err(io)?;
+    let mut answer = String::new();
+    BufReader::new(&s).read_line(&mut answer).map_err(io)?;
+    let resp: Response = serde_json::from_str(&answer)?;
+    if resp.ok {
+        Ok(resp.result.unwrap_or(serde_json::Value::Null))
+    } else {
+        Err(ClientError::Remote(resp.error.unwrap_or_else(|| "unknown error".into())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jain_index() {
+        assert_eq!(jain(&[1.0, 1.0, 1.0]), Some(1.0));
+        assert_eq!(jain(&[]), None);
+        assert_eq!(jain(&[0.0, 0.0]), None);
+        // One of three gets everything: 1/n.
+        let j = jain(&[3.0, 0.0, 0.0]).unwrap();
+        assert!((j - 1.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn requests_parse_strictly() {
+        assert_eq!(serde_json::from_str::<Request>(r#"{"command":"status"}"#).unwrap(), Request::Status);
+        assert!(serde_json::from_str::<Request>(r#"{"command":"explode"}"#).is_err());
+        assert!(serde_json::from_str::<Request>(r#"{"command":"status","x":1}"#).is_err());
+        assert!(serde_json::from_str::<Request>("not json").is_err());
+    }
+}

@@ -1,0 +1,164 @@
+//! lbd: the load-balancer agent. Loads and attaches the XDP program,
+//! programs the pool into BPF maps and serves the control socket.
+use std::{
+    path::PathBuf,
+    process::ExitCode,
+    sync::{Arc, Mutex},
+};
+
+use anyhow::Context as _;
+use clap::{Parser, ValueEnum};
+use lb_userspace::{
+    api,
+    config::{self, System},
+    dataplane::Dataplane,
+};
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{SignalKind, signal},
+};
+use tracing::{error, info, warn};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The XDP layer-4 load balancer agent.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Configuration file (YAML).
+    #[arg(long, short)]
+    config: PathBuf,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Validate the configuration and exit without touching the system.
+    #[arg(long)]
+    check: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging(args.log_format);
+
+    let cfg = match config::load(&args.config, &System) {
+        Ok(c) => c,
+        Err(e) => {
+            for p in &e.problems {
+                eprintln!("lbd: invalid config: {p}");
+            }
+            return ExitCode::from(2);
+        }
+    };
+    if args.check {
+        println!("{}: valid ({} services)", args.config.display(), cfg.services.len());
+        return ExitCode::SUCCESS;
+    }
+    if !lb_userspace::is_root() {
+        eprintln!("lbd: must run as root: it loads an XDP program and attaches it to network interfaces");
+        return ExitCode::from(1);
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("lbd: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(cfg)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e:#}");
+            eprintln!("lbd: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_env("LBD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn run(cfg: config::Config) -> anyhow::Result<()> {
+    if let Ok(v) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+        && v.trim() == "0"
+    {
+        warn!("net.ipv4.ip_forward is 0: the FIB refuses to route, so every packet falls back to the kernel, which will not forward it");
+    }
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+
+    let listener = api::bind(&cfg.control_socket).context("opening the control socket")?;
+    let result = serve(&cfg, listener, &mut sigterm, &mut sigint).await;
+    if let Err(e) = std::fs::remove_file(&cfg.control_socket) {
+        warn!(path = %cfg.control_socket.display(), error = %e, "removing the control socket");
+    }
+    result
+}
+
+async fn serve(
+    cfg: &config::Config,
+    listener: tokio::net::UnixListener,
+    sigterm: &mut tokio::signal::unix::Signal,
+    sigint: &mut tokio::signal::unix::Signal,
+) -> anyhow::Result<()> {
+    let mut dp = Dataplane::load(cfg).context("loading the datapath")?;
+    // Fill the maps before attaching, so the first packet sees the whole pool.
+    dp.apply(&cfg.services).context("programming the services")?;
+    let logger = match aya_log::EbpfLogger::init(dp.ebpf_mut()) {
+        // SAFETY: the logger owns its ring-buffer fd and moves into the
+        // AsyncFd, so the fd outlives the registration.
+        Ok(l) => match unsafe { AsyncFd::register(l) } {
+            Ok(fd) => Some(fd),
+            Err(_) => {
+                warn!("kernel-side logs unavailable: cannot poll the log buffer");
+                None
+            }
+        },
+        Err(e) => {
+            warn!(error = %e, "kernel-side logs unavailable");
+            None
+        }
+    };
+    dp.attach(&cfg.interfaces, cfg.xdp_mode).context("attaching XDP")?;
+    let dp = Arc::new(Mutex::new(dp));
+    let api = tokio::spawn(api::serve(listener, dp.clone()));
+    let logs = logger.map(|mut fd| {
+        tokio::spawn(async move {
+            loop {
+                let Ok(mut guard) = fd.readable_mut().await else { return };
+                guard.get_inner_mut().flush();
+                guard.clear_ready();
+            }
+        })
+    });
+    info!(socket = %cfg.control_socket.display(), services = cfg.services.len(), "lbd running");
+
+    tokio::select! {
+        _ = sigterm.recv() => info!("SIGTERM: shutting down"),
+        _ = sigint.recv() => info!("SIGINT: shutting down"),
+    }
+    api.abort();
+    let _ = api.await;
+    if let Some(l) = logs {
+        l.abort();
+        let _ = l.await;
+    }
+    let mut dp = match Arc::try_unwrap(dp) {
+        Ok(m) => m.into_inner().unwrap_or_else(|p| p.into_inner()),
+        Err(_) => anyhow::bail!("the datapath is still in use at shutdown"),
+    };
+    dp.detach_all();
+    drop(dp);
+    info!("detached and stopped");
+    Ok(())
+}

@@ -1,0 +1,17 @@
+//! lbd (the agent) and lbctl (the CLI) share this library.
+//!
+//! - `config`: parse and validate the YAML, every problem at once.
+//! - `maglev`, `wrr`: selection-table builders (pure, host-tested).
+//! - `dataplane`: the only module touching BPF maps.
+//! - `api`: the control socket, its requests and the status report.
+pub mod api;
+pub mod config;
+pub mod dataplane;
+pub mod maglev;
+pub mod wrr;
+
+/// True when running as root (needed to load BPF and attach XDP).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
