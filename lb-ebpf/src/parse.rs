@@ -130,8 +130,7 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
     }
     // IHL is 4 bits, so ihl_len is at most 60: the verifier sees the bound.
     let ihl_len = ((vihl & 0x0f) as usize) * 4;
-    let frame_len = ctx.data_end() - ctx.data();
-    if ihl_len < size_of::<Ipv4Hdr>() || tot_len < ihl_len || ETH_HLEN + tot_len > frame_len {
+    if ihl_len < size_of::<Ipv4Hdr>() {
         return Err(ParseError::Malformed { daddr });
     }
     // More-fragments bit or a fragment offset: not balanceable by port.
@@ -139,10 +138,11 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
         return Err(ParseError::Fragment { daddr });
     }
     let l4 = ETH_HLEN + ihl_len;
-    let (ports, sport, dport, tcp_flags, l4_check) = if proto == PROTO_TCP {
-        if tot_len < ihl_len + size_of::<TcpHdr>() {
-            return Err(ParseError::Malformed { daddr });
-        }
+    // Verifier: the L4 header is bounds-checked against data_end here,
+    // before the total-length checks below. Were those first, the compiler
+    // could prove this check redundant and drop it, and the verifier (which
+    // does not follow tot_len) would reject the header access.
+    let (ports, sport, dport, tcp_flags, l4_check, l4_len) = if proto == PROTO_TCP {
         let tcp: *mut TcpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
         // SAFETY: bounds checked by ptr_at; every field lies inside *tcp.
         unsafe {
@@ -152,12 +152,10 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
                 (*tcp).dport,
                 (*tcp).flags,
                 &raw mut (*tcp).check,
+                size_of::<TcpHdr>(),
             )
         }
     } else {
-        if tot_len < ihl_len + size_of::<UdpHdr>() {
-            return Err(ParseError::Malformed { daddr });
-        }
         let udp: *mut UdpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
         // SAFETY: bounds checked by ptr_at; every field lies inside *udp.
         unsafe {
@@ -167,9 +165,14 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
                 (*udp).dport,
                 0,
                 &raw mut (*udp).check,
+                size_of::<UdpHdr>(),
             )
         }
     };
+    let frame_len = ctx.data_end() - ctx.data();
+    if tot_len < ihl_len + l4_len || ETH_HLEN + tot_len > frame_len {
+        return Err(ParseError::Malformed { daddr });
+    }
     Ok(Packet {
         eth,
         ip,

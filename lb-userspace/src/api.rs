@@ -29,9 +29,30 @@ use crate::{
 const MAX_REQUEST: usize = 64 * 1024;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(tag = "command", rename_all = "kebab-case", deny_unknown_fields)]
+#[serde(tag = "command", rename_all = "kebab-case")]
 pub enum Request {
     Status,
+}
+
+impl Request {
+    /// Parse one request line strictly: a JSON object with a known
+    /// `command` and no keys that command does not take.
+    pub fn parse(line: &str) -> Result<Self, String> {
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("malformed request: {e}"))?;
+        let obj = v.as_object().ok_or("malformed request: expected a JSON object")?;
+        let cmd = obj
+            .get("command")
+            .and_then(|c| c.as_str())
+            .ok_or("malformed request: missing string field \"command\"")?;
+        let allowed: &[&str] = match cmd {
+            "status" => &["command"],
+            other => return Err(format!("unknown command {other:?} (known: status)")),
+        };
+        if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+            return Err(format!("command {cmd:?} takes no field {k:?}"));
+        }
+        serde_json::from_value(v).map_err(|e| format!("malformed request: {e}"))
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -146,9 +167,9 @@ pub fn status(dp: &Dataplane) -> Result<Status, crate::dataplane::DataplaneError
 
 /// Handle one request line.
 pub fn handle(dp: &Mutex<Dataplane>, line: &str) -> Response {
-    let req: Request = match serde_json::from_str(line) {
+    let req = match Request::parse(line) {
         Ok(r) => r,
-        Err(e) => return Response { ok: false, result: None, error: Some(format!("malformed request: {e}")) },
+        Err(e) => return Response { ok: false, result: None, error: Some(e) },
     };
     let dp = match dp.lock() {
         Ok(g) => g,
@@ -309,9 +330,11 @@ mod tests {
 
     #[test]
     fn requests_parse_strictly() {
-        assert_eq!(serde_json::from_str::<Request>(r#"{"command":"status"}"#).unwrap(), Request::Status);
-        assert!(serde_json::from_str::<Request>(r#"{"command":"explode"}"#).is_err());
-        assert!(serde_json::from_str::<Request>(r#"{"command":"status","x":1}"#).is_err());
-        assert!(serde_json::from_str::<Request>("not json").is_err());
+        assert_eq!(Request::parse(r#"{"command":"status"}"#).unwrap(), Request::Status);
+        assert!(Request::parse(r#"{"command":"explode"}"#).unwrap_err().contains("unknown command"));
+        assert!(Request::parse(r#"{"command":"status","x":1}"#).unwrap_err().contains("no field \"x\""));
+        assert!(Request::parse("not json").unwrap_err().starts_with("malformed"));
+        assert!(Request::parse("[1]").is_err());
+        assert!(Request::parse(r#"{"command":7}"#).is_err());
     }
 }

@@ -679,7 +679,7 @@ services:
 
     #[test]
     fn missing_port_is_rejected() {
-        let p = only(&GOOD.replace("port: 80\n", ""));
+        let p = only(&GOOD.replace("    port: 80\n", ""));
         assert_eq!(p.field, "services[0].port");
         assert!(p.reason.contains("missing"), "{p}");
         let p = only(&GOOD.replace("10.20.0.12, port: 8080,", "10.20.0.12,"));
@@ -699,7 +699,7 @@ services:
             .replace("[eth0, eth1]", "[eth0, eth7]")
             .replace("weight: 2", "weight: -3")
             .replace("xdp_mode: auto", "xdp_mode: turbo")
-            .replace("port: 80\n", "port: 0\n");
+            .replace("    port: 80\n", "    port: 0\n");
         let p = problems(&text);
         let fields: Vec<_> = p.iter().map(|p| p.field.as_str()).collect();
         assert_eq!(fields, ["interfaces[1]", "xdp_mode", "services[0].port", "services[0].backends[1].weight"]);

@@ -256,7 +256,6 @@ pub fn build(backends: &[MaglevBackend], size: u32) -> Result<Vec<u32>, MaglevEr
 mod tests {
     use super::*;
     use std::collections::HashMap;
-    use std::time::Instant;
 
     fn backends_with(weights: &[u32]) -> Vec<MaglevBackend> {
         weights
@@ -449,23 +448,6 @@ mod tests {
         let c = counts(&table);
         assert_eq!(c.get(&NO_BACKEND), None);
         assert_eq!(c.len(), 1000);
-    }
-
-    #[test]
-    fn build_is_fast() {
-        let bs = backends_with(&vec![1; 100]);
-        let weighted = backends_with(&(1..=100).collect::<Vec<_>>());
-        let start = Instant::now();
-        build(&bs, DEFAULT_TABLE_SIZE).unwrap();
-        build(&weighted, DEFAULT_TABLE_SIZE).unwrap();
-        let per_build = start.elapsed() / 2;
-        // The budget is for release builds (measured ~5 ms); unoptimized
-        // test builds running in parallel with the other tests get 2 s.
-        let limit_ms = if cfg!(debug_assertions) { 2000 } else { 100 };
-        assert!(
-            per_build.as_millis() < limit_ms,
-            "build took {per_build:?} (limit {limit_ms} ms)"
-        );
     }
 
     #[test]
