@@ -1,0 +1,525 @@
+//! Load client for the namespace lab. Each subcommand prints exactly one JSON
+//! object on stdout. Every network operation is bounded by a timeout.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::AsRawFd as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Parser, Subcommand};
+use lb_tests::http1;
+use serde::Serialize;
+use tokio::io::AsyncWriteExt as _;
+use tokio::net::{TcpSocket, TcpStream, UdpSocket};
+
+const MAX_ERRORS: usize = 10;
+
+#[derive(Parser, Debug)]
+#[command(about = "Lab load client; prints one JSON object on stdout")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// COUNT HTTP requests, each on a new TCP connection (`Connection: close`).
+    Conns(ConnsArgs),
+    /// Keep-alive connections doing sequential request/response rounds.
+    Longlived(LonglivedArgs),
+    /// UDP request/reply, one fresh socket per datagram.
+    Udp(UdpArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+struct SourceArgs {
+    /// Source addresses to bind (round robin), comma separated.
+    #[arg(long, value_delimiter = ',', conflicts_with = "sources_range")]
+    sources: Vec<Ipv4Addr>,
+    /// Inclusive source range A-B; host parts .0 and .255 are skipped.
+    #[arg(long)]
+    sources_range: Option<String>,
+}
+
+impl SourceArgs {
+    fn resolve(&self) -> anyhow::Result<Vec<Ipv4Addr>> {
+        let Some(range) = &self.sources_range else {
+            return Ok(self.sources.clone());
+        };
+        let (a, b) = range
+            .split_once('-')
+            .with_context(|| format!("--sources-range {range:?}: expected A-B"))?;
+        let a: Ipv4Addr = a
+            .trim()
+            .parse()
+            .with_context(|| format!("bad address {a:?}"))?;
+        let b: Ipv4Addr = b
+            .trim()
+            .parse()
+            .with_context(|| format!("bad address {b:?}"))?;
+        let (a, b) = (u32::from(a), u32::from(b));
+        if a > b {
+            bail!("--sources-range {range:?}: start is after end");
+        }
+        if b - a > 1 << 20 {
+            bail!("--sources-range {range:?}: too many addresses");
+        }
+        let v: Vec<Ipv4Addr> = (a..=b)
+            .filter(|x| !matches!(x & 0xff, 0 | 255))
+            .map(Ipv4Addr::from)
+            .collect();
+        if v.is_empty() {
+            bail!("--sources-range {range:?} holds no usable address");
+        }
+        Ok(v)
+    }
+}
+
+#[derive(Args, Debug)]
+struct ConnsArgs {
+    #[arg(long)]
+    target: SocketAddr,
+    #[arg(long, default_value_t = 1000)]
+    count: usize,
+    #[arg(long, default_value_t = 10)]
+    concurrency: usize,
+    #[command(flatten)]
+    src: SourceArgs,
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+}
+
+#[derive(Args, Debug)]
+struct LonglivedArgs {
+    #[arg(long)]
+    target: SocketAddr,
+    #[arg(long, default_value_t = 50)]
+    connections: usize,
+    #[arg(long, default_value_t = 100)]
+    rounds: usize,
+    #[command(flatten)]
+    src: SourceArgs,
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+}
+
+#[derive(Args, Debug)]
+struct UdpArgs {
+    #[arg(long)]
+    target: SocketAddr,
+    #[arg(long, default_value_t = 100)]
+    count: usize,
+    /// Datagrams in flight at once (each still on its own socket).
+    #[arg(long, default_value_t = 10)]
+    concurrency: usize,
+    #[command(flatten)]
+    src: SourceArgs,
+    #[arg(long, default_value_t = 1000)]
+    timeout_ms: u64,
+}
+
+/// First few error strings, shared by all workers.
+#[derive(Clone, Default)]
+struct Errors(Arc<Mutex<Vec<String>>>);
+
+impl Errors {
+    fn push(&self, e: String) {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if v.len() < MAX_ERRORS {
+            v.push(e);
+        }
+    }
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    lb_tests::raise_nofile_limit();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("lab-client: cannot start runtime: {e}");
+            std::process::exit(2);
+        }
+    };
+    let res = rt.block_on(async {
+        match cli.cmd {
+            Cmd::Conns(a) => run_conns(a).await,
+            Cmd::Longlived(a) => run_longlived(a).await,
+            Cmd::Udp(a) => run_udp(a).await,
+        }
+    });
+    match res {
+        Ok(v) => println!("{v}"),
+        Err(e) => {
+            eprintln!("lab-client: {e:#}");
+            std::process::exit(1);
+        }
+    }
+    // Do not wait for stuck tasks; everything they could report is printed.
+    rt.shutdown_background();
+}
+
+async fn timed<T>(
+    what: impl FnOnce() -> String,
+    ms: u64,
+    fut: impl Future<Output = std::io::Result<T>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(Duration::from_millis(ms), fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("{}: {e}", what())),
+        Err(_) => Err(format!("{}: timed out after {ms} ms", what())),
+    }
+}
+
+async fn connect(
+    target: SocketAddr,
+    src: Option<Ipv4Addr>,
+    timeout_ms: u64,
+) -> Result<TcpStream, String> {
+    let what = || match src {
+        Some(s) => format!("connect {s} -> {target}"),
+        None => format!("connect -> {target}"),
+    };
+    let sock = TcpSocket::new_v4().map_err(|e| format!("{}: socket: {e}", what()))?;
+    if let Some(s) = src {
+        // Defer port choice to connect() so the 4-tuple, not the bare
+        // (address, port), has to be unique; this avoids ephemeral-port
+        // exhaustion when binding many connections to one source address.
+        let one: libc::c_int = 1;
+        // SAFETY: valid fd and a c_int option value of the stated size.
+        unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::IPPROTO_IP,
+                libc::IP_BIND_ADDRESS_NO_PORT,
+                (&raw const one).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+        sock.bind(SocketAddr::new(IpAddr::V4(s), 0))
+            .map_err(|e| format!("{}: bind: {e}", what()))?;
+    }
+    let stream = timed(what, timeout_ms, sock.connect(target)).await?;
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
+}
+
+fn request(target: SocketAddr, close: bool) -> String {
+    let conn = if close { "close" } else { "keep-alive" };
+    format!(
+        "GET / HTTP/1.1\r\nHost: {target}\r\nUser-Agent: lab-client\r\nAccept: */*\r\nConnection: {conn}\r\n\r\n"
+    )
+}
+
+/// Sends one request and reads its response; returns (backend, server closes).
+async fn round_trip(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    req: &str,
+) -> std::io::Result<(String, bool)> {
+    use std::io::{Error, ErrorKind};
+    stream.write_all(req.as_bytes()).await?;
+    let head = http1::read_head(stream, buf).await?.ok_or_else(|| {
+        Error::new(
+            ErrorKind::UnexpectedEof,
+            "connection closed before a response",
+        )
+    })?;
+    let status = head.status()?;
+    let len = head.content_length()?;
+    http1::read_body(stream, buf, len).await?;
+    if status != 200 {
+        return Err(Error::other(format!("HTTP status {status}")));
+    }
+    let backend = head
+        .header("x-backend")
+        .ok_or_else(|| Error::new(ErrorKind::InvalidData, "response has no X-Backend header"))?
+        .to_string();
+    Ok((backend, head.connection_has("close")))
+}
+
+async fn wait_eof(stream: &mut TcpStream) -> std::io::Result<()> {
+    use tokio::io::AsyncReadExt as _;
+    let mut b = [0u8; 512];
+    while stream.read(&mut b).await? > 0 {}
+    Ok(())
+}
+
+fn pick(sources: &[Ipv4Addr], i: usize) -> Option<Ipv4Addr> {
+    (!sources.is_empty()).then(|| sources[i % sources.len()])
+}
+
+fn ms_since(t: Instant) -> u64 {
+    t.elapsed().as_millis() as u64
+}
+
+// ---------------------------------------------------------------- conns
+
+#[derive(Default)]
+struct ConnsAgg {
+    ok: u64,
+    failed: u64,
+    per_backend: BTreeMap<String, u64>,
+    per_source: BTreeMap<String, BTreeSet<String>>,
+}
+
+async fn one_conn(
+    target: SocketAddr,
+    src: Option<Ipv4Addr>,
+    timeout_ms: u64,
+) -> Result<(String, String), String> {
+    let mut stream = connect(target, src, timeout_ms).await?;
+    let local = stream
+        .local_addr()
+        .map(|a| a.ip().to_string())
+        .unwrap_or_else(|_| "?".into());
+    let mut buf = Vec::new();
+    let req = request(target, true);
+    let desc = || format!("request {local} -> {target}");
+    let (backend, _) = timed(desc, timeout_ms, round_trip(&mut stream, &mut buf, &req)).await?;
+    // Let the server close first so TIME_WAIT stays on its side; bounded.
+    let _ = tokio::time::timeout(Duration::from_millis(timeout_ms), wait_eof(&mut stream)).await;
+    Ok((local, backend))
+}
+
+async fn run_conns(a: ConnsArgs) -> anyhow::Result<serde_json::Value> {
+    let sources = Arc::new(a.src.resolve()?);
+    let start = Instant::now();
+    let next = Arc::new(AtomicUsize::new(0));
+    let errors = Errors::default();
+    let mut workers = Vec::new();
+    for _ in 0..a.concurrency.max(1).min(a.count.max(1)) {
+        let (sources, next, errors) = (sources.clone(), next.clone(), errors.clone());
+        let (target, count, timeout_ms) = (a.target, a.count, a.timeout_ms);
+        workers.push(tokio::spawn(async move {
+            let mut agg = ConnsAgg::default();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= count {
+                    break;
+                }
+                match one_conn(target, pick(&sources, i), timeout_ms).await {
+                    Ok((local, backend)) => {
+                        agg.ok += 1;
+                        *agg.per_backend.entry(backend.clone()).or_default() += 1;
+                        agg.per_source.entry(local).or_default().insert(backend);
+                    }
+                    Err(e) => {
+                        agg.failed += 1;
+                        errors.push(e);
+                    }
+                }
+            }
+            agg
+        }));
+    }
+    let mut total = ConnsAgg::default();
+    for w in workers {
+        let agg = w.await.context("worker panicked")?;
+        total.ok += agg.ok;
+        total.failed += agg.failed;
+        for (k, v) in agg.per_backend {
+            *total.per_backend.entry(k).or_default() += v;
+        }
+        for (k, v) in agg.per_source {
+            total.per_source.entry(k).or_default().extend(v);
+        }
+    }
+    #[derive(Serialize)]
+    struct Out {
+        ok: u64,
+        failed: u64,
+        per_backend: BTreeMap<String, u64>,
+        per_source_backends: BTreeMap<String, BTreeSet<String>>,
+        errors: Vec<String>,
+        elapsed_ms: u64,
+    }
+    Ok(serde_json::to_value(Out {
+        ok: total.ok,
+        failed: total.failed,
+        per_backend: total.per_backend,
+        per_source_backends: total.per_source,
+        errors: errors.take(),
+        elapsed_ms: ms_since(start),
+    })?)
+}
+
+// ------------------------------------------------------------- longlived
+
+struct LongResult {
+    ok_rounds: u64,
+    failed: u64,
+    backends_seen: Vec<String>,
+}
+
+async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
+    let sources = a.src.resolve()?;
+    let start = Instant::now();
+    let errors = Errors::default();
+    let barrier = Arc::new(tokio::sync::Barrier::new(a.connections));
+    let mut tasks = Vec::new();
+    for i in 0..a.connections {
+        let (errors, barrier) = (errors.clone(), barrier.clone());
+        let src = pick(&sources, i);
+        let (target, rounds, timeout_ms, interval_ms) =
+            (a.target, a.rounds, a.timeout_ms, a.interval_ms);
+        tasks.push(tokio::spawn(async move {
+            let conn = connect(target, src, timeout_ms).await;
+            // All connections are open before any round starts.
+            barrier.wait().await;
+            let mut r = LongResult {
+                ok_rounds: 0,
+                failed: 0,
+                backends_seen: Vec::new(),
+            };
+            let mut stream = match conn {
+                Ok(s) => s,
+                Err(e) => {
+                    errors.push(e);
+                    r.failed = rounds as u64;
+                    return r;
+                }
+            };
+            let mut buf = Vec::new();
+            let req = request(target, false);
+            for round in 0..rounds {
+                if round > 0 && interval_ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(interval_ms)).await;
+                }
+                let desc = || format!("conn {i} round {round} -> {target}");
+                match timed(desc, timeout_ms, round_trip(&mut stream, &mut buf, &req)).await {
+                    Ok((backend, closing)) => {
+                        r.ok_rounds += 1;
+                        if !r.backends_seen.contains(&backend) {
+                            r.backends_seen.push(backend);
+                        }
+                        if closing && round + 1 < rounds {
+                            errors.push(format!(
+                                "conn {i} round {round}: server closed the keep-alive connection"
+                            ));
+                            r.failed += (rounds - round - 1) as u64;
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        // The connection state is unknown now: this round and
+                        // all remaining ones count as failed.
+                        errors.push(e);
+                        r.failed += (rounds - round) as u64;
+                        break;
+                    }
+                }
+            }
+            r
+        }));
+    }
+    let (mut ok_rounds, mut failed, mut switched) = (0u64, 0u64, 0u64);
+    let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
+    for t in tasks {
+        let r = t.await.context("connection task panicked")?;
+        ok_rounds += r.ok_rounds;
+        failed += r.failed;
+        if r.backends_seen.len() > 1 {
+            switched += 1;
+        }
+        if let Some(first) = r.backends_seen.first() {
+            *per_backend.entry(first.clone()).or_default() += 1;
+        }
+    }
+    Ok(serde_json::json!({
+        "connections": a.connections,
+        "ok_rounds": ok_rounds,
+        "failed": failed,
+        "switched": switched,
+        "per_backend": per_backend,
+        "errors": errors.take(),
+        "elapsed_ms": ms_since(start),
+    }))
+}
+
+// ------------------------------------------------------------------- udp
+
+async fn one_udp(
+    target: SocketAddr,
+    src: Option<Ipv4Addr>,
+    timeout_ms: u64,
+) -> Result<(String, bool), String> {
+    let bind = SocketAddr::new(IpAddr::V4(src.unwrap_or(Ipv4Addr::UNSPECIFIED)), 0);
+    let what = || format!("udp {} -> {target}", bind.ip());
+    let sock = UdpSocket::bind(bind)
+        .await
+        .map_err(|e| format!("{}: bind: {e}", what()))?;
+    timed(what, timeout_ms, sock.send_to(b"ping\n", target)).await?;
+    let mut buf = [0u8; 2048];
+    let (n, from) = timed(what, timeout_ms, sock.recv_from(&mut buf)).await?;
+    let text = String::from_utf8_lossy(&buf[..n]);
+    let backend = text
+        .trim()
+        .strip_prefix("backend=")
+        .ok_or_else(|| format!("{}: unexpected reply {text:?}", what()))?;
+    Ok((backend.to_string(), from != target))
+}
+
+async fn run_udp(a: UdpArgs) -> anyhow::Result<serde_json::Value> {
+    let sources = Arc::new(a.src.resolve()?);
+    let start = Instant::now();
+    let next = Arc::new(AtomicUsize::new(0));
+    let errors = Errors::default();
+    let mut workers = Vec::new();
+    for _ in 0..a.concurrency.max(1).min(a.count.max(1)) {
+        let (sources, next, errors) = (sources.clone(), next.clone(), errors.clone());
+        let (target, count, timeout_ms) = (a.target, a.count, a.timeout_ms);
+        workers.push(tokio::spawn(async move {
+            let (mut ok, mut failed, mut other) = (0u64, 0u64, 0u64);
+            let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= count {
+                    break;
+                }
+                match one_udp(target, pick(&sources, i), timeout_ms).await {
+                    Ok((backend, from_other)) => {
+                        ok += 1;
+                        other += u64::from(from_other);
+                        *per_backend.entry(backend).or_default() += 1;
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        errors.push(e);
+                    }
+                }
+            }
+            (ok, failed, other, per_backend)
+        }));
+    }
+    let (mut ok, mut failed, mut other) = (0u64, 0u64, 0u64);
+    let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
+    for w in workers {
+        let (o, f, x, pb) = w.await.context("worker panicked")?;
+        ok += o;
+        failed += f;
+        other += x;
+        for (k, v) in pb {
+            *per_backend.entry(k).or_default() += v;
+        }
+    }
+    Ok(serde_json::json!({
+        "ok": ok,
+        "failed": failed,
+        "per_backend": per_backend,
+        "replies_from_other_addr": other,
+        "errors": errors.take(),
+        "elapsed_ms": ms_since(start),
+    }))
+}

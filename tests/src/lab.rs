@@ -1,0 +1,686 @@
+//! Network-namespace lab for the load balancer.
+//!
+//! ```text
+//!  {p}-client            {p}-gw                  {p}-sw               {p}-beN
+//!  eth0 10.10.0.2/16 ── eth0 10.10.0.1/16
+//!  + 10.10.1.1.. /16     eth1 10.20.0.1/24 ──── p0 ┐
+//!                                                   br0 ─ pN ─────── eth0 10.20.0.(10+N)/24
+//! ```
+//!
+//! VIPs live in 10.10.0.96/28; the client routes them (and 10.20.0.0/24, for
+//! direct-to-backend runs) via the gateway. Each backend namespace runs
+//! `lab-backend` with its stats API on 127.0.0.1:9000.
+
+use std::ffi::OsStr;
+use std::fmt::Write as _;
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+const STATS_URL: &str = "http://127.0.0.1:9000";
+const BACKEND_PORT: u16 = 8080;
+const READY_TIMEOUT: Duration = Duration::from_secs(5);
+const MAX_BACKENDS: usize = 200;
+/// 10.10.1.1 ..= 10.10.255.254 without .0/.255 host parts.
+const MAX_CLIENT_SOURCES: usize = 255 * 254;
+
+/// What to build.
+#[derive(Debug, Clone)]
+pub struct LabSpec {
+    /// Namespace name prefix: namespaces are `{prefix}-client`, `-gw`, `-sw`, `-be1`...
+    pub prefix: String,
+    /// Number of backends (1..=200).
+    pub backends: usize,
+    /// Extra client source addresses (10.10.1.1, 10.10.1.2, ...).
+    pub client_sources: usize,
+    /// Directory holding the `lab-backend` and `lab-client` binaries.
+    pub bin_dir: PathBuf,
+}
+
+impl Default for LabSpec {
+    fn default() -> Self {
+        LabSpec {
+            prefix: "lb".into(),
+            backends: 3,
+            client_sources: 250,
+            bin_dir: default_bin_dir(),
+        }
+    }
+}
+
+/// Directory of the current executable; `target/debug` when called from a
+/// test binary in `target/debug/deps`.
+/// `LB_BIN_DIR` overrides it.
+fn default_bin_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("LB_BIN_DIR") {
+        return PathBuf::from(d);
+    }
+    let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+    else {
+        return PathBuf::from(".");
+    };
+    if dir.file_name() == Some(OsStr::new("deps"))
+        && let Some(parent) = dir.parent()
+    {
+        return parent.to_path_buf();
+    }
+    dir
+}
+
+/// Counters reported by one backend's stats API.
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+pub struct BackendCounts {
+    pub name: String,
+    pub connections: u64,
+    pub active: u64,
+    pub requests: u64,
+    pub udp_datagrams: u64,
+}
+
+/// A running lab. Dropping it tears everything down unless [`Lab::keep`] was called.
+pub struct Lab {
+    pub spec: LabSpec,
+    keep: bool,
+    /// `lab-backend` processes this handle started, by backend index.
+    children: Mutex<Vec<Option<Child>>>,
+}
+
+impl Lab {
+    /// Builds the lab (after clearing leftovers of the same prefix). On any
+    /// failure everything built so far is torn down and the error returned.
+    pub fn up(spec: LabSpec) -> anyhow::Result<Lab> {
+        crate::require_root()?;
+        validate(&spec)?;
+        Lab::down(&spec.prefix).context("clearing leftovers of an earlier lab")?;
+        let lab = Lab {
+            children: Mutex::new((0..spec.backends).map(|_| None).collect()),
+            spec,
+            keep: false,
+        };
+        match lab.build() {
+            Ok(()) => Ok(lab),
+            Err(e) => {
+                let prefix = lab.spec.prefix.clone();
+                drop(lab); // tears down
+                Err(e.context(format!("bringing up lab {prefix:?} (torn down again)")))
+            }
+        }
+    }
+
+    /// Kills every process in the prefix's namespaces and deletes them.
+    /// Idempotent; succeeds when nothing exists.
+    pub fn down(prefix: &str) -> anyhow::Result<()> {
+        let mut first_err: Option<anyhow::Error> = None;
+        for ns in lab_namespaces(prefix)? {
+            let res = kill_ns_processes(&ns, |_| true)
+                .and_then(|()| run(Command::new("ip").args(["netns", "del", &ns])).map(drop));
+            if let Err(e) = res {
+                // Keep going so as much as possible is removed.
+                first_err.get_or_insert(e.context(format!("removing namespace {ns}")));
+            }
+        }
+        match first_err {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Leaves the lab running when this handle is dropped.
+    pub fn keep(mut self) {
+        self.keep = true;
+    }
+
+    /// Namespace name of a role: "client", "gw", "sw", "be1".."beN".
+    pub fn ns(&self, role: &str) -> String {
+        format!("{}-{role}", self.spec.prefix)
+    }
+
+    /// `ip netns exec <ns of role> <program>`.
+    pub fn cmd(&self, role: &str, program: impl AsRef<OsStr>) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec"]).arg(self.ns(role)).arg(program);
+        c
+    }
+
+    /// `["be1", "be2", ...]`.
+    pub fn backend_names(&self) -> Vec<String> {
+        (1..=self.spec.backends).map(|i| format!("be{i}")).collect()
+    }
+
+    /// `[10.20.0.11, 10.20.0.12, ...]`.
+    pub fn backend_addrs(&self) -> Vec<Ipv4Addr> {
+        (1..=self.spec.backends)
+            .map(|i| Ipv4Addr::new(10, 20, 0, 10 + i as u8))
+            .collect()
+    }
+
+    /// The extra client source addresses: 10.10.1.1, 10.10.1.2, ...
+    pub fn client_sources(&self) -> Vec<Ipv4Addr> {
+        client_source_addrs(self.spec.client_sources)
+    }
+
+    /// Counters of every backend, in backend order.
+    pub fn backend_counts(&self) -> anyhow::Result<Vec<BackendCounts>> {
+        (0..self.spec.backends)
+            .map(|i| {
+                let out = self.stats_call(i, "GET", "/stats")?;
+                serde_json::from_str(&out)
+                    .with_context(|| format!("be{}: bad stats JSON {out:?}", i + 1))
+            })
+            .collect()
+    }
+
+    /// Zeroes every backend's counters (`active` is a gauge and stays).
+    pub fn reset_backend_counts(&self) -> anyhow::Result<()> {
+        for i in 0..self.spec.backends {
+            self.stats_call(i, "POST", "/reset")?;
+        }
+        Ok(())
+    }
+
+    /// Sets the response delay of backend `idx` (0-based); 0 disables it.
+    pub fn set_backend_delay(&self, idx: usize, ms: u64) -> anyhow::Result<()> {
+        self.check_idx(idx)?;
+        self.stats_call(idx, "POST", &format!("/delay?ms={ms}"))
+            .map(drop)
+    }
+
+    /// Stops backend `idx`'s `lab-backend` process (no-op if not running).
+    pub fn stop_backend(&self, idx: usize) -> anyhow::Result<()> {
+        self.check_idx(idx)?;
+        if let Some(mut child) = self.lock_children()[idx].take() {
+            terminate_child(&mut child);
+        }
+        // Also one started by another handle (e.g. a kept lab).
+        kill_ns_processes(&self.ns(&format!("be{}", idx + 1)), |pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "lab-backend")
+        })
+    }
+
+    /// (Re)starts backend `idx` and waits until its stats API answers.
+    pub fn start_backend(&self, idx: usize) -> anyhow::Result<()> {
+        self.stop_backend(idx)?;
+        self.spawn_backend(idx)?;
+        self.wait_backend_ready(idx)
+    }
+
+    /// Runs `lab-client <args>` in the client namespace and parses its JSON.
+    pub fn client(&self, args: &[&str]) -> anyhow::Result<serde_json::Value> {
+        let exe = self.spec.bin_dir.join("lab-client");
+        let out = self
+            .cmd("client", &exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("running {} {}", exe.display(), args.join(" ")))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            bail!(
+                "lab-client {} failed ({}): {}",
+                args.join(" "),
+                out.status,
+                stderr.trim()
+            );
+        }
+        serde_json::from_str(stdout.trim()).with_context(|| {
+            format!(
+                "lab-client {}: output is not JSON: {:?} (stderr: {})",
+                args.join(" "),
+                stdout.trim(),
+                stderr.trim()
+            )
+        })
+    }
+
+    // ------------------------------------------------------------ internals
+
+    fn check_idx(&self, idx: usize) -> anyhow::Result<()> {
+        if idx >= self.spec.backends {
+            bail!(
+                "backend index {idx} out of range (lab has {} backends)",
+                self.spec.backends
+            );
+        }
+        Ok(())
+    }
+
+    fn lock_children(&self) -> std::sync::MutexGuard<'_, Vec<Option<Child>>> {
+        self.children.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn stats_call(&self, idx: usize, method: &str, path: &str) -> anyhow::Result<String> {
+        let role = format!("be{}", idx + 1);
+        let mut c = self.cmd(&role, "curl");
+        c.args(["-sS", "-f", "--max-time", "3", "-X", method])
+            .arg(format!("{STATS_URL}{path}"));
+        run(&mut c).with_context(|| format!("{role} stats API {method} {path}"))
+    }
+
+    fn all_roles(&self) -> Vec<String> {
+        let mut v: Vec<String> = ["client", "gw", "sw"].map(String::from).into();
+        v.extend(self.backend_names());
+        v
+    }
+
+    fn ip_ns(&self, role: &str, args: &[&str]) -> anyhow::Result<()> {
+        run(Command::new("ip").arg("-n").arg(self.ns(role)).args(args)).map(drop)
+    }
+
+    fn ip_batch(&self, role: &str, script: &str) -> anyhow::Result<()> {
+        let mut c = Command::new("ip");
+        c.arg("-n").arg(self.ns(role)).args(["-batch", "-"]);
+        run_with_stdin(&mut c, script).map(drop)
+    }
+
+    fn ns_exec(&self, role: &str, program: &str, args: &[&str]) -> anyhow::Result<()> {
+        run(self.cmd(role, program).args(args)).map(drop)
+    }
+
+    fn build(&self) -> anyhow::Result<()> {
+        for exe in ["lab-backend", "lab-client"] {
+            let p = self.spec.bin_dir.join(exe);
+            if !p.is_file() {
+                bail!(
+                    "{} not found (build the lb-tests binaries, or set LabSpec::bin_dir)",
+                    p.display()
+                );
+            }
+        }
+        let n = self.spec.backends;
+        for role in self.all_roles() {
+            run(Command::new("ip")
+                .args(["netns", "add"])
+                .arg(self.ns(&role)))?;
+            self.ip_ns(&role, &["link", "set", "lo", "up"])?;
+        }
+
+        // Links, created directly inside their namespaces.
+        let gw_ns = self.ns("gw");
+        let sw_ns = self.ns("sw");
+        self.ip_ns(
+            "client",
+            &[
+                "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns,
+            ],
+        )?;
+        self.ip_ns(
+            "gw",
+            &[
+                "link", "add", "eth1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns,
+            ],
+        )?;
+        for i in 1..=n {
+            let port = format!("p{i}");
+            self.ip_ns(
+                &format!("be{i}"),
+                &[
+                    "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns", &sw_ns,
+                ],
+            )?;
+        }
+
+        // Switch.
+        let mut sw = String::from("link add br0 type bridge stp_state 0\nlink set br0 up\n");
+        for p in 0..=n {
+            writeln!(sw, "link set p{p} master br0\nlink set p{p} up").unwrap();
+        }
+        self.ip_batch("sw", &sw)?;
+        self.ns_exec("sw", "ethtool", &["-K", "p0", "gro", "on"])?;
+
+        // Gateway.
+        self.ip_batch(
+            "gw",
+            "addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n",
+        )?;
+        self.ns_exec(
+            "gw",
+            "sysctl",
+            &[
+                "-q",
+                "-w",
+                "net.ipv4.ip_forward=1",
+                "net.ipv4.conf.all.rp_filter=0",
+                "net.ipv4.conf.default.rp_filter=0",
+                "net.ipv4.conf.eth0.rp_filter=0",
+                "net.ipv4.conf.eth1.rp_filter=0",
+            ],
+        )?;
+
+        // Client.
+        let mut cl = String::from("addr add 10.10.0.2/16 dev eth0\nlink set eth0 up\n");
+        for a in self.client_sources() {
+            writeln!(cl, "addr add {a}/16 dev eth0").unwrap();
+        }
+        cl.push_str(
+            "route add 10.10.0.96/28 via 10.10.0.1\nroute add 10.20.0.0/24 via 10.10.0.1\n",
+        );
+        self.ip_batch("client", &cl)?;
+        self.ns_exec(
+            "client",
+            "sysctl",
+            &[
+                "-q",
+                "-w",
+                "net.ipv4.ip_local_port_range=1024 65000",
+                "net.ipv4.tcp_tw_reuse=1",
+            ],
+        )?;
+        self.ns_exec("client", "ethtool", &["-K", "eth0", "tx", "off"])?;
+        self.ns_exec("client", "ethtool", &["-K", "eth0", "gro", "on"])?;
+
+        // Backends.
+        for (i, addr) in (1..=n).zip(self.backend_addrs()) {
+            let role = format!("be{i}");
+            self.ip_batch(
+                &role,
+                &format!("addr add {addr}/24 dev eth0\nlink set eth0 up\nroute add default via 10.20.0.1\n"),
+            )?;
+            self.ns_exec(&role, "ethtool", &["-K", "eth0", "tx", "off"])?;
+        }
+        for idx in 0..n {
+            self.spawn_backend(idx)?;
+        }
+        for idx in 0..n {
+            self.wait_backend_ready(idx)?;
+        }
+        Ok(())
+    }
+
+    fn log_path(&self, idx: usize) -> PathBuf {
+        PathBuf::from(format!("/tmp/{}-be{}.log", self.spec.prefix, idx + 1))
+    }
+
+    fn spawn_backend(&self, idx: usize) -> anyhow::Result<()> {
+        let exe = self.spec.bin_dir.join("lab-backend");
+        let name = format!("be{}", idx + 1);
+        let listen = format!("{}:{BACKEND_PORT}", self.backend_addrs()[idx]);
+        let log_path = self.log_path(idx);
+        let log =
+            File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        let child = self
+            .cmd(&name, &exe)
+            .args([
+                "--name",
+                &name,
+                "--listen",
+                &listen,
+                "--stats",
+                "127.0.0.1:9000",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {} in {}", exe.display(), self.ns(&name)))?;
+        self.lock_children()[idx] = Some(child);
+        Ok(())
+    }
+
+    fn wait_backend_ready(&self, idx: usize) -> anyhow::Result<()> {
+        let start = Instant::now();
+        loop {
+            if let Some(child) = self.lock_children()[idx].as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                bail!(
+                    "lab-backend be{} exited during startup ({status}); log {}:\n{}",
+                    idx + 1,
+                    self.log_path(idx).display(),
+                    log_tail(&self.log_path(idx))
+                );
+            }
+            let err = match self.stats_call(idx, "GET", "/stats") {
+                Ok(_) => return Ok(()),
+                Err(e) => e,
+            };
+            if start.elapsed() > READY_TIMEOUT {
+                return Err(err.context(format!(
+                    "lab-backend be{} not ready after {READY_TIMEOUT:?}; log {}:\n{}",
+                    idx + 1,
+                    self.log_path(idx).display(),
+                    log_tail(&self.log_path(idx))
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn teardown(&mut self) {
+        let children = std::mem::take(&mut *self.lock_children());
+        for mut child in children.into_iter().flatten() {
+            terminate_child(&mut child);
+        }
+        if let Err(e) = Lab::down(&self.spec.prefix) {
+            eprintln!("lab {}: teardown failed: {e:#}", self.spec.prefix);
+        }
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.teardown()));
+        if res.is_err() {
+            eprintln!("lab {}: teardown panicked", self.spec.prefix);
+        }
+    }
+}
+
+fn validate(spec: &LabSpec) -> anyhow::Result<()> {
+    let p = &spec.prefix;
+    if p.is_empty()
+        || !p
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        bail!("lab prefix {p:?} must be non-empty and only contain [A-Za-z0-9_-]");
+    }
+    if !(1..=MAX_BACKENDS).contains(&spec.backends) {
+        bail!(
+            "lab backends must be 1..={MAX_BACKENDS}, not {}",
+            spec.backends
+        );
+    }
+    if spec.client_sources > MAX_CLIENT_SOURCES {
+        bail!(
+            "lab client_sources must be at most {MAX_CLIENT_SOURCES}, not {}",
+            spec.client_sources
+        );
+    }
+    Ok(())
+}
+
+fn client_source_addrs(n: usize) -> Vec<Ipv4Addr> {
+    (u32::from(Ipv4Addr::new(10, 10, 1, 0))..)
+        .filter(|a| !matches!(a & 0xff, 0 | 255))
+        .take(n.min(MAX_CLIENT_SOURCES))
+        .map(Ipv4Addr::from)
+        .collect()
+}
+
+/// Whether `ns` is one of the namespaces a lab with `prefix` creates.
+fn is_lab_ns(prefix: &str, ns: &str) -> bool {
+    let Some(role) = ns.strip_prefix(prefix).and_then(|r| r.strip_prefix('-')) else {
+        return false;
+    };
+    matches!(role, "client" | "gw" | "sw")
+        || role
+            .strip_prefix("be")
+            .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+}
+
+fn lab_namespaces(prefix: &str) -> anyhow::Result<Vec<String>> {
+    let out = run(Command::new("ip").args(["netns", "list"]))?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|ns| is_lab_ns(prefix, ns))
+        .map(String::from)
+        .collect())
+}
+
+fn ns_pids(ns: &str) -> anyhow::Result<Vec<i32>> {
+    let out = run(Command::new("ip").args(["netns", "pids", ns]))?;
+    Ok(out
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect())
+}
+
+/// Whether `pid` is gone (or a zombie, i.e. no longer running anything).
+fn pid_gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the parenthesised command name.
+        Ok(s) => s
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+fn signal(pid: i32, sig: libc::c_int) {
+    // SAFETY: plain kill(2); a stale pid just yields ESRCH.
+    unsafe { libc::kill(pid, sig) };
+}
+
+/// SIGTERM, then SIGKILL after 2 s, every process in `ns` matching `filter`;
+/// waits until they are gone.
+fn kill_ns_processes(ns: &str, filter: impl Fn(i32) -> bool) -> anyhow::Result<()> {
+    let own = std::process::id() as i32;
+    let pids: Vec<i32> = ns_pids(ns)?
+        .into_iter()
+        .filter(|&p| p != own && filter(p))
+        .collect();
+    if pids.is_empty() {
+        return Ok(());
+    }
+    for &p in &pids {
+        signal(p, libc::SIGTERM);
+    }
+    let start = Instant::now();
+    let mut killed = false;
+    while !pids.iter().all(|&p| pid_gone(p)) {
+        if start.elapsed() > Duration::from_secs(2) && !killed {
+            for &p in &pids {
+                signal(p, libc::SIGKILL);
+            }
+            killed = true;
+        }
+        if start.elapsed() > Duration::from_secs(5) {
+            let left: Vec<i32> = pids.iter().copied().filter(|&p| !pid_gone(p)).collect();
+            bail!("processes {left:?} in namespace {ns} survived SIGKILL");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
+/// SIGTERM a child we started, SIGKILL after 2 s, and reap it.
+fn terminate_child(child: &mut Child) {
+    if let Ok(Some(_)) = child.try_wait() {
+        return;
+    }
+    signal(child.id() as i32, libc::SIGTERM);
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(2) {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn log_tail(path: &Path) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+fn describe(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn check_output(
+    desc: String,
+    out: std::io::Result<std::process::Output>,
+) -> anyhow::Result<String> {
+    let out = out.with_context(|| format!("running `{desc}`"))?;
+    if !out.status.success() {
+        bail!(
+            "`{desc}` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Runs a command to completion; non-zero exit is an error naming the command
+/// and carrying its stderr. Returns stdout.
+fn run(cmd: &mut Command) -> anyhow::Result<String> {
+    let desc = describe(cmd);
+    let out = cmd.stdin(Stdio::null()).output();
+    check_output(desc, out)
+}
+
+fn run_with_stdin(cmd: &mut Command, input: &str) -> anyhow::Result<String> {
+    use std::io::Write as _;
+    let desc = describe(cmd);
+    let spawned = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let out = spawned.and_then(|mut child| {
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        // ip reads the whole script before we wait; small scripts fit the pipe,
+        // larger ones are written from a thread to avoid a deadlock.
+        let input = input.to_owned();
+        let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+        let out = child.wait_with_output();
+        let _ = writer.join();
+        out
+    });
+    check_output(desc, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_addresses_skip_network_and_broadcast() {
+        let v = client_source_addrs(300);
+        assert_eq!(v[0], Ipv4Addr::new(10, 10, 1, 1));
+        assert_eq!(v[253], Ipv4Addr::new(10, 10, 1, 254));
+        assert_eq!(v[254], Ipv4Addr::new(10, 10, 2, 1));
+        assert_eq!(v.len(), 300);
+    }
+
+    #[test]
+    fn namespace_matching_is_exact() {
+        assert!(is_lab_ns("lb", "lb-client"));
+        assert!(is_lab_ns("lb", "lb-be12"));
+        assert!(!is_lab_ns("lb", "lb-be"));
+        assert!(!is_lab_ns("lb", "lbt-smoke-client"));
+        assert!(!is_lab_ns("lb", "lb-foo-client"));
+        assert!(!is_lab_ns("lb", "lb-client2"));
+    }
+}

@@ -1,0 +1,140 @@
+//! Run lbd inside a lab's gateway namespace, stopped (SIGTERM, then
+//! SIGKILL) when the guard drops, also when a test fails.
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::lab::Lab;
+
+pub struct Lbd {
+    child: Option<Child>,
+    pub socket: PathBuf,
+    pub log: PathBuf,
+    bin_dir: PathBuf,
+}
+
+/// Write a lab config for lbd: `services_yaml` is the `services:` list
+/// (already indented as list items). Returns the file path.
+pub fn write_config(dir: &Path, name: &str, socket: &Path, services_yaml: &str) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("{name}.yaml"));
+    let text = format!(
+        "interfaces: [eth0, eth1]\nxdp_mode: native\nforwarding: nat\ncontrol_socket: {}\nconntrack_max: 65536\nservices:\n{services_yaml}",
+        socket.display()
+    );
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+impl Lbd {
+    /// Start lbd with `config` in the lab's gateway and wait until its
+    /// control socket answers.
+    pub fn start(lab: &Lab, config: &Path, socket: &Path) -> anyhow::Result<Self> {
+        let bin_dir = lab.spec.bin_dir.clone();
+        let lbd = bin_dir.join("lbd");
+        if !lbd.exists() {
+            bail!("{} not found: build the workspace binaries first (cargo xtask test does)", lbd.display());
+        }
+        let log = PathBuf::from(format!("/tmp/{}-lbd.log", lab.spec.prefix));
+        let logf = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let child = lab
+            .cmd("gw", &lbd)
+            .arg("--config")
+            .arg(config)
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .context("starting lbd")?;
+        let mut me = Self { child: Some(child), socket: socket.to_owned(), log, bin_dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = me.child.as_mut().expect("child").try_wait()? {
+                bail!("lbd exited during start-up with {status}; log:\n{}", me.log_text());
+            }
+            if me.lbctl(&["status", "--json"]).is_ok() {
+                return Ok(me);
+            }
+            if Instant::now() > deadline {
+                bail!("lbd did not answer on {} within 20 s; log:\n{}", socket.display(), me.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Run lbctl with `args` against this lbd; stdout on success.
+    pub fn lbctl(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new(self.bin_dir.join("lbctl"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .context("running lbctl")?;
+        if !out.status.success() {
+            bail!("lbctl {args:?} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8(out.stdout)?)
+    }
+
+    /// `lbctl status --json`, parsed.
+    pub fn status(&self) -> anyhow::Result<serde_json::Value> {
+        Ok(serde_json::from_str(&self.lbctl(&["status", "--json"])?)?)
+    }
+
+    /// New-flow counter of one backend of one service, from `lbctl status`.
+    pub fn new_flows(status: &serde_json::Value, service: &str, address: &str) -> Option<u64> {
+        status["services"]
+            .as_array()?
+            .iter()
+            .find(|s| s["name"] == service)?["backends"]
+            .as_array()?
+            .iter()
+            .find(|b| b["address"] == address)?["new_flows"]
+            .as_u64()
+    }
+
+    /// Send `signal` to lbd (the process inside the namespace: `ip netns
+    /// exec` execs it, so the child's pid is lbd's).
+    pub fn signal(&self, signal: i32) -> anyhow::Result<()> {
+        let pid = self.child.as_ref().context("lbd already stopped")?.id();
+        // SAFETY: plain kill(2) on our own child.
+        if unsafe { libc::kill(pid as i32, signal) } != 0 {
+            bail!("kill({pid}, {signal}): {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// SIGTERM and wait (up to 10 s) for the exit status.
+    pub fn stop(&mut self) -> anyhow::Result<ExitStatus> {
+        let Some(mut child) = self.child.take() else { bail!("lbd already stopped") };
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("lbd did not exit within 10 s of SIGTERM; log:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Lbd {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = self.stop();
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! Project tasks: `cargo xtask setup | build | lab up|down | demo | test`.
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+use lb_tests::{
+    lab::{Lab, LabSpec},
+    lbd::Lbd,
+};
+
+#[derive(Parser)]
+#[command(about = "Build, set up, demo and test the XDP load balancer")]
+struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install the toolchain pieces and packages the project needs (idempotent).
+    Setup,
+    /// Build every binary (lbd, lbctl, lab helpers).
+    Build,
+    /// The namespace lab (clients, gateway, switch, 3 backends).
+    Lab {
+        #[command(subcommand)]
+        action: LabAction,
+    },
+    /// Build, bring the lab up, balance 1,000 HTTP connections through the VIP,
+    /// compare lbd's per-backend counters with the backends' own counts.
+    Demo {
+        /// Requests to send (each on a new TCP connection).
+        #[arg(long, default_value_t = 1000)]
+        requests: u32,
+    },
+    /// Host unit tests, datapath fixtures (BPF_PROG_TEST_RUN) and lab end-to-end tests.
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum LabAction {
+    /// Create the lab (replacing any leftover one) and leave it running.
+    Up,
+    /// Remove the lab: processes, namespaces, links. Safe to repeat.
+    Down,
+}
+
+const LAB_PREFIX: &str = "lb";
+
+fn main() {
+    let args = Args::parse();
+    let result = match args.cmd {
+        Cmd::Setup => setup::setup(),
+        Cmd::Build => ensure_setup().and_then(|()| build()),
+        Cmd::Lab { action: LabAction::Up } => need_root("cargo xtask lab up")
+            .and_then(|()| ensure_setup())
+            .and_then(|()| build())
+            .and_then(|()| lab_up()),
+        Cmd::Lab { action: LabAction::Down } => need_root("cargo xtask lab down").and_then(|()| Lab::down(LAB_PREFIX)),
+        Cmd::Demo { requests } => need_root("cargo xtask demo")
+            .and_then(|()| ensure_setup())
+            .and_then(|()| build())
+            .and_then(|()| demo(requests)),
+        Cmd::Test { args } => need_root("cargo xtask test")
+            .and_then(|()| ensure_setup())
+            .and_then(|()| build())
+            .and_then(|()| test(&args)),
+    };
+    if let Err(e) = result {
+        eprintln!("xtask: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn need_root(what: &str) -> anyhow::Result<()> {
+    if !is_root() {
+        bail!("{what} needs root (it creates network namespaces and loads XDP programs); run it as root");
+    }
+    Ok(())
+}
+
+/// Run a command, inheriting stdio; error if it fails.
+pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd.status().with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+/// True when the command runs and exits 0 (output discarded).
+pub fn succeeds(cmd: &mut Command) -> bool {
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn ensure_setup() -> anyhow::Result<()> {
+    if setup::complete() {
+        return Ok(());
+    }
+    setup::setup().context("setting up the build and test environment")
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    c.current_dir(workspace_root());
+    c
+}
+
+/// Where `cargo build` (dev profile) puts binaries.
+fn bin_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+        .join("debug")
+}
+
+fn build() -> anyhow::Result<()> {
+    run(cargo().args(["build", "--bins"]))
+}
+
+fn lab_spec() -> LabSpec {
+    LabSpec { prefix: LAB_PREFIX.into(), bin_dir: bin_dir(), ..LabSpec::default() }
+}
+
+fn lab_up() -> anyhow::Result<()> {
+    let lab = Lab::up(lab_spec())?;
+    println!(
+        "lab {LAB_PREFIX} is up: namespaces {}, {}, {}, {}..{}; gateway interfaces eth0 (clients, 10.10.0.1) and eth1 (backends, 10.20.0.1)",
+        lab.ns("client"),
+        lab.ns("gw"),
+        lab.ns("sw"),
+        lab.ns("be1"),
+        lab.ns(&format!("be{}", lab.spec.backends)),
+    );
+    println!("start the balancer:  ip netns exec {} {}/lbd --config configs/lab.yaml", lab.ns("gw"), bin_dir().display());
+    println!("take it down:        cargo xtask lab down");
+    lab.keep();
+    Ok(())
+}
+
+fn demo(requests: u32) -> anyhow::Result<()> {
+    let lab = Lab::up(lab_spec()).context("bringing the lab up")?;
+    let config = workspace_root().join("configs/lab.yaml");
+    let socket = PathBuf::from("/run/lbd/lbd.sock");
+    let lbd = Lbd::start(&lab, &config, &socket)?;
+    println!("lbd is running in {} with {} (log: {})", lab.ns("gw"), config.display(), lbd.log.display());
+    lab.reset_backend_counts()?;
+
+    let count = requests.to_string();
+    println!("\nsending {requests} HTTP requests to 10.10.0.100:80, each on a new TCP connection, from 250 client addresses ...");
+    let result = lab.client(&[
+        "conns",
+        "--target",
+        "10.10.0.100:80",
+        "--count",
+        &count,
+        "--concurrency",
+        "10",
+        "--sources-range",
+        "10.10.1.1-10.10.1.250",
+    ])?;
+    let ok = result["ok"].as_u64().unwrap_or(0);
+    let failed = result["failed"].as_u64().unwrap_or(u64::MAX);
+    println!("client: {ok} ok, {failed} failed in {} ms", result["elapsed_ms"]);
+
+    println!("\n$ lbctl status\n{}", lbd.lbctl(&["status"])?);
+    let status = lbd.status()?;
+    let seen = lab.backend_counts()?;
+    println!("{:<10} {:<18} {:>16} {:>22}  {}", "BACKEND", "ADDRESS", "lbd NEW FLOWS", "BACKEND CONNECTIONS", "");
+    let mut all_match = true;
+    let mut served = 0;
+    for (i, addr) in lab.backend_addrs().iter().enumerate() {
+        let ours = Lbd::new_flows(&status, "web", &addr.to_string()).unwrap_or(0);
+        let theirs = seen[i].connections;
+        let same = ours == theirs;
+        all_match &= same;
+        if theirs > 0 {
+            served += 1;
+        }
+        println!(
+            "{:<10} {:<18} {:>16} {:>22}  {}",
+            seen[i].name,
+            format!("{addr}:8080"),
+            ours,
+            theirs,
+            if same { "match" } else { "MISMATCH" }
+        );
+    }
+    if let Some(f) = status["services"][0]["fairness"].as_f64() {
+        println!("Jain's fairness index over the backends: {f:.4}");
+    }
+    drop(lbd);
+    drop(lab);
+    println!("\nlab taken down.");
+    if failed != 0 || ok != u64::from(requests) {
+        bail!("{failed} of {requests} requests failed");
+    }
+    if !all_match {
+        bail!("lbd's new-flow counters differ from the backends' own connection counts");
+    }
+    if served != 3 {
+        bail!("only {served} of 3 backends served connections");
+    }
+    println!("demo passed: {requests} requests, 0 failures, all 3 backends served, counters match exactly.");
+    Ok(())
+}
+
+fn test(extra: &[String]) -> anyhow::Result<()> {
+    run(cargo()
+        .args(["test", "--no-fail-fast"])
+        .args(extra)
+        .env("LB_BIN_DIR", bin_dir()))
+}

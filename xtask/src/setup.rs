@@ -1,0 +1,138 @@
+//! `cargo xtask setup`: install what building and testing need, from what
+//! this machine can reach (rustup, crates.io, Debian). Idempotent: each
+//! step first checks whether its result is already there.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::{is_root, run, succeeds};
+
+/// Debian packages the lab and the tests use.
+pub const PACKAGES: &[(&str, &str)] = &[
+    // (package, a file it installs: present means installed)
+    ("iproute2", "/usr/sbin/ip"),
+    ("ethtool", "/usr/sbin/ethtool"),
+    ("curl", "/usr/bin/curl"),
+    ("bpftool", "/usr/sbin/bpftool"),
+];
+
+pub fn setup() -> anyhow::Result<()> {
+    nightly()?;
+    bpf_linker()?;
+    debian(PACKAGES)?;
+    Ok(())
+}
+
+/// True when nothing is missing (fast check used before demo and test).
+pub fn complete() -> bool {
+    nightly_has_rust_src() && bpf_linker_works() && PACKAGES.iter().all(|(_, f)| Path::new(f).exists())
+}
+
+fn nightly_has_rust_src() -> bool {
+    Command::new("rustup")
+        .args(["component", "list", "--toolchain", "nightly", "--installed"])
+        .output()
+        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).lines().any(|l| l.starts_with("rust-src")))
+        .unwrap_or(false)
+}
+
+fn nightly() -> anyhow::Result<()> {
+    if !succeeds(Command::new("rustup").args(["run", "nightly", "rustc", "--version"])) {
+        eprintln!("setup: installing the nightly toolchain");
+        run(Command::new("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal"]))?;
+    }
+    if !nightly_has_rust_src() {
+        eprintln!("setup: adding rust-src to the nightly toolchain");
+        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+    }
+    Ok(())
+}
+
+fn cargo_home() -> PathBuf {
+    std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into())).join(".cargo"))
+}
+
+fn bpf_linker_works() -> bool {
+    succeeds(Command::new("bpf-linker").arg("--version"))
+        || succeeds(Command::new(cargo_home().join("bin/bpf-linker")).arg("--version"))
+}
+
+/// The nightly's libLLVM: (major version, file name, directory).
+fn nightly_llvm() -> anyhow::Result<(String, String, PathBuf)> {
+    let out = Command::new("rustc").args(["+nightly", "--print", "sysroot"]).output().context("rustc +nightly")?;
+    if !out.status.success() {
+        bail!("cannot find the nightly sysroot: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let lib = PathBuf::from(String::from_utf8(out.stdout)?.trim()).join("lib");
+    for entry in std::fs::read_dir(&lib).with_context(|| format!("reading {}", lib.display()))? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        // e.g. libLLVM.so.22.1-rust-1.97.0-nightly
+        if let Some(rest) = name.strip_prefix("libLLVM.so.")
+            && let Some(major) = rest.split('.').next()
+            && !major.is_empty()
+            && major.chars().all(|c| c.is_ascii_digit())
+        {
+            return Ok((major.to_owned(), name, lib));
+        }
+    }
+    bail!("no libLLVM.so.<version> in {}", lib.display())
+}
+
+fn bpf_linker() -> anyhow::Result<()> {
+    if bpf_linker_works() {
+        return Ok(());
+    }
+    // bpf-linker links against the nightly's own libLLVM. Its build looks
+    // for LLVM under LLVM_PREFIX/lib, and the binary keeps that path to
+    // find the library at run time, so the prefix must last.
+    let (major, file, lib) = nightly_llvm()?;
+    let prefix = cargo_home().join(format!("lb-llvm-{major}"));
+    let plib = prefix.join("lib");
+    std::fs::create_dir_all(&plib).with_context(|| format!("creating {}", plib.display()))?;
+    for link in [file.as_str(), "libLLVM.so"] {
+        let path = plib.join(link);
+        let _ = std::fs::remove_file(&path);
+        std::os::unix::fs::symlink(lib.join(&file), &path)
+            .with_context(|| format!("linking {} to {}", path.display(), lib.join(&file).display()))?;
+    }
+    eprintln!("setup: building bpf-linker 0.13.0 against the nightly's LLVM {major} (a few minutes)");
+    run(Command::new("cargo")
+        .args(["install", "bpf-linker", "--version", "0.13.0", "--locked", "--no-default-features", "--features"])
+        .arg(format!("llvm-{major}"))
+        .env("LLVM_PREFIX", &prefix))
+    .or_else(|_| {
+        // Without --locked, in case the pinned lock file cannot resolve here.
+        run(Command::new("cargo")
+            .args(["install", "bpf-linker", "--version", "0.13.0", "--no-default-features", "--features"])
+            .arg(format!("llvm-{major}"))
+            .env("LLVM_PREFIX", &prefix))
+    })?;
+    if !bpf_linker_works() {
+        bail!("bpf-linker was installed but does not run");
+    }
+    Ok(())
+}
+
+pub fn debian(packages: &[(&str, &str)]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages.iter().filter(|(_, f)| !Path::new(f).exists()).map(|(p, _)| *p).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("installing Debian packages ({}) needs root; run it as root", missing.join(" "));
+    }
+    eprintln!("setup: installing Debian packages: {}", missing.join(" "));
+    let install = |cmd: &mut Command| {
+        run(cmd.env("DEBIAN_FRONTEND", "noninteractive").args(["install", "-y", "--no-install-recommends"]).args(&missing))
+    };
+    if install(&mut Command::new("apt-get")).is_err() {
+        run(Command::new("apt-get").arg("update").env("DEBIAN_FRONTEND", "noninteractive"))?;
+        install(&mut Command::new("apt-get"))?;
+    }
+    Ok(())
+}
