@@ -28,6 +28,11 @@ pub const SCHED_SOURCE_HASH: u32 = 1;
 /// by all CPUs (round robin and smooth weighted round robin).
 pub const SCHED_SEQUENCE: u32 = 2;
 
+/// Weighted least connections, by power of two choices: two candidates
+/// drawn from the (weighted) selection table, the one with fewer active
+/// flows per unit of weight wins.
+pub const SCHED_LEAST_CONN: u32 = 3;
+
 /// [`Service::flags`]: the service has no backend able to take new flows;
 /// new flows are dropped and counted.
 pub const SVC_F_NO_BACKEND: u32 = 1;
@@ -112,6 +117,21 @@ pub struct Backend {
     pub _pad: u16,
     pub service_id: u32,
     pub flags: u32,
+    /// Configured weight (least-connections compares active / weight).
+    pub weight: u32,
+    pub _pad2: u32,
+}
+
+/// Active-flow accounting of one backend, in a global (not per-CPU) array
+/// updated with atomic adds by the datapath. Active flows =
+/// `opened - closed - expired`, where `expired` lives in a separate array
+/// written only by userspace (flows that ended without FIN/RST and timed
+/// out), so no counter ever has two kinds of writer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Conns {
+    pub opened: u64,
+    pub closed: u64,
 }
 
 /// Key of the flow table: a 5-tuple as seen on the wire.
@@ -146,6 +166,9 @@ pub struct Flow {
     /// (64 bits wide: BPF has atomic OR only for 64-bit words on every CPU
     /// version the verifier accepts.)
     pub state: u64,
+    /// Last packet seen, in seconds of CLOCK_MONOTONIC (coarse), forward
+    /// entry only; userspace expires idle flows by it.
+    pub last_seen: u64,
 }
 
 /// [`Flow::state`]: the client sent a FIN.
@@ -234,6 +257,7 @@ mod pod {
     unsafe impl aya::Pod for FlowKey {}
     unsafe impl aya::Pod for Flow {}
     unsafe impl aya::Pod for BackendStats {}
+    unsafe impl aya::Pod for Conns {}
 }
 
 #[cfg(test)]
@@ -246,9 +270,10 @@ mod tests {
     fn shared_type_sizes_have_no_hidden_padding() {
         assert_eq!(size_of::<VipKey>(), 8);
         assert_eq!(size_of::<Service>(), 24);
-        assert_eq!(size_of::<Backend>(), 16);
+        assert_eq!(size_of::<Backend>(), 24);
+        assert_eq!(size_of::<Conns>(), 16);
         assert_eq!(size_of::<FlowKey>(), 16);
-        assert_eq!(size_of::<Flow>(), 24);
+        assert_eq!(size_of::<Flow>(), 32);
         assert_eq!(size_of::<BackendStats>(), 40);
         assert_eq!(align_of::<BackendStats>(), 8);
     }

@@ -17,6 +17,8 @@ mod stats;
 
 use core::intrinsics::{AtomicOrdering, atomic_or};
 
+use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
+
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use aya_log_ebpf::debug;
 use lb_common::{
@@ -63,7 +65,12 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
         }
         // A fresh SYN on a closed flow's tuple is a new connection.
         if !(is_syn(&pkt) && flow_closed(f.state)) {
-            track_close(flow, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
+            track_close(flow, &f, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
+            let now = now_secs();
+            if f.last_seen != now {
+                // SAFETY: a valid map value; a plain store of a timestamp.
+                unsafe { (*flow).last_seen = now };
+            }
             return Ok(forward(ctx, &pkt, &f));
         }
     }
@@ -95,16 +102,29 @@ fn is_syn(pkt: &Packet) -> bool {
     pkt.proto == PROTO_TCP && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
 }
 
-/// Record a FIN (as `fin_bit`) or RST on a forward flow entry.
+/// Seconds of the coarse monotonic clock (the flows' idle clock).
 #[inline(always)]
-fn track_close(flow: *mut Flow, tcp_flags: u8, proto: u8, fin_bit: u64) {
+fn now_secs() -> u64 {
+    // SAFETY: plain helper call.
+    let ns = unsafe { bpf_ktime_get_coarse_ns() };
+    ns / 1_000_000_000
+}
+
+/// Record a FIN (as `fin_bit`) or RST on a forward flow entry; the packet
+/// that closes the flow counts it closed for its backend, exactly once.
+#[inline(always)]
+fn track_close(flow: *mut Flow, f: &Flow, tcp_flags: u8, proto: u8, fin_bit: u64) {
     if proto != PROTO_TCP || tcp_flags & (TCP_FIN | TCP_RST) == 0 {
         return;
     }
     let bit = if tcp_flags & TCP_RST != 0 { FLOW_RST } else { fin_bit };
-    // Both directions may run on different CPUs at once: atomic OR.
+    // Both directions may run on different CPUs at once: atomic OR, and
+    // the old value says whether this packet is the one that closed it.
     // SAFETY: a valid, aligned u64 inside a map value.
-    unsafe { atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*flow).state, bit) };
+    let old = unsafe { atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*flow).state, bit) };
+    if !flow_closed(old) && flow_closed(old | bit) {
+        stats::flow_closed(f.backend_id);
+    }
 }
 
 fn new_flow(ctx: &XdpContext, pkt: &Packet, key: &FlowKey, svc: &Service) -> u32 {
@@ -121,6 +141,7 @@ fn new_flow(ctx: &XdpContext, pkt: &Packet, key: &FlowKey, svc: &Service) -> u32
         dir: DIR_FORWARD,
         _pad: 0,
         state: 0,
+        last_seen: now_secs(),
     };
     if pkt.proto == PROTO_TCP && pkt.tcp_flags & TCP_RST != 0 {
         fwd.state = FLOW_RST;
@@ -143,6 +164,7 @@ fn new_flow(ctx: &XdpContext, pkt: &Packet, key: &FlowKey, svc: &Service) -> u32
         dir: DIR_REPLY,
         _pad: 0,
         state: 0,
+        last_seen: 0,
     };
     // Reply entry first: once the forward entry exists, replies can come.
     if FLOWS.insert(&rev_key, &rev, 0).is_err() || FLOWS.insert(key, &fwd, 0).is_err() {
@@ -150,6 +172,10 @@ fn new_flow(ctx: &XdpContext, pkt: &Packet, key: &FlowKey, svc: &Service) -> u32
         return xdp_action::XDP_DROP;
     }
     stats::new_flow(id);
+    stats::flow_opened(id);
+    if flow_closed(fwd.state) {
+        stats::flow_closed(id);
+    }
     forward(ctx, pkt, &fwd)
 }
 
@@ -179,7 +205,7 @@ fn reply(ctx: &XdpContext, pkt: &Packet, f: &Flow) -> u32 {
             _pad: [0; 3],
         };
         if let Some(fwd) = FLOWS.get_ptr_mut(&fwd_key) {
-            track_close(fwd, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
+            track_close(fwd, f, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
         }
     }
     if !forward::ttl_ok(pkt) {

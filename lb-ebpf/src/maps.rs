@@ -6,7 +6,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use lb_common::{
-    Backend, BackendStats, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, Service, VipKey, counter,
+    Backend, BackendStats, Conns, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, Service, VipKey, counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.
@@ -45,3 +45,12 @@ pub static BACKEND_STATS: PerCpuArray<BackendStats> = PerCpuArray::with_max_entr
 /// Global counters (drops by reason, fallbacks), per CPU; see `lb_common::counter`.
 #[map]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+
+/// Per-backend opened/closed flow counts (global, atomic adds), for
+/// least-connections scheduling and the active-flows figure.
+#[map]
+pub static CONNS: Array<Conns> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// Per-backend count of flows that expired idle, written only by userspace.
+#[map]
+pub static EXPIRED: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);

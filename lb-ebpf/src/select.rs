@@ -2,14 +2,16 @@
 //! selection table, which userspace built (Maglev, WRR sequence, ...).
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
+use aya_ebpf::helpers::bpf_get_prandom_u32;
 use lb_common::{
-    BACKEND_NONE, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service, flow_hash,
-    source_hash,
+    BACKEND_NONE, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service,
+    flow_hash, source_hash,
 };
 
 use crate::{
-    maps::{SELECT, SEQ},
+    maps::{BACKENDS, SELECT, SEQ},
     parse::Packet,
+    stats,
 };
 
 /// The backend id for a new flow of `svc`, or `BACKEND_NONE`.
@@ -31,6 +33,7 @@ pub fn pick(svc: &Service, pkt: &Packet) -> u32 {
             (n % len as u64) as u32
         }
         SCHED_SOURCE_HASH => source_hash(pkt.saddr) % len,
+        SCHED_LEAST_CONN => return least_conn(svc, len),
         _ => flow_hash(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % len,
     };
     // idx < len and userspace keeps [off, off + len) inside SELECT; the map
@@ -39,4 +42,29 @@ pub fn pick(svc: &Service, pkt: &Packet) -> u32 {
         Some(id) => *id,
         None => BACKEND_NONE,
     }
+}
+
+/// Power of two choices over the weighted table: draw two entries at
+/// random, keep the backend with fewer active flows per unit of weight
+/// (compared as a1 * w2 <= a2 * w1, so no division).
+#[inline(always)]
+fn least_conn(svc: &Service, len: u32) -> u32 {
+    // SAFETY: plain helper calls.
+    let (r1, r2) = unsafe { (bpf_get_prandom_u32(), bpf_get_prandom_u32()) };
+    let b1 = match SELECT.get(svc.table_off.wrapping_add(r1 % len)) {
+        Some(id) => *id,
+        None => return BACKEND_NONE,
+    };
+    let b2 = match SELECT.get(svc.table_off.wrapping_add(r2 % len)) {
+        Some(id) => *id,
+        None => return b1,
+    };
+    if b1 == b2 {
+        return b1;
+    }
+    let (w1, w2) = match (BACKENDS.get(b1), BACKENDS.get(b2)) {
+        (Some(x), Some(y)) => (x.weight as u64, y.weight as u64),
+        _ => return b1,
+    };
+    if stats::active(b1) * w2 <= stats::active(b2) * w1 { b1 } else { b2 }
 }

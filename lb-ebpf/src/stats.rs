@@ -1,7 +1,9 @@
 //! Per-CPU counters: plain adds, no atomics needed (each CPU owns its copy).
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
+
 use lb_common::BackendStats;
 
-use crate::maps::{BACKEND_STATS, COUNTERS};
+use crate::maps::{BACKEND_STATS, CONNS, COUNTERS, EXPIRED};
 
 /// Count one event in the global counter `idx` (`lb_common::counter::*`).
 #[inline(always)]
@@ -42,4 +44,33 @@ pub fn packet_out(id: u32, bytes: u64) {
         s.packets_out += 1;
         s.bytes_out += bytes;
     }
+}
+
+/// A flow to backend `id` opened (shared counter: atomic).
+#[inline(always)]
+pub fn flow_opened(id: u32) {
+    if let Some(c) = CONNS.get_ptr_mut(id) {
+        // SAFETY: aligned u64 inside a map value.
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).opened, 1) };
+    }
+}
+
+/// A flow to backend `id` closed (FIN both ways or RST).
+#[inline(always)]
+pub fn flow_closed(id: u32) {
+    if let Some(c) = CONNS.get_ptr_mut(id) {
+        // SAFETY: aligned u64 inside a map value.
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).closed, 1) };
+    }
+}
+
+/// Active flows of backend `id`: opened - closed - expired (never negative).
+#[inline(always)]
+pub fn active(id: u32) -> u64 {
+    let (opened, closed) = match CONNS.get(id) {
+        Some(c) => (c.opened, c.closed),
+        None => return 0,
+    };
+    let expired = EXPIRED.get(id).copied().unwrap_or(0);
+    opened.saturating_sub(closed).saturating_sub(expired)
 }

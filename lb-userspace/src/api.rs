@@ -21,6 +21,7 @@ use tokio::{
 use tracing::{debug, warn};
 
 use crate::{
+    agent::Agent,
     config::{Protocol, Scheduler},
     dataplane::{Attachment, Dataplane},
 };
@@ -32,6 +33,7 @@ const MAX_REQUEST: usize = 64 * 1024;
 #[serde(tag = "command", rename_all = "kebab-case")]
 pub enum Request {
     Status,
+    Reload,
 }
 
 impl Request {
@@ -45,8 +47,8 @@ impl Request {
             .and_then(|c| c.as_str())
             .ok_or("malformed request: missing string field \"command\"")?;
         let allowed: &[&str] = match cmd {
-            "status" => &["command"],
-            other => return Err(format!("unknown command {other:?} (known: status)")),
+            "status" | "reload" => &["command"],
+            other => return Err(format!("unknown command {other:?} (known: status, reload)")),
         };
         if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
             return Err(format!("command {cmd:?} takes no field {k:?}"));
@@ -74,6 +76,8 @@ pub struct BackendStatus {
     pub bytes_in: u64,
     pub packets_out: u64,
     pub bytes_out: u64,
+    /// Flows open now (opened - closed - expired).
+    pub active_flows: u64,
     /// weight / sum of weights.
     pub expected_share: f64,
     /// This backend's new flows / the service's new flows (0 when none yet).
@@ -130,6 +134,7 @@ pub fn status(dp: &Dataplane) -> Result<Status, crate::dataplane::DataplaneError
                 bytes_in: st.bytes_in,
                 packets_out: st.packets_out,
                 bytes_out: st.bytes_out,
+                active_flows: dp.active_flows(b.id)?,
                 expected_share: if total_weight == 0 {
                     0.0
                 } else {
@@ -165,25 +170,27 @@ pub fn status(dp: &Dataplane) -> Result<Status, crate::dataplane::DataplaneError
     Ok(Status { interfaces: dp.attachments(), counters: dp.counters()?, services })
 }
 
+fn ok(v: impl Serialize) -> Response {
+    Response { ok: true, result: Some(serde_json::to_value(v).expect("serialisable")), error: None }
+}
+
+fn err(e: impl std::fmt::Display) -> Response {
+    Response { ok: false, result: None, error: Some(e.to_string()) }
+}
+
 /// Handle one request line.
-pub fn handle(dp: &Mutex<Dataplane>, line: &str) -> Response {
+pub fn handle(agent: &Mutex<Agent>, line: &str) -> Response {
     let req = match Request::parse(line) {
         Ok(r) => r,
-        Err(e) => return Response { ok: false, result: None, error: Some(e) },
+        Err(e) => return err(e),
     };
-    let dp = match dp.lock() {
+    let mut agent = match agent.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
     };
     match req {
-        Request::Status => match status(&dp) {
-            Ok(s) => Response {
-                ok: true,
-                result: Some(serde_json::to_value(s).expect("status serialises")),
-                error: None,
-            },
-            Err(e) => Response { ok: false, result: None, error: Some(e.to_string()) },
-        },
+        Request::Status => status(&agent.dp).map_or_else(err, ok),
+        Request::Reload => agent.reload().map_or_else(err, ok),
     }
 }
 
@@ -224,7 +231,7 @@ pub fn bind(path: &Path) -> Result<UnixListener, ApiError> {
 }
 
 /// Serve requests until the task is dropped.
-pub async fn serve(listener: UnixListener, dp: Arc<Mutex<Dataplane>>) {
+pub async fn serve(listener: UnixListener, dp: Arc<Mutex<Agent>>) {
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -243,7 +250,7 @@ pub async fn serve(listener: UnixListener, dp: Arc<Mutex<Dataplane>>) {
     }
 }
 
-async fn connection(stream: UnixStream, dp: Arc<Mutex<Dataplane>>) -> std::io::Result<()> {
+async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Result<()> {
     // Only root (or whoever runs lbd) may drive the balancer; the file mode
     // already says so, this guards against a loosened mode.
     let me = unsafe { libc::geteuid() };

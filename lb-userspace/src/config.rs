@@ -25,6 +25,8 @@ pub const DEFAULT_TABLE_CAPACITY: u32 = 1 << 22;
 pub const MAX_WEIGHT: u32 = 65_535;
 /// Longest weighted-round-robin cycle a service may need.
 pub const MAX_WRR_CYCLE: u64 = 1 << 20;
+pub const DEFAULT_TCP_IDLE_TIMEOUT: u32 = 900;
+pub const DEFAULT_UDP_IDLE_TIMEOUT: u32 = 300;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -70,10 +72,12 @@ pub enum Scheduler {
     Rr,
     /// Consistent hashing of the client address alone.
     SourceHash,
+    /// Weighted least connections (power of two choices).
+    LeastConn,
 }
 
 impl Scheduler {
-    pub const NAMES: &[&str] = &["maglev", "wrr", "rr", "source-hash"];
+    pub const NAMES: &[&str] = &["maglev", "wrr", "rr", "source-hash", "least-conn"];
 
     fn parse(s: &str) -> Option<Self> {
         Some(match s {
@@ -81,6 +85,7 @@ impl Scheduler {
             "wrr" => Self::Wrr,
             "rr" => Self::Rr,
             "source-hash" => Self::SourceHash,
+            "least-conn" => Self::LeastConn,
             _ => return None,
         })
     }
@@ -93,6 +98,7 @@ impl fmt::Display for Scheduler {
             Self::Wrr => "wrr",
             Self::Rr => "rr",
             Self::SourceHash => "source-hash",
+            Self::LeastConn => "least-conn",
         })
     }
 }
@@ -123,7 +129,35 @@ pub struct Config {
     pub control_socket: PathBuf,
     pub conntrack_max: u32,
     pub table_capacity: u32,
+    /// Seconds without a packet after which an open TCP flow expires.
+    pub tcp_idle_timeout: u32,
+    /// Seconds without a packet after which a UDP flow expires.
+    pub udp_idle_timeout: u32,
     pub services: Vec<ServiceConfig>,
+}
+
+impl Config {
+    /// Keys that only take effect when lbd starts (a reload that changes
+    /// them is refused rather than half-applied).
+    pub fn restart_only_changes(&self, new: &Config) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.interfaces != new.interfaces {
+            v.push("interfaces");
+        }
+        if self.xdp_mode != new.xdp_mode {
+            v.push("xdp_mode");
+        }
+        if self.control_socket != new.control_socket {
+            v.push("control_socket");
+        }
+        if self.conntrack_max != new.conntrack_max {
+            v.push("conntrack_max");
+        }
+        if self.table_capacity != new.table_capacity {
+            v.push("table_capacity");
+        }
+        v
+    }
 }
 
 /// One problem found in a config: where and what.
@@ -313,6 +347,8 @@ impl Walker<'_> {
             "control_socket",
             "conntrack_max",
             "table_capacity",
+            "tcp_idle_timeout",
+            "udp_idle_timeout",
             "services",
         ];
         let m = self.mapping(root, "", KEYS)?;
@@ -380,6 +416,15 @@ impl Walker<'_> {
             Some(v) => self.uint(v, "table_capacity", 1024, 1 << 26).unwrap_or(1024) as u32,
         };
 
+        let tcp_idle_timeout = match m.get("tcp_idle_timeout") {
+            None => DEFAULT_TCP_IDLE_TIMEOUT,
+            Some(v) => self.uint(v, "tcp_idle_timeout", 10, 86_400 * 7).unwrap_or(10) as u32,
+        };
+        let udp_idle_timeout = match m.get("udp_idle_timeout") {
+            None => DEFAULT_UDP_IDLE_TIMEOUT,
+            Some(v) => self.uint(v, "udp_idle_timeout", 10, 86_400 * 7).unwrap_or(10) as u32,
+        };
+
         let mut services = Vec::new();
         match m.get("services") {
             None | Some(Value::Null) => {}
@@ -400,6 +445,8 @@ impl Walker<'_> {
             control_socket,
             conntrack_max,
             table_capacity,
+            tcp_idle_timeout,
+            udp_idle_timeout,
             services: services.into_iter().map(|(_, s)| s).collect(),
         })
     }
@@ -483,7 +530,8 @@ impl Walker<'_> {
             }
             Some(v) => self.problem(&bpath, format!("expected a list of backends, found {}", describe(v))),
         }
-        if let (Some(size), Some(Scheduler::Maglev | Scheduler::SourceHash)) = (table_size, scheduler)
+        if let (Some(size), Some(Scheduler::Maglev | Scheduler::SourceHash | Scheduler::LeastConn)) =
+            (table_size, scheduler)
             && backends.len() as u64 > size as u64
         {
             self.problem(
@@ -577,7 +625,7 @@ impl Walker<'_> {
 /// Entries the selection table of `s` takes.
 pub fn table_entries(s: &ServiceConfig) -> u64 {
     match s.scheduler {
-        Scheduler::Maglev | Scheduler::SourceHash => s.table_size as u64,
+        Scheduler::Maglev | Scheduler::SourceHash | Scheduler::LeastConn => s.table_size as u64,
         Scheduler::Rr => s.backends.len() as u64,
         Scheduler::Wrr => wrr::reduce(&s.backends.iter().map(|b| b.weight).collect::<Vec<_>>())
             .iter()

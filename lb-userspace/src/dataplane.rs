@@ -19,8 +19,9 @@ use aya::{
     util::nr_cpus,
 };
 use lb_common::{
-    Backend, BackendStats, MAX_BACKENDS, MAX_SERVICES, SCHED_FLOW_HASH, SCHED_SEQUENCE, SCHED_SOURCE_HASH,
-    SVC_F_NO_BACKEND, Service, VipKey, counter,
+    Backend, BackendStats, Conns, DIR_FORWARD, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, PROTO_TCP,
+    SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service,
+    VipKey, counter, flow_closed,
 };
 use tracing::{info, warn};
 
@@ -337,30 +338,62 @@ impl Dataplane {
         // Backend ids: keep the ids of backends that stay.
         let mut backends = Vec::with_capacity(cfg.backends.len());
         let mut fresh = Vec::new();
+        let mut changed = Vec::new();
         for b in &cfg.backends {
             let existing = prev.as_ref().and_then(|p| {
                 p.backends.iter().find(|o| o.config.address == b.address && o.config.port == b.port)
             });
             let bid = match existing {
-                Some(o) => o.id,
+                Some(o) => {
+                    if o.config.weight != b.weight {
+                        changed.push(o.id);
+                        info!(service = %cfg.name, backend = %format!("{}:{}", b.address, b.port),
+                              from = o.config.weight, to = b.weight, "weight changed");
+                    }
+                    o.id
+                }
                 None => {
-                    let bid = self.backend_ids.alloc().ok_or(DataplaneError::Ids { what: "backend" })?;
+                    let bid = match self.backend_ids.alloc() {
+                        Some(bid) => bid,
+                        None => {
+                            for &f in &fresh {
+                                self.backend_ids.release(f);
+                            }
+                            return Err(DataplaneError::Ids { what: "backend" });
+                        }
+                    };
                     fresh.push(bid);
                     bid
                 }
             };
             backends.push(AppliedBackend { id: bid, config: b.clone() });
         }
+        if !fresh.is_empty() {
+            // Counters of a fresh id start from zero (the id may have served
+            // a backend removed long ago).
+            let mut conns: Array<&mut MapData, Conns> =
+                Array::try_from(self.ebpf.map_mut("CONNS").expect("CONNS map")).map_err(map_err("CONNS"))?;
+            for &bid in &fresh {
+                conns.set(bid, Conns::default(), 0).map_err(map_err("CONNS"))?;
+            }
+            let mut expired: Array<&mut MapData, u64> =
+                Array::try_from(self.ebpf.map_mut("EXPIRED").expect("EXPIRED map")).map_err(map_err("EXPIRED"))?;
+            for &bid in &fresh {
+                expired.set(bid, 0, 0).map_err(map_err("EXPIRED"))?;
+            }
+        }
         {
             let mut arr: Array<&mut MapData, Backend> =
                 Array::try_from(self.ebpf.map_mut("BACKENDS").expect("BACKENDS map")).map_err(map_err("BACKENDS"))?;
-            for b in backends.iter().filter(|b| fresh.contains(&b.id)) {
+            for b in backends.iter().filter(|b| fresh.contains(&b.id) || changed.contains(&b.id)) {
                 let v = Backend {
                     addr: u32::from(b.config.address).to_be(),
                     port: b.config.port.to_be(),
                     _pad: 0,
                     service_id: id,
                     flags: 0,
+                    weight: b.config.weight,
+                    _pad2: 0,
                 };
                 arr.set(b.id, v, 0).map_err(map_err("BACKENDS"))?;
             }
@@ -494,6 +527,85 @@ impl Dataplane {
         Ok(out)
     }
 
+    /// Active flows of a backend: opened - closed - expired.
+    pub fn active_flows(&self, id: u32) -> Result<u64, DataplaneError> {
+        let conns: Array<&MapData, Conns> =
+            Array::try_from(self.ebpf.map("CONNS").expect("CONNS map")).map_err(map_err("CONNS"))?;
+        let expired: Array<&MapData, u64> =
+            Array::try_from(self.ebpf.map("EXPIRED").expect("EXPIRED map")).map_err(map_err("EXPIRED"))?;
+        let c = conns.get(&id, 0).map_err(map_err("CONNS"))?;
+        let e = expired.get(&id, 0).map_err(map_err("EXPIRED"))?;
+        Ok(c.opened.saturating_sub(c.closed).saturating_sub(e))
+    }
+
+    /// Expire idle flows: an open flow silent for longer than its
+    /// protocol's idle timeout is removed (both entries) and counted as
+    /// expired for its backend; a closed TCP flow is removed after
+    /// `CLOSED_LINGER` seconds. `now` is in seconds of CLOCK_MONOTONIC_COARSE
+    /// (see [`monotonic_coarse_secs`]).
+    pub fn sweep(&mut self, now: u64, tcp_idle: u64, udp_idle: u64) -> Result<SweepReport, DataplaneError> {
+        let mut report = SweepReport::default();
+        let mut doomed: Vec<(FlowKey, FlowKey, Option<u32>)> = Vec::new();
+        {
+            let flows: BpfHashMap<&MapData, FlowKey, Flow> =
+                BpfHashMap::try_from(self.ebpf.map("FLOWS").expect("FLOWS map")).map_err(map_err("FLOWS"))?;
+            for item in flows.iter() {
+                // Entries can vanish while we walk (LRU eviction): skip errors.
+                let Ok((k, f)) = item else { continue };
+                if f.dir != DIR_FORWARD {
+                    continue;
+                }
+                report.scanned += 1;
+                let idle = now.saturating_sub(f.last_seen);
+                let reply = FlowKey {
+                    src_addr: f.nat_addr,
+                    dst_addr: k.src_addr,
+                    src_port: f.nat_port,
+                    dst_port: k.src_port,
+                    proto: k.proto,
+                    _pad: [0; 3],
+                };
+                let closed = k.proto == PROTO_TCP && flow_closed(f.state);
+                if closed {
+                    if idle > CLOSED_LINGER {
+                        doomed.push((k, reply, None));
+                    }
+                } else {
+                    let limit = if k.proto == PROTO_TCP { tcp_idle } else { udp_idle };
+                    if idle > limit {
+                        doomed.push((k, reply, Some(f.backend_id)));
+                    }
+                }
+            }
+        }
+        let mut expired_by: HashMap<u32, u64> = HashMap::new();
+        {
+            let mut flows: BpfHashMap<&mut MapData, FlowKey, Flow> =
+                BpfHashMap::try_from(self.ebpf.map_mut("FLOWS").expect("FLOWS map")).map_err(map_err("FLOWS"))?;
+            for (k, reply, backend) in doomed {
+                // Removing the forward entry first: if a packet raced us and
+                // the entry is gone already, nothing is counted twice.
+                if flows.remove(&k).is_ok() {
+                    let _ = flows.remove(&reply);
+                    report.removed += 1;
+                    if let Some(b) = backend {
+                        *expired_by.entry(b).or_default() += 1;
+                        report.expired += 1;
+                    }
+                }
+            }
+        }
+        if !expired_by.is_empty() {
+            let mut expired: Array<&mut MapData, u64> =
+                Array::try_from(self.ebpf.map_mut("EXPIRED").expect("EXPIRED map")).map_err(map_err("EXPIRED"))?;
+            for (b, n) in expired_by {
+                let cur = expired.get(&b, 0).map_err(map_err("EXPIRED"))?;
+                expired.set(b, cur + n, 0).map_err(map_err("EXPIRED"))?;
+            }
+        }
+        Ok(report)
+    }
+
     /// Service ids by name, for callers that need to find a service's maps.
     pub fn service_ids(&self) -> HashMap<String, u32> {
         self.services.iter().map(|(n, s)| (n.clone(), s.id)).collect()
@@ -506,10 +618,31 @@ impl Drop for Dataplane {
     }
 }
 
+/// Seconds a closed TCP flow's entries stay (late retransmissions, the
+/// final ACK) before the sweeper removes them.
+pub const CLOSED_LINGER: u64 = 60;
+
+/// What one sweep did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SweepReport {
+    pub scanned: u64,
+    pub removed: u64,
+    pub expired: u64,
+}
+
+/// The datapath's idle clock: CLOCK_MONOTONIC_COARSE in whole seconds
+/// (what `bpf_ktime_get_coarse_ns` reads).
+pub fn monotonic_coarse_secs() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64
+}
+
 /// The datapath scheduler id and selection table for a service.
 fn build_table(cfg: &ServiceConfig, backends: &[AppliedBackend]) -> (u32, Vec<u32>) {
     match cfg.scheduler {
-        Scheduler::Maglev | Scheduler::SourceHash => {
+        Scheduler::Maglev | Scheduler::SourceHash | Scheduler::LeastConn => {
             let input: Vec<maglev::MaglevBackend> = backends
                 .iter()
                 .map(|b| maglev::MaglevBackend {
@@ -520,7 +653,11 @@ fn build_table(cfg: &ServiceConfig, backends: &[AppliedBackend]) -> (u32, Vec<u3
                 .collect();
             let table = maglev::build(&input, cfg.table_size)
                 .expect("table size and backend count were validated with the config");
-            let sched = if cfg.scheduler == Scheduler::Maglev { SCHED_FLOW_HASH } else { SCHED_SOURCE_HASH };
+            let sched = match cfg.scheduler {
+                Scheduler::Maglev => SCHED_FLOW_HASH,
+                Scheduler::SourceHash => SCHED_SOURCE_HASH,
+                _ => SCHED_LEAST_CONN,
+            };
             (sched, table)
         }
         Scheduler::Wrr | Scheduler::Rr => {

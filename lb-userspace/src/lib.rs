@@ -3,7 +3,9 @@
 //! - `config`: parse and validate the YAML, every problem at once.
 //! - `maglev`, `wrr`: selection-table builders (pure, host-tested).
 //! - `dataplane`: the only module touching BPF maps.
+//! - `agent`: the running state (dataplane + config): reload, sweep.
 //! - `api`: the control socket, its requests and the status report.
+pub mod agent;
 pub mod api;
 pub mod config;
 pub mod dataplane;

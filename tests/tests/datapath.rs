@@ -271,6 +271,8 @@ impl Fixture {
             control_socket: "/nonexistent".into(),
             conntrack_max: 1024,
             table_capacity: 1 << 20,
+            tcp_idle_timeout: 900,
+            udp_idle_timeout: 300,
             services,
         };
         let mut dp = Dataplane::load(&cfg).expect("load the XDP program (are you root?)");

@@ -26,11 +26,35 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Re-read lbd's configuration file and apply the difference (a file
+    /// with any problem is rejected whole, and every problem is listed).
+    Reload,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.command {
+        Command::Reload => match api::call(&args.socket, &Request::Reload) {
+            Ok(v) => {
+                let list = |k: &str| {
+                    let items: Vec<String> =
+                        v[k].as_array().into_iter().flatten().filter_map(|x| x.as_str().map(String::from)).collect();
+                    if items.is_empty() { "-".to_owned() } else { items.join(", ") }
+                };
+                println!(
+                    "reloaded: {} services (added {}; removed {}; changed {})",
+                    v["services"],
+                    list("added"),
+                    list("removed"),
+                    list("changed")
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("lbctl: reload rejected, running configuration unchanged:\n{e}");
+                ExitCode::from(1)
+            }
+        },
         Command::Status { json } => match api::call(&args.socket, &Request::Status) {
             Ok(v) => {
                 if json {
@@ -68,18 +92,19 @@ fn render(s: &Status) -> String {
         );
         let _ = writeln!(
             out,
-            "  {:<21} {:>6} {:>8} {:>8} {:>10} {:>10} {:>12} {:>10} {:>12}",
-            "BACKEND", "WEIGHT", "EXPECTED", "OBSERVED", "NEW_FLOWS", "PKTS_IN", "BYTES_IN", "PKTS_OUT", "BYTES_OUT"
+            "  {:<21} {:>6} {:>8} {:>8} {:>10} {:>7} {:>10} {:>12} {:>10} {:>12}",
+            "BACKEND", "WEIGHT", "EXPECTED", "OBSERVED", "NEW_FLOWS", "ACTIVE", "PKTS_IN", "BYTES_IN", "PKTS_OUT", "BYTES_OUT"
         );
         for b in &svc.backends {
             let _ = writeln!(
                 out,
-                "  {:<21} {:>6} {:>7.1}% {:>7.1}% {:>10} {:>10} {:>12} {:>10} {:>12}",
+                "  {:<21} {:>6} {:>7.1}% {:>7.1}% {:>10} {:>7} {:>10} {:>12} {:>10} {:>12}",
                 format!("{}:{}", b.address, b.port),
                 b.weight,
                 b.expected_share * 100.0,
                 b.observed_share * 100.0,
                 b.new_flows,
+                b.active_flows,
                 b.packets_in,
                 b.bytes_in,
                 b.packets_out,

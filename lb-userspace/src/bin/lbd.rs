@@ -9,6 +9,7 @@ use std::{
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use lb_userspace::{
+    agent::Agent,
     api,
     config::{self, System},
     dataplane::Dataplane,
@@ -69,7 +70,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(run(cfg)) {
+    match rt.block_on(run(cfg, args.config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             error!("{e:#}");
@@ -88,7 +89,7 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn run(cfg: config::Config) -> anyhow::Result<()> {
+async fn run(cfg: config::Config, path: PathBuf) -> anyhow::Result<()> {
     if let Ok(v) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
         && v.trim() == "0"
     {
@@ -98,7 +99,7 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
 
     let listener = api::bind(&cfg.control_socket).context("opening the control socket")?;
-    let result = serve(&cfg, listener, &mut sigterm, &mut sigint).await;
+    let result = serve(&cfg, path, listener, &mut sigterm, &mut sigint).await;
     if let Err(e) = std::fs::remove_file(&cfg.control_socket) {
         warn!(path = %cfg.control_socket.display(), error = %e, "removing the control socket");
     }
@@ -107,6 +108,7 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
 
 async fn serve(
     cfg: &config::Config,
+    path: PathBuf,
     listener: tokio::net::UnixListener,
     sigterm: &mut tokio::signal::unix::Signal,
     sigint: &mut tokio::signal::unix::Signal,
@@ -130,8 +132,10 @@ async fn serve(
         }
     };
     dp.attach(&cfg.interfaces, cfg.xdp_mode).context("attaching XDP")?;
-    let dp = Arc::new(Mutex::new(dp));
-    let api = tokio::spawn(api::serve(listener, dp.clone()));
+    let agent = Arc::new(Mutex::new(Agent { dp, config: cfg.clone(), config_path: path }));
+    let api = tokio::spawn(api::serve(listener, agent.clone()));
+    let sweeper = tokio::spawn(sweep_flows(agent.clone()));
+    let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let logs = logger.map(|mut fd| {
         tokio::spawn(async move {
             loop {
@@ -143,22 +147,59 @@ async fn serve(
     });
     info!(socket = %cfg.control_socket.display(), services = cfg.services.len(), "lbd running");
 
-    tokio::select! {
-        _ = sigterm.recv() => info!("SIGTERM: shutting down"),
-        _ = sigint.recv() => info!("SIGINT: shutting down"),
+    loop {
+        tokio::select! {
+            _ = sigterm.recv() => { info!("SIGTERM: shutting down"); break }
+            _ = sigint.recv() => { info!("SIGINT: shutting down"); break }
+            _ = sighup.recv() => {
+                info!("SIGHUP: reloading the configuration");
+                let agent = agent.clone();
+                // The agent logs the outcome; a rejected config lists every problem.
+                let r = tokio::task::spawn_blocking(move || lock(&agent).reload()).await;
+                match r {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => warn!("reload rejected, running configuration unchanged:\n{e}"),
+                    Err(e) => warn!(error = %e, "reload task failed"),
+                }
+            }
+        }
     }
-    api.abort();
-    let _ = api.await;
+    for task in [api, sweeper] {
+        task.abort();
+        let _ = task.await;
+    }
     if let Some(l) = logs {
         l.abort();
         let _ = l.await;
     }
-    let mut dp = match Arc::try_unwrap(dp) {
+    let mut agent = match Arc::try_unwrap(agent) {
         Ok(m) => m.into_inner().unwrap_or_else(|p| p.into_inner()),
         Err(_) => anyhow::bail!("the datapath is still in use at shutdown"),
     };
-    dp.detach_all();
-    drop(dp);
+    agent.dp.detach_all();
+    drop(agent);
     info!("detached and stopped");
     Ok(())
+}
+
+fn lock(agent: &Mutex<Agent>) -> std::sync::MutexGuard<'_, Agent> {
+    agent.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Every few seconds, expire idle flows (the datapath only sees FIN/RST).
+async fn sweep_flows(agent: Arc<Mutex<Agent>>) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let agent = agent.clone();
+        match tokio::task::spawn_blocking(move || lock(&agent).sweep()).await {
+            Ok(Ok(r)) if r.expired > 0 || r.removed > 0 => {
+                tracing::debug!(scanned = r.scanned, removed = r.removed, expired = r.expired, "flow sweep")
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => warn!(error = %e, "flow sweep failed"),
+            Err(e) => warn!(error = %e, "flow sweep task failed"),
+        }
+    }
 }
