@@ -120,8 +120,9 @@ fn track_close(flow: *mut Flow, f: &Flow, tcp_flags: u8, proto: u8, fin_bit: u64
     let bit = if tcp_flags & TCP_RST != 0 { FLOW_RST } else { fin_bit };
     // Both directions may run on different CPUs at once: atomic OR, and
     // the old value says whether this packet is the one that closed it.
+    // SeqCst: the old value is used, see select.rs on relaxed atomics.
     // SAFETY: a valid, aligned u64 inside a map value.
-    let old = unsafe { atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*flow).state, bit) };
+    let old = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*flow).state, bit) };
     if !flow_closed(old) && flow_closed(old | bit) {
         stats::flow_closed(f.backend_id);
     }

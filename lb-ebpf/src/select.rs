@@ -28,8 +28,11 @@ pub fn pick(svc: &Service, pkt: &Packet) -> u32 {
             };
             // One counter for all CPUs: every pick takes the next slot of the
             // sequence exactly once, so the spread is exact over a cycle.
+            // SeqCst, not Relaxed: LLVM's BPF backend lowers a relaxed
+            // atomicrmw to the non-fetching `lock +=` even when the old
+            // value is used (seen with LLVM 22), which made every pick the same.
             // SAFETY: the pointer is a valid, aligned u64 map value.
-            let n = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(seq, 1) };
+            let n = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(seq, 1) };
             (n % len as u64) as u32
         }
         SCHED_SOURCE_HASH => source_hash(pkt.saddr) % len,

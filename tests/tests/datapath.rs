@@ -252,12 +252,22 @@ struct Fixture {
 }
 
 fn service(name: &str, port: u16, protocol: Protocol, backends: &[(Ipv4Addr, u16)]) -> ServiceConfig {
+    service_with(name, port, protocol, Scheduler::Maglev, backends)
+}
+
+fn service_with(
+    name: &str,
+    port: u16,
+    protocol: Protocol,
+    scheduler: Scheduler,
+    backends: &[(Ipv4Addr, u16)],
+) -> ServiceConfig {
     ServiceConfig {
         name: name.into(),
         vip: VIP,
         port,
         protocol,
-        scheduler: Scheduler::Maglev,
+        scheduler,
         table_size: 65537,
         backends: backends.iter().map(|&(address, port)| BackendConfig { address, port, weight: 1 }).collect(),
     }
@@ -550,5 +560,33 @@ fn every_flow_sticks_to_one_backend_and_flows_spread_over_all() {
         for (b, n) in &seen {
             assert!((70..=130).contains(n), "backend {b} got {n} of 300 flows: {seen:?}");
         }
+    });
+}
+
+#[test]
+fn round_robin_and_wrr_follow_their_sequence_exactly() {
+    in_netns(|| {
+        let b: Vec<(Ipv4Addr, u16)> = (11..14).map(|i| (Ipv4Addr::new(10, 20, 0, i), 8080)).collect();
+        let mut fx = Fixture::new(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &b)]);
+        let dst_of = |fx: &Fixture, port: u16| {
+            let (_, out) = fx.run(&Pkt::tcp(CLIENT, port, VIP, 80, SYN).frame(), fx.if_a);
+            out[33]
+        };
+        let seq: Vec<u8> = (0..9).map(|i| dst_of(&fx, 30000 + i)).collect();
+        // Round robin: a rotation of 11, 12, 13 repeated.
+        for w in seq.windows(3) {
+            let mut s = w.to_vec();
+            s.sort_unstable();
+            assert_eq!(s, [11, 12, 13], "not round robin: {seq:?}");
+        }
+        // Smooth WRR 5:1:1 gives a a b a c a a (a rotation of it, as the
+        // shared counter continues).
+        let mut s = service_with("web", 80, Protocol::Tcp, Scheduler::Wrr, &b);
+        s.backends[0].weight = 5;
+        fx.dp.apply(&[s]).unwrap();
+        let seq: Vec<u8> = (0..14).map(|i| dst_of(&fx, 31000 + i)).collect();
+        let cycle = [11, 11, 12, 11, 13, 11, 11];
+        let start = (0..7).find(|&r| (0..14).all(|i| seq[i] == cycle[(i + r) % 7])).unwrap_or_else(|| panic!("not a rotation of a a b a c a a: {seq:?}"));
+        let _ = start;
     });
 }

@@ -90,6 +90,10 @@ struct ConnsArgs {
     src: SourceArgs,
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
+    /// Keep going for this long instead of stopping after `count` (each
+    /// worker finishes its connection in flight).
+    #[arg(long)]
+    duration_ms: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -299,12 +303,18 @@ async fn run_conns(a: ConnsArgs) -> anyhow::Result<serde_json::Value> {
     let next = Arc::new(AtomicUsize::new(0));
     let errors = Errors::default();
     let mut workers = Vec::new();
-    for _ in 0..a.concurrency.max(1).min(a.count.max(1)) {
+    let workers_n = if a.duration_ms.is_some() { a.concurrency.max(1) } else { a.concurrency.max(1).min(a.count.max(1)) };
+    for _ in 0..workers_n {
         let (sources, next, errors) = (sources.clone(), next.clone(), errors.clone());
-        let (target, count, timeout_ms) = (a.target, a.count, a.timeout_ms);
+        let (target, timeout_ms) = (a.target, a.timeout_ms);
+        let count = if a.duration_ms.is_some() { usize::MAX } else { a.count };
+        let deadline = a.duration_ms.map(|ms| start + Duration::from_millis(ms));
         workers.push(tokio::spawn(async move {
             let mut agg = ConnsAgg::default();
             loop {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    break;
+                }
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= count {
                     break;
