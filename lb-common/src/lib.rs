@@ -37,6 +37,10 @@ pub const SCHED_LEAST_CONN: u32 = 3;
 /// new flows are dropped and counted.
 pub const SVC_F_NO_BACKEND: u32 = 1;
 
+/// [`Backend::flags`]: health checks took the backend out; flows pinned to
+/// it are re-dispatched on their next packet.
+pub const BACKEND_F_DOWN: u32 = 1;
+
 /// [`Flow::dir`]: client -> VIP, rewritten to the backend.
 pub const DIR_FORWARD: u8 = 0;
 /// [`Flow::dir`]: backend -> client, rewritten back to the VIP.

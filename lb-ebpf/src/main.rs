@@ -22,7 +22,7 @@ use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use aya_log_ebpf::debug;
 use lb_common::{
-    BACKEND_NONE, DIR_FORWARD, DIR_REPLY, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_RST, Flow,
+    BACKEND_F_DOWN, BACKEND_NONE, DIR_FORWARD, DIR_REPLY, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_RST, Flow,
     FlowKey, PROTO_TCP, Service, VipKey, counter, flow_closed,
 };
 use maps::{BACKENDS, FLOWS, VIP_ADDRS, VIPS};
@@ -63,8 +63,14 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
         if f.dir == DIR_REPLY {
             return Ok(reply(ctx, &pkt, &f));
         }
-        // A fresh SYN on a closed flow's tuple is a new connection.
-        if !(is_syn(&pkt) && flow_closed(f.state)) {
+        // A fresh SYN on a closed flow's tuple is a new connection; a flow
+        // whose backend went down is re-dispatched (its next packet, e.g. a
+        // retransmission, reaches a live backend, which resets it fast).
+        let down = backend_down(f.backend_id);
+        if down && !flow_closed(f.state) {
+            stats::flow_closed(f.backend_id);
+        }
+        if !down && !(is_syn(&pkt) && flow_closed(f.state)) {
             track_close(flow, &f, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
             let now = now_secs();
             if f.last_seen != now {
@@ -94,6 +100,14 @@ fn drop_if_vip(ctx: &XdpContext, daddr: u32, reason: u32) -> u32 {
         xdp_action::XDP_DROP
     } else {
         xdp_action::XDP_PASS
+    }
+}
+
+#[inline(always)]
+fn backend_down(id: u32) -> bool {
+    match BACKENDS.get(id) {
+        Some(b) => b.flags & BACKEND_F_DOWN != 0,
+        None => false,
     }
 }
 

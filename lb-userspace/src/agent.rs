@@ -64,9 +64,9 @@ impl Agent {
                 .map(|s| s.name.clone())
                 .collect(),
         };
-        if let Err(e) = self.dp.apply(&new.services) {
+        if let Err(e) = self.dp.apply_admin(&new.services) {
             warn!(error = %e, "reload failed while applying; restoring the previous configuration");
-            if let Err(e2) = self.dp.apply(&self.config.services) {
+            if let Err(e2) = self.dp.apply_admin(&self.config.services) {
                 warn!(error = %e2, "restoring the previous configuration failed too");
             }
             return Err(ReloadError::Apply(e));

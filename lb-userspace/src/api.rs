@@ -100,6 +100,9 @@ pub struct ServiceStatus {
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Status {
+    /// Kernel id of the XDP program now attached (a restart or upgrade
+    /// swaps in a new one).
+    pub program_id: Option<u32>,
     pub interfaces: Vec<Attachment>,
     /// Datapath drop and fallback counters by reason.
     pub counters: BTreeMap<String, u64>,
@@ -167,7 +170,7 @@ pub fn status(dp: &Dataplane) -> Result<Status, crate::dataplane::DataplaneError
             backends,
         });
     }
-    Ok(Status { interfaces: dp.attachments(), counters: dp.counters()?, services })
+    Ok(Status { program_id: dp.program_id(), interfaces: dp.attachments(), counters: dp.counters()?, services })
 }
 
 fn ok(v: impl Serialize) -> Response {

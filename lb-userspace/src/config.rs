@@ -9,6 +9,7 @@ use std::{
     fmt,
     net::Ipv4Addr,
     path::{Path, PathBuf},
+    time::Duration,
 };
 
 use serde::{Deserialize, Serialize};
@@ -17,6 +18,7 @@ use serde_yaml::{Mapping, Value};
 use crate::{maglev, wrr};
 
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lbd/lbd.sock";
+pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/lbd";
 pub const DEFAULT_CONNTRACK_MAX: u32 = 1_048_576;
 /// Upper bound for `conntrack_max` (each connection takes two LRU entries).
 pub const MAX_CONNTRACK: u32 = 1 << 26;
@@ -108,6 +110,59 @@ pub struct BackendConfig {
     pub address: Ipv4Addr,
     pub port: u16,
     pub weight: u32,
+    /// Administratively drained: no new flows, existing ones continue;
+    /// the weight is kept for when it is enabled again.
+    pub drain: bool,
+}
+
+impl BackendConfig {
+    /// The weight the schedulers use before health and slow start.
+    pub fn admin_weight(&self) -> u32 {
+        if self.drain { 0 } else { self.weight }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProbeKind {
+    /// No probing: every backend counts as up.
+    None,
+    /// A TCP connect to the backend.
+    Tcp,
+    /// An HTTP GET whose status must fall in `expect`.
+    Http,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthConfig {
+    pub kind: ProbeKind,
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Consecutive successes that bring a down backend back.
+    pub rise: u32,
+    /// Consecutive failures that take an up backend out.
+    pub fall: u32,
+    /// HTTP path (http probes).
+    pub path: String,
+    /// Accepted HTTP status range, inclusive (http probes).
+    pub expect: (u16, u16),
+    /// Probe this port instead of the backend's own.
+    pub port: Option<u16>,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            kind: ProbeKind::None,
+            interval: Duration::from_secs(2),
+            timeout: Duration::from_secs(1),
+            rise: 2,
+            fall: 3,
+            path: "/".into(),
+            expect: (200, 399),
+            port: None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,6 +174,10 @@ pub struct ServiceConfig {
     pub scheduler: Scheduler,
     /// Maglev table size (a prime).
     pub table_size: u32,
+    pub health: HealthConfig,
+    /// A backend that comes up (or is added) ramps its weight from a small
+    /// value to the configured one over this long.
+    pub slow_start: Option<Duration>,
     pub backends: Vec<BackendConfig>,
 }
 
@@ -127,6 +186,9 @@ pub struct Config {
     pub interfaces: Vec<String>,
     pub xdp_mode: XdpMode,
     pub control_socket: PathBuf,
+    /// bpffs directory where the datapath (maps, links) is pinned so that
+    /// it outlives lbd and a restarted lbd adopts it.
+    pub pin_path: PathBuf,
     pub conntrack_max: u32,
     pub table_capacity: u32,
     /// Seconds without a packet after which an open TCP flow expires.
@@ -149,6 +211,9 @@ impl Config {
         }
         if self.control_socket != new.control_socket {
             v.push("control_socket");
+        }
+        if self.pin_path != new.pin_path {
+            v.push("pin_path");
         }
         if self.conntrack_max != new.conntrack_max {
             v.push("conntrack_max");
@@ -345,6 +410,7 @@ impl Walker<'_> {
             "xdp_mode",
             "forwarding",
             "control_socket",
+            "pin_path",
             "conntrack_max",
             "table_capacity",
             "tcp_idle_timeout",
@@ -407,6 +473,18 @@ impl Walker<'_> {
             },
         };
 
+        let pin_path = match m.get("pin_path") {
+            None => PathBuf::from(DEFAULT_PIN_PATH),
+            Some(v) => match self.string(v, "pin_path") {
+                Some(s) if s.starts_with('/') && s.len() > 1 => PathBuf::from(s.trim_end_matches('/')),
+                Some(s) => {
+                    self.problem("pin_path", format!("{s:?} is not an absolute directory path"));
+                    PathBuf::new()
+                }
+                None => PathBuf::new(),
+            },
+        };
+
         let conntrack_max = match m.get("conntrack_max") {
             None => DEFAULT_CONNTRACK_MAX,
             Some(v) => self.uint(v, "conntrack_max", 1, MAX_CONNTRACK as u64).unwrap_or(1) as u32,
@@ -443,6 +521,7 @@ impl Walker<'_> {
             interfaces,
             xdp_mode,
             control_socket,
+            pin_path,
             conntrack_max,
             table_capacity,
             tcp_idle_timeout,
@@ -452,7 +531,8 @@ impl Walker<'_> {
     }
 
     fn service(&mut self, v: &Value, path: &str) -> Option<ServiceConfig> {
-        const KEYS: &[&str] = &["name", "vip", "port", "protocol", "scheduler", "table_size", "backends"];
+        const KEYS: &[&str] =
+            &["name", "vip", "port", "protocol", "scheduler", "table_size", "health", "slow_start", "backends"];
         let m = self.mapping(v, path, KEYS)?;
         let before = self.problems.len();
 
@@ -512,6 +592,17 @@ impl Walker<'_> {
             }
         };
 
+        let health = match m.get("health") {
+            None => Some(HealthConfig::default()),
+            Some(v) => self.health(v, &Self::field(path, "health")),
+        };
+        let slow_start = match m.get("slow_start") {
+            None => Some(None),
+            Some(v) => self.duration(v, &Self::field(path, "slow_start"), Duration::ZERO, Duration::from_secs(3600)).map(|d| {
+                if d.is_zero() { None } else { Some(d) }
+            }),
+        };
+
         let mut backends = Vec::new();
         let bpath = Self::field(path, "backends");
         match m.get("backends") {
@@ -559,12 +650,101 @@ impl Walker<'_> {
             protocol: protocol?,
             scheduler: scheduler?,
             table_size: table_size?,
+            health: health?,
+            slow_start: slow_start?,
             backends,
         })
     }
 
+    /// A duration: a number with a unit (`500ms`, `2s`, `1m`) or a bare
+    /// number of seconds.
+    fn duration(&mut self, v: &Value, field: &str, min: Duration, max: Duration) -> Option<Duration> {
+        let d = match v {
+            Value::Number(n) => n.as_u64().map(Duration::from_secs),
+            Value::String(s) => parse_duration(s),
+            _ => None,
+        };
+        match d {
+            Some(d) if d >= min && d <= max => Some(d),
+            Some(d) => {
+                self.problem(field, format!("{d:?} is out of range ({min:?} to {max:?})"));
+                None
+            }
+            None => {
+                self.problem(field, format!("expected a duration such as 500ms, 2s or 1m, found {}", describe(v)));
+                None
+            }
+        }
+    }
+
+    fn health(&mut self, v: &Value, path: &str) -> Option<HealthConfig> {
+        let m = self.mapping(v, path, &["type", "interval", "timeout", "rise", "fall", "path", "expect", "port"])?;
+        let before = self.problems.len();
+        let mut h = HealthConfig::default();
+        let f = |k: &str| Self::field(path, k);
+        match m.get("type") {
+            None => self.problem(&f("type"), "missing (required): one of none, tcp, http".into()),
+            Some(v) => match self.string(v, &f("type")) {
+                Some("none") => h.kind = ProbeKind::None,
+                Some("tcp") => h.kind = ProbeKind::Tcp,
+                Some("http") => h.kind = ProbeKind::Http,
+                Some(o) => self.problem(&f("type"), format!("{o:?} is not one of none, tcp, http")),
+                None => {}
+            },
+        }
+        if let Some(v) = m.get("interval")
+            && let Some(d) = self.duration(v, &f("interval"), Duration::from_millis(50), Duration::from_secs(3600))
+        {
+            h.interval = d;
+        }
+        if let Some(v) = m.get("timeout")
+            && let Some(d) = self.duration(v, &f("timeout"), Duration::from_millis(10), Duration::from_secs(600))
+        {
+            h.timeout = d;
+        }
+        if let Some(v) = m.get("rise")
+            && let Some(n) = self.uint(v, &f("rise"), 1, 100)
+        {
+            h.rise = n as u32;
+        }
+        if let Some(v) = m.get("fall")
+            && let Some(n) = self.uint(v, &f("fall"), 1, 100)
+        {
+            h.fall = n as u32;
+        }
+        if let Some(v) = m.get("path")
+            && let Some(p) = self.string(v, &f("path"))
+        {
+            if p.starts_with('/') && !p.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                h.path = p.to_owned();
+            } else {
+                self.problem(&f("path"), format!("{p:?} is not an absolute URL path without spaces"));
+            }
+        }
+        if let Some(v) = m.get("expect") {
+            let text = match v {
+                Value::Number(n) => Some(n.to_string()),
+                Value::String(s) => Some(s.clone()),
+                _ => None,
+            };
+            match text.as_deref().and_then(parse_status_range) {
+                Some(r) => h.expect = r,
+                None => self.problem(&f("expect"), format!("expected a status or range such as 200 or 200-399, found {}", describe(v))),
+            }
+        }
+        if let Some(v) = m.get("port")
+            && let Some(p) = self.uint(v, &f("port"), 1, 65535)
+        {
+            h.port = Some(p as u16);
+        }
+        if h.kind != ProbeKind::None && h.timeout > h.interval {
+            self.problem(&f("timeout"), format!("{:?} is longer than the interval {:?}", h.timeout, h.interval));
+        }
+        (self.problems.len() == before).then_some(h)
+    }
+
     fn backend(&mut self, v: &Value, path: &str) -> Option<BackendConfig> {
-        let m = self.mapping(v, path, &["address", "port", "weight"])?;
+        let m = self.mapping(v, path, &["address", "port", "weight", "drain"])?;
         let address = self
             .required(m, path, "address")
             .and_then(|v| self.ipv4(v, &Self::field(path, "address")));
@@ -575,7 +755,15 @@ impl Walker<'_> {
             None => Some(1),
             Some(v) => self.uint(v, &Self::field(path, "weight"), 0, MAX_WEIGHT as u64),
         };
-        Some(BackendConfig { address: address?, port: port? as u16, weight: weight? as u32 })
+        let drain = match m.get("drain") {
+            None => Some(false),
+            Some(Value::Bool(b)) => Some(*b),
+            Some(v) => {
+                self.problem(&Self::field(path, "drain"), format!("expected true or false, found {}", describe(v)));
+                None
+            }
+        };
+        Some(BackendConfig { address: address?, port: port? as u16, weight: weight? as u32, drain: drain? })
     }
 
     fn cross_service(&mut self, services: &[(usize, ServiceConfig)], table_capacity: u32) {
@@ -620,6 +808,39 @@ impl Walker<'_> {
             );
         }
     }
+}
+
+/// `500ms`, `2s`, `1.5s`, `1m`, or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let (num, mult) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = s.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num.trim().parse().ok()?;
+    if !v.is_finite() || v < 0.0 {
+        return None;
+    }
+    Some(Duration::from_secs_f64(v * mult))
+}
+
+/// `200` or `200-399`.
+pub fn parse_status_range(s: &str) -> Option<(u16, u16)> {
+    let (a, b) = match s.split_once('-') {
+        Some((a, b)) => (a.trim().parse().ok()?, b.trim().parse().ok()?),
+        None => {
+            let v = s.trim().parse().ok()?;
+            (v, v)
+        }
+    };
+    ((100..=599).contains(&a) && (100..=599).contains(&b) && a <= b).then_some((a, b))
 }
 
 /// Entries the selection table of `s` takes.
@@ -680,7 +901,13 @@ services:
         let s = &c.services[0];
         assert_eq!(s.scheduler, Scheduler::Maglev);
         assert_eq!(s.table_size, 65537);
-        assert_eq!(s.backends[1], BackendConfig { address: "10.20.0.12".parse().unwrap(), port: 8080, weight: 2 });
+        assert_eq!(
+            s.backends[1],
+            BackendConfig { address: "10.20.0.12".parse().unwrap(), port: 8080, weight: 2, drain: false }
+        );
+        assert_eq!(s.health.kind, ProbeKind::None);
+        assert_eq!(s.slow_start, None);
+        assert_eq!(c.pin_path, PathBuf::from(DEFAULT_PIN_PATH));
     }
 
     #[test]
@@ -763,6 +990,54 @@ services:
         assert_eq!(p.field, "services[0].scheduler");
         let c = parse(&GOOD.replace("protocol: tcp", "protocol: tcp\n    scheduler: source-hash"), "f", &Fake).unwrap();
         assert_eq!(c.services[0].scheduler, Scheduler::SourceHash);
+    }
+
+    #[test]
+    fn health_slow_start_and_drain_parse_and_validate() {
+        let text = GOOD.replace(
+            "    protocol: tcp\n",
+            "    protocol: tcp\n    slow_start: 10s\n    health: { type: http, interval: 500ms, timeout: 200ms, rise: 2, fall: 3, path: /healthz, expect: 200-299, port: 9000 }\n",
+        )
+        .replace("weight: 2 }", "weight: 2, drain: true }");
+        let c = parse(&text, "f", &Fake).unwrap();
+        let s = &c.services[0];
+        assert_eq!(s.slow_start, Some(Duration::from_secs(10)));
+        assert_eq!(s.health.kind, ProbeKind::Http);
+        assert_eq!(s.health.interval, Duration::from_millis(500));
+        assert_eq!(s.health.timeout, Duration::from_millis(200));
+        assert_eq!((s.health.rise, s.health.fall), (2, 3));
+        assert_eq!(s.health.path, "/healthz");
+        assert_eq!(s.health.expect, (200, 299));
+        assert_eq!(s.health.port, Some(9000));
+        assert!(s.backends[1].drain);
+        assert_eq!(s.backends[1].admin_weight(), 0);
+
+        let bad = GOOD.replace(
+            "    protocol: tcp\n",
+            "    protocol: tcp\n    slow_start: soon\n    health: { type: ping, interval: 1s, timeout: 2s, expect: 700 }\n",
+        );
+        let fields: Vec<String> = problems(&bad).into_iter().map(|p| p.field).collect();
+        assert_eq!(
+            fields,
+            ["services[0].health.type", "services[0].health.expect", "services[0].slow_start"],
+        );
+        let p = only(&GOOD.replace("    protocol: tcp\n", "    protocol: tcp\n    health: { type: tcp, interval: 1s, timeout: 2s }\n"));
+        assert_eq!(p.field, "services[0].health.timeout");
+    }
+
+    #[test]
+    fn durations_and_status_ranges() {
+        assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2s"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("1m"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_duration("3"), Some(Duration::from_secs(3)));
+        assert_eq!(parse_duration("-1s"), None);
+        assert_eq!(parse_duration("fast"), None);
+        assert_eq!(parse_status_range("200-399"), Some((200, 399)));
+        assert_eq!(parse_status_range("204"), Some((204, 204)));
+        assert_eq!(parse_status_range("399-200"), None);
+        assert_eq!(parse_status_range("99"), None);
     }
 
     #[test]

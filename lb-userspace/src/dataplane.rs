@@ -6,27 +6,38 @@
 //! serving, then the service's VIP entry (a hash-map value, replaced whole by
 //! the kernel) is pointed at the new region. The old region is reused only
 //! after a grace period, long after any packet that read the old entry is done.
+//!
+//! The datapath outlives lbd: maps and XDP links are pinned under the
+//! configured `pin_path`. A new lbd adopts what it finds there (the flow
+//! table, counters, backend ids and tables) and swaps in its own program
+//! with a link update, so restarts and upgrades never stop forwarding. Only
+//! a clean shutdown ([`Dataplane::shutdown`]) detaches and unpins.
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     net::Ipv4Addr,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, PerCpuValues},
-    programs::{ProgramError, Xdp, XdpMode as AyaXdpMode, xdp::XdpLinkId},
+    programs::{
+        ProgramError, Xdp, XdpMode as AyaXdpMode,
+        links::{FdLink, LinkError, PinnedLink},
+        xdp::{XdpLink, XdpLinkId},
+    },
     util::nr_cpus,
 };
 use lb_common::{
-    Backend, BackendStats, Conns, DIR_FORWARD, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, PROTO_TCP,
+    BACKEND_F_DOWN, Backend, BackendStats, Conns, DIR_FORWARD, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, PROTO_TCP,
     SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service,
     VipKey, counter, flow_closed,
 };
 use tracing::{info, warn};
 
 use crate::{
-    config::{Config, Scheduler, ServiceConfig, XdpMode},
+    config::{BackendConfig, Config, Scheduler, ServiceConfig, XdpMode},
     maglev, wrr,
 };
 
@@ -55,6 +66,95 @@ pub enum DataplaneError {
     Ids { what: &'static str },
     #[error("reading CPU count: {0}")]
     Cpus(std::io::Error),
+    #[error("{0}")]
+    Bpffs(String),
+    #[error("pinning {path}: {source}")]
+    Pin { path: PathBuf, source: std::io::Error },
+    #[error("XDP link {path}: {source}")]
+    Link { path: PathBuf, source: LinkError },
+}
+
+/// Maps that live in bpffs (everything but aya-log's ring buffer and the
+/// program's read-only globals).
+pub const PINNED_MAPS: &[&str] = &[
+    "VIPS", "VIP_ADDRS", "BACKENDS", "SELECT", "SEQ", "FLOWS", "BACKEND_STATS", "COUNTERS", "CONNS", "EXPIRED",
+];
+
+/// bpffs magic number (statfs f_type).
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+fn is_bpffs(path: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
+    // SAFETY: valid C string and out-pointer.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC }
+}
+
+/// Make sure `pin` can be created on a bpf filesystem. The standard place,
+/// /sys/fs/bpf, is mounted if it is not yet (as systemd and libbpf do);
+/// anywhere else the operator (or the lab) mounts it.
+fn ensure_bpffs(pin: &Path) -> Result<(), DataplaneError> {
+    let mut base = pin.to_path_buf();
+    while !base.exists() {
+        if !base.pop() {
+            break;
+        }
+    }
+    if is_bpffs(&base) {
+        return Ok(());
+    }
+    let std_dir = Path::new("/sys/fs/bpf");
+    if pin.starts_with(std_dir) && base.starts_with("/sys") && std_dir.is_dir() {
+        let c = |s: &str| std::ffi::CString::new(s).expect("no NUL");
+        let (src, dst, ty) = (c("bpf"), c("/sys/fs/bpf"), c("bpf"));
+        // SAFETY: valid C strings; a plain mount(2).
+        let rc = unsafe { libc::mount(src.as_ptr(), dst.as_ptr(), ty.as_ptr(), 0, std::ptr::null()) };
+        if rc == 0 && is_bpffs(std_dir) {
+            info!("mounted bpffs on /sys/fs/bpf");
+            return Ok(());
+        }
+    }
+    Err(DataplaneError::Bpffs(format!(
+        "pin_path {} is not on a bpf filesystem (found {} without one); mount it first: mount -t bpf bpf <dir>",
+        pin.display(),
+        base.display()
+    )))
+}
+
+/// What the agent decided for a backend on top of its configuration:
+/// the weight the schedulers use (health, drain and slow start applied)
+/// and whether it is down (its pinned flows are re-dispatched).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackendRuntime {
+    pub weight: u32,
+    pub down: bool,
+}
+
+impl BackendRuntime {
+    /// Configuration only: drained backends weigh 0, nothing is down.
+    pub fn admin(b: &BackendConfig) -> Self {
+        Self { weight: b.admin_weight(), down: false }
+    }
+}
+
+enum AttachedLink {
+    /// Pinned in bpffs: survives us; detached only by unpinning.
+    Pinned { fd: FdLink, path: PathBuf },
+    /// Owned by the program object (unpinned data planes, for tests).
+    Owned(XdpLinkId),
+}
+
+struct Attached {
+    attachment: Attachment,
+    link: AttachedLink,
+}
+
+/// A service found in adopted maps: its id, table region and backend ids.
+#[derive(Clone, Debug)]
+struct Adopted {
+    service_id: u32,
+    region: Option<(u32, u32)>,
+    backends: Vec<(Ipv4Addr, u16, u32)>,
 }
 
 fn map_err(map: &'static str) -> impl FnOnce(MapError) -> DataplaneError {
@@ -73,7 +173,8 @@ pub struct Attachment {
 #[derive(Clone, Debug)]
 pub struct AppliedBackend {
     pub id: u32,
-    pub config: crate::config::BackendConfig,
+    pub config: BackendConfig,
+    pub runtime: BackendRuntime,
 }
 
 /// One service as programmed into the maps.
@@ -136,6 +237,22 @@ impl Regions {
     fn free(&mut self, off: u32, len: u32) {
         self.pending.push((off, len, Instant::now()));
     }
+
+    /// Mark `[off, off + len)` as in use (a region found in adopted maps).
+    fn reserve(&mut self, off: u32, len: u32) -> bool {
+        let Some(i) = self.free.iter().position(|&(o, l)| o <= off && off + len <= o + l) else {
+            return false;
+        };
+        let (o, l) = self.free.remove(i);
+        if off > o {
+            self.free.push((o, off - o));
+        }
+        if off + len < o + l {
+            self.free.push((off + len, o + l - (off + len)));
+        }
+        self.free.sort_unstable();
+        true
+    }
 }
 
 /// Smallest unused id in `1..limit`, preferring ids never used before so
@@ -165,11 +282,19 @@ impl Ids {
     fn release(&mut self, id: u32) {
         self.used.remove(&id);
     }
+
+    fn reserve(&mut self, id: u32) -> bool {
+        id > 0 && id < self.limit && self.used.insert(id)
+    }
 }
 
 pub struct Dataplane {
     ebpf: Ebpf,
-    attached: Vec<(Attachment, XdpLinkId)>,
+    attached: Vec<Attached>,
+    /// bpffs directory of this datapath; None for a private, unpinned one.
+    pin: Option<PathBuf>,
+    /// Services found in adopted maps, not yet claimed by the config.
+    adopted: HashMap<VipKey, Adopted>,
     services: BTreeMap<String, AppliedService>,
     service_ids: Ids,
     backend_ids: Ids,
@@ -179,33 +304,108 @@ pub struct Dataplane {
 }
 
 impl Dataplane {
-    /// Load the program and create its maps, sized from `config`. Nothing
-    /// is attached yet.
+    /// Load the program with its maps pinned under `config.pin_path`,
+    /// adopting maps already pinned there (a previous lbd's datapath).
+    /// Nothing is attached yet.
     pub fn load(config: &Config) -> Result<Self, DataplaneError> {
+        Self::load_inner(config, Some(&config.pin_path))
+    }
+
+    /// Load a private datapath whose maps and links vanish with it (tests).
+    pub fn load_unpinned(config: &Config) -> Result<Self, DataplaneError> {
+        Self::load_inner(config, None)
+    }
+
+    /// True when a datapath is pinned at `pin` (a previous lbd left it).
+    pub fn pinned_at(pin: &Path) -> bool {
+        pin.join("maps").join("FLOWS").exists()
+    }
+
+    fn load_inner(config: &Config, pin: Option<&Path>) -> Result<Self, DataplaneError> {
         // Kernel-side log statements exist only on error paths; keep them at
         // warn and above unless asked (level numbers follow aya-log-common).
         let level: u8 = if tracing::enabled!(tracing::Level::DEBUG) { 4 } else { 2 };
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        loader
             .map_max_entries("FLOWS", config.conntrack_max.saturating_mul(2))
             .map_max_entries("SELECT", config.table_capacity)
-            .override_global("AYA_LOG_LEVEL", &level, false)
-            .load(EBPF_OBJECT)?;
+            .override_global("AYA_LOG_LEVEL", &level, false);
+        let mut adopting = false;
+        let maps_dir = pin.map(|p| p.join("maps"));
+        if let (Some(pin), Some(maps_dir)) = (pin, &maps_dir) {
+            ensure_bpffs(pin)?;
+            adopting = Self::pinned_at(pin);
+            std::fs::create_dir_all(maps_dir).map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
+            for name in PINNED_MAPS {
+                loader.map_pin_path(name, maps_dir.join(name));
+            }
+        }
+        let mut ebpf = loader.load(EBPF_OBJECT)?;
         let prog: &mut Xdp = ebpf
             .program_mut(PROGRAM)
             .ok_or(ProgramError::NotLoaded)?
             .try_into()?;
         prog.load()?;
         let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
-        Ok(Self {
+        let mut dp = Self {
             ebpf,
             attached: Vec::new(),
+            pin: pin.map(Path::to_path_buf),
+            adopted: HashMap::new(),
             services: BTreeMap::new(),
             service_ids: Ids::new(MAX_SERVICES),
             backend_ids: Ids::new(MAX_BACKENDS),
             regions: Regions::new(config.table_capacity),
             table_capacity: config.table_capacity,
             ncpus,
-        })
+        };
+        if adopting {
+            dp.adopt()?;
+        }
+        Ok(dp)
+    }
+
+    /// Rebuild what the pinned maps already hold: services by VIP key with
+    /// their ids and table regions, backends with their ids, so that the
+    /// first `apply` keeps ids (and so counters) and frees nothing in use.
+    fn adopt(&mut self) -> Result<(), DataplaneError> {
+        let mut found: HashMap<VipKey, Adopted> = HashMap::new();
+        {
+            let vips: BpfHashMap<&MapData, VipKey, Service> =
+                BpfHashMap::try_from(self.ebpf.map("VIPS").expect("VIPS map")).map_err(map_err("VIPS"))?;
+            for item in vips.iter() {
+                let (k, v) = item.map_err(map_err("VIPS"))?;
+                let region = (v.table_len > 0).then_some((v.table_off, v.table_len));
+                found.insert(k, Adopted { service_id: v.service_id, region, backends: Vec::new() });
+            }
+        }
+        let by_service: HashMap<u32, VipKey> = found.iter().map(|(k, a)| (a.service_id, *k)).collect();
+        {
+            let arr: Array<&MapData, Backend> =
+                Array::try_from(self.ebpf.map("BACKENDS").expect("BACKENDS map")).map_err(map_err("BACKENDS"))?;
+            for id in 1..MAX_BACKENDS {
+                let b = arr.get(&id, 0).map_err(map_err("BACKENDS"))?;
+                if b.addr == 0 {
+                    continue;
+                }
+                if let Some(key) = by_service.get(&b.service_id) {
+                    let a = found.get_mut(key).expect("indexed above");
+                    a.backends.push((Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port), id));
+                }
+            }
+        }
+        for a in found.values() {
+            self.service_ids.reserve(a.service_id);
+            if let Some((o, l)) = a.region {
+                self.regions.reserve(o, l);
+            }
+            for &(_, _, id) in &a.backends {
+                self.backend_ids.reserve(id);
+            }
+        }
+        info!(services = found.len(), "adopted the pinned datapath (flow table and counters kept)");
+        self.adopted = found;
+        Ok(())
     }
 
     /// The loaded object, for callers that need a map or the program
@@ -222,85 +422,141 @@ impl Dataplane {
     }
 
     /// Attach to every interface. `Auto` tries native mode and falls back
-    /// to generic mode with a warning. On error, interfaces attached so far
-    /// are detached again (nothing half-attached is left behind).
+    /// to generic mode with a warning. Where a pinned link from a previous
+    /// lbd exists, the program is swapped in atomically (link update)
+    /// instead. On error, interfaces attached here are detached again.
     pub fn attach(&mut self, interfaces: &[String], mode: XdpMode) -> Result<(), DataplaneError> {
-        let prog: &mut Xdp = self
-            .ebpf
-            .program_mut(PROGRAM)
-            .ok_or(ProgramError::NotLoaded)?
-            .try_into()?;
-        let mut done = Vec::new();
-        let result = (|| {
-            for iface in interfaces {
-                let (link, mode_name) = match mode {
-                    XdpMode::Native => (
-                        prog.attach(iface, AyaXdpMode::Driver).map_err(|source| DataplaneError::Attach {
-                            iface: iface.clone(),
-                            mode: "native",
-                            source,
-                        })?,
-                        "native",
-                    ),
-                    XdpMode::Generic => (
-                        prog.attach(iface, AyaXdpMode::Skb).map_err(|source| DataplaneError::Attach {
-                            iface: iface.clone(),
-                            mode: "generic",
-                            source,
-                        })?,
-                        "generic",
-                    ),
-                    XdpMode::Auto => match prog.attach(iface, AyaXdpMode::Driver) {
-                        Ok(link) => (link, "native"),
-                        Err(e) => {
-                            warn!(interface = %iface, error = %e, "native XDP attach failed; falling back to generic mode");
-                            (
-                                prog.attach(iface, AyaXdpMode::Skb).map_err(|source| DataplaneError::Attach {
-                                    iface: iface.clone(),
-                                    mode: "generic",
-                                    source,
-                                })?,
-                                "generic",
-                            )
+        let links_dir = self.pin.as_ref().map(|p| p.join("links"));
+        if let Some(d) = &links_dir {
+            std::fs::create_dir_all(d).map_err(|source| DataplaneError::Pin { path: d.clone(), source })?;
+            // Interfaces no longer configured: unpinning detaches them.
+            if let Ok(rd) = std::fs::read_dir(d) {
+                for e in rd.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let iface = name.strip_suffix(".mode").unwrap_or(&name);
+                    if !interfaces.iter().any(|i| i == iface) {
+                        let _ = std::fs::remove_file(e.path());
+                        if !name.ends_with(".mode") {
+                            info!(interface = %iface, "detached (no longer configured)");
                         }
-                    },
-                };
-                info!(interface = %iface, mode = mode_name, "XDP attached");
-                done.push((Attachment { interface: iface.clone(), mode: mode_name.into() }, link));
-            }
-            Ok(())
-        })();
-        match result {
-            Ok(()) => {
-                self.attached.extend(done);
-                Ok(())
-            }
-            Err(e) => {
-                for (a, link) in done {
-                    if let Err(de) = prog.detach(link) {
-                        warn!(interface = %a.interface, error = %de, "detach after failed attach");
                     }
                 }
-                Err(e)
             }
+        }
+        let mut done: Vec<Attached> = Vec::new();
+        let mut result = Ok(());
+        for iface in interfaces {
+            match self.attach_one(iface, mode, links_dir.as_deref()) {
+                Ok(a) => done.push(a),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        if result.is_err() {
+            for a in done.drain(..) {
+                self.detach_one(a);
+            }
+        }
+        self.attached.extend(done);
+        result
+    }
+
+    fn attach_one(&mut self, iface: &str, mode: XdpMode, links_dir: Option<&Path>) -> Result<Attached, DataplaneError> {
+        let prog: &mut Xdp = self.ebpf.program_mut(PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
+        let pin_path = links_dir.map(|d| d.join(iface));
+        if let Some(path) = pin_path.as_ref().filter(|p| p.exists()) {
+            // Adopt: replace the program behind the existing link.
+            let link_err = |source| DataplaneError::Link { path: path.clone(), source };
+            let pinned = PinnedLink::from_pin(path).map_err(link_err)?;
+            let xdp = XdpLink::try_from(FdLink::from(pinned)).map_err(link_err)?;
+            let id = prog.attach_to_link(xdp)?;
+            let fd = FdLink::try_from(prog.take_link(id)?).map_err(link_err)?;
+            let mode_name = std::fs::read_to_string(path.with_extension("mode")).unwrap_or_else(|_| "native".into());
+            info!(interface = %iface, mode = %mode_name.trim(), "XDP program replaced on the pinned link");
+            return Ok(Attached {
+                attachment: Attachment { interface: iface.to_owned(), mode: mode_name.trim().to_owned() },
+                link: AttachedLink::Pinned { fd, path: path.clone() },
+            });
+        }
+        let try_mode = |prog: &mut Xdp, m: AyaXdpMode, name: &'static str| {
+            prog.attach(iface, m).map_err(|source| DataplaneError::Attach { iface: iface.to_owned(), mode: name, source })
+        };
+        let (id, mode_name) = match mode {
+            XdpMode::Native => (try_mode(prog, AyaXdpMode::Driver, "native")?, "native"),
+            XdpMode::Generic => (try_mode(prog, AyaXdpMode::Skb, "generic")?, "generic"),
+            XdpMode::Auto => match try_mode(prog, AyaXdpMode::Driver, "native") {
+                Ok(id) => (id, "native"),
+                Err(e) => {
+                    warn!(interface = %iface, error = %e, "native XDP attach failed; falling back to generic mode");
+                    (try_mode(prog, AyaXdpMode::Skb, "generic")?, "generic")
+                }
+            },
+        };
+        info!(interface = %iface, mode = mode_name, "XDP attached");
+        let attachment = Attachment { interface: iface.to_owned(), mode: mode_name.into() };
+        let Some(path) = pin_path else {
+            return Ok(Attached { attachment, link: AttachedLink::Owned(id) });
+        };
+        let link_err = |source| DataplaneError::Link { path: path.clone(), source };
+        let fd = FdLink::try_from(prog.take_link(id)?).map_err(link_err)?;
+        let pinned = fd
+            .pin(&path)
+            .map_err(|e| DataplaneError::Pin { path: path.clone(), source: std::io::Error::other(e.to_string()) })?;
+        let _ = std::fs::write(path.with_extension("mode"), mode_name);
+        Ok(Attached { attachment, link: AttachedLink::Pinned { fd: FdLink::from(pinned), path } })
+    }
+
+    fn detach_one(&mut self, a: Attached) {
+        match a.link {
+            AttachedLink::Pinned { fd, path } => {
+                // Dropping the last reference (pin file and our fd) detaches.
+                if let Err(e) = std::fs::remove_file(&path) {
+                    warn!(interface = %a.attachment.interface, error = %e, "unpinning the XDP link");
+                }
+                let _ = std::fs::remove_file(path.with_extension("mode"));
+                drop(fd);
+            }
+            AttachedLink::Owned(id) => {
+                if let Some(prog) = self.ebpf.program_mut(PROGRAM).and_then(|p| <&mut Xdp>::try_from(p).ok())
+                    && let Err(e) = prog.detach(id)
+                {
+                    warn!(interface = %a.attachment.interface, error = %e, "XDP detach failed");
+                }
+            }
+        }
+        info!(interface = %a.attachment.interface, "XDP detached");
+    }
+
+    /// Detach from every interface and unpin everything: the clean stop.
+    /// The datapath is gone afterwards.
+    pub fn shutdown(&mut self) {
+        for a in std::mem::take(&mut self.attached) {
+            self.detach_one(a);
+        }
+        if let Some(pin) = &self.pin {
+            for name in PINNED_MAPS {
+                let _ = std::fs::remove_file(pin.join("maps").join(name));
+            }
+            for d in [pin.join("maps"), pin.join("links"), pin.clone()] {
+                if let Err(e) = std::fs::remove_dir(&d)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    warn!(path = %d.display(), error = %e, "removing pin directory");
+                }
+            }
+            info!(path = %pin.display(), "unpinned the datapath");
         }
     }
 
-    /// Detach from every interface.
-    pub fn detach_all(&mut self) {
-        let Some(prog) = self.ebpf.program_mut(PROGRAM).and_then(|p| <&mut Xdp>::try_from(p).ok()) else {
-            return;
-        };
-        for (a, link) in self.attached.drain(..) {
-            match prog.detach(link) {
-                Ok(()) => info!(interface = %a.interface, "XDP detached"),
-                Err(e) => warn!(interface = %a.interface, error = %e, "XDP detach failed"),
-            }
-        }
+    /// The XDP program's kernel id (changes when a new program is swapped in).
+    pub fn program_id(&self) -> Option<u32> {
+        self.program().info().ok().map(|i| i.id())
     }
 
     pub fn attachments(&self) -> Vec<Attachment> {
-        self.attached.iter().map(|(a, _)| a.clone()).collect()
+        self.attached.iter().map(|a| a.attachment.clone()).collect()
     }
 
     pub fn services(&self) -> impl Iterator<Item = &AppliedService> {
@@ -310,26 +566,77 @@ impl Dataplane {
     /// Make the maps carry exactly `services`. Services are matched by
     /// name, backends by address and port: unchanged parts keep their ids,
     /// their counters and their table region.
-    pub fn apply(&mut self, services: &[ServiceConfig]) -> Result<(), DataplaneError> {
+    ///
+    /// `runtime` gives each backend's effective weight and down state
+    /// (health, drain, slow start: the agent's business).
+    pub fn apply(
+        &mut self,
+        services: &[ServiceConfig],
+        runtime: &dyn Fn(&ServiceConfig, &BackendConfig) -> BackendRuntime,
+    ) -> Result<(), DataplaneError> {
         let wanted: HashSet<&str> = services.iter().map(|s| s.name.as_str()).collect();
         let gone: Vec<String> = self.services.keys().filter(|n| !wanted.contains(n.as_str())).cloned().collect();
         for name in gone {
             self.remove_service(&name)?;
         }
         for s in services {
-            self.apply_service(s)?;
+            self.apply_service(s, runtime)?;
+        }
+        // Adopted services the config no longer has.
+        for (key, a) in std::mem::take(&mut self.adopted) {
+            let mut vips: BpfHashMap<&mut MapData, VipKey, Service> =
+                BpfHashMap::try_from(self.ebpf.map_mut("VIPS").expect("VIPS map")).map_err(map_err("VIPS"))?;
+            let _ = vips.remove(&key);
+            if let Some((o, l)) = a.region {
+                self.regions.free(o, l);
+            }
+            for (_, _, id) in a.backends {
+                self.backend_ids.release(id);
+            }
+            self.service_ids.release(a.service_id);
         }
         self.sync_vip_addrs()
     }
 
-    fn apply_service(&mut self, cfg: &ServiceConfig) -> Result<(), DataplaneError> {
+    /// [`apply`](Self::apply) with configuration-only weights.
+    pub fn apply_admin(&mut self, services: &[ServiceConfig]) -> Result<(), DataplaneError> {
+        self.apply(services, &|_, b| BackendRuntime::admin(b))
+    }
+
+    fn apply_service(
+        &mut self,
+        cfg: &ServiceConfig,
+        runtime: &dyn Fn(&ServiceConfig, &BackendConfig) -> BackendRuntime,
+    ) -> Result<(), DataplaneError> {
         let key = VipKey {
             addr: u32::from(cfg.vip).to_be(),
             port: cfg.port.to_be(),
             proto: cfg.protocol.number(),
             _pad: 0,
         };
-        let prev = self.services.get(&cfg.name).cloned();
+        let mut prev = self.services.get(&cfg.name).cloned();
+        if prev.is_none()
+            && let Some(a) = self.adopted.remove(&key)
+        {
+            // A service the previous lbd programmed: keep its ids; its table
+            // is rebuilt (same content for the same pool) and flipped.
+            prev = Some(AppliedService {
+                id: a.service_id,
+                config: cfg.clone(),
+                backends: a
+                    .backends
+                    .iter()
+                    .map(|&(address, port, id)| AppliedBackend {
+                        id,
+                        config: BackendConfig { address, port, weight: 0, drain: false },
+                        runtime: BackendRuntime { weight: u32::MAX, down: false },
+                    })
+                    .collect(),
+                key,
+                region: a.region,
+                table: Vec::new(),
+            });
+        }
         let id = match &prev {
             Some(p) => p.id,
             None => self.service_ids.alloc().ok_or(DataplaneError::Ids { what: "service" })?,
@@ -343,10 +650,13 @@ impl Dataplane {
             let existing = prev.as_ref().and_then(|p| {
                 p.backends.iter().find(|o| o.config.address == b.address && o.config.port == b.port)
             });
+            let rt = runtime(cfg, b);
             let bid = match existing {
                 Some(o) => {
-                    if o.config.weight != b.weight {
+                    if o.runtime != rt {
                         changed.push(o.id);
+                    }
+                    if o.config.weight != b.weight && o.runtime.weight != u32::MAX {
                         info!(service = %cfg.name, backend = %format!("{}:{}", b.address, b.port),
                               from = o.config.weight, to = b.weight, "weight changed");
                     }
@@ -366,7 +676,7 @@ impl Dataplane {
                     bid
                 }
             };
-            backends.push(AppliedBackend { id: bid, config: b.clone() });
+            backends.push(AppliedBackend { id: bid, config: b.clone(), runtime: rt });
         }
         if !fresh.is_empty() {
             // Counters of a fresh id start from zero (the id may have served
@@ -391,8 +701,8 @@ impl Dataplane {
                     port: b.config.port.to_be(),
                     _pad: 0,
                     service_id: id,
-                    flags: 0,
-                    weight: b.config.weight,
+                    flags: if b.runtime.down { BACKEND_F_DOWN } else { 0 },
+                    weight: b.runtime.weight,
                     _pad2: 0,
                 };
                 arr.set(b.id, v, 0).map_err(map_err("BACKENDS"))?;
@@ -613,9 +923,9 @@ impl Dataplane {
 }
 
 impl Drop for Dataplane {
-    fn drop(&mut self) {
-        self.detach_all();
-    }
+    /// A pinned datapath stays in place (lbd stopping without `shutdown`,
+    /// e.g. to restart); an unpinned one goes with its program object.
+    fn drop(&mut self) {}
 }
 
 /// Seconds a closed TCP flow's entries stay (late retransmissions, the
@@ -648,7 +958,7 @@ fn build_table(cfg: &ServiceConfig, backends: &[AppliedBackend]) -> (u32, Vec<u3
                 .map(|b| maglev::MaglevBackend {
                     id: b.id,
                     key: backend_key(b.config.address, b.config.port),
-                    weight: b.config.weight,
+                    weight: b.runtime.weight,
                 })
                 .collect();
             let table = maglev::build(&input, cfg.table_size)
@@ -662,7 +972,7 @@ fn build_table(cfg: &ServiceConfig, backends: &[AppliedBackend]) -> (u32, Vec<u3
         }
         Scheduler::Wrr | Scheduler::Rr => {
             let input: Vec<wrr::WrrBackend> =
-                backends.iter().map(|b| wrr::WrrBackend { id: b.id, weight: b.config.weight }).collect();
+                backends.iter().map(|b| wrr::WrrBackend { id: b.id, weight: b.runtime.weight }).collect();
             let seq = if cfg.scheduler == Scheduler::Wrr {
                 wrr::sequence(&input, crate::config::MAX_WRR_CYCLE).expect("cycle length was validated with the config")
             } else {

@@ -74,6 +74,20 @@ fn default_bin_dir() -> PathBuf {
     dir
 }
 
+/// A bpf filesystem shared by every lab (and every `ip netns exec`, which
+/// remounts /sys but not /run), so that pins outlive one lbd process.
+pub const BPFFS: &str = "/run/lbd/bpf";
+
+/// Mount bpffs on [`BPFFS`] unless it is mounted already.
+pub fn ensure_bpffs() -> anyhow::Result<()> {
+    std::fs::create_dir_all(BPFFS).with_context(|| format!("creating {BPFFS}"))?;
+    let out = Command::new("stat").args(["-f", "-c", "%T", BPFFS]).output().context("stat -f")?;
+    if String::from_utf8_lossy(&out.stdout).trim() == "bpf_fs" {
+        return Ok(());
+    }
+    run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS])).map(drop)
+}
+
 /// Counters reported by one backend's stats API.
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
 pub struct BackendCounts {
@@ -98,6 +112,7 @@ impl Lab {
     pub fn up(spec: LabSpec) -> anyhow::Result<Lab> {
         crate::require_root()?;
         validate(&spec)?;
+        ensure_bpffs()?;
         Lab::down(&spec.prefix).context("clearing leftovers of an earlier lab")?;
         let lab = Lab {
             children: Mutex::new((0..spec.backends).map(|_| None).collect()),
@@ -126,10 +141,22 @@ impl Lab {
                 first_err.get_or_insert(e.context(format!("removing namespace {ns}")));
             }
         }
+        // Whatever a killed lbd left pinned for this lab.
+        let pins = Path::new(BPFFS).join(prefix);
+        if pins.exists()
+            && let Err(e) = std::fs::remove_dir_all(&pins)
+        {
+            first_err.get_or_insert(anyhow::Error::from(e).context(format!("removing {}", pins.display())));
+        }
         match first_err {
             None => Ok(()),
             Some(e) => Err(e),
         }
+    }
+
+    /// The bpffs directory lbd pins this lab's datapath under.
+    pub fn pin_dir(&self) -> PathBuf {
+        Path::new(BPFFS).join(&self.spec.prefix)
     }
 
     /// Leaves the lab running when this handle is dropped.

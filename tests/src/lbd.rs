@@ -17,14 +17,30 @@ pub struct Lbd {
     bin_dir: PathBuf,
 }
 
+/// Poll `f` every 50 ms until it returns Some, for at most `secs` seconds.
+pub fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Write a lab config for lbd: `services_yaml` is the `services:` list
 /// (already indented as list items). Returns the file path.
 pub fn write_config(dir: &Path, name: &str, socket: &Path, services_yaml: &str) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     let path = dir.join(format!("{name}.yaml"));
     let text = format!(
-        "interfaces: [eth0, eth1]\nxdp_mode: native\nforwarding: nat\ncontrol_socket: {}\nconntrack_max: 65536\nservices:\n{services_yaml}",
-        socket.display()
+        "interfaces: [eth0, eth1]\nxdp_mode: native\nforwarding: nat\ncontrol_socket: {}\npin_path: {}/{}\nconntrack_max: 65536\nservices:\n{services_yaml}",
+        socket.display(),
+        crate::lab::BPFFS,
+        socket.file_stem().and_then(|s| s.to_str()).unwrap_or("lbd"),
     );
     std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
@@ -34,13 +50,23 @@ impl Lbd {
     /// Start lbd with `config` in the lab's gateway and wait until its
     /// control socket answers.
     pub fn start(lab: &Lab, config: &Path, socket: &Path) -> anyhow::Result<Self> {
+        Self::start_binary(lab, &lab.spec.bin_dir.join("lbd"), config, socket)
+    }
+
+    /// As [`start`](Self::start), with the lbd binary at `lbd`.
+    pub fn start_binary(lab: &Lab, lbd: &Path, config: &Path, socket: &Path) -> anyhow::Result<Self> {
         let bin_dir = lab.spec.bin_dir.clone();
-        let lbd = bin_dir.join("lbd");
+        let lbd = lbd.to_path_buf();
         if !lbd.exists() {
             bail!("{} not found: build the workspace binaries first (cargo xtask test does)", lbd.display());
         }
         let log = PathBuf::from(format!("/tmp/{}-lbd.log", lab.spec.prefix));
-        let logf = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        // Appended to: a restarted lbd's log follows the previous one's.
+        let logf = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("opening {}", log.display()))?;
         let child = lab
             .cmd("gw", &lbd)
             .arg("--config")
@@ -109,6 +135,28 @@ impl Lbd {
             bail!("kill({pid}, {signal}): {}", std::io::Error::last_os_error());
         }
         Ok(())
+    }
+
+    /// SIGKILL, as a crash would: no cleanup runs; the pinned datapath stays.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        let Some(mut child) = self.child.take() else { bail!("lbd already stopped") };
+        child.kill()?;
+        child.wait()?;
+        Ok(())
+    }
+
+    /// XDP program id lbd reports (changes with every restart/upgrade).
+    pub fn program_id(&self) -> Option<u64> {
+        self.status().ok()?["program_id"].as_u64()
+    }
+
+    /// Graceful restart (SIGUSR2: lbd re-executes itself, same pid) and
+    /// wait until the new instance answers with a new program id.
+    pub fn restart(&self) -> anyhow::Result<u64> {
+        let before = self.program_id().context("no program id before restart")?;
+        self.signal(libc::SIGUSR2)?;
+        wait_for(20, || self.program_id().filter(|&id| id != before))
+            .with_context(|| format!("lbd did not come back with a new program after SIGUSR2; log:\n{}", self.log_text()))
     }
 
     /// SIGTERM and wait (up to 10 s) for the exit status.

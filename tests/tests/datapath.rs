@@ -269,7 +269,9 @@ fn service_with(
         protocol,
         scheduler,
         table_size: 65537,
-        backends: backends.iter().map(|&(address, port)| BackendConfig { address, port, weight: 1 }).collect(),
+        backends: backends.iter().map(|&(address, port)| BackendConfig { address, port, weight: 1, drain: false }).collect(),
+        health: Default::default(),
+        slow_start: None,
     }
 }
 
@@ -279,14 +281,15 @@ impl Fixture {
             interfaces: vec![],
             xdp_mode: XdpMode::Auto,
             control_socket: "/nonexistent".into(),
+            pin_path: "/nonexistent".into(),
             conntrack_max: 1024,
             table_capacity: 1 << 20,
             tcp_idle_timeout: 900,
             udp_idle_timeout: 300,
             services,
         };
-        let mut dp = Dataplane::load(&cfg).expect("load the XDP program (are you root?)");
-        dp.apply(&cfg.services).expect("apply services");
+        let mut dp = Dataplane::load_unpinned(&cfg).expect("load the XDP program (are you root?)");
+        dp.apply_admin(&cfg.services).expect("apply services");
         Self { dp, if_a: ifindex("gwa"), if_b: ifindex("gwb") }
     }
 
@@ -534,7 +537,7 @@ fn a_service_without_backends_drops_new_flows_and_counts_them() {
         // All weights zero: the same.
         let mut s = service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]);
         s.backends[0].weight = 0;
-        fx.dp.apply(&[s]).unwrap();
+        fx.dp.apply_admin(&[s]).unwrap();
         assert_eq!(fx.run(&f, fx.if_a).0, XDP_DROP);
         assert_eq!(fx.counter("no_backend"), 2);
     });
@@ -583,7 +586,7 @@ fn round_robin_and_wrr_follow_their_sequence_exactly() {
         // shared counter continues).
         let mut s = service_with("web", 80, Protocol::Tcp, Scheduler::Wrr, &b);
         s.backends[0].weight = 5;
-        fx.dp.apply(&[s]).unwrap();
+        fx.dp.apply_admin(&[s]).unwrap();
         let seq: Vec<u8> = (0..14).map(|i| dst_of(&fx, 31000 + i)).collect();
         let cycle = [11, 11, 12, 11, 13, 11, 11];
         let start = (0..7).find(|&r| (0..14).all(|i| seq[i] == cycle[(i + r) % 7])).unwrap_or_else(|| panic!("not a rotation of a a b a c a a: {seq:?}"));

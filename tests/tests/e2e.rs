@@ -230,6 +230,7 @@ fn sigterm_detaches_everything_and_leaves_nothing_pinned() {
     let pinned_before = bpffs_entries();
     let mut s = setup("lbt-e2e-term", WEB);
     assert!(xdp_attached(&s.lab, "eth0") && xdp_attached(&s.lab, "eth1"));
+    assert!(s.lab.pin_dir().join("maps/FLOWS").exists(), "the running datapath is pinned");
     assert_eq!(bpf_programs_named("lb_xdp"), 1);
     let status = s.lbd.stop().unwrap();
     assert!(status.success(), "lbd exited with {status}; log:\n{}", s.lbd.log_text());
@@ -237,5 +238,6 @@ fn sigterm_detaches_everything_and_leaves_nothing_pinned() {
     assert!(!xdp_attached(&s.lab, "eth1"), "XDP still attached to eth1");
     assert_eq!(bpf_programs_named("lb_xdp"), 0, "the program is still loaded");
     assert_eq!(bpffs_entries(), pinned_before, "something was left pinned in /sys/fs/bpf");
+    assert!(!s.lab.pin_dir().exists(), "something was left pinned in {}", s.lab.pin_dir().display());
     assert!(!s.lbd.socket.exists(), "control socket left behind");
 }

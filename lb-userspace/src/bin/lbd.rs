@@ -70,14 +70,39 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // Where to find ourselves for a graceful restart (SIGUSR2): the path as
+    // it is now, so that a binary replaced there since (an upgrade) is the
+    // one that starts.
+    let exe = std::env::current_exe().ok();
     match rt.block_on(run(cfg, args.config)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(Exit::Stopped) => ExitCode::SUCCESS,
+        Ok(Exit::Restart) => {
+            drop(rt);
+            let Some(exe) = exe else {
+                eprintln!("lbd: cannot find my own executable to restart; the datapath stays pinned and forwarding");
+                return ExitCode::from(1);
+            };
+            let exe = PathBuf::from(exe.to_string_lossy().trim_end_matches(" (deleted)"));
+            let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+            let err = std::os::unix::process::CommandExt::exec(std::process::Command::new(&exe).args(&args));
+            eprintln!("lbd: restarting {}: {err}; the datapath stays pinned and forwarding", exe.display());
+            ExitCode::from(1)
+        }
         Err(e) => {
             error!("{e:#}");
             eprintln!("lbd: {e:#}");
             ExitCode::from(1)
         }
     }
+}
+
+/// How the agent ended.
+enum Exit {
+    /// SIGTERM/SIGINT: detached and unpinned, nothing left behind.
+    Stopped,
+    /// SIGUSR2: the datapath stays pinned and forwarding; start again
+    /// (the same path, so an upgraded binary) and adopt it.
+    Restart,
 }
 
 fn init_logging(format: LogFormat) {
@@ -89,7 +114,7 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn run(cfg: config::Config, path: PathBuf) -> anyhow::Result<()> {
+async fn run(cfg: config::Config, path: PathBuf) -> anyhow::Result<Exit> {
     if let Ok(v) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
         && v.trim() == "0"
     {
@@ -112,10 +137,11 @@ async fn serve(
     listener: tokio::net::UnixListener,
     sigterm: &mut tokio::signal::unix::Signal,
     sigint: &mut tokio::signal::unix::Signal,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Exit> {
+    let adopting = Dataplane::pinned_at(&cfg.pin_path);
     let mut dp = Dataplane::load(cfg).context("loading the datapath")?;
     // Fill the maps before attaching, so the first packet sees the whole pool.
-    dp.apply(&cfg.services).context("programming the services")?;
+    dp.apply_admin(&cfg.services).context("programming the services")?;
     let logger = match aya_log::EbpfLogger::init(dp.ebpf_mut()) {
         // SAFETY: the logger owns its ring-buffer fd and moves into the
         // AsyncFd, so the fd outlives the registration.
@@ -131,11 +157,18 @@ async fn serve(
             None
         }
     };
-    dp.attach(&cfg.interfaces, cfg.xdp_mode).context("attaching XDP")?;
+    if let Err(e) = dp.attach(&cfg.interfaces, cfg.xdp_mode) {
+        if !adopting {
+            // Nothing of ours is forwarding yet: leave nothing pinned.
+            dp.shutdown();
+        }
+        return Err(anyhow::Error::from(e).context("attaching XDP"));
+    }
     let agent = Arc::new(Mutex::new(Agent { dp, config: cfg.clone(), config_path: path }));
     let api = tokio::spawn(api::serve(listener, agent.clone()));
     let sweeper = tokio::spawn(sweep_flows(agent.clone()));
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    let mut sigusr2 = signal(SignalKind::user_defined2()).context("installing the SIGUSR2 handler")?;
     let logs = logger.map(|mut fd| {
         tokio::spawn(async move {
             loop {
@@ -147,10 +180,14 @@ async fn serve(
     });
     info!(socket = %cfg.control_socket.display(), services = cfg.services.len(), "lbd running");
 
-    loop {
+    let exit = loop {
         tokio::select! {
-            _ = sigterm.recv() => { info!("SIGTERM: shutting down"); break }
-            _ = sigint.recv() => { info!("SIGINT: shutting down"); break }
+            _ = sigterm.recv() => { info!("SIGTERM: shutting down"); break Exit::Stopped }
+            _ = sigint.recv() => { info!("SIGINT: shutting down"); break Exit::Stopped }
+            _ = sigusr2.recv() => {
+                info!("SIGUSR2: restarting; the datapath keeps forwarding meanwhile");
+                break Exit::Restart
+            }
             _ = sighup.recv() => {
                 info!("SIGHUP: reloading the configuration");
                 let agent = agent.clone();
@@ -163,7 +200,7 @@ async fn serve(
                 }
             }
         }
-    }
+    };
     for task in [api, sweeper] {
         task.abort();
         let _ = task.await;
@@ -176,10 +213,18 @@ async fn serve(
         Ok(m) => m.into_inner().unwrap_or_else(|p| p.into_inner()),
         Err(_) => anyhow::bail!("the datapath is still in use at shutdown"),
     };
-    agent.dp.detach_all();
-    drop(agent);
-    info!("detached and stopped");
-    Ok(())
+    match exit {
+        Exit::Stopped => {
+            agent.dp.shutdown();
+            drop(agent);
+            info!("detached and stopped");
+        }
+        Exit::Restart => {
+            drop(agent);
+            info!(pin = %cfg.pin_path.display(), "handing over: the datapath stays pinned");
+        }
+    }
+    Ok(exit)
 }
 
 fn lock(agent: &Mutex<Agent>) -> std::sync::MutexGuard<'_, Agent> {

@@ -1,0 +1,673 @@
+//! Backend health: the rise/fall state machine, slow start and the probes.
+//!
+//! - [`Checker`] turns a stream of probe results into Up/Down transitions
+//!   with hysteresis: `fall` consecutive failures take an up backend out,
+//!   `rise` consecutive successes bring a down one back. It is pure (no I/O,
+//!   no timers) so the agent drives it and tests can feed it directly.
+//! - [`slow_start_weight`] ramps the weight of a backend that just came up.
+//! - [`probe`] runs one TCP or HTTP check, bounded by the configured timeout.
+
+use std::{
+    fmt, io,
+    net::SocketAddrV4,
+    time::{Duration, Instant},
+};
+
+use serde::{Deserialize, Serialize};
+use tokio::{
+    io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _},
+    net::TcpStream,
+};
+
+use crate::config::{HealthConfig, ProbeKind};
+
+/// Longest HTTP status line an HTTP probe reads before giving up.
+pub const MAX_STATUS_LINE: usize = 4096;
+
+/// Health of one backend as seen by its probes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Health {
+    Up,
+    Down,
+}
+
+impl fmt::Display for Health {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Health::Up => "up",
+            Health::Down => "down",
+        })
+    }
+}
+
+/// Rise/fall hysteresis over consecutive probe results.
+#[derive(Clone, Debug)]
+pub struct Checker {
+    state: Health,
+    /// Consecutive successes (0 after any failure).
+    successes: u32,
+    /// Consecutive failures (0 after any success).
+    failures: u32,
+    /// When the last Down -> Up transition happened.
+    up_since: Option<Instant>,
+}
+
+impl Default for Checker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Checker {
+    /// Backends start Up (so a restart of the agent never takes traffic
+    /// away before the first probes).
+    pub fn new() -> Self {
+        Self {
+            state: Health::Up,
+            successes: 0,
+            failures: 0,
+            up_since: None,
+        }
+    }
+
+    pub fn state(&self) -> Health {
+        self.state
+    }
+
+    /// Record one probe result; returns `Some(new_state)` exactly when the
+    /// state changed: Up -> Down after `fall` consecutive failures, Down -> Up
+    /// after `rise` consecutive successes. A success resets the failure
+    /// streak and vice versa. A `rise` or `fall` of 0 counts as 1.
+    pub fn observe(&mut self, ok: bool, rise: u32, fall: u32) -> Option<Health> {
+        let (rise, fall) = (rise.max(1), fall.max(1));
+        if ok {
+            self.failures = 0;
+            self.successes = self.successes.saturating_add(1);
+            if self.state == Health::Down && self.successes >= rise {
+                self.state = Health::Up;
+                self.up_since = Some(Instant::now());
+                return Some(Health::Up);
+            }
+        } else {
+            self.successes = 0;
+            self.failures = self.failures.saturating_add(1);
+            if self.state == Health::Up && self.failures >= fall {
+                self.state = Health::Down;
+                return Some(Health::Down);
+            }
+        }
+        None
+    }
+
+    /// When this backend last became Up (None if never changed since
+    /// [`Checker::new`]; used for slow start).
+    pub fn up_since(&self) -> Option<Instant> {
+        self.up_since
+    }
+}
+
+/// Effective weight of a backend during slow start: ramps linearly from a
+/// small value (1/10 of the weight, at least 1) at `elapsed == 0` to
+/// `weight` at `elapsed >= window`; never 0 for weight > 0; 0 for weight 0.
+/// A zero `window` means no slow start (the full weight at once).
+pub fn slow_start_weight(weight: u32, elapsed: Duration, window: Duration) -> u32 {
+    if weight == 0 {
+        return 0;
+    }
+    if window.is_zero() || elapsed >= window {
+        return weight;
+    }
+    let start = (weight / 10).max(1);
+    let span = u128::from(weight - start);
+    // span < 2^32 and elapsed < window < 2^94 ns: the product fits in u128,
+    // and the quotient is below span, so the sum fits in u32.
+    let ramp = span * elapsed.as_nanos() / window.as_nanos();
+    start + u32::try_from(ramp).unwrap_or(weight - start)
+}
+
+/// Why a probe failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeError {
+    /// The whole probe did not finish within `timeout`.
+    Timeout,
+    /// The TCP connect failed.
+    Connect(String),
+    /// The HTTP exchange failed (send, receive or a malformed response).
+    Http(String),
+    /// The HTTP status was outside the accepted range.
+    Status(u16),
+}
+
+impl fmt::Display for ProbeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProbeError::Timeout => f.write_str("timed out"),
+            ProbeError::Connect(e) => write!(f, "connect: {e}"),
+            ProbeError::Http(e) => write!(f, "http: {e}"),
+            ProbeError::Status(code) => write!(f, "status {code} outside the expected range"),
+        }
+    }
+}
+
+impl std::error::Error for ProbeError {}
+
+/// An I/O error as short text: "Connection refused", not
+/// "Connection refused (os error 111)".
+fn io_text(e: &io::Error) -> String {
+    let s = e.to_string();
+    match s.rfind(" (os error ") {
+        Some(i) if s.ends_with(')') => s[..i].to_string(),
+        _ => s,
+    }
+}
+
+/// At most 64 characters of `s`, for error messages quoting the peer.
+fn shorten(s: &str) -> String {
+    const MAX: usize = 64;
+    if s.chars().count() <= MAX {
+        s.to_string()
+    } else {
+        let mut out: String = s.chars().take(MAX).collect();
+        out.push('…');
+        out
+    }
+}
+
+/// Probe `addr` (`cfg.port` replaces its port when set).
+///
+/// - `Tcp`: connect, then close.
+/// - `Http`: connect, send a `GET cfg.path` with `Connection: close`, read the
+///   status line (at most [`MAX_STATUS_LINE`] bytes) and require its code to
+///   lie within `cfg.expect` (inclusive).
+/// - `None`: Ok at once, without connecting.
+///
+/// The whole probe is bounded by `cfg.timeout`. Returns how long it took.
+pub async fn probe(cfg: &HealthConfig, addr: SocketAddrV4) -> Result<Duration, ProbeError> {
+    if cfg.kind == ProbeKind::None {
+        return Ok(Duration::ZERO);
+    }
+    let target = SocketAddrV4::new(*addr.ip(), cfg.port.unwrap_or_else(|| addr.port()));
+    let started = Instant::now();
+    let work = async {
+        match cfg.kind {
+            ProbeKind::None => Ok(()),
+            ProbeKind::Tcp => tcp_probe(target).await,
+            ProbeKind::Http => http_probe(cfg, target).await,
+        }
+    };
+    match tokio::time::timeout(cfg.timeout, work).await {
+        Ok(Ok(())) => Ok(started.elapsed()),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(ProbeError::Timeout),
+    }
+}
+
+async fn connect(target: SocketAddrV4) -> Result<TcpStream, ProbeError> {
+    TcpStream::connect(target)
+        .await
+        .map_err(|e| ProbeError::Connect(io_text(&e)))
+}
+
+async fn tcp_probe(target: SocketAddrV4) -> Result<(), ProbeError> {
+    // Dropping the stream closes it.
+    connect(target).await.map(drop)
+}
+
+async fn http_probe(cfg: &HealthConfig, target: SocketAddrV4) -> Result<(), ProbeError> {
+    let mut stream = connect(target).await?;
+    let path = if cfg.path.is_empty() {
+        "/"
+    } else {
+        cfg.path.as_str()
+    };
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {ip}\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n",
+        ip = target.ip()
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .map_err(|e| ProbeError::Http(format!("send: {}", io_text(&e))))?;
+    let line = read_status_line(&mut stream).await?;
+    let code = parse_status_line(&line)?;
+    let (lo, hi) = cfg.expect;
+    if (lo..=hi).contains(&code) {
+        Ok(())
+    } else {
+        Err(ProbeError::Status(code))
+    }
+}
+
+/// Read up to the first `\r\n` (at most [`MAX_STATUS_LINE`] bytes) and
+/// return the line without it.
+async fn read_status_line<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, ProbeError> {
+    let mut buf = vec![0u8; MAX_STATUS_LINE];
+    let mut filled = 0;
+    loop {
+        if filled == buf.len() {
+            return Err(ProbeError::Http(format!(
+                "no status line within the first {MAX_STATUS_LINE} bytes"
+            )));
+        }
+        let n = r
+            .read(&mut buf[filled..])
+            .await
+            .map_err(|e| ProbeError::Http(format!("receive: {}", io_text(&e))))?;
+        if n == 0 {
+            return Err(ProbeError::Http(if filled == 0 {
+                "connection closed without a response".to_string()
+            } else {
+                "connection closed inside the status line".to_string()
+            }));
+        }
+        // A "\r" at the end of the previous read may pair with a "\n" now.
+        let from = filled.saturating_sub(1);
+        filled += n;
+        if let Some(i) = buf[from..filled].windows(2).position(|w| w == b"\r\n") {
+            buf.truncate(from + i);
+            return Ok(buf);
+        }
+    }
+}
+
+/// The status code of `HTTP/x.y NNN [reason]`.
+fn parse_status_line(line: &[u8]) -> Result<u16, ProbeError> {
+    let text = String::from_utf8_lossy(line);
+    let bad = || ProbeError::Http(format!("malformed status line {:?}", shorten(&text)));
+    let mut parts = text.splitn(3, ' ');
+    let version = parts.next().unwrap_or_default();
+    if !version.starts_with("HTTP/") {
+        return Err(bad());
+    }
+    let code = parts.next().unwrap_or_default();
+    if code.len() != 3 || !code.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    code.parse().map_err(|_| bad())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    // ---- Checker ----
+
+    #[test]
+    fn checker_starts_up_without_up_since() {
+        let c = Checker::new();
+        assert_eq!(c.state(), Health::Up);
+        assert_eq!(c.up_since(), None);
+        assert_eq!(Checker::default().state(), Health::Up);
+    }
+
+    #[test]
+    fn checker_falls_after_fall_failures() {
+        let mut c = Checker::new();
+        assert_eq!(c.observe(false, 2, 3), None);
+        assert_eq!(c.observe(false, 2, 3), None);
+        assert_eq!(c.state(), Health::Up);
+        assert_eq!(c.observe(false, 2, 3), Some(Health::Down));
+        assert_eq!(c.state(), Health::Down);
+        for _ in 0..10 {
+            assert_eq!(c.observe(false, 2, 3), None);
+        }
+        assert_eq!(c.state(), Health::Down);
+        assert_eq!(c.up_since(), None);
+    }
+
+    #[test]
+    fn checker_rises_after_rise_successes() {
+        let mut c = Checker::new();
+        for _ in 0..3 {
+            c.observe(false, 2, 3);
+        }
+        assert_eq!(c.state(), Health::Down);
+        let before = Instant::now();
+        assert_eq!(c.observe(true, 2, 3), None);
+        assert_eq!(c.state(), Health::Down);
+        assert_eq!(c.observe(true, 2, 3), Some(Health::Up));
+        assert_eq!(c.state(), Health::Up);
+        let since = c.up_since().expect("up_since set on Down -> Up");
+        assert!(since >= before);
+        assert_eq!(c.observe(true, 2, 3), None);
+        assert_eq!(c.up_since(), Some(since));
+    }
+
+    #[test]
+    fn checker_success_resets_failure_streak() {
+        let mut c = Checker::new();
+        for ok in [false, false, true, false, false] {
+            assert_eq!(c.observe(ok, 2, 3), None);
+        }
+        assert_eq!(c.state(), Health::Up);
+        assert_eq!(c.observe(false, 2, 3), Some(Health::Down));
+    }
+
+    #[test]
+    fn checker_failure_resets_success_streak() {
+        let mut c = Checker::new();
+        c.observe(false, 3, 1);
+        assert_eq!(c.state(), Health::Down);
+        for ok in [true, true, false, true, true] {
+            assert_eq!(c.observe(ok, 3, 1), None);
+        }
+        assert_eq!(c.state(), Health::Down);
+        assert_eq!(c.observe(true, 3, 1), Some(Health::Up));
+    }
+
+    #[test]
+    fn checker_zero_thresholds_act_as_one() {
+        let mut c = Checker::new();
+        assert_eq!(c.observe(false, 0, 0), Some(Health::Down));
+        assert_eq!(c.observe(true, 0, 0), Some(Health::Up));
+    }
+
+    #[test]
+    fn health_displays_lowercase() {
+        assert_eq!(Health::Up.to_string(), "up");
+        assert_eq!(Health::Down.to_string(), "down");
+    }
+
+    // ---- slow start ----
+
+    #[test]
+    fn slow_start_ramps_linearly() {
+        let w = Duration::from_secs(10);
+        assert_eq!(slow_start_weight(100, Duration::ZERO, w), 10);
+        assert_eq!(slow_start_weight(100, Duration::from_secs(5), w), 55);
+        assert_eq!(slow_start_weight(100, Duration::from_secs(10), w), 100);
+        assert_eq!(slow_start_weight(100, Duration::from_secs(3600), w), 100);
+    }
+
+    #[test]
+    fn slow_start_small_and_zero_weights() {
+        let w = Duration::from_secs(10);
+        for ms in [0, 1, 2_500, 9_999, 10_000, 50_000] {
+            let e = Duration::from_millis(ms);
+            assert_eq!(slow_start_weight(1, e, w), 1);
+            assert_eq!(slow_start_weight(0, e, w), 0);
+            assert!(slow_start_weight(5, e, w) >= 1);
+        }
+    }
+
+    #[test]
+    fn slow_start_zero_window_is_full_weight() {
+        assert_eq!(slow_start_weight(100, Duration::ZERO, Duration::ZERO), 100);
+    }
+
+    #[test]
+    fn slow_start_is_monotonic() {
+        let w = Duration::from_secs(10);
+        for weight in [1, 2, 9, 10, 11, 100, 65_535, u32::MAX] {
+            let mut last = 0;
+            for ms in (0..=11_000).step_by(37) {
+                let v = slow_start_weight(weight, Duration::from_millis(ms), w);
+                assert!(v >= last, "weight {weight} at {ms}ms: {v} < {last}");
+                assert!((1..=weight).contains(&v));
+                last = v;
+            }
+            assert_eq!(last, weight);
+        }
+    }
+
+    // ---- parsing ----
+
+    #[test]
+    fn status_line_parsing() {
+        assert_eq!(parse_status_line(b"HTTP/1.1 200 OK"), Ok(200));
+        assert_eq!(
+            parse_status_line(b"HTTP/1.0 503 Service Unavailable"),
+            Ok(503)
+        );
+        assert_eq!(parse_status_line(b"HTTP/1.1 204"), Ok(204));
+        for bad in [
+            &b""[..],
+            b"garbage",
+            b"HTTP/1.1",
+            b"HTTP/1.1 20 OK",
+            b"HTTP/1.1 2000 OK",
+            b"SSH-2.0 200",
+        ] {
+            assert!(
+                matches!(parse_status_line(bad), Err(ProbeError::Http(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn status_line_reading() {
+        let mut r: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(read_status_line(&mut r).await.unwrap(), b"HTTP/1.1 200 OK");
+        let mut r: &[u8] = b"HTTP/1.1 200 OK";
+        assert!(matches!(
+            read_status_line(&mut r).await,
+            Err(ProbeError::Http(_))
+        ));
+        let mut r: &[u8] = b"";
+        assert!(matches!(
+            read_status_line(&mut r).await,
+            Err(ProbeError::Http(_))
+        ));
+        let long = vec![b'x'; MAX_STATUS_LINE + 10];
+        let mut r: &[u8] = &long;
+        assert!(matches!(
+            read_status_line(&mut r).await,
+            Err(ProbeError::Http(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn status_line_split_across_reads() {
+        let (mut client, mut server) = tokio::io::duplex(64);
+        let reader = tokio::spawn(async move { read_status_line(&mut client).await });
+        server.write_all(b"HTTP/1.1 301 Moved\r").await.unwrap();
+        tokio::task::yield_now().await;
+        server.write_all(b"\nLocation: /\r\n\r\n").await.unwrap();
+        assert_eq!(reader.await.unwrap().unwrap(), b"HTTP/1.1 301 Moved");
+    }
+
+    #[test]
+    fn error_display() {
+        assert_eq!(ProbeError::Timeout.to_string(), "timed out");
+        assert_eq!(
+            ProbeError::Connect("Connection refused".into()).to_string(),
+            "connect: Connection refused"
+        );
+        assert_eq!(
+            ProbeError::Status(503).to_string(),
+            "status 503 outside the expected range"
+        );
+        let e = io::Error::from_raw_os_error(libc::ECONNREFUSED);
+        assert_eq!(io_text(&e), "Connection refused");
+    }
+
+    // ---- probes against local listeners ----
+
+    fn cfg(kind: ProbeKind) -> HealthConfig {
+        HealthConfig {
+            kind,
+            interval: Duration::from_secs(1),
+            timeout: Duration::from_secs(5),
+            rise: 2,
+            fall: 3,
+            path: "/healthz".into(),
+            expect: (200, 399),
+            port: None,
+        }
+    }
+
+    fn v4(l: &TcpListener) -> SocketAddrV4 {
+        match l.local_addr().unwrap() {
+            std::net::SocketAddr::V4(a) => a,
+            other => panic!("not v4: {other}"),
+        }
+    }
+
+    async fn listener() -> TcpListener {
+        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap()
+    }
+
+    /// A local address nobody listens on (bound, then released).
+    async fn closed_addr() -> SocketAddrV4 {
+        let l = listener().await;
+        let a = v4(&l);
+        drop(l);
+        a
+    }
+
+    /// Serve every connection: read the request head and answer with
+    /// `status_line` if it is exactly the probe's request, else with 400.
+    /// Connections that close early (TCP probes) are ignored.
+    fn serve_http(l: TcpListener, status_line: &'static str) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let mut req = Vec::new();
+                let mut chunk = [0u8; 512];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => req.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                if req.is_empty() {
+                    continue;
+                }
+                let expected = "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n";
+                let status = if req == expected.as_bytes() {
+                    status_line
+                } else {
+                    "HTTP/1.1 400 Bad Request"
+                };
+                let resp = format!("{status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                let _ = s.write_all(resp.as_bytes()).await;
+                let _ = s.shutdown().await;
+            }
+        })
+    }
+
+    #[tokio::test]
+    async fn tcp_probe_ok() {
+        let l = listener().await;
+        let addr = v4(&l);
+        let accept = tokio::spawn(async move { l.accept().await.map(|_| ()) });
+        assert!(probe(&cfg(ProbeKind::Tcp), addr).await.is_ok());
+        accept.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn tcp_probe_closed_port() {
+        let addr = closed_addr().await;
+        match probe(&cfg(ProbeKind::Tcp), addr).await {
+            Err(ProbeError::Connect(msg)) => assert!(!msg.contains("os error"), "{msg}"),
+            other => panic!("expected Connect error, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn http_probe_ok() {
+        let l = listener().await;
+        let addr = v4(&l);
+        let server = serve_http(l, "HTTP/1.1 200 OK");
+        // The server answers 400 unless the request is exactly the expected one.
+        assert!(probe(&cfg(ProbeKind::Http), addr).await.is_ok());
+        let mut c = cfg(ProbeKind::Http);
+        c.path = "/other".into();
+        assert_eq!(probe(&c, addr).await, Err(ProbeError::Status(400)));
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn http_probe_bad_status() {
+        let l = listener().await;
+        let addr = v4(&l);
+        let _server = serve_http(l, "HTTP/1.1 503 Service Unavailable");
+        assert_eq!(
+            probe(&cfg(ProbeKind::Http), addr).await,
+            Err(ProbeError::Status(503))
+        );
+    }
+
+    #[tokio::test]
+    async fn http_probe_expect_is_inclusive() {
+        let l = listener().await;
+        let addr = v4(&l);
+        let _server = serve_http(l, "HTTP/1.1 204 No Content");
+        let mut c = cfg(ProbeKind::Http);
+        c.expect = (204, 204);
+        assert!(probe(&c, addr).await.is_ok());
+        c.expect = (200, 203);
+        assert_eq!(probe(&c, addr).await, Err(ProbeError::Status(204)));
+        c.expect = (205, 299);
+        assert_eq!(probe(&c, addr).await, Err(ProbeError::Status(204)));
+    }
+
+    #[tokio::test]
+    async fn http_probe_not_http() {
+        let l = listener().await;
+        let addr = v4(&l);
+        let _server = serve_http(l, "SSH-2.0-OpenSSH_9.6");
+        assert!(matches!(
+            probe(&cfg(ProbeKind::Http), addr).await,
+            Err(ProbeError::Http(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn http_probe_silent_server_times_out() {
+        let l = listener().await;
+        let addr = v4(&l);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        // Accept and hold the connection open without answering.
+        let _server = tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            let _ = rx.await;
+            drop(s);
+        });
+        let mut c = cfg(ProbeKind::Http);
+        c.timeout = Duration::from_millis(200);
+        let started = Instant::now();
+        assert_eq!(probe(&c, addr).await, Err(ProbeError::Timeout));
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "took {:?}",
+            started.elapsed()
+        );
+        drop(tx);
+    }
+
+    #[tokio::test]
+    async fn probe_port_override() {
+        let l = listener().await;
+        let port = v4(&l).port();
+        let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, closed_addr().await.port());
+        let _server = serve_http(l, "HTTP/1.1 200 OK");
+
+        // The address's own port is closed...
+        assert!(matches!(
+            probe(&cfg(ProbeKind::Tcp), addr).await,
+            Err(ProbeError::Connect(_))
+        ));
+        // ...the override reaches the listener.
+        let mut c = cfg(ProbeKind::Tcp);
+        c.port = Some(port);
+        assert!(probe(&c, addr).await.is_ok());
+        let mut c = cfg(ProbeKind::Http);
+        c.port = Some(port);
+        assert!(probe(&c, addr).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn none_probe_does_not_connect() {
+        // A closed port: any connect attempt would fail.
+        let addr = closed_addr().await;
+        let mut c = cfg(ProbeKind::None);
+        c.timeout = Duration::ZERO;
+        assert_eq!(probe(&c, addr).await, Ok(Duration::ZERO));
+    }
+}

@@ -1,0 +1,661 @@
+//! The configuration written back as YAML: a canonical, human-editable
+//! form that [`config::parse`](crate::config::parse) reads back to an equal
+//! [`Config`], and an atomic file replace to store it.
+//!
+//! Used when lbd/lbctl change the configuration (add a backend, drain one)
+//! and persist the result. Comments of the original file are not kept; the
+//! rendered file says so in its header.
+use std::{
+    fmt::Write as _,
+    fs::{self, File, OpenOptions},
+    io::{self, Write as _},
+    os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _},
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
+
+use serde_yaml::Value;
+
+use crate::config::{BackendConfig, Config, HealthConfig, ProbeKind, ServiceConfig, XdpMode};
+
+const HEADER: &str = "\
+# lbd configuration.
+# This file is maintained by lbd/lbctl: changes made through them rewrite it
+# in this canonical form, and comments are not preserved.
+";
+
+/// The configuration as YAML text that `config::parse` reads back to an
+/// equal `Config`.
+///
+/// Canonical form: every top-level key in a fixed order, per service the
+/// optional keys (`slow_start`, `health`) only when they say something,
+/// one flow mapping per backend. Durations are whole milliseconds (`1500ms`)
+/// or whole seconds (`10s`); finer precision is rounded to the millisecond.
+/// Paths that are not valid UTF-8 are rendered lossily (the parser only
+/// produces UTF-8 paths).
+pub fn render(cfg: &Config) -> String {
+    let mut out = String::from(HEADER);
+    let interfaces: Vec<String> = cfg.interfaces.iter().map(|s| scalar(s)).collect();
+    // `write!` into a String cannot fail.
+    let _ = writeln!(out, "interfaces: [{}]", interfaces.join(", "));
+    let mode = match cfg.xdp_mode {
+        XdpMode::Native => "native",
+        XdpMode::Generic => "generic",
+        XdpMode::Auto => "auto",
+    };
+    let _ = writeln!(out, "xdp_mode: {mode}");
+    out.push_str("forwarding: nat\n");
+    let _ = writeln!(out, "control_socket: {}", path_scalar(&cfg.control_socket));
+    let _ = writeln!(out, "pin_path: {}", path_scalar(&cfg.pin_path));
+    let _ = writeln!(out, "conntrack_max: {}", cfg.conntrack_max);
+    let _ = writeln!(out, "table_capacity: {}", cfg.table_capacity);
+    let _ = writeln!(out, "tcp_idle_timeout: {}", cfg.tcp_idle_timeout);
+    let _ = writeln!(out, "udp_idle_timeout: {}", cfg.udp_idle_timeout);
+    if cfg.services.is_empty() {
+        out.push_str("services: []\n");
+    } else {
+        out.push_str("services:\n");
+        for (i, s) in cfg.services.iter().enumerate() {
+            if i > 0 {
+                out.push('\n');
+            }
+            service(&mut out, s);
+        }
+    }
+    out
+}
+
+fn service(out: &mut String, s: &ServiceConfig) {
+    let _ = writeln!(out, "  - name: {}", scalar(&s.name));
+    let _ = writeln!(out, "    vip: {}", s.vip);
+    let _ = writeln!(out, "    port: {}", s.port);
+    let _ = writeln!(out, "    protocol: {}", s.protocol);
+    let _ = writeln!(out, "    scheduler: {}", s.scheduler);
+    let _ = writeln!(out, "    table_size: {}", s.table_size);
+    // A zero slow start means none (the parser reads `0s` as `None`).
+    if let Some(d) = s.slow_start
+        && round_ms(d) > 0
+    {
+        let _ = writeln!(out, "    slow_start: {}", duration(d));
+    }
+    if s.health.kind != ProbeKind::None || s.health != HealthConfig::default() {
+        health(out, &s.health);
+    }
+    if s.backends.is_empty() {
+        out.push_str("    backends: []\n");
+    } else {
+        out.push_str("    backends:\n");
+        for b in &s.backends {
+            backend(out, b);
+        }
+    }
+}
+
+fn health(out: &mut String, h: &HealthConfig) {
+    let kind = match h.kind {
+        ProbeKind::None => "none",
+        ProbeKind::Tcp => "tcp",
+        ProbeKind::Http => "http",
+    };
+    out.push_str("    health:\n");
+    let _ = writeln!(out, "      type: {kind}");
+    let _ = writeln!(out, "      interval: {}", duration(h.interval));
+    let _ = writeln!(out, "      timeout: {}", duration(h.timeout));
+    let _ = writeln!(out, "      rise: {}", h.rise);
+    let _ = writeln!(out, "      fall: {}", h.fall);
+    let _ = writeln!(out, "      path: {}", scalar(&h.path));
+    let (lo, hi) = h.expect;
+    if lo == hi {
+        let _ = writeln!(out, "      expect: {lo}");
+    } else {
+        let _ = writeln!(out, "      expect: {lo}-{hi}");
+    }
+    if let Some(p) = h.port {
+        let _ = writeln!(out, "      port: {p}");
+    }
+}
+
+fn backend(out: &mut String, b: &BackendConfig) {
+    let _ = write!(out, "      - {{ address: {}, port: {}, weight: {}", b.address, b.port, b.weight);
+    if b.drain {
+        out.push_str(", drain: true");
+    }
+    out.push_str(" }\n");
+}
+
+/// Milliseconds, rounded to the nearest (durations parsed from `1.5s`
+/// go through floating point and may be a nanosecond off).
+fn round_ms(d: Duration) -> u128 {
+    (d.as_nanos() + 500_000) / 1_000_000
+}
+
+/// `10s` for whole seconds, else `1500ms`.
+fn duration(d: Duration) -> String {
+    let ms = round_ms(d);
+    if ms.is_multiple_of(1000) { format!("{}s", ms / 1000) } else { format!("{ms}ms") }
+}
+
+fn path_scalar(p: &Path) -> String {
+    scalar(&p.to_string_lossy())
+}
+
+/// `s` as a YAML scalar that reads back as the string `s`, in block or
+/// flow context: plain when it only has `[A-Za-z0-9/._-]` and YAML would
+/// not read it as something else (`true`, `123`, `null`, `.inf`, ...),
+/// double-quoted with escapes otherwise.
+fn scalar(s: &str) -> String {
+    let safe_chars =
+        !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '/' | '.' | '_' | '-'));
+    if safe_chars && matches!(serde_yaml::from_str::<Value>(s), Ok(Value::String(ref v)) if v == s) {
+        return s.to_owned();
+    }
+    quoted(s)
+}
+
+/// A YAML double-quoted scalar: `"` and `\` escaped, and everything YAML
+/// does not count as printable (control characters, line and paragraph
+/// separators, the byte order mark, U+FFFE/U+FFFF) as an escape.
+fn quoted(s: &str) -> String {
+    let mut q = String::with_capacity(s.len() + 2);
+    q.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => q.push_str("\\\""),
+            '\\' => q.push_str("\\\\"),
+            '\0' => q.push_str("\\0"),
+            '\t' => q.push_str("\\t"),
+            '\n' => q.push_str("\\n"),
+            '\r' => q.push_str("\\r"),
+            ' '..='~' => q.push(c),
+            '\u{A0}'..='\u{D7FF}' | '\u{E000}'..='\u{FFFD}' | '\u{10000}'..='\u{10FFFF}'
+                if !matches!(c, '\u{2028}' | '\u{2029}' | '\u{FEFF}') =>
+            {
+                q.push(c)
+            }
+            c if (c as u32) <= 0xFF => {
+                let _ = write!(q, "\\x{:02X}", c as u32);
+            }
+            c if (c as u32) <= 0xFFFF => {
+                let _ = write!(q, "\\u{:04X}", c as u32);
+            }
+            c => {
+                let _ = write!(q, "\\U{:08X}", c as u32);
+            }
+        }
+    }
+    q.push('"');
+    q
+}
+
+/// Write `text` to `path` atomically: write a temp file in the same
+/// directory, fsync it, rename it over `path`, fsync the directory.
+///
+/// Readers see the old content or the new, never a mix, and after a crash
+/// the file is one or the other. The new file keeps the existing file's
+/// permission bits (and, where allowed, its owner and group); a new file
+/// gets 0644. If `path` is a symlink, the file it points to is replaced
+/// and the link kept.
+pub fn write_atomic(path: &Path, text: &str) -> io::Result<()> {
+    let target: PathBuf = match fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => fs::canonicalize(path)?,
+        _ => path.to_path_buf(),
+    };
+    let Some(name) = target.file_name() else {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: not a file path", path.display())));
+    };
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let existing = match fs::metadata(&target) {
+        Ok(m) => Some(m),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e),
+    };
+    let mode = existing.as_ref().map_or(0o644, |m| m.permissions().mode() & 0o7777);
+
+    let (tmp, file) = create_temp(&dir, &name.to_string_lossy())?;
+    let result = (|| {
+        let mut file = file;
+        // Set explicitly: the mode given at creation is cut by the umask.
+        file.set_permissions(fs::Permissions::from_mode(mode))?;
+        if let Some(m) = &existing {
+            use std::os::unix::fs::MetadataExt as _;
+            // Best effort: only root may give a file away.
+            let _ = std::os::unix::fs::fchown(&file, Some(m.uid()), Some(m.gid()));
+        }
+        file.write_all(text.as_bytes())?;
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&tmp, &target)
+    })();
+    if let Err(e) = result {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    File::open(&dir)?.sync_all()
+}
+
+/// A new, exclusively created temp file next to the target.
+fn create_temp(dir: &Path, name: &str) -> io::Result<(PathBuf, File)> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let pid = std::process::id();
+    loop {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!(".{name}.tmp.{pid}.{n}"));
+        match OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp) {
+            Ok(f) => return Ok((tmp, f)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && n < 1_000_000 => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::config::{
+        DEFAULT_CONNTRACK_MAX, DEFAULT_CONTROL_SOCKET, DEFAULT_PIN_PATH, DEFAULT_TABLE_CAPACITY,
+        DEFAULT_TCP_IDLE_TIMEOUT, DEFAULT_UDP_IDLE_TIMEOUT, Environment, Protocol, Scheduler, parse,
+    };
+
+    /// Every interface exists.
+    struct AnyInterface;
+    impl Environment for AnyInterface {
+        fn interface_exists(&self, _: &str) -> bool {
+            true
+        }
+    }
+
+    fn ip(s: &str) -> Ipv4Addr {
+        s.parse().unwrap()
+    }
+
+    fn be(addr: &str, port: u16, weight: u32) -> BackendConfig {
+        BackendConfig { address: ip(addr), port, weight, drain: false }
+    }
+
+    fn svc(name: &str, vip: &str, port: u16) -> ServiceConfig {
+        ServiceConfig {
+            name: name.into(),
+            vip: ip(vip),
+            port,
+            protocol: Protocol::Tcp,
+            scheduler: Scheduler::Maglev,
+            table_size: 65537,
+            health: HealthConfig::default(),
+            slow_start: None,
+            backends: vec![be("10.20.0.11", 8080, 1), be("10.20.0.12", 8080, 2)],
+        }
+    }
+
+    fn base() -> Config {
+        Config {
+            interfaces: vec!["eth0".into()],
+            xdp_mode: XdpMode::Auto,
+            control_socket: DEFAULT_CONTROL_SOCKET.into(),
+            pin_path: DEFAULT_PIN_PATH.into(),
+            conntrack_max: DEFAULT_CONNTRACK_MAX,
+            table_capacity: DEFAULT_TABLE_CAPACITY,
+            tcp_idle_timeout: DEFAULT_TCP_IDLE_TIMEOUT,
+            udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
+            services: vec![svc("web", "10.10.0.100", 80)],
+        }
+    }
+
+    fn configs() -> Vec<(&'static str, Config)> {
+        let mut v = vec![("defaults", base())];
+
+        let mut c = base();
+        c.services.clear();
+        v.push(("zero services", c));
+
+        for (i, sched) in
+            [Scheduler::Maglev, Scheduler::Wrr, Scheduler::Rr, Scheduler::SourceHash, Scheduler::LeastConn]
+                .into_iter()
+                .enumerate()
+        {
+            let mut c = base();
+            c.services[0].scheduler = sched;
+            c.services[0].table_size = [65537, 251, 3, 1009, 65521][i];
+            v.push(("scheduler", c));
+        }
+
+        let mut c = base();
+        c.services[0].protocol = Protocol::Udp;
+        c.services[0].port = 53;
+        c.xdp_mode = XdpMode::Native;
+        c.interfaces = vec!["eth0".into(), "eth1".into(), "ens3f0.100".into()];
+        v.push(("udp, native, several interfaces", c));
+
+        let mut c = base();
+        c.services[0].health = HealthConfig {
+            kind: ProbeKind::Http,
+            interval: Duration::from_millis(1500),
+            timeout: Duration::from_millis(250),
+            rise: 5,
+            fall: 1,
+            path: "/healthz?full=1&x=%20".into(),
+            expect: (204, 204),
+            port: Some(9000),
+        };
+        v.push(("http health, port, single status", c));
+
+        let mut c = base();
+        c.services[0].health.kind = ProbeKind::Http;
+        c.services[0].health.expect = (200, 299);
+        v.push(("http health, range", c));
+
+        let mut c = base();
+        c.services[0].health.kind = ProbeKind::Tcp;
+        c.services[0].health.interval = Duration::from_secs(3600);
+        c.services[0].health.timeout = Duration::from_millis(10);
+        v.push(("tcp health", c));
+
+        let mut c = base();
+        // Not probing, but with non-default settings kept for later.
+        c.services[0].health.rise = 7;
+        c.services[0].health.timeout = Duration::from_secs(5);
+        v.push(("none health with settings", c));
+
+        for d in
+            [Duration::from_secs(10), Duration::from_millis(1500), Duration::from_millis(1), Duration::from_secs(3600)]
+        {
+            let mut c = base();
+            c.services[0].slow_start = Some(d);
+            v.push(("slow start", c));
+        }
+
+        let mut c = base();
+        c.services[0].backends[1].drain = true;
+        c.services[0].backends.push(BackendConfig { address: ip("10.20.0.13"), port: 1, weight: 0, drain: true });
+        c.services[0].backends.push(be("10.20.0.14", 65535, 65535));
+        v.push(("drain and extremes", c));
+
+        let mut c = base();
+        c.services[0].backends.clear();
+        v.push(("no backends", c));
+
+        let mut c = base();
+        c.xdp_mode = XdpMode::Generic;
+        c.control_socket = "/run/my lbd/ctl \"x\".sock".into();
+        c.pin_path = "/sys/fs/bpf/lbd-été".into();
+        c.conntrack_max = 1;
+        c.table_capacity = 1 << 26;
+        c.tcp_idle_timeout = 10;
+        c.udp_idle_timeout = 86_400 * 7;
+        c.interfaces = vec!["true".into(), "123".into(), "null".into(), "eth:0".into(), "-x".into()];
+        let mut s2 = svc("123", "10.10.0.101", 443);
+        s2.scheduler = Scheduler::Wrr;
+        s2.slow_start = Some(Duration::from_millis(750));
+        s2.health.kind = ProbeKind::Tcp;
+        s2.health.port = Some(8443);
+        let mut s3 = svc("true", "10.10.0.101", 443);
+        s3.protocol = Protocol::Udp;
+        s3.scheduler = Scheduler::LeastConn;
+        let mut s4 = svc("1e3", "192.168.1.1", 1);
+        s4.table_size = 7;
+        let s5 = svc("null", "172.16.0.1", 2);
+        let s6 = svc("0x1F", "172.16.0.1", 3);
+        let s7 = svc("-", "172.16.0.1", 4);
+        let s8 = svc("_", "172.16.0.1", 5);
+        c.services.extend([s2, s3, s4, s5, s6, s7, s8]);
+        v.push(("many services, awkward strings", c));
+
+        v
+    }
+
+    #[test]
+    fn round_trips() {
+        for (what, c) in configs() {
+            let text = render(&c);
+            match parse(&text, "x", &AnyInterface) {
+                Ok(back) => assert_eq!(back, c, "{what}:\n{text}"),
+                Err(e) => panic!("{what}: rendered config does not parse:\n{e}\n{text}"),
+            }
+        }
+    }
+
+    #[test]
+    fn rendering_is_idempotent() {
+        for (what, c) in configs() {
+            let text = render(&c);
+            let again = render(&parse(&text, "x", &AnyInterface).unwrap());
+            assert_eq!(again, text, "{what}");
+        }
+    }
+
+    #[test]
+    fn parsed_handwritten_config_renders_canonically() {
+        let hand = "\
+# my comment
+interfaces: [eth0]
+services:
+  - name: web
+    vip: 10.10.0.100
+    port: 80
+    slow_start: 1.5s
+    health: { type: tcp, interval: 0.25s, timeout: 100ms }
+    backends: [{ address: 10.20.0.11, port: 8080 }]
+";
+        let c = parse(hand, "x", &AnyInterface).unwrap();
+        let text = render(&c);
+        assert!(!text.contains("my comment"));
+        assert!(text.contains("    slow_start: 1500ms\n"), "{text}");
+        assert!(text.contains("      interval: 250ms\n      timeout: 100ms\n"), "{text}");
+        assert_eq!(parse(&text, "x", &AnyInterface).unwrap(), c);
+        assert_eq!(render(&parse(&text, "x", &AnyInterface).unwrap()), text);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(duration(Duration::from_secs(10)), "10s");
+        assert_eq!(duration(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(duration(Duration::from_millis(2000)), "2s");
+        assert_eq!(duration(Duration::from_nanos(1_499_999_999)), "1500ms");
+        assert_eq!(duration(Duration::from_millis(50)), "50ms");
+        assert_eq!(duration(Duration::ZERO), "0s");
+        // Millisecond counts read back exactly.
+        for ms in (0..=3_600_000u64).step_by(7).chain([1, 999, 1001, 3_599_999]) {
+            let d = Duration::from_millis(ms);
+            assert_eq!(crate::config::parse_duration(&duration(d)), Some(d), "{ms}");
+        }
+    }
+
+    #[test]
+    fn scalars_are_quoted_only_when_needed() {
+        assert_eq!(scalar("eth0"), "eth0");
+        assert_eq!(scalar("/run/lbd/lbd.sock"), "/run/lbd/lbd.sock");
+        assert_eq!(scalar("web-1_a"), "web-1_a");
+        assert_eq!(scalar(""), "\"\"");
+        assert_eq!(scalar("123"), "\"123\"");
+        assert_eq!(scalar("true"), "\"true\"");
+        assert_eq!(scalar("null"), "\"null\"");
+        assert_eq!(scalar("a b"), "\"a b\"");
+        assert_eq!(scalar("a\"b\\c\nd\te\u{7}\u{2028}é"), "\"a\\\"b\\\\c\\nd\\te\\x07\\u2028é\"");
+        #[rustfmt::skip]
+        const AWKWARD: &[&str] = &[
+            "", "123", "1.5", "-1", ".inf", "-.Inf", ".NaN", "0x1F", "0o17", "1e3", "true", "False", "NULL", "~",
+            "-", "---", "...", "a: b", "#x", "x #y", "[a]", "{a}", "a,b", "*a", "&a", "!a", "|", ">", "'a'", "\"a\"",
+            "%a", "@a", "`a", "?", "? a", "- a", " a", "a ", "a\nb", "a\r\nb", "\u{0}\u{1f}\u{7f}\u{85}\u{feff}",
+            "\u{fffe}\u{ffff}\u{1F600}", "/path with spaces/x", "é", "a\\b",
+        ];
+        for &s in AWKWARD {
+            // In a block mapping value and inside a flow sequence.
+            let v: Value = serde_yaml::from_str(&format!("k: {}", scalar(s))).unwrap();
+            assert_eq!(v["k"].as_str(), Some(s), "{s:?} -> {}", scalar(s));
+            let v: Value = serde_yaml::from_str(&format!("k: [{}, x]", scalar(s))).unwrap();
+            assert_eq!(v["k"][0].as_str(), Some(s), "{s:?} -> {}", scalar(s));
+        }
+    }
+
+    #[test]
+    fn golden_output() {
+        let mut c = base();
+        c.interfaces = vec!["eth0".into(), "eth1".into()];
+        c.services[0].slow_start = Some(Duration::from_secs(10));
+        c.services[0].health = HealthConfig {
+            kind: ProbeKind::Http,
+            interval: Duration::from_millis(500),
+            timeout: Duration::from_millis(200),
+            rise: 2,
+            fall: 3,
+            path: "/healthz".into(),
+            expect: (200, 299),
+            port: Some(9000),
+        };
+        c.services[0].backends[1].drain = true;
+        let mut dns = svc("dns", "10.10.0.53", 53);
+        dns.protocol = Protocol::Udp;
+        dns.scheduler = Scheduler::SourceHash;
+        dns.table_size = 251;
+        dns.backends = vec![be("10.20.1.1", 53, 1)];
+        dns.health.kind = ProbeKind::Tcp;
+        dns.health.expect = (204, 204);
+        c.services.push(dns);
+        let want = "\
+# lbd configuration.
+# This file is maintained by lbd/lbctl: changes made through them rewrite it
+# in this canonical form, and comments are not preserved.
+interfaces: [eth0, eth1]
+xdp_mode: auto
+forwarding: nat
+control_socket: /run/lbd/lbd.sock
+pin_path: /sys/fs/bpf/lbd
+conntrack_max: 1048576
+table_capacity: 4194304
+tcp_idle_timeout: 900
+udp_idle_timeout: 300
+services:
+  - name: web
+    vip: 10.10.0.100
+    port: 80
+    protocol: tcp
+    scheduler: maglev
+    table_size: 65537
+    slow_start: 10s
+    health:
+      type: http
+      interval: 500ms
+      timeout: 200ms
+      rise: 2
+      fall: 3
+      path: /healthz
+      expect: 200-299
+      port: 9000
+    backends:
+      - { address: 10.20.0.11, port: 8080, weight: 1 }
+      - { address: 10.20.0.12, port: 8080, weight: 2, drain: true }
+
+  - name: dns
+    vip: 10.10.0.53
+    port: 53
+    protocol: udp
+    scheduler: source-hash
+    table_size: 251
+    health:
+      type: tcp
+      interval: 2s
+      timeout: 1s
+      rise: 2
+      fall: 3
+      path: /
+      expect: 204
+    backends:
+      - { address: 10.20.1.1, port: 53, weight: 1 }
+";
+        assert_eq!(render(&c), want);
+        assert_eq!(parse(want, "x", &AnyInterface).unwrap(), c);
+
+        let mut empty = base();
+        empty.services.clear();
+        assert!(render(&empty).ends_with("udp_idle_timeout: 300\nservices: []\n"));
+    }
+
+    /// A fresh directory under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+    impl TempDir {
+        fn new(tag: &str) -> Self {
+            static N: AtomicU64 = AtomicU64::new(0);
+            let n = N.fetch_add(1, Ordering::Relaxed);
+            let p = std::env::temp_dir().join(format!("lbd-render-{tag}-{}-{n}", std::process::id()));
+            let _ = fs::remove_dir_all(&p);
+            fs::create_dir_all(&p).unwrap();
+            Self(p)
+        }
+        fn entries(&self) -> Vec<String> {
+            let mut v: Vec<String> =
+                fs::read_dir(&self.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            v.sort();
+            v
+        }
+    }
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn mode(p: &Path) -> u32 {
+        fs::metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    #[test]
+    fn write_atomic_creates_and_replaces() {
+        let dir = TempDir::new("replace");
+        let path = dir.0.join("lbd.yaml");
+        write_atomic(&path, "first\n").unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "first\n");
+        assert_eq!(mode(&path), 0o644);
+        write_atomic(&path, "second, longer\n").unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "second, longer\n");
+        write_atomic(&path, "").unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "");
+        assert_eq!(dir.entries(), ["lbd.yaml"]);
+    }
+
+    #[test]
+    fn write_atomic_keeps_mode() {
+        let dir = TempDir::new("mode");
+        let path = dir.0.join("lbd.yaml");
+        fs::write(&path, "old\n").unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
+        let text = render(&base());
+        write_atomic(&path, &text).unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), text);
+        assert_eq!(mode(&path), 0o600);
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o640)).unwrap();
+        write_atomic(&path, "again\n").unwrap();
+        assert_eq!(mode(&path), 0o640);
+        assert_eq!(dir.entries(), ["lbd.yaml"]);
+    }
+
+    #[test]
+    fn write_atomic_replaces_a_symlinks_target() {
+        let dir = TempDir::new("link");
+        let real = dir.0.join("real.yaml");
+        let link = dir.0.join("lbd.yaml");
+        fs::write(&real, "old\n").unwrap();
+        std::os::unix::fs::symlink("real.yaml", &link).unwrap();
+        write_atomic(&link, "new\n").unwrap();
+        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert_eq!(fs::read_to_string(&real).unwrap(), "new\n");
+        assert_eq!(dir.entries(), ["lbd.yaml", "real.yaml"]);
+    }
+
+    #[test]
+    fn write_atomic_failure_leaves_nothing_behind() {
+        let dir = TempDir::new("fail");
+        // The target is a non-empty directory: the rename fails.
+        let path = dir.0.join("taken");
+        fs::create_dir(&path).unwrap();
+        fs::write(path.join("inside"), "x").unwrap();
+        assert!(write_atomic(&path, "text").is_err());
+        assert_eq!(dir.entries(), ["taken"]);
+        // A missing directory is an error, not a panic.
+        assert!(write_atomic(&dir.0.join("missing/lbd.yaml"), "text").is_err());
+    }
+}
