@@ -1,20 +1,45 @@
-//! The running agent's state: the dataplane plus the configuration it was
-//! given. Every change (reload from the file, SIGHUP, the control API, the
-//! flow sweeper) goes through here, under one lock, to the one writer of
-//! the maps.
-use std::path::PathBuf;
+//! The running agent's state: the dataplane, the configuration it was
+//! given and each backend's health. Every change (reload from the file,
+//! SIGHUP, the control API, a health transition, slow start, the flow
+//! sweeper) goes through here, under one lock, to the one writer of the maps.
+//!
+//! The config file is the single source of truth: a change made through the
+//! control API is validated with the same rules as the file (the new
+//! configuration is rendered to YAML and parsed back), applied, and then
+//! written back to the file atomically, so it survives a restart.
+use std::{
+    collections::HashMap,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
 
+use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::{
-    config::{self, Config, ConfigError, Problem, System},
-    dataplane::{Dataplane, DataplaneError, SweepReport, monotonic_coarse_secs},
+    config::{self, BackendConfig, Config, ConfigError, Problem, ProbeKind, ServiceConfig, System},
+    dataplane::{BackendRuntime, Dataplane, DataplaneError, SweepReport, monotonic_coarse_secs},
+    health::{Checker, Health, slow_start_weight},
+    render,
 };
+
+/// Weights are multiplied by this during slow start, so that a backend can
+/// start at a tenth of its weight even when that weight is 1.
+const SLOW_START_SCALE: u32 = 10;
+
+/// One backend: (service name, address, port).
+pub type BackendKey = (String, Ipv4Addr, u16);
 
 pub struct Agent {
     pub dp: Dataplane,
     pub config: Config,
     pub config_path: PathBuf,
+    health: HashMap<BackendKey, Checker>,
+    /// When a backend joined or came back up, for slow start.
+    joined: HashMap<BackendKey, Instant>,
+    pub reloads_ok: u64,
+    pub reloads_failed: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -23,10 +48,14 @@ pub enum ReloadError {
     Invalid(ConfigError),
     #[error("applying the new configuration failed ({0}); the previous one was restored")]
     Apply(DataplaneError),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("saving the configuration to {path}: {source}; the change was rolled back")]
+    Save { path: PathBuf, source: std::io::Error },
 }
 
 /// What a successful reload changed.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ReloadSummary {
     pub services: usize,
     pub added: Vec<String>,
@@ -34,11 +63,178 @@ pub struct ReloadSummary {
     pub changed: Vec<String>,
 }
 
+/// A change to the pool, as the control API takes it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub enum Change {
+    BackendAdd { service: String, address: Ipv4Addr, port: u16, weight: u32 },
+    BackendRemove { service: String, address: Ipv4Addr, port: u16 },
+    BackendWeight { service: String, address: Ipv4Addr, port: u16, weight: u32 },
+    BackendDrain { service: String, address: Ipv4Addr, port: u16 },
+    BackendEnable { service: String, address: Ipv4Addr, port: u16 },
+    /// A service given with the config file's keys (validated as the file is).
+    ServiceAdd { spec: serde_json::Value },
+    ServiceRemove { service: String },
+}
+
+/// A backend's state as the status report shows it.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendState {
+    Up,
+    Down,
+    Drain,
+}
+
 impl Agent {
+    pub fn new(dp: Dataplane, config: Config, config_path: PathBuf) -> Self {
+        let mut a = Self {
+            dp,
+            config,
+            config_path,
+            health: HashMap::new(),
+            joined: HashMap::new(),
+            reloads_ok: 0,
+            reloads_failed: 0,
+        };
+        a.sync_health();
+        a
+    }
+
+    /// Keep one checker per backend of the configuration; new backends
+    /// start up (and slow-start when their service says so).
+    fn sync_health(&mut self) {
+        let mut keep = HashMap::new();
+        for s in &self.config.services {
+            for b in &s.backends {
+                let k: BackendKey = (s.name.clone(), b.address, b.port);
+                let c = self.health.remove(&k).unwrap_or_else(|| {
+                    if s.slow_start.is_some() {
+                        self.joined.insert(k.clone(), Instant::now());
+                    }
+                    Checker::new()
+                });
+                keep.insert(k, c);
+            }
+        }
+        self.joined.retain(|k, _| keep.contains_key(k));
+        self.health = keep;
+    }
+
+    pub fn health_of(&self, service: &str, address: Ipv4Addr, port: u16) -> Health {
+        self.health
+            .get(&(service.to_owned(), address, port))
+            .map_or(Health::Up, |c| c.state())
+    }
+
+    pub fn state_of(&self, service: &str, b: &BackendConfig) -> BackendState {
+        if self.health_of(service, b.address, b.port) == Health::Down {
+            BackendState::Down
+        } else if b.drain {
+            BackendState::Drain
+        } else {
+            BackendState::Up
+        }
+    }
+
+    /// The weight the schedulers use now: configuration, health, drain,
+    /// slow start.
+    fn runtime(&self, s: &ServiceConfig, b: &BackendConfig, now: Instant) -> BackendRuntime {
+        let k: BackendKey = (s.name.clone(), b.address, b.port);
+        let down = self.health.get(&k).is_some_and(|c| c.state() == Health::Down);
+        if down {
+            return BackendRuntime { weight: 0, down: true };
+        }
+        let w = b.admin_weight();
+        let Some(window) = s.slow_start else {
+            return BackendRuntime { weight: w, down: false };
+        };
+        let scaled = w.saturating_mul(SLOW_START_SCALE);
+        let weight = match self.joined.get(&k) {
+            Some(t) => slow_start_weight(scaled, now.duration_since(*t), window),
+            None => scaled,
+        };
+        BackendRuntime { weight, down: false }
+    }
+
+    /// True while some backend is still ramping up.
+    pub fn ramping(&self) -> bool {
+        let now = Instant::now();
+        self.config.services.iter().any(|s| {
+            s.slow_start.is_some_and(|w| {
+                s.backends.iter().any(|b| {
+                    self.joined.get(&(s.name.clone(), b.address, b.port)).is_some_and(|t| now.duration_since(*t) < w)
+                })
+            })
+        })
+    }
+
+    /// Program the maps from the configuration and the runtime state.
+    pub fn apply(&mut self) -> Result<(), DataplaneError> {
+        let now = Instant::now();
+        let services = self.config.services.clone();
+        let rt: HashMap<BackendKey, BackendRuntime> = services
+            .iter()
+            .flat_map(|s| s.backends.iter().map(move |b| (s, b)))
+            .map(|(s, b)| ((s.name.clone(), b.address, b.port), self.runtime(s, b, now)))
+            .collect();
+        self.dp.apply(&services, &|s, b| rt[&(s.name.clone(), b.address, b.port)])
+    }
+
+    /// Record a probe result; on a transition, log it and reprogram.
+    pub fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) {
+        let Some(s) = self.config.services.iter().find(|s| s.name == key.0) else { return };
+        let (rise, fall) = (s.health.rise, s.health.fall);
+        let slow = s.slow_start.is_some();
+        let Some(c) = self.health.get_mut(key) else { return };
+        let Some(new) = c.observe(result.is_ok(), rise, fall) else { return };
+        let backend = format!("{}:{}", key.1, key.2);
+        match (&new, &result) {
+            (Health::Down, Err(e)) => warn!(service = %key.0, backend = %backend, reason = %e, "backend down"),
+            _ => info!(service = %key.0, backend = %backend, "backend up"),
+        }
+        if new == Health::Up && slow {
+            self.joined.insert(key.clone(), Instant::now());
+        }
+        if let Err(e) = self.apply() {
+            warn!(error = %e, "reprogramming after a health change failed");
+        }
+    }
+
+    /// What the health checker should probe: (key, probe address, config).
+    pub fn probe_targets(&self) -> Vec<(BackendKey, SocketAddrV4, config::HealthConfig)> {
+        let mut v = Vec::new();
+        for s in &self.config.services {
+            if s.health.kind == ProbeKind::None {
+                continue;
+            }
+            for b in &s.backends {
+                v.push(((s.name.clone(), b.address, b.port), SocketAddrV4::new(b.address, b.port), s.health.clone()));
+            }
+        }
+        v
+    }
+
     /// Re-read the config file, validate it in full and apply the
     /// difference. On any problem the running state stays exactly as it was.
     pub fn reload(&mut self) -> Result<ReloadSummary, ReloadError> {
-        let new = config::load(&self.config_path, &System).map_err(ReloadError::Invalid)?;
+        let r = config::load(&self.config_path, &System)
+            .map_err(ReloadError::Invalid)
+            .and_then(|new| self.replace(new));
+        match &r {
+            Ok(s) => {
+                self.reloads_ok += 1;
+                info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, "reload applied");
+            }
+            Err(e) => {
+                self.reloads_failed += 1;
+                warn!("reload rejected, running configuration unchanged: {}", e.to_string().replace('\n', "; "));
+            }
+        }
+        r
+    }
+
+    /// Switch to `new` (already validated), or change nothing.
+    fn replace(&mut self, new: Config) -> Result<ReloadSummary, ReloadError> {
         let restart: Vec<Problem> = self
             .config
             .restart_only_changes(&new)
@@ -52,29 +248,77 @@ impl Agent {
         if !restart.is_empty() {
             return Err(ReloadError::Invalid(ConfigError { problems: restart }));
         }
-        let old = &self.config.services;
+        let old = self.config.clone();
         let summary = ReloadSummary {
             services: new.services.len(),
-            added: new.services.iter().filter(|s| !old.iter().any(|o| o.name == s.name)).map(|s| s.name.clone()).collect(),
-            removed: old.iter().filter(|o| !new.services.iter().any(|s| s.name == o.name)).map(|s| s.name.clone()).collect(),
+            added: new.services.iter().filter(|s| !old.services.iter().any(|o| o.name == s.name)).map(|s| s.name.clone()).collect(),
+            removed: old.services.iter().filter(|o| !new.services.iter().any(|s| s.name == o.name)).map(|s| s.name.clone()).collect(),
             changed: new
                 .services
                 .iter()
-                .filter(|s| old.iter().any(|o| o.name == s.name && o != *s))
+                .filter(|s| old.services.iter().any(|o| o.name == s.name && o != *s))
                 .map(|s| s.name.clone())
                 .collect(),
         };
-        if let Err(e) = self.dp.apply_admin(&new.services) {
-            warn!(error = %e, "reload failed while applying; restoring the previous configuration");
-            if let Err(e2) = self.dp.apply_admin(&self.config.services) {
+        let old_health = self.health.clone();
+        let old_joined = self.joined.clone();
+        self.config = new;
+        self.sync_health();
+        if let Err(e) = self.apply() {
+            warn!(error = %e, "applying failed; restoring the previous configuration");
+            self.config = old;
+            self.health = old_health;
+            self.joined = old_joined;
+            if let Err(e2) = self.apply() {
                 warn!(error = %e2, "restoring the previous configuration failed too");
             }
             return Err(ReloadError::Apply(e));
         }
-        self.config.services = new.services;
-        self.config.tcp_idle_timeout = new.tcp_idle_timeout;
-        self.config.udp_idle_timeout = new.udp_idle_timeout;
-        info!(added = ?summary.added, removed = ?summary.removed, changed = ?summary.changed, "reload applied");
+        Ok(summary)
+    }
+
+    /// Apply a change from the control API: validated with the file's rules,
+    /// applied, then saved to the config file.
+    pub fn change(&mut self, change: &Change) -> Result<ReloadSummary, ReloadError> {
+        let file = self.config_path.display().to_string();
+        let text = if let Change::ServiceAdd { spec } = change {
+            let name = spec.get("name").and_then(|n| n.as_str()).unwrap_or_default();
+            if self.config.services.iter().any(|s| s.name == name) {
+                return Err(ReloadError::Invalid(ConfigError {
+                    problems: vec![Problem {
+                        file: "(request)".into(),
+                        field: "name".into(),
+                        reason: format!("service name {name:?} is already used"),
+                    }],
+                }));
+            }
+            // Into the file's own form, then through the file's parser.
+            let mut doc: serde_yaml::Value =
+                serde_yaml::from_str(&render::render(&self.config)).expect("rendered config is YAML");
+            let spec = serde_yaml::to_value(spec).expect("JSON converts to YAML");
+            match doc.get_mut("services") {
+                Some(serde_yaml::Value::Sequence(seq)) => seq.push(spec),
+                _ => {
+                    doc["services"] = serde_yaml::Value::Sequence(vec![spec]);
+                }
+            }
+            serde_yaml::to_string(&doc).expect("YAML serialises")
+        } else {
+            let mut cfg = self.config.clone();
+            edit(&mut cfg, change)?;
+            render::render(&cfg)
+        };
+        let parsed = config::parse(&text, &file, &System).map_err(ReloadError::Invalid)?;
+        let old_text = render::render(&self.config);
+        let summary = self.replace(parsed)?;
+        if let Err(source) = render::write_atomic(&self.config_path, &text) {
+            // Keep file and datapath in agreement: undo.
+            if let Ok(old) = config::parse(&old_text, &file, &System) {
+                let _ = self.replace(old);
+            }
+            return Err(ReloadError::Save { path: self.config_path.clone(), source });
+        }
+        info!(change = ?change, "pool changed and saved");
         Ok(summary)
     }
 
@@ -86,4 +330,58 @@ impl Agent {
             u64::from(self.config.udp_idle_timeout),
         )
     }
+}
+
+fn not_found(what: String) -> ReloadError {
+    ReloadError::NotFound(what)
+}
+
+/// Apply `change` to a configuration (no validation here: the caller
+/// validates the result with the config file's rules).
+fn edit(cfg: &mut Config, change: &Change) -> Result<(), ReloadError> {
+    let service = |cfg: &mut Config, name: &str| -> Result<usize, ReloadError> {
+        cfg.services.iter().position(|s| s.name == name).ok_or_else(|| not_found(format!("no service named {name:?}")))
+    };
+    let backend = |s: &ServiceConfig, a: Ipv4Addr, p: u16| -> Result<usize, ReloadError> {
+        s.backends
+            .iter()
+            .position(|b| b.address == a && b.port == p)
+            .ok_or_else(|| not_found(format!("service {:?} has no backend {a}:{p}", s.name)))
+    };
+    match change {
+        Change::BackendAdd { service: n, address, port, weight } => {
+            let i = service(cfg, n)?;
+            if backend(&cfg.services[i], *address, *port).is_ok() {
+                return Err(ReloadError::Invalid(ConfigError {
+                    problems: vec![Problem {
+                        file: "(request)".into(),
+                        field: "address".into(),
+                        reason: format!("service {n:?} already has backend {address}:{port}"),
+                    }],
+                }));
+            }
+            cfg.services[i].backends.push(BackendConfig { address: *address, port: *port, weight: *weight, drain: false });
+        }
+        Change::BackendRemove { service: n, address, port } => {
+            let i = service(cfg, n)?;
+            let j = backend(&cfg.services[i], *address, *port)?;
+            cfg.services[i].backends.remove(j);
+        }
+        Change::BackendWeight { service: n, address, port, weight } => {
+            let i = service(cfg, n)?;
+            let j = backend(&cfg.services[i], *address, *port)?;
+            cfg.services[i].backends[j].weight = *weight;
+        }
+        Change::BackendDrain { service: n, address, port } | Change::BackendEnable { service: n, address, port } => {
+            let i = service(cfg, n)?;
+            let j = backend(&cfg.services[i], *address, *port)?;
+            cfg.services[i].backends[j].drain = matches!(change, Change::BackendDrain { .. });
+        }
+        Change::ServiceAdd { .. } => unreachable!("handled on the YAML document in Agent::change"),
+        Change::ServiceRemove { service: n } => {
+            let i = service(cfg, n)?;
+            cfg.services.remove(i);
+        }
+    }
+    Ok(())
 }

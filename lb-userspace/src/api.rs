@@ -6,7 +6,7 @@
 use std::{
     collections::BTreeMap,
     io::{BufRead as _, BufReader, Write as _},
-    net::Ipv4Addr,
+    net::{Ipv4Addr, SocketAddrV4},
     os::unix::{fs::PermissionsExt as _, net::UnixStream as StdUnixStream},
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
@@ -21,9 +21,9 @@ use tokio::{
 use tracing::{debug, warn};
 
 use crate::{
-    agent::Agent,
+    agent::{Agent, BackendState, Change},
     config::{Protocol, Scheduler},
-    dataplane::{Attachment, Dataplane},
+    dataplane::Attachment,
 };
 
 /// Longest request line accepted.
@@ -34,6 +34,55 @@ const MAX_REQUEST: usize = 64 * 1024;
 pub enum Request {
     Status,
     Reload,
+    /// `backend` is "ADDRESS:PORT".
+    BackendAdd { service: String, backend: String, #[serde(default = "one")] weight: u32 },
+    BackendRemove { service: String, backend: String },
+    BackendWeight { service: String, backend: String, weight: u32 },
+    BackendDrain { service: String, backend: String },
+    BackendEnable { service: String, backend: String },
+    /// `spec`: one service with the config file's keys.
+    ServiceAdd { spec: serde_json::Value },
+    ServiceRemove { service: String },
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn backend_addr(s: &str) -> Result<SocketAddrV4, String> {
+    s.parse().map_err(|_| format!("backend {s:?} is not ADDRESS:PORT (an IPv4 address and a port)"))
+}
+
+impl Request {
+    /// The pool change this request asks for, if it is one.
+    pub fn change(&self) -> Result<Option<Change>, String> {
+        let b = |s: &str| backend_addr(s);
+        Ok(Some(match self {
+            Self::Status | Self::Reload => return Ok(None),
+            Self::BackendAdd { service, backend, weight } => {
+                let a = b(backend)?;
+                Change::BackendAdd { service: service.clone(), address: *a.ip(), port: a.port(), weight: *weight }
+            }
+            Self::BackendRemove { service, backend } => {
+                let a = b(backend)?;
+                Change::BackendRemove { service: service.clone(), address: *a.ip(), port: a.port() }
+            }
+            Self::BackendWeight { service, backend, weight } => {
+                let a = b(backend)?;
+                Change::BackendWeight { service: service.clone(), address: *a.ip(), port: a.port(), weight: *weight }
+            }
+            Self::BackendDrain { service, backend } => {
+                let a = b(backend)?;
+                Change::BackendDrain { service: service.clone(), address: *a.ip(), port: a.port() }
+            }
+            Self::BackendEnable { service, backend } => {
+                let a = b(backend)?;
+                Change::BackendEnable { service: service.clone(), address: *a.ip(), port: a.port() }
+            }
+            Self::ServiceAdd { spec } => Change::ServiceAdd { spec: spec.clone() },
+            Self::ServiceRemove { service } => Change::ServiceRemove { service: service.clone() },
+        }))
+    }
 }
 
 impl Request {
@@ -48,7 +97,16 @@ impl Request {
             .ok_or("malformed request: missing string field \"command\"")?;
         let allowed: &[&str] = match cmd {
             "status" | "reload" => &["command"],
-            other => return Err(format!("unknown command {other:?} (known: status, reload)")),
+            "backend-add" => &["command", "service", "backend", "weight"],
+            "backend-weight" => &["command", "service", "backend", "weight"],
+            "backend-remove" | "backend-drain" | "backend-enable" => &["command", "service", "backend"],
+            "service-add" => &["command", "spec"],
+            "service-remove" => &["command", "service"],
+            other => {
+                return Err(format!(
+                    "unknown command {other:?} (known: status, reload, backend-add, backend-remove, backend-weight, backend-drain, backend-enable, service-add, service-remove)"
+                ));
+            }
         };
         if let Some(k) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
             return Err(format!("command {cmd:?} takes no field {k:?}"));
@@ -70,7 +128,12 @@ pub struct Response {
 pub struct BackendStatus {
     pub address: Ipv4Addr,
     pub port: u16,
+    /// Configured weight.
     pub weight: u32,
+    /// The weight the scheduler uses now (0 when down or drained; ramping
+    /// during slow start, on a scale of 10x the configured weight).
+    pub effective_weight: u32,
+    pub state: BackendState,
     pub new_flows: u64,
     pub packets_in: u64,
     pub bytes_in: u64,
@@ -120,8 +183,9 @@ pub fn jain(x: &[f64]) -> Option<f64> {
     Some(sum * sum / (x.len() as f64 * sq))
 }
 
-/// Build the status report from the dataplane.
-pub fn status(dp: &Dataplane) -> Result<Status, crate::dataplane::DataplaneError> {
+/// Build the status report.
+pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError> {
+    let dp = &agent.dp;
     let mut services = Vec::new();
     for s in dp.services() {
         let total_weight: u64 = s.backends.iter().map(|b| u64::from(b.config.weight)).sum();
@@ -132,6 +196,8 @@ pub fn status(dp: &Dataplane) -> Result<Status, crate::dataplane::DataplaneError
                 address: b.config.address,
                 port: b.config.port,
                 weight: b.config.weight,
+                effective_weight: b.runtime.weight,
+                state: agent.state_of(&s.config.name, &b.config),
                 new_flows: st.new_flows,
                 packets_in: st.packets_in,
                 bytes_in: st.bytes_in,
@@ -191,9 +257,13 @@ pub fn handle(agent: &Mutex<Agent>, line: &str) -> Response {
         Ok(g) => g,
         Err(p) => p.into_inner(),
     };
-    match req {
-        Request::Status => status(&agent.dp).map_or_else(err, ok),
-        Request::Reload => agent.reload().map_or_else(err, ok),
+    match req.change() {
+        Err(e) => err(e),
+        Ok(Some(change)) => agent.change(&change).map_or_else(err, ok),
+        Ok(None) => match req {
+            Request::Reload => agent.reload().map_or_else(err, ok),
+            _ => status(&agent).map_or_else(err, ok),
+        },
     }
 }
 

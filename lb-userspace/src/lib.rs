@@ -7,6 +7,8 @@
 //! - `api`: the control socket, its requests and the status report.
 pub mod agent;
 pub mod api;
+pub mod health;
+pub mod render;
 pub mod config;
 pub mod dataplane;
 pub mod maglev;

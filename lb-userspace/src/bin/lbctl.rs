@@ -29,11 +29,170 @@ enum Command {
     /// Re-read lbd's configuration file and apply the difference (a file
     /// with any problem is rejected whole, and every problem is listed).
     Reload,
+    /// Change a service's backends (saved to lbd's configuration file).
+    Backend {
+        #[command(subcommand)]
+        action: BackendAction,
+    },
+    /// Add or remove a service (saved to lbd's configuration file).
+    Service {
+        #[command(subcommand)]
+        action: ServiceAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BackendAction {
+    /// Add backends: lbctl backend add web 10.20.0.14:8080 [more...] [--weight N]
+    Add {
+        service: String,
+        #[arg(required = true, value_name = "ADDRESS:PORT")]
+        backends: Vec<String>,
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+    },
+    /// Remove backends (their open connections continue until they close).
+    Remove {
+        service: String,
+        #[arg(required = true, value_name = "ADDRESS:PORT")]
+        backends: Vec<String>,
+    },
+    /// Set the weight: lbctl backend weight web 10.20.0.11:8080 5
+    Weight {
+        service: String,
+        #[arg(value_name = "ADDRESS:PORT")]
+        backend: String,
+        weight: u32,
+    },
+    /// Drain: no new connections, open ones continue; the weight is kept.
+    Drain {
+        service: String,
+        #[arg(required = true, value_name = "ADDRESS:PORT")]
+        backends: Vec<String>,
+    },
+    /// Undo a drain.
+    Enable {
+        service: String,
+        #[arg(required = true, value_name = "ADDRESS:PORT")]
+        backends: Vec<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ServiceAction {
+    /// Add a service: lbctl service add api --vip 10.10.0.101 --port 443 --backend 10.20.0.11:8443
+    Add {
+        name: String,
+        #[arg(long)]
+        vip: String,
+        #[arg(long)]
+        port: u16,
+        #[arg(long, default_value = "tcp")]
+        protocol: String,
+        #[arg(long, default_value = "maglev")]
+        scheduler: String,
+        /// ADDRESS:PORT or ADDRESS:PORT:WEIGHT; repeat for more.
+        #[arg(long = "backend", value_name = "ADDRESS:PORT[:WEIGHT]")]
+        backends: Vec<String>,
+    },
+    /// Remove a service.
+    Remove { name: String },
+}
+
+/// Send each request in turn; stop at the first refusal.
+fn send_all(socket: &std::path::Path, reqs: Vec<Request>) -> ExitCode {
+    for req in reqs {
+        match api::call(socket, &req) {
+            Ok(_) => println!("ok: {}", describe(&req)),
+            Err(e) => {
+                eprintln!("lbctl: {}: refused, nothing changed:\n{e}", describe(&req));
+                return ExitCode::from(1);
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn describe(req: &Request) -> String {
+    match req {
+        Request::BackendAdd { service, backend, weight } => format!("{service}: added {backend} (weight {weight})"),
+        Request::BackendRemove { service, backend } => format!("{service}: removed {backend}"),
+        Request::BackendWeight { service, backend, weight } => format!("{service}: {backend} weight {weight}"),
+        Request::BackendDrain { service, backend } => format!("{service}: draining {backend}"),
+        Request::BackendEnable { service, backend } => format!("{service}: enabled {backend}"),
+        Request::ServiceAdd { spec } => format!("added service {}", spec["name"]),
+        Request::ServiceRemove { service } => format!("removed service {service}"),
+        Request::Status | Request::Reload => String::new(),
+    }
+}
+
+fn backend_spec(s: &str) -> Result<serde_json::Value, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let (addr, port, weight) = match parts.as_slice() {
+        [a, p] => (*a, *p, None),
+        [a, p, w] => (*a, *p, Some(*w)),
+        _ => return Err(format!("{s:?} is not ADDRESS:PORT or ADDRESS:PORT:WEIGHT")),
+    };
+    let port: u64 = port.parse().map_err(|_| format!("{s:?}: port {port:?} is not a number"))?;
+    let mut v = serde_json::json!({ "address": addr, "port": port });
+    if let Some(w) = weight {
+        let w: i64 = w.parse().map_err(|_| format!("{s:?}: weight {w:?} is not a number"))?;
+        v["weight"] = w.into();
+    }
+    Ok(v)
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.command {
+        Command::Backend { action } => {
+            let reqs = match action {
+                BackendAction::Add { service, backends, weight } => backends
+                    .into_iter()
+                    .map(|backend| Request::BackendAdd { service: service.clone(), backend, weight })
+                    .collect(),
+                BackendAction::Remove { service, backends } => backends
+                    .into_iter()
+                    .map(|backend| Request::BackendRemove { service: service.clone(), backend })
+                    .collect(),
+                BackendAction::Weight { service, backend, weight } => {
+                    vec![Request::BackendWeight { service, backend, weight }]
+                }
+                BackendAction::Drain { service, backends } => backends
+                    .into_iter()
+                    .map(|backend| Request::BackendDrain { service: service.clone(), backend })
+                    .collect(),
+                BackendAction::Enable { service, backends } => backends
+                    .into_iter()
+                    .map(|backend| Request::BackendEnable { service: service.clone(), backend })
+                    .collect(),
+            };
+            send_all(&args.socket, reqs)
+        }
+        Command::Service { action } => {
+            let req = match action {
+                ServiceAction::Add { name, vip, port, protocol, scheduler, backends } => {
+                    let mut list = Vec::new();
+                    for b in &backends {
+                        match backend_spec(b) {
+                            Ok(v) => list.push(v),
+                            Err(e) => {
+                                eprintln!("lbctl: --backend {e}");
+                                return ExitCode::from(2);
+                            }
+                        }
+                    }
+                    Request::ServiceAdd {
+                        spec: serde_json::json!({
+                            "name": name, "vip": vip, "port": port, "protocol": protocol,
+                            "scheduler": scheduler, "backends": list,
+                        }),
+                    }
+                }
+                ServiceAction::Remove { name } => Request::ServiceRemove { service: name },
+            };
+            send_all(&args.socket, vec![req])
+        }
         Command::Reload => match api::call(&args.socket, &Request::Reload) {
             Ok(v) => {
                 let list = |k: &str| {
@@ -92,15 +251,17 @@ fn render(s: &Status) -> String {
         );
         let _ = writeln!(
             out,
-            "  {:<21} {:>6} {:>8} {:>8} {:>10} {:>7} {:>10} {:>12} {:>10} {:>12}",
-            "BACKEND", "WEIGHT", "EXPECTED", "OBSERVED", "NEW_FLOWS", "ACTIVE", "PKTS_IN", "BYTES_IN", "PKTS_OUT", "BYTES_OUT"
+            "  {:<21} {:<5} {:>6} {:>9} {:>8} {:>8} {:>10} {:>7} {:>10} {:>12} {:>10} {:>12}",
+            "BACKEND", "STATE", "WEIGHT", "EFFECTIVE", "EXPECTED", "OBSERVED", "NEW_FLOWS", "ACTIVE", "PKTS_IN", "BYTES_IN", "PKTS_OUT", "BYTES_OUT"
         );
         for b in &svc.backends {
             let _ = writeln!(
                 out,
-                "  {:<21} {:>6} {:>7.1}% {:>7.1}% {:>10} {:>7} {:>10} {:>12} {:>10} {:>12}",
+                "  {:<21} {:<5} {:>6} {:>9} {:>7.1}% {:>7.1}% {:>10} {:>7} {:>10} {:>12} {:>10} {:>12}",
                 format!("{}:{}", b.address, b.port),
+                format!("{:?}", b.state).to_lowercase(),
                 b.weight,
+                b.effective_weight,
                 b.expected_share * 100.0,
                 b.observed_share * 100.0,
                 b.new_flows,

@@ -1,18 +1,21 @@
 //! lbd: the load-balancer agent. Loads and attaches the XDP program,
 //! programs the pool into BPF maps and serves the control socket.
 use std::{
+    collections::HashMap,
     path::PathBuf,
     process::ExitCode,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use lb_userspace::{
-    agent::Agent,
+    agent::{Agent, BackendKey},
     api,
     config::{self, System},
     dataplane::Dataplane,
+    health,
 };
 use tokio::{
     io::unix::AsyncFd,
@@ -140,8 +143,6 @@ async fn serve(
 ) -> anyhow::Result<Exit> {
     let adopting = Dataplane::pinned_at(&cfg.pin_path);
     let mut dp = Dataplane::load(cfg).context("loading the datapath")?;
-    // Fill the maps before attaching, so the first packet sees the whole pool.
-    dp.apply_admin(&cfg.services).context("programming the services")?;
     let logger = match aya_log::EbpfLogger::init(dp.ebpf_mut()) {
         // SAFETY: the logger owns its ring-buffer fd and moves into the
         // AsyncFd, so the fd outlives the registration.
@@ -157,16 +158,21 @@ async fn serve(
             None
         }
     };
-    if let Err(e) = dp.attach(&cfg.interfaces, cfg.xdp_mode) {
+    let mut agent = Agent::new(dp, cfg.clone(), path);
+    // Fill the maps before attaching, so the first packet sees the whole pool.
+    let programmed = agent.apply().context("programming the services");
+    if let Err(e) = programmed.and_then(|()| agent.dp.attach(&cfg.interfaces, cfg.xdp_mode).context("attaching XDP")) {
         if !adopting {
             // Nothing of ours is forwarding yet: leave nothing pinned.
-            dp.shutdown();
+            agent.dp.shutdown();
         }
-        return Err(anyhow::Error::from(e).context("attaching XDP"));
+        return Err(e);
     }
-    let agent = Arc::new(Mutex::new(Agent { dp, config: cfg.clone(), config_path: path }));
+    let agent = Arc::new(Mutex::new(agent));
     let api = tokio::spawn(api::serve(listener, agent.clone()));
     let sweeper = tokio::spawn(sweep_flows(agent.clone()));
+    let prober = tokio::spawn(health_checks(agent.clone()));
+    let ramp = tokio::spawn(slow_start(agent.clone()));
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut sigusr2 = signal(SignalKind::user_defined2()).context("installing the SIGUSR2 handler")?;
     let logs = logger.map(|mut fd| {
@@ -201,7 +207,7 @@ async fn serve(
             }
         }
     };
-    for task in [api, sweeper] {
+    for task in [api, sweeper, prober, ramp] {
         task.abort();
         let _ = task.await;
     }
@@ -225,6 +231,68 @@ async fn serve(
         }
     }
     Ok(exit)
+}
+
+/// Keep one probe loop per backend of every service with health checks,
+/// following configuration changes.
+async fn health_checks(agent: Arc<Mutex<Agent>>) {
+    type Running = (config::HealthConfig, std::net::SocketAddrV4, tokio::task::JoinHandle<()>);
+    let mut running: HashMap<BackendKey, Running> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let targets = lock(&agent).probe_targets();
+        let wanted: HashMap<BackendKey, (std::net::SocketAddrV4, config::HealthConfig)> =
+            targets.into_iter().map(|(k, a, c)| (k, (a, c))).collect();
+        running.retain(|k, (cfg, addr, task)| {
+            let keep = wanted.get(k).is_some_and(|(a, c)| a == addr && c == cfg);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (k, (addr, cfg)) in wanted {
+            if running.contains_key(&k) {
+                continue;
+            }
+            let task = tokio::spawn(probe_loop(agent.clone(), k.clone(), addr, cfg.clone()));
+            running.insert(k, (cfg, addr, task));
+        }
+    }
+}
+
+async fn probe_loop(agent: Arc<Mutex<Agent>>, key: BackendKey, addr: std::net::SocketAddrV4, cfg: config::HealthConfig) {
+    let mut tick = tokio::time::interval(cfg.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let result = health::probe(&cfg, addr).await.map_err(|e| e.to_string());
+        let (agent, key) = (agent.clone(), key.clone());
+        let _ = tokio::task::spawn_blocking(move || lock(&agent).observe(&key, result)).await;
+    }
+}
+
+/// While a backend ramps up, reprogram its weight every half second.
+async fn slow_start(agent: Arc<Mutex<Agent>>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut was = false;
+    loop {
+        tick.tick().await;
+        let agent = agent.clone();
+        was = tokio::task::spawn_blocking(move || {
+            let mut a = lock(&agent);
+            let now = a.ramping();
+            // One more pass after the ramp ends, to land on full weight.
+            if (now || was)
+                && let Err(e) = a.apply()
+            {
+                warn!(error = %e, "slow start: reprogramming failed");
+            }
+            now
+        })
+        .await
+        .unwrap_or(false);
+    }
 }
 
 fn lock(agent: &Mutex<Agent>) -> std::sync::MutexGuard<'_, Agent> {
