@@ -9,7 +9,7 @@
 //!
 //! VIPs live in 10.10.0.96/28; the client routes them (and 10.20.0.0/24, for
 //! direct-to-backend runs) via the gateway. Each backend namespace runs
-//! `lab-backend` with its stats API on 127.0.0.1:9000.
+//! `lab-backend` with its stats API on port 9000 (all addresses: health checks use it).
 
 use std::ffi::OsStr;
 use std::fmt::Write as _;
@@ -113,6 +113,8 @@ impl Lab {
         crate::require_root()?;
         validate(&spec)?;
         ensure_bpffs()?;
+        // A fresh lab starts lbd's log afresh (restarts within it append).
+        let _ = std::fs::remove_file(format!("/tmp/{}-lbd.log", spec.prefix));
         Lab::down(&spec.prefix).context("clearing leftovers of an earlier lab")?;
         let lab = Lab {
             children: Mutex::new((0..spec.backends).map(|_| None).collect()),
@@ -441,7 +443,7 @@ impl Lab {
                 "--listen",
                 &listen,
                 "--stats",
-                "127.0.0.1:9000",
+                "0.0.0.0:9000",
             ])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
