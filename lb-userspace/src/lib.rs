@@ -7,11 +7,13 @@
 //! - `api`: the control socket, its requests and the status report.
 pub mod agent;
 pub mod api;
+pub mod cli;
 pub mod health;
 pub mod render;
 pub mod config;
 pub mod dataplane;
 pub mod maglev;
+pub mod metrics;
 pub mod wrr;
 
 /// True when running as root (needed to load BPF and attach XDP).

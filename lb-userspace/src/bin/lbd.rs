@@ -9,8 +9,9 @@ use std::{
 };
 
 use anyhow::Context as _;
-use clap::{Parser, ValueEnum};
+use clap::Parser as _;
 use lb_userspace::{
+    cli::{LbdArgs as Args, LogFormat},
     agent::{Agent, BackendKey},
     api,
     config::{self, System},
@@ -23,27 +24,6 @@ use tokio::{
 };
 use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
-
-/// The XDP layer-4 load balancer agent.
-#[derive(Debug, Parser)]
-#[command(version, about)]
-struct Args {
-    /// Configuration file (YAML).
-    #[arg(long, short)]
-    config: PathBuf,
-    /// Log format.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
-    /// Validate the configuration and exit without touching the system.
-    #[arg(long)]
-    check: bool,
-}
 
 fn main() -> ExitCode {
     let args = Args::parse();
