@@ -21,6 +21,7 @@ use crate::{
     config::{self, BackendConfig, Config, ConfigError, Problem, ProbeKind, ServiceConfig, System},
     dataplane::{BackendRuntime, Dataplane, DataplaneError, SweepReport, monotonic_coarse_secs},
     health::{Checker, Health, slow_start_weight},
+    metrics::HealthMetrics,
     render,
 };
 
@@ -40,6 +41,9 @@ pub struct Agent {
     joined: HashMap<BackendKey, Instant>,
     pub reloads_ok: u64,
     pub reloads_failed: u64,
+    /// Flow table entries counted by the last sweep.
+    pub flow_entries: u64,
+    pub health_metrics: HealthMetrics,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +99,8 @@ impl Agent {
             joined: HashMap::new(),
             reloads_ok: 0,
             reloads_failed: 0,
+            flow_entries: 0,
+            health_metrics: HealthMetrics::default(),
         };
         a.sync_health();
         a
@@ -183,6 +189,7 @@ impl Agent {
     /// Record a probe result; on a transition, log it and reprogram.
     pub fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) {
         let Some(s) = self.config.services.iter().find(|s| s.name == key.0) else { return };
+        self.health_metrics.record(&key.0, &format!("{}:{}", key.1, key.2), &result);
         let (rise, fall) = (s.health.rise, s.health.fall);
         let slow = s.slow_start.is_some();
         let Some(c) = self.health.get_mut(key) else { return };
@@ -324,11 +331,13 @@ impl Agent {
 
     /// Expire idle flows now.
     pub fn sweep(&mut self) -> Result<SweepReport, DataplaneError> {
-        self.dp.sweep(
+        let r = self.dp.sweep(
             monotonic_coarse_secs(),
             u64::from(self.config.tcp_idle_timeout),
             u64::from(self.config.udp_idle_timeout),
-        )
+        )?;
+        self.flow_entries = r.entries.saturating_sub(2 * r.removed);
+        Ok(r)
     }
 }
 

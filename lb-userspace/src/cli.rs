@@ -48,6 +48,8 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Live view of every backend, refreshed every second (q or Ctrl-C quits).
+    Watch,
     /// Re-read lbd's configuration file and apply the difference (a file
     /// with any problem is rejected whole, and every problem is listed).
     Reload,

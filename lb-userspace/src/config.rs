@@ -19,6 +19,7 @@ use crate::{maglev, wrr};
 
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lbd/lbd.sock";
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/lbd";
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_CONNTRACK_MAX: u32 = 1_048_576;
 /// Upper bound for `conntrack_max` (each connection takes two LRU entries).
 pub const MAX_CONNTRACK: u32 = 1 << 26;
@@ -195,6 +196,8 @@ pub struct Config {
     pub tcp_idle_timeout: u32,
     /// Seconds without a packet after which a UDP flow expires.
     pub udp_idle_timeout: u32,
+    /// Where the Prometheus exporter listens (path /metrics).
+    pub metrics_listen: std::net::SocketAddr,
     pub services: Vec<ServiceConfig>,
 }
 
@@ -214,6 +217,9 @@ impl Config {
         }
         if self.pin_path != new.pin_path {
             v.push("pin_path");
+        }
+        if self.metrics_listen != new.metrics_listen {
+            v.push("metrics_listen");
         }
         if self.conntrack_max != new.conntrack_max {
             v.push("conntrack_max");
@@ -415,6 +421,7 @@ impl Walker<'_> {
             "table_capacity",
             "tcp_idle_timeout",
             "udp_idle_timeout",
+            "metrics_listen",
             "services",
         ];
         let m = self.mapping(root, "", KEYS)?;
@@ -503,6 +510,20 @@ impl Walker<'_> {
             Some(v) => self.uint(v, "udp_idle_timeout", 10, 86_400 * 7).unwrap_or(10) as u32,
         };
 
+        let metrics_listen = match m.get("metrics_listen") {
+            None => DEFAULT_METRICS_LISTEN.parse().expect("valid default"),
+            Some(v) => match self.string(v, "metrics_listen") {
+                Some(s) => match s.parse::<std::net::SocketAddr>() {
+                    Ok(a) => a,
+                    Err(_) => {
+                        self.problem("metrics_listen", format!("{s:?} is not ADDRESS:PORT"));
+                        DEFAULT_METRICS_LISTEN.parse().expect("valid default")
+                    }
+                },
+                None => DEFAULT_METRICS_LISTEN.parse().expect("valid default"),
+            },
+        };
+
         let mut services = Vec::new();
         match m.get("services") {
             None | Some(Value::Null) => {}
@@ -526,6 +547,7 @@ impl Walker<'_> {
             table_capacity,
             tcp_idle_timeout,
             udp_idle_timeout,
+            metrics_listen,
             services: services.into_iter().map(|(_, s)| s).collect(),
         })
     }

@@ -862,6 +862,7 @@ impl Dataplane {
             for item in flows.iter() {
                 // Entries can vanish while we walk (LRU eviction): skip errors.
                 let Ok((k, f)) = item else { continue };
+                report.entries += 1;
                 if f.dir != DIR_FORWARD {
                     continue;
                 }
@@ -935,6 +936,9 @@ pub const CLOSED_LINGER: u64 = 60;
 /// What one sweep did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SweepReport {
+    /// Entries in the flow table (both directions).
+    pub entries: u64,
+    /// Forward entries looked at.
     pub scanned: u64,
     pub removed: u64,
     pub expired: u64,

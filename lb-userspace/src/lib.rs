@@ -14,6 +14,7 @@ pub mod config;
 pub mod dataplane;
 pub mod maglev;
 pub mod metrics;
+pub mod watch;
 pub mod wrr;
 
 /// True when running as root (needed to load BPF and attach XDP).

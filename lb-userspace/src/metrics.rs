@@ -25,3 +25,204 @@ pub const SERIES: &[&str] = &[
     "lb_config_reloads_total",
     "lb_build_info",
 ];
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use prometheus_client::{
+    encoding::text::encode,
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+        info::Info,
+    },
+    registry::Registry,
+};
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{TcpListener, TcpStream},
+};
+use tracing::{debug, warn};
+
+use crate::{agent::Agent, api};
+
+pub type Labels = Vec<(String, String)>;
+
+fn histogram() -> Histogram {
+    // 0.5 ms to about 4 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 14))
+}
+
+/// Series that accumulate between scrapes (everything else is read fresh).
+#[derive(Clone)]
+pub struct HealthMetrics {
+    pub duration: Family<Labels, Histogram, fn() -> Histogram>,
+    pub failures: Family<Labels, Counter>,
+}
+
+impl Default for HealthMetrics {
+    fn default() -> Self {
+        Self { duration: Family::new_with_constructor(histogram), failures: Family::default() }
+    }
+}
+
+impl HealthMetrics {
+    pub fn record(&self, service: &str, backend: &str, result: &Result<Duration, String>) {
+        let labels = vec![("service".to_owned(), service.to_owned()), ("backend".to_owned(), backend.to_owned())];
+        match result {
+            Ok(d) => self.duration.get_or_create(&labels).observe(d.as_secs_f64()),
+            Err(_) => {
+                self.failures.get_or_create(&labels).inc();
+            }
+        }
+    }
+}
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+}
+
+/// The exposition (OpenMetrics text) of the agent's state now.
+pub fn exposition(agent: &Agent) -> Result<String, String> {
+    let status = api::status(agent).map_err(|e| e.to_string())?;
+    let mut reg = Registry::default();
+    let conns = Family::<Labels, Counter>::default();
+    let packets = Family::<Labels, Counter>::default();
+    let bytes = Family::<Labels, Counter>::default();
+    let up = Family::<Labels, Gauge>::default();
+    let weight = Family::<Labels, Gauge>::default();
+    let effective = Family::<Labels, Gauge>::default();
+    let active = Family::<Labels, Gauge>::default();
+    let svc_packets = Family::<Labels, Counter>::default();
+    let fairness = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+    for s in &status.services {
+        let mut total = 0u64;
+        for b in &s.backends {
+            let be = format!("{}:{}", b.address, b.port);
+            let l = labels(&[("service", &s.name), ("backend", &be)]);
+            conns.get_or_create(&l).inc_by(b.new_flows);
+            for (dir, p, by) in [("in", b.packets_in, b.bytes_in), ("out", b.packets_out, b.bytes_out)] {
+                let ld = labels(&[("service", &s.name), ("backend", &be), ("direction", dir)]);
+                packets.get_or_create(&ld).inc_by(p);
+                bytes.get_or_create(&ld).inc_by(by);
+            }
+            up.get_or_create(&l).set(i64::from(b.state != crate::agent::BackendState::Down));
+            weight.get_or_create(&l).set(i64::from(b.weight));
+            effective.get_or_create(&l).set(i64::from(b.effective_weight));
+            active.get_or_create(&l).set(b.active_flows as i64);
+            total += b.packets_in + b.packets_out;
+        }
+        let l = labels(&[("service", &s.name)]);
+        svc_packets.get_or_create(&l).inc_by(total);
+        if let Some(f) = s.fairness {
+            fairness.get_or_create(&l).set(f);
+        }
+    }
+    let dropped = Family::<Labels, Counter>::default();
+    let fallback = Family::<Labels, Counter>::default();
+    for (reason, v) in &status.counters {
+        let fam = if matches!(reason.as_str(), "fib_fallback" | "ttl_expired") { &fallback } else { &dropped };
+        fam.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
+    }
+    let entries = Gauge::<i64>::default();
+    entries.set(agent.flow_entries as i64);
+    let reloads = Family::<Labels, Counter>::default();
+    reloads.get_or_create(&labels(&[("result", "ok")])).inc_by(agent.reloads_ok);
+    reloads.get_or_create(&labels(&[("result", "rejected")])).inc_by(agent.reloads_failed);
+
+    reg.register("lb_backend_connections", "New flows scheduled onto the backend", conns);
+    reg.register("lb_backend_packets", "Packets through the balancer per backend and direction", packets);
+    reg.register("lb_backend_bytes", "Bytes (frames) through the balancer per backend and direction", bytes);
+    reg.register("lb_backend_up", "1 while health checks consider the backend up", up);
+    reg.register("lb_backend_weight", "Configured weight", weight);
+    reg.register(
+        "lb_backend_effective_weight",
+        "Weight the scheduler uses now (0 when down or drained; slow start on a 10x scale)",
+        effective,
+    );
+    reg.register("lb_backend_active_flows", "Flows open now (opened - closed - expired)", active);
+    reg.register("lb_service_packets", "Packets through the balancer per service, both directions", svc_packets);
+    reg.register("lb_service_fairness", "Jain's fairness index over weight-normalised new flows", fairness);
+    reg.register("lb_dropped_packets", "Packets the datapath dropped, by reason", dropped);
+    reg.register(
+        "lb_kernel_fallback_packets",
+        "Packets handed to the kernel's own forwarding (unresolved next hop, expiring TTL)",
+        fallback,
+    );
+    reg.register("lb_flow_table_entries", "Flow table entries (two per flow), as of the last sweep", entries);
+    reg.register(
+        "lb_health_check_duration_seconds",
+        "Duration of successful health checks",
+        agent.health_metrics.duration.clone(),
+    );
+    reg.register("lb_health_check_failures", "Failed health checks", agent.health_metrics.failures.clone());
+    reg.register("lb_config_reloads", "Configuration reloads by result", reloads);
+    reg.register("lb_build", "Build information", Info::new(vec![("version".to_owned(), env!("CARGO_PKG_VERSION").to_owned())]));
+    let mut out = String::new();
+    encode(&mut out, &reg).map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+/// Serve `GET /metrics` until the task is dropped.
+pub async fn serve(listener: TcpListener, agent: Arc<Mutex<Agent>>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let agent = agent.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = handle(stream, agent).await {
+                        debug!(error = %e, "metrics connection");
+                    }
+                });
+            }
+            Err(e) => {
+                warn!(error = %e, "metrics accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn handle(mut stream: TcpStream, agent: Arc<Mutex<Agent>>) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut chunk))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request head"))??;
+        if n == 0 || buf.len() > 8192 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let head = String::from_utf8_lossy(&buf);
+    let mut parts = head.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    let (status, ctype, body) = if method != "GET" {
+        ("405 Method Not Allowed", "text/plain", "only GET\n".to_owned())
+    } else if path != "/metrics" {
+        ("404 Not Found", "text/plain", "metrics are at /metrics\n".to_owned())
+    } else {
+        let r = tokio::task::spawn_blocking(move || {
+            let a = agent.lock().unwrap_or_else(|p| p.into_inner());
+            exposition(&a)
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
+        match r {
+            Ok(text) => ("200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", text),
+            Err(e) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
+        }
+    };
+    let resp = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(resp.as_bytes()).await?;
+    stream.shutdown().await
+}

@@ -52,6 +52,7 @@ pub fn render(cfg: &Config) -> String {
     let _ = writeln!(out, "table_capacity: {}", cfg.table_capacity);
     let _ = writeln!(out, "tcp_idle_timeout: {}", cfg.tcp_idle_timeout);
     let _ = writeln!(out, "udp_idle_timeout: {}", cfg.udp_idle_timeout);
+    let _ = writeln!(out, "metrics_listen: {}", scalar(&cfg.metrics_listen.to_string()));
     if cfg.services.is_empty() {
         out.push_str("services: []\n");
     } else {
@@ -259,7 +260,7 @@ mod tests {
     use super::*;
     use crate::config::{
         DEFAULT_CONNTRACK_MAX, DEFAULT_CONTROL_SOCKET, DEFAULT_PIN_PATH, DEFAULT_TABLE_CAPACITY,
-        DEFAULT_TCP_IDLE_TIMEOUT, DEFAULT_UDP_IDLE_TIMEOUT, Environment, Protocol, Scheduler, parse,
+        DEFAULT_METRICS_LISTEN, DEFAULT_TCP_IDLE_TIMEOUT, DEFAULT_UDP_IDLE_TIMEOUT, Environment, Protocol, Scheduler, parse,
     };
 
     /// Every interface exists.
@@ -302,6 +303,7 @@ mod tests {
             table_capacity: DEFAULT_TABLE_CAPACITY,
             tcp_idle_timeout: DEFAULT_TCP_IDLE_TIMEOUT,
             udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
+            metrics_listen: DEFAULT_METRICS_LISTEN.parse().unwrap(),
             services: vec![svc("web", "10.10.0.100", 80)],
         }
     }
@@ -529,6 +531,7 @@ conntrack_max: 1048576
 table_capacity: 4194304
 tcp_idle_timeout: 900
 udp_idle_timeout: 300
+metrics_listen: \"127.0.0.1:9464\"
 services:
   - name: web
     vip: 10.10.0.100
@@ -572,7 +575,7 @@ services:
 
         let mut empty = base();
         empty.services.clear();
-        assert!(render(&empty).ends_with("udp_idle_timeout: 300\nservices: []\n"));
+        assert!(render(&empty).ends_with("udp_idle_timeout: 300\nmetrics_listen: \"127.0.0.1:9464\"\nservices: []\n"));
     }
 
     /// A fresh directory under the system temp dir, removed on drop.

@@ -286,6 +286,7 @@ impl Fixture {
             table_capacity: 1 << 20,
             tcp_idle_timeout: 900,
             udp_idle_timeout: 300,
+            metrics_listen: "127.0.0.1:9464".parse().unwrap(),
             services,
         };
         let mut dp = Dataplane::load_unpinned(&cfg).expect("load the XDP program (are you root?)");

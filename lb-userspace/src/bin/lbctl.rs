@@ -53,6 +53,13 @@ fn backend_spec(s: &str) -> Result<serde_json::Value, String> {
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.command {
+        Command::Watch => match lb_userspace::watch::run(&args.socket) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lbctl: {e}");
+                ExitCode::from(1)
+            }
+        },
         Command::Backend { action } => {
             let reqs = match action {
                 BackendAction::Add { service, backends, weight } => backends

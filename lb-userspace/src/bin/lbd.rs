@@ -109,7 +109,10 @@ async fn run(cfg: config::Config, path: PathBuf) -> anyhow::Result<Exit> {
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
 
     let listener = api::bind(&cfg.control_socket).context("opening the control socket")?;
-    let result = serve(&cfg, path, listener, &mut sigterm, &mut sigint).await;
+    let metrics = tokio::net::TcpListener::bind(cfg.metrics_listen)
+        .await
+        .with_context(|| format!("listening for metrics on {}", cfg.metrics_listen))?;
+    let result = serve(&cfg, path, listener, metrics, &mut sigterm, &mut sigint).await;
     if let Err(e) = std::fs::remove_file(&cfg.control_socket) {
         warn!(path = %cfg.control_socket.display(), error = %e, "removing the control socket");
     }
@@ -120,6 +123,7 @@ async fn serve(
     cfg: &config::Config,
     path: PathBuf,
     listener: tokio::net::UnixListener,
+    metrics: tokio::net::TcpListener,
     sigterm: &mut tokio::signal::unix::Signal,
     sigint: &mut tokio::signal::unix::Signal,
 ) -> anyhow::Result<Exit> {
@@ -152,6 +156,7 @@ async fn serve(
     }
     let agent = Arc::new(Mutex::new(agent));
     let api = tokio::spawn(api::serve(listener, agent.clone()));
+    let exporter = tokio::spawn(lb_userspace::metrics::serve(metrics, agent.clone()));
     let sweeper = tokio::spawn(sweep_flows(agent.clone()));
     let prober = tokio::spawn(health_checks(agent.clone()));
     let ramp = tokio::spawn(slow_start(agent.clone()));
@@ -189,7 +194,7 @@ async fn serve(
             }
         }
     };
-    for task in [api, sweeper, prober, ramp] {
+    for task in [api, exporter, sweeper, prober, ramp] {
         task.abort();
         let _ = task.await;
     }
