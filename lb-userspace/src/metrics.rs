@@ -38,7 +38,6 @@ use prometheus_client::{
         family::Family,
         gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
-        info::Info,
     },
     registry::Registry,
 };
@@ -161,10 +160,39 @@ pub fn exposition(agent: &Agent) -> Result<String, String> {
     );
     reg.register("lb_health_check_failures", "Failed health checks", agent.health_metrics.failures.clone());
     reg.register("lb_config_reloads", "Configuration reloads by result", reloads);
-    reg.register("lb_build", "Build information", Info::new(vec![("version".to_owned(), env!("CARGO_PKG_VERSION").to_owned())]));
+    // A gauge fixed at 1 rather than an OpenMetrics `info` family: the
+    // Prometheus text-format tools (promtool) know no `info` type.
+    let build = Family::<Labels, Gauge>::default();
+    build.get_or_create(&labels(&[("version", env!("CARGO_PKG_VERSION"))])).set(1);
+    reg.register("lb_build_info", "Build information (always 1)", build);
     let mut out = String::new();
     encode(&mut out, &reg).map_err(|e| e.to_string())?;
     Ok(out)
+}
+
+/// The Prometheus text format (0.0.4) of an OpenMetrics exposition, for
+/// scrapers that do not ask for OpenMetrics: counter families are named
+/// with their `_total` suffix there, and there is no `# EOF` or `# UNIT`.
+pub fn to_prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters.contains(name).then(|| format!("{p}{name}_total {tail}"))
+        });
+        out.push_str(renamed.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
 }
 
 /// Serve `GET /metrics` until the task is dropped.
@@ -202,6 +230,9 @@ async fn handle(mut stream: TcpStream, agent: Arc<Mutex<Agent>>) -> std::io::Res
     let head = String::from_utf8_lossy(&buf);
     let mut parts = head.split_whitespace();
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let openmetrics = head
+        .lines()
+        .any(|l| l.to_ascii_lowercase().starts_with("accept:") && l.contains("application/openmetrics-text"));
     let path = target.split('?').next().unwrap_or("");
     let (status, ctype, body) = if method != "GET" {
         ("405 Method Not Allowed", "text/plain", "only GET\n".to_owned())
@@ -215,7 +246,8 @@ async fn handle(mut stream: TcpStream, agent: Arc<Mutex<Agent>>) -> std::io::Res
         .await
         .unwrap_or_else(|e| Err(e.to_string()));
         match r {
-            Ok(text) => ("200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", text),
+            Ok(text) if openmetrics => ("200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", text),
+            Ok(text) => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", to_prometheus_text(&text)),
             Err(e) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
         }
     };
@@ -225,4 +257,18 @@ async fn handle(mut stream: TcpStream, agent: Arc<Mutex<Agent>>) -> std::io::Res
     );
     stream.write_all(resp.as_bytes()).await?;
     stream.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_text_names_counters_with_total_and_drops_eof() {
+        let om = "# HELP lb_x Things.\n# TYPE lb_x counter\nlb_x_total{a=\"b\"} 3\n# HELP lb_g A gauge.\n# TYPE lb_g gauge\nlb_g 1\n# EOF\n";
+        assert_eq!(
+            to_prometheus_text(om),
+            "# HELP lb_x_total Things.\n# TYPE lb_x_total counter\nlb_x_total{a=\"b\"} 3\n# HELP lb_g A gauge.\n# TYPE lb_g gauge\nlb_g 1\n"
+        );
+    }
 }
