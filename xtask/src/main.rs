@@ -1,4 +1,6 @@
-//! Project tasks: `cargo xtask setup | build | lab up|down | demo | test`.
+//! Project tasks: `cargo xtask setup | build | lab up|down | demo | test | install`.
+mod bench;
+mod install;
 mod setup;
 
 use std::{
@@ -44,6 +46,36 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Release build of lbd and lbctl, installed with shell completions, man
+    /// pages, the systemd unit and (if none exists) an example configuration.
+    /// Benchmarks: per-packet cost, end to end against HAProxy and nginx,
+    /// the published evaluations; report in target/bench/report.md.
+    Bench {
+        /// Only this part (default: all three).
+        #[arg(value_enum)]
+        part: Option<BenchPart>,
+        /// The long versions (default: short, under 10 minutes in all).
+        #[arg(long)]
+        full: bool,
+    },
+    Install {
+        /// Installation prefix: binaries in PREFIX/bin, completions and man pages in PREFIX/share.
+        #[arg(long, default_value = "/usr/local")]
+        prefix: PathBuf,
+        /// Stage the installation under this directory (packaging); no root needed.
+        #[arg(long)]
+        destdir: Option<PathBuf>,
+        /// Configuration root: SYSCONFDIR/systemd/system/lbd.service and SYSCONFDIR/lbd/lbd.yaml.
+        #[arg(long, default_value = "/etc")]
+        sysconfdir: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum BenchPart {
+    Packet,
+    E2e,
+    Scenarios,
 }
 
 #[derive(Subcommand)]
@@ -74,6 +106,25 @@ fn main() {
             .and_then(|()| ensure_setup())
             .and_then(|()| build())
             .and_then(|()| test(&args)),
+        Cmd::Bench { part, full } => need_root("cargo xtask bench")
+            .and_then(|()| ensure_setup())
+            .and_then(|()| setup::debian(bench::PACKAGES))
+            .and_then(|()| build())
+            .and_then(|()| {
+                let parts = match part {
+                    None => vec![bench::Part::Packet, bench::Part::E2e, bench::Part::Scenarios],
+                    Some(BenchPart::Packet) => vec![bench::Part::Packet],
+                    Some(BenchPart::E2e) => vec![bench::Part::E2e],
+                    Some(BenchPart::Scenarios) => vec![bench::Part::Scenarios],
+                };
+                bench::bench(&bench::Options { parts, full })
+            }),
+        Cmd::Install { prefix, destdir, sysconfdir } => {
+            let root_ok = if destdir.is_none() { need_root("cargo xtask install (without --destdir)") } else { Ok(()) };
+            root_ok
+                .and_then(|()| ensure_setup())
+                .and_then(|()| install::install(&prefix, destdir.as_deref(), &sysconfdir))
+        }
     };
     if let Err(e) = result {
         eprintln!("xtask: {e:#}");
@@ -88,7 +139,12 @@ pub fn is_root() -> bool {
 
 fn need_root(what: &str) -> anyhow::Result<()> {
     if !is_root() {
-        bail!("{what} needs root (it creates network namespaces and loads XDP programs); run it as root");
+        let why = if what.contains("install") {
+            "it writes to system directories"
+        } else {
+            "it creates network namespaces and loads XDP programs"
+        };
+        bail!("{what} needs root ({why}); run it as root");
     }
     Ok(())
 }

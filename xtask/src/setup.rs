@@ -17,6 +17,9 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("ethtool", "/usr/sbin/ethtool"),
     ("curl", "/usr/bin/curl"),
     ("bpftool", "/usr/sbin/bpftool"),
+    ("systemd", "/usr/bin/systemd-analyze"),
+    ("prometheus", "/usr/bin/prometheus"),
+    ("tmux", "/usr/bin/tmux"),
 ];
 
 pub fn setup() -> anyhow::Result<()> {

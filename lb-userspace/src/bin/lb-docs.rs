@@ -23,32 +23,49 @@ use lb_userspace::cli::{LbctlArgs, LbdArgs};
 
 const MANUAL: &str = "XDP load balancer";
 
-const LBD_EXTRA: &str = "\
-SIGNALS:
-  SIGHUP   re-read the configuration file and apply the difference (a file with any problem is rejected whole)
-  SIGTERM  stop cleanly: detach the XDP programs and remove the pinned datapath
-  SIGUSR2  restart gracefully: re-execute lbd, keeping the pinned datapath so traffic is not dropped (systemctl kill -s USR2 lbd)
+/// Extra man page sections of lbd(8), in roff.
+const LBD_EXTRA: &str = r#".SH SIGNALS
+.TP
+\fBSIGHUP\fR
+Re-read the configuration file and apply the difference. A file with any
+problem is rejected whole and the running configuration is kept.
+.TP
+\fBSIGTERM\fR
+Stop cleanly.
+.TP
+\fBSIGUSR2\fR
+Restart gracefully: lbd re-executes itself and the new process adopts the
+pinned datapath, so traffic keeps flowing. Under systemd:
+\fBsystemctl kill \-s USR2 lbd\fR.
+.SH FILES
+.TP
+\fI/etc/lbd/lbd.yaml\fR
+Configuration (the installed unit\*(Aqs \fB\-\-config\fR).
+.TP
+\fI/run/lbd\fR
+Runtime directory: the control socket \fIlbd.sock\fR used by \fBlbctl\fR(8).
+.TP
+\fI/sys/fs/bpf\fR
+bpffs on which the datapath's programs, links and maps are pinned
+(\fBpin_path\fR in the configuration).
+.SH METRICS
+Prometheus/OpenMetrics exposition on
+\fIhttp://127.0.0.1:9464/metrics\fR by default.
+.SH PRIVILEGES
+lbd needs root, or the capabilities CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN
+and CAP_PERFMON.
+.SH SEE ALSO
+\fBlbctl\fR(8)
+"#;
 
-FILES:
-  /etc/lbd/lbd.yaml   configuration (by convention; see --config)
-  /run/lbd            control socket (lbd.sock) and runtime state
-  /sys/fs/bpf         bpffs where the datapath's maps and programs are pinned
-
-METRICS:
-  Prometheus/OpenMetrics exposition on http://127.0.0.1:9464/metrics by default.
-
-PRIVILEGES:
-  lbd needs root or the capabilities CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN and CAP_PERFMON.
-
-SEE ALSO:
-  lbctl(8)";
-
-const LBCTL_EXTRA: &str = "\
-ENVIRONMENT:
-  LBD_SOCKET   lbd's control socket (as --socket)
-
-SEE ALSO:
-  lbd(8)";
+/// Extra man page sections of lbctl(8), in roff.
+const LBCTL_EXTRA: &str = r#".SH ENVIRONMENT
+.TP
+\fBLBD_SOCKET\fR
+lbd\*(Aqs control socket (as \fB\-\-socket\fR).
+.SH SEE ALSO
+\fBlbd\fR(8)
+"#;
 
 fn main() {
     if let Err(e) = real_main() {
@@ -68,18 +85,18 @@ fn real_main() -> anyhow::Result<()> {
         return Ok(());
     }
 
-    let lbd = LbdArgs::command().after_long_help(LBD_EXTRA);
-    let lbctl = LbctlArgs::command().after_long_help(LBCTL_EXTRA);
+    let lbd = LbdArgs::command();
+    let lbctl = LbctlArgs::command();
 
     for (name, cmd) in [("lbd", &lbd), ("lbctl", &lbctl)] {
         completions(&dir, name, cmd)?;
     }
     let man_dir = dir.join("man/man8");
     mkdir(&man_dir)?;
-    for cmd in [lbd, lbctl] {
+    for (cmd, extra) in [(lbd, LBD_EXTRA), (lbctl, LBCTL_EXTRA)] {
         let mut cmd = cmd.disable_help_subcommand(true);
         cmd.build();
-        man_pages(&man_dir, cmd)?;
+        man_pages(&man_dir, cmd, extra)?;
     }
     Ok(())
 }
@@ -115,12 +132,18 @@ fn completions(dir: &Path, name: &str, cmd: &clap::Command) -> anyhow::Result<()
 
 /// The man page of `cmd` (already built, so subcommands carry display names
 /// such as `lbctl-backend-add`) and, recursively, of its visible subcommands.
-fn man_pages(dir: &Path, cmd: clap::Command) -> anyhow::Result<()> {
+/// `extra` (roff) goes into the top page only, before its VERSION section.
+fn man_pages(dir: &Path, cmd: clap::Command, extra: &str) -> anyhow::Result<()> {
     for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
-        man_pages(dir, sub.clone())?;
+        man_pages(dir, sub.clone(), "")?;
     }
     let man = clap_mangen::Man::new(cmd).section("8").manual(MANUAL);
     let mut buf = Vec::new();
     man.render(&mut buf).context("rendering a man page")?;
+    if !extra.is_empty() {
+        let page = String::from_utf8(buf).context("man page is not UTF-8")?;
+        let at = page.find("\n.SH VERSION\n").map_or(page.len(), |i| i + 1);
+        buf = format!("{}{extra}{}", &page[..at], &page[at..]).into_bytes();
+    }
     write(&dir.join(man.get_filename()), &buf)
 }
