@@ -35,7 +35,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("wrk", "/usr/bin/wrk"),
 ];
 
-const PREFIX: &str = "lbbench";
+const PREFIX: &str = "lbb";
 const VIP_OURS: &str = "10.10.0.100";
 const VIP_HAPROXY: &str = "10.10.0.101";
 const VIP_NGINX: &str = "10.10.0.102";
@@ -194,7 +194,7 @@ fn start(env: &Env, b: Balancer, method: &str) -> anyhow::Result<Running> {
         Balancer::Haproxy => {
             let balance = if method == "rr" { "balance roundrobin" } else { "balance hash src_port\n  hash-type consistent" };
             let mut cfg = format!(
-                "global\n  maxconn 50000\n  nbthread 2\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 30s\n  timeout server 30s\n  maxconn 50000\nfrontend fe\n  bind {VIP_HAPROXY}:80\n  default_backend be\nbackend be\n  {balance}\n"
+                "global\n  maxconn 8000\n  nbthread 2\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 30s\n  timeout server 30s\n  maxconn 8000\nfrontend fe\n  bind {VIP_HAPROXY}:80\n  default_backend be\nbackend be\n  {balance}\n"
             );
             for (i, a) in BACKENDS.iter().enumerate() {
                 cfg.push_str(&format!("  server be{} {a}:8080\n", i + 1));
@@ -219,7 +219,7 @@ fn start(env: &Env, b: Balancer, method: &str) -> anyhow::Result<Running> {
             }
             let w = env.work.display();
             let cfg = format!(
-                "load_module /usr/lib/nginx/modules/ngx_stream_module.so;\nworker_processes 2;\ndaemon off;\npid {w}/nginx.pid;\nerror_log {w}/nginx.log;\nevents {{ worker_connections 20000; }}\nstream {{\n  upstream be {{\n{hash}{ups}  }}\n  server {{\n    listen {VIP_NGINX}:80 reuseport;\n    proxy_pass be;\n  }}\n}}\n"
+                "load_module /usr/lib/nginx/modules/ngx_stream_module.so;\nworker_processes 2;\ndaemon off;\npid {w}/nginx.pid;\nerror_log {w}/nginx.log;\nevents {{ worker_connections 8000; }}\nstream {{\n  upstream be {{\n{hash}{ups}  }}\n  server {{\n    listen {VIP_NGINX}:80 reuseport;\n    proxy_pass be;\n  }}\n}}\n"
             );
             let path = env.work.join("nginx.conf");
             std::fs::write(&path, cfg)?;
