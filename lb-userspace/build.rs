@@ -1,6 +1,7 @@
 //! Builds the XDP program (`lb-ebpf`) for `bpfel-unknown-none` with the
-//! nightly toolchain and bpf-linker, and leaves the object in OUT_DIR, where
-//! `dataplane.rs` embeds it.
+//! nightly toolchain and bpf-linker, and leaves the objects (every bin of
+//! lb-ebpf) in OUT_DIR, where `dataplane.rs` embeds `lb-xdp` (and `lb-bench`
+//! the benchmark programs).
 //!
 //! This does what `aya_build::build_ebpf` does, plus `-C target-cpu=v3`:
 //! aya-build sets the BPF rustflags itself and offers no way to add one, and
@@ -46,7 +47,19 @@ fn main() {
             "building the XDP program (lb-ebpf) failed: {status}. Missing nightly rust-src or bpf-linker? `cargo xtask setup` installs them."
         );
     }
-    let built = target_dir.join("bpfel-unknown-none/release/lb-xdp");
-    std::fs::copy(&built, out_dir.join("lb-xdp"))
-        .unwrap_or_else(|e| panic!("copy {} to OUT_DIR: {e}", built.display()));
+    // Every bin of lb-ebpf (the datapath `lb-xdp`, the benchmark programs):
+    // the built objects are the files without an extension (not `*.d`).
+    let release = target_dir.join("bpfel-unknown-none/release");
+    let entries = std::fs::read_dir(&release).unwrap_or_else(|e| panic!("read {}: {e}", release.display()));
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.contains('.') || name.starts_with("lib") || !entry.path().is_file() {
+            continue;
+        }
+        std::fs::copy(entry.path(), out_dir.join(&name))
+            .unwrap_or_else(|e| panic!("copy {} to OUT_DIR: {e}", entry.path().display()));
+    }
+    if !out_dir.join("lb-xdp").is_file() {
+        panic!("the XDP program lb-xdp was not built in {}", release.display());
+    }
 }

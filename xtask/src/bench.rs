@@ -103,6 +103,17 @@ fn packet(full: bool) -> anyhow::Result<Value> {
 struct Env<'a> {
     lab: &'a Lab,
     work: PathBuf,
+    /// kernel.bpf_stats_enabled as found (it slows every BPF program down,
+    /// so it is put back when the measurements are done).
+    stats_before: String,
+}
+
+impl Drop for Env<'_> {
+    fn drop(&mut self) {
+        let v = if self.stats_before.is_empty() { "0" } else { self.stats_before.as_str() };
+        let _ = Command::new("sysctl").args(["-qw", &format!("kernel.bpf_stats_enabled={v}")]).status();
+        let _ = std::fs::remove_dir_all(&self.work);
+    }
 }
 
 impl<'a> Env<'a> {
@@ -117,8 +128,9 @@ impl<'a> Env<'a> {
         // Room for many connections on the gateway (proxies hold two each).
         let _ = lab.cmd("gw", "sysctl").args(["-qw", "net.ipv4.ip_local_port_range=1024 65000"]).status();
         let _ = lab.cmd("gw", "sysctl").args(["-qw", "net.ipv4.tcp_tw_reuse=1"]).status();
+        let stats_before = std::fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").unwrap_or_default();
         let _ = Command::new("sysctl").args(["-qw", "kernel.bpf_stats_enabled=1"]).status();
-        Ok(Self { lab, work })
+        Ok(Self { lab, work, stats_before: stats_before.trim().to_owned() })
     }
 }
 

@@ -1,0 +1,230 @@
+//! Programs for `lb-bench packet` (per-packet cost through BPF_PROG_TEST_RUN).
+//!
+//! - `floor_pass`: returns XDP_PASS, nothing else. The cheapest XDP program:
+//!   what BPF_PROG_TEST_RUN's own loop costs per repeat.
+//! - `floor_tx`: swaps the Ethernet addresses and returns XDP_TX, the
+//!   smallest program that touches the packet (the floor a balancer is
+//!   compared against).
+//! - `bench_harness`: makes every repeat of a BPF_PROG_TEST_RUN see the
+//!   original frame. The kernel runs all repeats on one buffer without
+//!   restoring it, so from the second repeat on a rewriting program would
+//!   see its own output (a packet for a backend, not for the VIP) and take
+//!   the cheap pass path. The harness copies the frame back from `FRAME`
+//!   (`CONFIG.len` bytes, which must be the packet's length; see
+//!   [`restore`]), optionally
+//!   gives it a source address and port never used before (a new flow per
+//!   repeat, see [`vary_source`]), then tail-calls the program in slot 0 of
+//!   `PROG_ARRAY`. A failed tail call returns XDP_ABORTED. Its own cost is
+//!   measured by putting `floor_pass` in the slot.
+#![no_std]
+#![no_main]
+
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::generated::bpf_xdp_store_bytes,
+    macros::{map, xdp},
+    maps::{Array, PerCpuArray, ProgramArray},
+    programs::XdpContext,
+};
+
+/// Largest frame the harness restores.
+const FRAME_MAX: usize = 128;
+const FRAME_WORDS: usize = FRAME_MAX / 8;
+
+/// [`HarnessConfig::mode`]: restore the frame only (the same packet every repeat).
+const MODE_RESTORE: u32 = 0;
+/// Restore, then a fresh source address and port: a new TCP flow per repeat.
+const MODE_NEW_TCP: u32 = 1;
+/// The same for UDP.
+const MODE_NEW_UDP: u32 = 2;
+
+/// Byte offsets in an Ethernet + IPv4 (no options) frame.
+const IP_CHECK: usize = 14 + 10;
+const IP_SADDR: usize = 14 + 12;
+const L4: usize = 14 + 20;
+const TCP_CHECK: usize = L4 + 16;
+const UDP_CHECK: usize = L4 + 6;
+
+/// Written by userspace (lb-bench has the same layout).
+#[repr(C)]
+pub struct HarnessConfig {
+    /// Frame length in bytes, 1..=128; the packet must be exactly this long.
+    pub len: u32,
+    /// One of the `MODE_*` values.
+    pub mode: u32,
+}
+
+/// The original frame, as 8-byte words (aligned loads from the map value).
+#[map]
+static FRAME: Array<[u64; FRAME_WORDS]> = Array::with_max_entries(1, 0);
+
+#[map]
+static CONFIG: Array<HarnessConfig> = Array::with_max_entries(1, 0);
+
+/// Per-CPU count of new flows made by the harness: the source of fresh
+/// (address, port) pairs. Never reset, so tuples are not reused across runs.
+#[map]
+static COUNTER: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Slot 0: the program under test.
+#[map]
+static PROG_ARRAY: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+#[xdp]
+pub fn floor_pass(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
+}
+
+#[xdp]
+pub fn floor_tx(ctx: XdpContext) -> u32 {
+    let data = ctx.data();
+    if data + 12 > ctx.data_end() {
+        return xdp_action::XDP_ABORTED;
+    }
+    // SAFETY: the 12 address bytes were bounds-checked above.
+    unsafe {
+        let dst_hi = (data as *mut u32).read();
+        let dst_lo = ((data + 4) as *mut u16).read();
+        let src_hi = ((data + 6) as *mut u32).read();
+        let src_lo = ((data + 10) as *mut u16).read();
+        (data as *mut u32).write(src_hi);
+        ((data + 4) as *mut u16).write(src_lo);
+        ((data + 6) as *mut u32).write(dst_hi);
+        ((data + 10) as *mut u16).write(dst_lo);
+    }
+    xdp_action::XDP_TX
+}
+
+#[xdp]
+pub fn bench_harness(ctx: XdpContext) -> u32 {
+    let (Some(cfg), Some(frame)) = (CONFIG.get(0), FRAME.get(0)) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    if !restore(&ctx, frame, cfg.len as usize) {
+        return xdp_action::XDP_ABORTED;
+    }
+    let varied = match cfg.mode {
+        MODE_RESTORE => true,
+        MODE_NEW_TCP => vary_source::<TCP_CHECK>(&ctx, false),
+        MODE_NEW_UDP => vary_source::<UDP_CHECK>(&ctx, true),
+        _ => false,
+    };
+    if !varied {
+        return xdp_action::XDP_ABORTED;
+    }
+    // SAFETY: plain helper call; on success it does not return.
+    unsafe { PROG_ARRAY.tail_call(&ctx, 0) };
+    xdp_action::XDP_ABORTED
+}
+
+/// Copy the original frame over the packet. A frame of whole 8-byte words
+/// (lb-bench pads its frames so) is copied with word stores; any other
+/// length goes through the bpf_xdp_store_bytes helper (slower). False when
+/// the packet is not `len` bytes long.
+#[inline(always)]
+fn restore(ctx: &XdpContext, frame: &[u64; FRAME_WORDS], len: usize) -> bool {
+    let data = ctx.data();
+    let end = ctx.data_end();
+    if len == 0 || len > FRAME_MAX || end - data != len {
+        return false;
+    }
+    if len % 8 != 0 {
+        // SAFETY: helper call; `frame` is a map value of FRAME_MAX >= len bytes.
+        let rc = unsafe { bpf_xdp_store_bytes(ctx.ctx, 0, frame.as_ptr() as *mut c_void, len as u32) };
+        return rc == 0;
+    }
+    // Every store is checked against data_end itself: that is what lets the
+    // verifier accept it (it does not relate `len` to the packet).
+    let mut i = 0;
+    while i < FRAME_WORDS {
+        let off = i * 8;
+        if data + off + 8 > end {
+            break;
+        }
+        // SAFETY: bounds-checked above; i < FRAME_WORDS.
+        unsafe { ((data + off) as *mut u64).write(frame[i]) };
+        i += 1;
+    }
+    true
+}
+
+/// Give the (restored) packet a source address and port no earlier repeat
+/// used: the n-th call (per CPU) adds `n >> 16` to the source address and
+/// sets the source port to `n & 0xffff`, so 2^32 repeats per base address
+/// stay distinct. The IPv4 header checksum and the TCP/UDP checksum
+/// (pseudo-header address and port) are updated incrementally, so the
+/// packet stays valid and the output check can verify both from scratch.
+/// Assumes IPv4 without options (userspace builds the frames).
+#[inline(always)]
+fn vary_source<const CHECK: usize>(ctx: &XdpContext, udp: bool) -> bool {
+    let Some(counter) = COUNTER.get_ptr_mut(0) else { return false };
+    let data = ctx.data();
+    if data + CHECK + 2 > ctx.data_end() {
+        return false;
+    }
+    // SAFETY: per-CPU slot; header fields bounds-checked above (CHECK is the
+    // furthest one).
+    unsafe {
+        let n = *counter;
+        *counter = n + 1;
+        let saddr = (data + IP_SADDR) as *mut u32;
+        let sport = (data + L4) as *mut u16;
+        let ip_check = (data + IP_CHECK) as *mut u16;
+        let l4_check = (data + CHECK) as *mut u16;
+        let old_addr = saddr.read();
+        let new_addr = u32::from_be(old_addr).wrapping_add((n >> 16) as u32).to_be();
+        let old_port = sport.read();
+        let new_port = (n as u16).to_be();
+        saddr.write(new_addr);
+        sport.write(new_port);
+        ip_check.write(csum_replace4(ip_check.read(), old_addr, new_addr));
+        let old = l4_check.read();
+        if !(udp && old == 0) {
+            let mut new = csum_replace4(old, old_addr, new_addr);
+            new = csum_replace2(new, old_port, new_port);
+            if udp && new == 0 {
+                new = 0xffff;
+            }
+            l4_check.write(new);
+        }
+    }
+    true
+}
+
+// Incremental checksum update (RFC 1624: HC' = ~(~HC + ~m + m')), on the raw
+// words as they sit in the packet.
+
+#[inline(always)]
+fn fold(mut sum: u32) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum as u16
+}
+
+#[inline(always)]
+fn csum_replace2(check: u16, old: u16, new: u16) -> u16 {
+    !fold(!check as u32 + !old as u32 + new as u32)
+}
+
+#[inline(always)]
+fn csum_replace4(check: u16, old: u32, new: u32) -> u16 {
+    !fold(
+        !check as u32
+            + !(old as u16) as u32
+            + !((old >> 16) as u16) as u32
+            + (new & 0xffff)
+            + (new >> 16),
+    )
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
