@@ -173,6 +173,24 @@ pub struct Flow {
     /// Last packet seen, in seconds of CLOCK_MONOTONIC (coarse), forward
     /// entry only; userspace expires idle flows by it.
     pub last_seen: u64,
+    /// Next-hop cache of this direction: egress ifindex (0 = none), when
+    /// it was looked up (coarse seconds, truncated), and the MACs. A FIB
+    /// lookup costs about as much as the rest of the path, so it is done
+    /// at most about once a second per flow.
+    pub nh_ifindex: u32,
+    pub nh_time: u32,
+    pub nh_smac: [u8; 6],
+    pub nh_dmac: [u8; 6],
+}
+
+/// Bits in the address filter array (a power of two).
+pub const ADDR_FILTER_BITS: u32 = 1 << 16;
+
+/// The filter bit of an IPv4 address (network order): an address whose bit
+/// is clear is neither a VIP nor a backend, and its packets skip the maps.
+#[inline(always)]
+pub fn addr_filter_bit(addr: u32) -> u32 {
+    fmix(addr ^ 0x9e37_79b9) & (ADDR_FILTER_BITS - 1)
 }
 
 /// [`Flow::state`]: the client sent a FIN.
@@ -277,7 +295,7 @@ mod tests {
         assert_eq!(size_of::<Backend>(), 24);
         assert_eq!(size_of::<Conns>(), 16);
         assert_eq!(size_of::<FlowKey>(), 16);
-        assert_eq!(size_of::<Flow>(), 32);
+        assert_eq!(size_of::<Flow>(), 48);
         assert_eq!(size_of::<BackendStats>(), 40);
         assert_eq!(align_of::<BackendStats>(), 8);
     }

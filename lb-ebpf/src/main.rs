@@ -23,9 +23,9 @@ use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use aya_log_ebpf::debug;
 use lb_common::{
     BACKEND_F_DOWN, BACKEND_NONE, DIR_FORWARD, DIR_REPLY, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_RST, Flow,
-    FlowKey, PROTO_TCP, Service, VipKey, counter, flow_closed,
+    FlowKey, PROTO_TCP, Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
-use maps::{BACKENDS, FLOWS, VIP_ADDRS, VIPS};
+use maps::{ADDR_FILTER, BACKENDS, FLOWS, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -49,6 +49,11 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
         }
     };
 
+    // Neither to a VIP nor from a backend: not ours, skip the maps.
+    if !maybe_ours(pkt.daddr) && !maybe_ours(pkt.saddr) {
+        return Ok(xdp_action::XDP_PASS);
+    }
+
     let key = FlowKey {
         src_addr: pkt.saddr,
         dst_addr: pkt.daddr,
@@ -58,10 +63,11 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
         _pad: [0; 3],
     };
     if let Some(flow) = FLOWS.get_ptr_mut(&key) {
-        // SAFETY: a valid map value; copied out before any other map call.
-        let f = unsafe { *flow };
+        // SAFETY: a valid map value (read in place: a copy would cost stack).
+        let f = unsafe { &*flow };
+        let now = now_secs();
         if f.dir == DIR_REPLY {
-            return Ok(reply(ctx, &pkt, &f));
+            return Ok(reply(ctx, &pkt, f, Nat::of(f), Some(flow), now));
         }
         // A fresh SYN on a closed flow's tuple is a new connection; a flow
         // whose backend went down is re-dispatched (its next packet, e.g. a
@@ -71,13 +77,12 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
             stats::flow_closed(f.backend_id);
         }
         if !down && !(is_syn(&pkt) && flow_closed(f.state)) {
-            track_close(flow, &f, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
-            let now = now_secs();
+            track_close(flow, f, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
             if f.last_seen != now {
                 // SAFETY: a valid map value; a plain store of a timestamp.
                 unsafe { (*flow).last_seen = now };
             }
-            return Ok(forward(ctx, &pkt, &f));
+            return Ok(forward(ctx, &pkt, Nat::of(f), Some(flow), now));
         }
     }
 
@@ -86,7 +91,10 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     let Some(svc) = (unsafe { VIPS.get(&vip) }).copied() else {
         return Ok(xdp_action::XDP_PASS);
     };
-    Ok(new_flow(ctx, &pkt, &key, &svc))
+    match new_flow(&pkt, &key, &svc) {
+        Ok(nat) => Ok(forward(ctx, &pkt, nat, None, 0)),
+        Err(action) => Ok(action),
+    }
 }
 
 /// A packet we could not parse: dropped (and counted) when it was headed
@@ -100,6 +108,16 @@ fn drop_if_vip(ctx: &XdpContext, daddr: u32, reason: u32) -> u32 {
         xdp_action::XDP_DROP
     } else {
         xdp_action::XDP_PASS
+    }
+}
+
+/// False when `addr` is certainly neither a VIP nor a backend.
+#[inline(always)]
+fn maybe_ours(addr: u32) -> bool {
+    let bit = addr_filter_bit(addr);
+    match ADDR_FILTER.get(bit / 64) {
+        Some(w) => w & (1u64 << (bit % 64)) != 0,
+        None => true,
     }
 }
 
@@ -142,27 +160,16 @@ fn track_close(flow: *mut Flow, f: &Flow, tcp_flags: u8, proto: u8, fin_bit: u64
     }
 }
 
-fn new_flow(ctx: &XdpContext, pkt: &Packet, key: &FlowKey, svc: &Service) -> u32 {
+// Its own stack frame (flow entry and keys), off the established path; it
+// returns what to rewrite, and the caller forwards (so the FIB lookup's
+// frame is not stacked on this one).
+#[inline(never)]
+fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service) -> Result<Nat, u32> {
     let id = select::pick(svc, pkt);
     let Some(backend) = (if id == BACKEND_NONE { None } else { BACKENDS.get(id) }) else {
         stats::count(counter::DROP_NO_BACKEND);
-        return xdp_action::XDP_DROP;
+        return Err(xdp_action::XDP_DROP);
     };
-    let mut fwd = Flow {
-        backend_id: id,
-        service_id: svc.service_id,
-        nat_addr: backend.addr,
-        nat_port: backend.port,
-        dir: DIR_FORWARD,
-        _pad: 0,
-        state: 0,
-        last_seen: now_secs(),
-    };
-    if pkt.proto == PROTO_TCP && pkt.tcp_flags & TCP_RST != 0 {
-        fwd.state = FLOW_RST;
-    } else if pkt.proto == PROTO_TCP && pkt.tcp_flags & TCP_FIN != 0 {
-        fwd.state = FLOW_FIN_CLIENT;
-    }
     let rev_key = FlowKey {
         src_addr: backend.addr,
         dst_addr: pkt.saddr,
@@ -171,7 +178,9 @@ fn new_flow(ctx: &XdpContext, pkt: &Packet, key: &FlowKey, svc: &Service) -> u32
         proto: pkt.proto,
         _pad: [0; 3],
     };
-    let rev = Flow {
+    // One buffer for both entries (stack is scarce): the reply entry first,
+    // so that once the forward entry exists, replies can come.
+    let mut e = Flow {
         backend_id: id,
         service_id: svc.service_id,
         nat_addr: pkt.daddr,
@@ -180,35 +189,67 @@ fn new_flow(ctx: &XdpContext, pkt: &Packet, key: &FlowKey, svc: &Service) -> u32
         _pad: 0,
         state: 0,
         last_seen: 0,
+        nh_ifindex: 0,
+        nh_time: 0,
+        nh_smac: [0; 6],
+        nh_dmac: [0; 6],
     };
-    // Reply entry first: once the forward entry exists, replies can come.
-    if FLOWS.insert(&rev_key, &rev, 0).is_err() || FLOWS.insert(key, &fwd, 0).is_err() {
+    if FLOWS.insert(&rev_key, &e, 0).is_err() {
         stats::count(counter::DROP_FLOW_TABLE);
-        return xdp_action::XDP_DROP;
+        return Err(xdp_action::XDP_DROP);
+    }
+    e.nat_addr = backend.addr;
+    e.nat_port = backend.port;
+    e.dir = DIR_FORWARD;
+    e.last_seen = now_secs();
+    if pkt.proto == PROTO_TCP && pkt.tcp_flags & TCP_RST != 0 {
+        e.state = FLOW_RST;
+    } else if pkt.proto == PROTO_TCP && pkt.tcp_flags & TCP_FIN != 0 {
+        e.state = FLOW_FIN_CLIENT;
+    }
+    if FLOWS.insert(key, &e, 0).is_err() {
+        stats::count(counter::DROP_FLOW_TABLE);
+        return Err(xdp_action::XDP_DROP);
     }
     stats::new_flow(id);
     stats::flow_opened(id);
-    if flow_closed(fwd.state) {
+    if flow_closed(e.state) {
         stats::flow_closed(id);
     }
-    forward(ctx, pkt, &fwd)
+    Ok(Nat { backend_id: id, addr: e.nat_addr, port: e.nat_port })
 }
 
-/// Client -> backend: destination becomes the backend.
+/// What a packet of a flow gets rewritten to, and whose counters it counts in.
+#[derive(Clone, Copy)]
+pub struct Nat {
+    pub backend_id: u32,
+    pub addr: u32,
+    pub port: u16,
+}
+
+impl Nat {
+    #[inline(always)]
+    fn of(f: &Flow) -> Self {
+        Self { backend_id: f.backend_id, addr: f.nat_addr, port: f.nat_port }
+    }
+}
+
+/// Client -> backend: destination becomes the backend. `entry` is the
+/// flow's map value (its next-hop cache), when the flow was found.
 #[inline(always)]
-fn forward(ctx: &XdpContext, pkt: &Packet, f: &Flow) -> u32 {
+fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: Option<*mut Flow>, now: u64) -> u32 {
     if !forward::ttl_ok(pkt) {
         stats::count(counter::TTL_EXPIRED);
         return xdp_action::XDP_PASS;
     }
-    stats::packet_in(f.backend_id, pkt.len);
-    forward::rewrite_dst(pkt, f.nat_addr, f.nat_port);
-    forward::redirect(ctx, pkt)
+    stats::packet_in(nat.backend_id, pkt.len);
+    forward::rewrite_dst(pkt, nat.addr, nat.port);
+    forward::redirect(ctx, pkt, entry, now)
 }
 
 /// Backend -> client: source becomes the VIP again.
 #[inline(always)]
-fn reply(ctx: &XdpContext, pkt: &Packet, f: &Flow) -> u32 {
+fn reply(ctx: &XdpContext, pkt: &Packet, f: &Flow, nat: Nat, entry: Option<*mut Flow>, now: u64) -> u32 {
     if pkt.proto == PROTO_TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
         // Close tracking lives on the forward entry: (client, VIP) tuple.
         let fwd_key = FlowKey {
@@ -227,9 +268,9 @@ fn reply(ctx: &XdpContext, pkt: &Packet, f: &Flow) -> u32 {
         stats::count(counter::TTL_EXPIRED);
         return xdp_action::XDP_PASS;
     }
-    stats::packet_out(f.backend_id, pkt.len);
-    forward::rewrite_src(pkt, f.nat_addr, f.nat_port);
-    forward::redirect(ctx, pkt)
+    stats::packet_out(nat.backend_id, pkt.len);
+    forward::rewrite_src(pkt, nat.addr, nat.port);
+    forward::redirect(ctx, pkt, entry, now)
 }
 
 #[cfg(not(test))]

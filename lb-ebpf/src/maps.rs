@@ -6,7 +6,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use lb_common::{
-    Backend, BackendStats, Conns, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, Service, VipKey, counter,
+    ADDR_FILTER_BITS, Backend, BackendStats, Conns, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, Service, VipKey, counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.
@@ -35,8 +35,16 @@ pub static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
 
 /// Connection table: wire 5-tuple -> what to rewrite. Two entries per flow
 /// (forward and reply). Sized by userspace at load time from `conntrack_max`.
+/// (Per-CPU LRU lists, BPF_F_NO_COMMON_LRU, measured slower for new flows:
+/// 2.4 us against 1.4 us per new flow with a 4M-entry table.)
 #[map]
 pub static FLOWS: LruHashMap<FlowKey, Flow> = LruHashMap::with_max_entries(1, 0);
+
+
+/// Bitmap over `addr_filter_bit` of every VIP and backend address: one
+/// inlined array read tells a packet that is none of our business.
+#[map]
+pub static ADDR_FILTER: Array<u64> = Array::with_max_entries(ADDR_FILTER_BITS / 64, 0);
 
 /// Per-backend counters, per CPU.
 #[map]

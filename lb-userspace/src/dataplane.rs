@@ -77,7 +77,7 @@ pub enum DataplaneError {
 /// Maps that live in bpffs (everything but aya-log's ring buffer and the
 /// program's read-only globals).
 pub const PINNED_MAPS: &[&str] = &[
-    "VIPS", "VIP_ADDRS", "BACKENDS", "SELECT", "SEQ", "FLOWS", "BACKEND_STATS", "COUNTERS", "CONNS", "EXPIRED",
+    "VIPS", "VIP_ADDRS", "ADDR_FILTER", "BACKENDS", "SELECT", "SEQ", "FLOWS", "BACKEND_STATS", "COUNTERS", "CONNS", "EXPIRED",
 ];
 
 /// bpffs magic number (statfs f_type).
@@ -301,6 +301,12 @@ pub struct Dataplane {
     regions: Regions,
     table_capacity: u32,
     ncpus: usize,
+    /// Every backend address programmed in this datapath's life (replies
+    /// of flows to a removed backend still need the datapath).
+    known_backends: HashSet<u32>,
+    /// What ADDR_FILTER holds, word by word.
+    filter: Vec<u64>,
+    filter_written: bool,
 }
 
 impl Dataplane {
@@ -358,6 +364,9 @@ impl Dataplane {
             regions: Regions::new(config.table_capacity),
             table_capacity: config.table_capacity,
             ncpus,
+            known_backends: HashSet::new(),
+            filter: vec![0; (lb_common::ADDR_FILTER_BITS / 64) as usize],
+            filter_written: false,
         };
         if adopting {
             dp.adopt()?;
@@ -388,6 +397,7 @@ impl Dataplane {
                 if b.addr == 0 {
                     continue;
                 }
+                self.known_backends.insert(b.addr);
                 if let Some(key) = by_service.get(&b.service_id) {
                     let a = found.get_mut(key).expect("indexed above");
                     a.backends.push((Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port), id));
@@ -579,6 +589,16 @@ impl Dataplane {
         for name in gone {
             self.remove_service(&name)?;
         }
+        // New addresses enter the filter before anything can send to them.
+        let mut addrs: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
+        for s in services {
+            addrs.insert(u32::from(s.vip).to_be());
+            for b in &s.backends {
+                self.known_backends.insert(u32::from(b.address).to_be());
+            }
+        }
+        addrs.extend(self.known_backends.iter().copied());
+        self.write_filter(&addrs)?;
         for s in services {
             self.apply_service(s, runtime)?;
         }
@@ -795,7 +815,32 @@ impl Dataplane {
         Ok(())
     }
 
+    /// Make ADDR_FILTER hold exactly `addrs` (network order), writing only
+    /// the words that change.
+    fn write_filter(&mut self, addrs: &HashSet<u32>) -> Result<(), DataplaneError> {
+        let mut words = vec![0u64; self.filter.len()];
+        for &a in addrs {
+            let bit = lb_common::addr_filter_bit(a);
+            words[(bit / 64) as usize] |= 1u64 << (bit % 64);
+        }
+        let mut arr: Array<&mut MapData, u64> =
+            Array::try_from(self.ebpf.map_mut("ADDR_FILTER").expect("ADDR_FILTER map")).map_err(map_err("ADDR_FILTER"))?;
+        for (i, (&new, old)) in words.iter().zip(self.filter.iter_mut()).enumerate() {
+            // The first write after (re)loading goes out whole: an adopted
+            // map may hold bits this process has not recorded.
+            if new != *old || !self.filter_written {
+                arr.set(i as u32, new, 0).map_err(map_err("ADDR_FILTER"))?;
+                *old = new;
+            }
+        }
+        self.filter_written = true;
+        Ok(())
+    }
+
     fn sync_vip_addrs(&mut self) -> Result<(), DataplaneError> {
+        let mut all: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
+        all.extend(self.known_backends.iter().copied());
+        self.write_filter(&all)?;
         let want: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
         let mut addrs: BpfHashMap<&mut MapData, u32, u32> =
             BpfHashMap::try_from(self.ebpf.map_mut("VIP_ADDRS").expect("VIP_ADDRS map")).map_err(map_err("VIP_ADDRS"))?;

@@ -739,7 +739,7 @@ impl Bench {
         let map = self.dp.ebpf_mut().map("FLOWS").ok_or_else(|| anyhow!("FLOWS map"))?;
         let aya::maps::Map::LruHashMap(data) = map else { bail!("FLOWS is not an LRU hash map") };
         let fd = data.fd().as_fd().as_raw_fd();
-        flush_hash_map(fd, 16, 32)
+        flush_hash_map(fd, size_of::<lb_common::FlowKey>(), size_of::<lb_common::Flow>())
     }
 
     /// One BPF_PROG_TEST_RUN of `item` with `repeat` repeats.
