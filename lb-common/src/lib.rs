@@ -181,6 +181,7 @@ pub struct Flow {
     pub nh_time: u32,
     pub nh_smac: [u8; 6],
     pub nh_dmac: [u8; 6],
+    pub _pad3: [u8; 4],
 }
 
 /// Bits in the address filter array (a power of two).
@@ -295,7 +296,7 @@ mod tests {
         assert_eq!(size_of::<Backend>(), 24);
         assert_eq!(size_of::<Conns>(), 16);
         assert_eq!(size_of::<FlowKey>(), 16);
-        assert_eq!(size_of::<Flow>(), 48);
+        assert_eq!(size_of::<Flow>(), 56);
         assert_eq!(size_of::<BackendStats>(), 40);
         assert_eq!(align_of::<BackendStats>(), 8);
     }
