@@ -128,6 +128,14 @@ impl<'a> Env<'a> {
         // Room for many connections on the gateway (proxies hold two each).
         let _ = lab.cmd("gw", "sysctl").args(["-qw", "net.ipv4.ip_local_port_range=1024 65000"]).status();
         let _ = lab.cmd("gw", "sysctl").args(["-qw", "net.ipv4.tcp_tw_reuse=1"]).status();
+        // One client address makes every run reuse the same 4-tuples; the
+        // backends (which close first) would keep them in TIME_WAIT from the
+        // previous cell and refuse or delay the next cell's SYNs (seen as a
+        // throttled `direct` floor and a short-changed first backend). No
+        // TIME_WAIT in the lab's servers and proxies: every cell starts clean.
+        for ns in ["gw", "be1", "be2", "be3"] {
+            let _ = lab.cmd(ns, "sysctl").args(["-qw", "net.ipv4.tcp_max_tw_buckets=0"]).status();
+        }
         let stats_before = std::fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").unwrap_or_default();
         let _ = Command::new("sysctl").args(["-qw", "kernel.bpf_stats_enabled=1"]).status();
         Ok(Self { lab, work, stats_before: stats_before.trim().to_owned() })
@@ -635,7 +643,8 @@ fn e2e_section(md: &mut String, e: &Value, dir: &Path) -> anyhow::Result<()> {
         md,
         "{} s per run, {} interleaved repetitions, medians. `direct` is one backend without a balancer (the floor). \
 CPU is whole-machine busy time per request from /proc/stat (on veth an XDP balancer's work runs in the sender's softirq, so compare against `direct`); \
-`XDP ns/req` is the XDP program's own run time (kernel.bpf_stats_enabled). Hash methods: ours Maglev (5-tuple), HAProxy `balance hash src_port` (consistent), nginx `hash $remote_addr$remote_port consistent`.\n",
+`XDP ns/req` is the XDP program's own run time (kernel.bpf_stats_enabled). Hash methods: ours Maglev (5-tuple), HAProxy `balance hash src_port` (consistent), nginx `hash $remote_addr$remote_port consistent`. \
+wrk runs from one client address, so the lab's servers and proxies keep no TIME_WAIT sockets (`tcp_max_tw_buckets=0`): otherwise each cell's SYNs collide with the previous cell's 4-tuples.\n",
         e["secs_per_run"], e["reps"]
     );
     let summary = e["summary"].as_array().cloned().unwrap_or_default();
