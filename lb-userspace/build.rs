@@ -36,7 +36,15 @@ fn main() {
         .current_dir(&workspace)
         .env("CARGO_ENCODED_RUSTFLAGS", flags);
     // Make sure the nightly toolchain, not the one running us, does the work.
-    for key in ["RUSTC", "RUSTC_WORKSPACE_WRAPPER", "RUSTC_WRAPPER", "CARGO", "RUSTUP_TOOLCHAIN", "CARGO_TARGET_DIR", "CARGO_BUILD_TARGET"] {
+    for key in [
+        "RUSTC",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "RUSTC_WRAPPER",
+        "CARGO",
+        "RUSTUP_TOOLCHAIN",
+        "CARGO_TARGET_DIR",
+        "CARGO_BUILD_TARGET",
+    ] {
         cmd.env_remove(key);
     }
     let status = cmd.status().unwrap_or_else(|e| {

@@ -67,14 +67,8 @@ pub mod counter {
     pub const COUNT: u32 = 6;
 
     /// Names used by userspace (metrics labels, `lbctl status`).
-    pub const NAMES: [&str; COUNT as usize] = [
-        "malformed",
-        "no_backend",
-        "flow_table",
-        "fragment",
-        "fib_fallback",
-        "ttl_expired",
-    ];
+    pub const NAMES: [&str; COUNT as usize] =
+        ["malformed", "no_backend", "flow_table", "fragment", "fib_fallback", "ttl_expired"];
 }
 
 /// Key of the VIP map: what a client connects to.

@@ -23,11 +23,7 @@ pub fn replace2(check: u16, old: u16, new: u16) -> u16 {
 /// Checksum after one 32-bit word changed from `old` to `new`.
 #[inline(always)]
 pub fn replace4(check: u16, old: u32, new: u32) -> u16 {
-    let sum = (!check as u32)
-        + (!(old as u16) as u32)
-        + (!((old >> 16) as u16) as u32)
-        + (new & 0xffff)
-        + (new >> 16);
+    let sum = (!check as u32) + (!(old as u16) as u32) + (!((old >> 16) as u16) as u32) + (new & 0xffff) + (new >> 16);
     !fold(sum)
 }
 

@@ -85,7 +85,8 @@ const NEXT_HOP_TTL: u32 = 1;
 pub fn redirect(ctx: &XdpContext, pkt: &Packet, entry: Option<*mut Flow>, now: u64) -> u32 {
     let now = now as u32;
     // SAFETY: a valid map value, read in place.
-    let cached = entry.map(|e| unsafe { &*e }).filter(|f| f.nh_ifindex != 0 && now.wrapping_sub(f.nh_time) <= NEXT_HOP_TTL);
+    let cached =
+        entry.map(|e| unsafe { &*e }).filter(|f| f.nh_ifindex != 0 && now.wrapping_sub(f.nh_time) <= NEXT_HOP_TTL);
     let (ifindex, smac, dmac) = if let Some(f) = cached {
         (f.nh_ifindex, f.nh_smac, f.nh_dmac)
     } else {

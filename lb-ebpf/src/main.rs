@@ -22,8 +22,8 @@ use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use aya_log_ebpf::debug;
 use lb_common::{
-    BACKEND_F_DOWN, BACKEND_NONE, DIR_FORWARD, DIR_REPLY, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_RST, Flow,
-    FlowKey, PROTO_TCP, Service, VipKey, addr_filter_bit, counter, flow_closed,
+    BACKEND_F_DOWN, BACKEND_NONE, DIR_FORWARD, DIR_REPLY, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_RST, Flow, FlowKey,
+    PROTO_TCP, Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
 use maps::{ADDR_FILTER, BACKENDS, FLOWS, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};

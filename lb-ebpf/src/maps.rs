@@ -40,7 +40,6 @@ pub static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
 #[map]
 pub static FLOWS: LruHashMap<FlowKey, Flow> = LruHashMap::with_max_entries(1, 0);
 
-
 /// Bitmap over `addr_filter_bit` of every VIP and backend address: one
 /// inlined array read tells a packet that is none of our business.
 #[map]

@@ -146,44 +146,16 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
         let tcp: *mut TcpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
         // SAFETY: bounds checked by ptr_at; every field lies inside *tcp.
         unsafe {
-            (
-                tcp as *mut [u16; 2],
-                (*tcp).sport,
-                (*tcp).dport,
-                (*tcp).flags,
-                &raw mut (*tcp).check,
-                size_of::<TcpHdr>(),
-            )
+            (tcp as *mut [u16; 2], (*tcp).sport, (*tcp).dport, (*tcp).flags, &raw mut (*tcp).check, size_of::<TcpHdr>())
         }
     } else {
         let udp: *mut UdpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
         // SAFETY: bounds checked by ptr_at; every field lies inside *udp.
-        unsafe {
-            (
-                udp as *mut [u16; 2],
-                (*udp).sport,
-                (*udp).dport,
-                0,
-                &raw mut (*udp).check,
-                size_of::<UdpHdr>(),
-            )
-        }
+        unsafe { (udp as *mut [u16; 2], (*udp).sport, (*udp).dport, 0, &raw mut (*udp).check, size_of::<UdpHdr>()) }
     };
     let frame_len = ctx.data_end() - ctx.data();
     if tot_len < ihl_len + l4_len || ETH_HLEN + tot_len > frame_len {
         return Err(ParseError::Malformed { daddr });
     }
-    Ok(Packet {
-        eth,
-        ip,
-        ports,
-        proto,
-        saddr,
-        daddr,
-        sport,
-        dport,
-        tcp_flags,
-        l4_check,
-        len: frame_len as u64,
-    })
+    Ok(Packet { eth, ip, ports, proto, saddr, daddr, sport, dport, tcp_flags, l4_check, len: frame_len as u64 })
 }

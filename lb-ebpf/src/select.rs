@@ -4,8 +4,8 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use lb_common::{
-    BACKEND_NONE, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service,
-    flow_hash, source_hash,
+    BACKEND_NONE, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service, flow_hash,
+    source_hash,
 };
 
 use crate::{

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::{
-    config::{self, BackendConfig, Config, ConfigError, Problem, ProbeKind, ServiceConfig, System},
+    config::{self, BackendConfig, Config, ConfigError, ProbeKind, Problem, ServiceConfig, System},
     dataplane::{BackendRuntime, Dataplane, DataplaneError, SweepReport, monotonic_coarse_secs},
     health::{Checker, Health, slow_start_weight},
     metrics::HealthMetrics,
@@ -70,14 +70,40 @@ pub struct ReloadSummary {
 /// A change to the pool, as the control API takes it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub enum Change {
-    BackendAdd { service: String, address: Ipv4Addr, port: u16, weight: u32 },
-    BackendRemove { service: String, address: Ipv4Addr, port: u16 },
-    BackendWeight { service: String, address: Ipv4Addr, port: u16, weight: u32 },
-    BackendDrain { service: String, address: Ipv4Addr, port: u16 },
-    BackendEnable { service: String, address: Ipv4Addr, port: u16 },
+    BackendAdd {
+        service: String,
+        address: Ipv4Addr,
+        port: u16,
+        weight: u32,
+    },
+    BackendRemove {
+        service: String,
+        address: Ipv4Addr,
+        port: u16,
+    },
+    BackendWeight {
+        service: String,
+        address: Ipv4Addr,
+        port: u16,
+        weight: u32,
+    },
+    BackendDrain {
+        service: String,
+        address: Ipv4Addr,
+        port: u16,
+    },
+    BackendEnable {
+        service: String,
+        address: Ipv4Addr,
+        port: u16,
+    },
     /// A service given with the config file's keys (validated as the file is).
-    ServiceAdd { spec: serde_json::Value },
-    ServiceRemove { service: String },
+    ServiceAdd {
+        spec: serde_json::Value,
+    },
+    ServiceRemove {
+        service: String,
+    },
 }
 
 /// A backend's state as the status report shows it.
@@ -127,9 +153,7 @@ impl Agent {
     }
 
     pub fn health_of(&self, service: &str, address: Ipv4Addr, port: u16) -> Health {
-        self.health
-            .get(&(service.to_owned(), address, port))
-            .map_or(Health::Up, |c| c.state())
+        self.health.get(&(service.to_owned(), address, port)).map_or(Health::Up, |c| c.state())
     }
 
     pub fn state_of(&self, service: &str, b: &BackendConfig) -> BackendState {
@@ -224,9 +248,8 @@ impl Agent {
     /// Re-read the config file, validate it in full and apply the
     /// difference. On any problem the running state stays exactly as it was.
     pub fn reload(&mut self) -> Result<ReloadSummary, ReloadError> {
-        let r = config::load(&self.config_path, &System)
-            .map_err(ReloadError::Invalid)
-            .and_then(|new| self.replace(new));
+        let r =
+            config::load(&self.config_path, &System).map_err(ReloadError::Invalid).and_then(|new| self.replace(new));
         match &r {
             Ok(s) => {
                 self.reloads_ok += 1;
@@ -258,8 +281,18 @@ impl Agent {
         let old = self.config.clone();
         let summary = ReloadSummary {
             services: new.services.len(),
-            added: new.services.iter().filter(|s| !old.services.iter().any(|o| o.name == s.name)).map(|s| s.name.clone()).collect(),
-            removed: old.services.iter().filter(|o| !new.services.iter().any(|s| s.name == o.name)).map(|s| s.name.clone()).collect(),
+            added: new
+                .services
+                .iter()
+                .filter(|s| !old.services.iter().any(|o| o.name == s.name))
+                .map(|s| s.name.clone())
+                .collect(),
+            removed: old
+                .services
+                .iter()
+                .filter(|o| !new.services.iter().any(|s| s.name == o.name))
+                .map(|s| s.name.clone())
+                .collect(),
             changed: new
                 .services
                 .iter()
@@ -369,7 +402,12 @@ fn edit(cfg: &mut Config, change: &Change) -> Result<(), ReloadError> {
                     }],
                 }));
             }
-            cfg.services[i].backends.push(BackendConfig { address: *address, port: *port, weight: *weight, drain: false });
+            cfg.services[i].backends.push(BackendConfig {
+                address: *address,
+                port: *port,
+                weight: *weight,
+                drain: false,
+            });
         }
         Change::BackendRemove { service: n, address, port } => {
             let i = service(cfg, n)?;

@@ -35,14 +35,36 @@ pub enum Request {
     Status,
     Reload,
     /// `backend` is "ADDRESS:PORT".
-    BackendAdd { service: String, backend: String, #[serde(default = "one")] weight: u32 },
-    BackendRemove { service: String, backend: String },
-    BackendWeight { service: String, backend: String, weight: u32 },
-    BackendDrain { service: String, backend: String },
-    BackendEnable { service: String, backend: String },
+    BackendAdd {
+        service: String,
+        backend: String,
+        #[serde(default = "one")]
+        weight: u32,
+    },
+    BackendRemove {
+        service: String,
+        backend: String,
+    },
+    BackendWeight {
+        service: String,
+        backend: String,
+        weight: u32,
+    },
+    BackendDrain {
+        service: String,
+        backend: String,
+    },
+    BackendEnable {
+        service: String,
+        backend: String,
+    },
     /// `spec`: one service with the config file's keys.
-    ServiceAdd { spec: serde_json::Value },
-    ServiceRemove { service: String },
+    ServiceAdd {
+        spec: serde_json::Value,
+    },
+    ServiceRemove {
+        service: String,
+    },
 }
 
 fn one() -> u32 {
@@ -91,10 +113,8 @@ impl Request {
     pub fn parse(line: &str) -> Result<Self, String> {
         let v: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("malformed request: {e}"))?;
         let obj = v.as_object().ok_or("malformed request: expected a JSON object")?;
-        let cmd = obj
-            .get("command")
-            .and_then(|c| c.as_str())
-            .ok_or("malformed request: missing string field \"command\"")?;
+        let cmd =
+            obj.get("command").and_then(|c| c.as_str()).ok_or("malformed request: missing string field \"command\"")?;
         let allowed: &[&str] = match cmd {
             "status" | "reload" => &["command"],
             "backend-add" => &["command", "service", "backend", "weight"],
@@ -204,11 +224,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
                 packets_out: st.packets_out,
                 bytes_out: st.bytes_out,
                 active_flows: dp.active_flows(b.id)?,
-                expected_share: if total_weight == 0 {
-                    0.0
-                } else {
-                    f64::from(b.config.weight) / total_weight as f64
-                },
+                expected_share: if total_weight == 0 { 0.0 } else { f64::from(b.config.weight) / total_weight as f64 },
                 observed_share: 0.0,
             });
         }
@@ -345,7 +361,8 @@ async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Resul
         let resp = if buf.len() > MAX_REQUEST {
             // Oversized: answer and drop the connection (the rest of the
             // line is unread garbage).
-            let r = Response { ok: false, result: None, error: Some(format!("request longer than {MAX_REQUEST} bytes")) };
+            let r =
+                Response { ok: false, result: None, error: Some(format!("request longer than {MAX_REQUEST} bytes")) };
             wr.write_all(format!("{}\n", serde_json::to_string(&r)?).as_bytes()).await?;
             return Ok(());
         } else {
@@ -353,9 +370,11 @@ async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Resul
                 Ok(line) => {
                     let dp = dp.clone();
                     let line = line.trim().to_owned();
-                    tokio::task::spawn_blocking(move || handle(&dp, &line))
-                        .await
-                        .unwrap_or_else(|e| Response { ok: false, result: None, error: Some(format!("internal error: {e}")) })
+                    tokio::task::spawn_blocking(move || handle(&dp, &line)).await.unwrap_or_else(|e| Response {
+                        ok: false,
+                        result: None,
+                        error: Some(format!("internal error: {e}")),
+                    })
                 }
                 Err(_) => Response { ok: false, result: None, error: Some("request is not UTF-8".into()) },
             }
@@ -379,7 +398,8 @@ pub enum ClientError {
 /// Send one request and wait for its answer (blocking; for lbctl and tests).
 pub fn call(path: &Path, req: &Request) -> Result<serde_json::Value, ClientError> {
     let io = |source| ClientError::Io { path: path.to_owned(), source };
-    let mut s = StdUnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_owned(), source })?;
+    let mut s =
+        StdUnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_owned(), source })?;
     s.set_read_timeout(Some(Duration::from_secs(30))).map_err(io)?;
     let mut line = serde_json::to_string(req)?;
     line.push('\n');

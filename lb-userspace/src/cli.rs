@@ -28,7 +28,6 @@ pub struct LbdArgs {
     pub check: bool,
 }
 
-
 /// Control the XDP load balancer agent (lbd).
 #[derive(Debug, Parser)]
 #[command(name = "lbctl", version, about)]
@@ -122,4 +121,3 @@ pub enum ServiceAction {
     /// Remove a service.
     Remove { name: String },
 }
-

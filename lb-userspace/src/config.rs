@@ -443,7 +443,9 @@ impl Walker<'_> {
                     }
                 }
                 Some(_) => self.problem("interfaces", "the list is empty; name at least one interface".into()),
-                None => self.problem("interfaces", format!("expected a list of interface names, found {}", describe(v))),
+                None => {
+                    self.problem("interfaces", format!("expected a list of interface names, found {}", describe(v)))
+                }
             }
         }
 
@@ -568,9 +570,7 @@ impl Walker<'_> {
             );
         }
         let vip = self.required(m, path, "vip").and_then(|v| self.ipv4(v, &Self::field(path, "vip")));
-        let port = self
-            .required(m, path, "port")
-            .and_then(|v| self.uint(v, &Self::field(path, "port"), 1, 65535));
+        let port = self.required(m, path, "port").and_then(|v| self.uint(v, &Self::field(path, "port"), 1, 65535));
         let protocol = match m.get("protocol") {
             None => Some(Protocol::Tcp),
             Some(v) => match self.string(v, &Self::field(path, "protocol")) {
@@ -620,9 +620,9 @@ impl Walker<'_> {
         };
         let slow_start = match m.get("slow_start") {
             None => Some(None),
-            Some(v) => self.duration(v, &Self::field(path, "slow_start"), Duration::ZERO, Duration::from_secs(3600)).map(|d| {
-                if d.is_zero() { None } else { Some(d) }
-            }),
+            Some(v) => self
+                .duration(v, &Self::field(path, "slow_start"), Duration::ZERO, Duration::from_secs(3600))
+                .map(|d| if d.is_zero() { None } else { Some(d) }),
         };
 
         let mut backends = Vec::new();
@@ -751,7 +751,10 @@ impl Walker<'_> {
             };
             match text.as_deref().and_then(parse_status_range) {
                 Some(r) => h.expect = r,
-                None => self.problem(&f("expect"), format!("expected a status or range such as 200 or 200-399, found {}", describe(v))),
+                None => self.problem(
+                    &f("expect"),
+                    format!("expected a status or range such as 200 or 200-399, found {}", describe(v)),
+                ),
             }
         }
         if let Some(v) = m.get("port")
@@ -767,12 +770,8 @@ impl Walker<'_> {
 
     fn backend(&mut self, v: &Value, path: &str) -> Option<BackendConfig> {
         let m = self.mapping(v, path, &["address", "port", "weight", "drain"])?;
-        let address = self
-            .required(m, path, "address")
-            .and_then(|v| self.ipv4(v, &Self::field(path, "address")));
-        let port = self
-            .required(m, path, "port")
-            .and_then(|v| self.uint(v, &Self::field(path, "port"), 1, 65535));
+        let address = self.required(m, path, "address").and_then(|v| self.ipv4(v, &Self::field(path, "address")));
+        let port = self.required(m, path, "port").and_then(|v| self.uint(v, &Self::field(path, "port"), 1, 65535));
         let weight = match m.get("weight") {
             None => Some(1),
             Some(v) => self.uint(v, &Self::field(path, "weight"), 0, MAX_WEIGHT as u64),
@@ -801,10 +800,7 @@ impl Walker<'_> {
             if let Some(first) = vips.insert((s.vip, s.port, s.protocol), *i) {
                 self.problem(
                     &format!("services[{i}].vip"),
-                    format!(
-                        "duplicate VIP {}:{}/{}: already used by services[{first}]",
-                        s.vip, s.port, s.protocol
-                    ),
+                    format!("duplicate VIP {}:{}/{}: already used by services[{first}]", s.vip, s.port, s.protocol),
                 );
             }
         }
@@ -870,10 +866,9 @@ pub fn table_entries(s: &ServiceConfig) -> u64 {
     match s.scheduler {
         Scheduler::Maglev | Scheduler::SourceHash | Scheduler::LeastConn => s.table_size as u64,
         Scheduler::Rr => s.backends.len() as u64,
-        Scheduler::Wrr => wrr::reduce(&s.backends.iter().map(|b| b.weight).collect::<Vec<_>>())
-            .iter()
-            .map(|&w| w as u64)
-            .sum(),
+        Scheduler::Wrr => {
+            wrr::reduce(&s.backends.iter().map(|b| b.weight).collect::<Vec<_>>()).iter().map(|&w| w as u64).sum()
+        }
     }
 }
 
@@ -1039,11 +1034,11 @@ services:
             "    protocol: tcp\n    slow_start: soon\n    health: { type: ping, interval: 1s, timeout: 2s, expect: 700 }\n",
         );
         let fields: Vec<String> = problems(&bad).into_iter().map(|p| p.field).collect();
-        assert_eq!(
-            fields,
-            ["services[0].health.type", "services[0].health.expect", "services[0].slow_start"],
-        );
-        let p = only(&GOOD.replace("    protocol: tcp\n", "    protocol: tcp\n    health: { type: tcp, interval: 1s, timeout: 2s }\n"));
+        assert_eq!(fields, ["services[0].health.type", "services[0].health.expect", "services[0].slow_start"],);
+        let p = only(&GOOD.replace(
+            "    protocol: tcp\n",
+            "    protocol: tcp\n    health: { type: tcp, interval: 1s, timeout: 2s }\n",
+        ));
         assert_eq!(p.field, "services[0].health.timeout");
     }
 

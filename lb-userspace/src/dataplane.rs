@@ -31,8 +31,8 @@ use aya::{
 };
 use lb_common::{
     BACKEND_F_DOWN, Backend, BackendStats, Conns, DIR_FORWARD, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, PROTO_TCP,
-    SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service,
-    VipKey, counter, flow_closed,
+    SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service, VipKey, counter,
+    flow_closed,
 };
 use tracing::{info, warn};
 
@@ -77,7 +77,17 @@ pub enum DataplaneError {
 /// Maps that live in bpffs (everything but aya-log's ring buffer and the
 /// program's read-only globals).
 pub const PINNED_MAPS: &[&str] = &[
-    "VIPS", "VIP_ADDRS", "ADDR_FILTER", "BACKENDS", "SELECT", "SEQ", "FLOWS", "BACKEND_STATS", "COUNTERS", "CONNS", "EXPIRED",
+    "VIPS",
+    "VIP_ADDRS",
+    "ADDR_FILTER",
+    "BACKENDS",
+    "SELECT",
+    "SEQ",
+    "FLOWS",
+    "BACKEND_STATS",
+    "COUNTERS",
+    "CONNS",
+    "EXPIRED",
 ];
 
 /// bpffs magic number (statfs f_type).
@@ -341,16 +351,14 @@ impl Dataplane {
         if let (Some(pin), Some(maps_dir)) = (pin, &maps_dir) {
             ensure_bpffs(pin)?;
             adopting = Self::pinned_at(pin);
-            std::fs::create_dir_all(maps_dir).map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
+            std::fs::create_dir_all(maps_dir)
+                .map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
             for name in PINNED_MAPS {
                 loader.map_pin_path(name, maps_dir.join(name));
             }
         }
         let mut ebpf = loader.load(EBPF_OBJECT)?;
-        let prog: &mut Xdp = ebpf
-            .program_mut(PROGRAM)
-            .ok_or(ProgramError::NotLoaded)?
-            .try_into()?;
+        let prog: &mut Xdp = ebpf.program_mut(PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
         prog.load()?;
         let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
         let mut dp = Self {
@@ -491,7 +499,11 @@ impl Dataplane {
             });
         }
         let try_mode = |prog: &mut Xdp, m: AyaXdpMode, name: &'static str| {
-            prog.attach(iface, m).map_err(|source| DataplaneError::Attach { iface: iface.to_owned(), mode: name, source })
+            prog.attach(iface, m).map_err(|source| DataplaneError::Attach {
+                iface: iface.to_owned(),
+                mode: name,
+                source,
+            })
         };
         let (id, mode_name) = match mode {
             XdpMode::Native => (try_mode(prog, AyaXdpMode::Driver, "native")?, "native"),
@@ -628,12 +640,8 @@ impl Dataplane {
         cfg: &ServiceConfig,
         runtime: &dyn Fn(&ServiceConfig, &BackendConfig) -> BackendRuntime,
     ) -> Result<(), DataplaneError> {
-        let key = VipKey {
-            addr: u32::from(cfg.vip).to_be(),
-            port: cfg.port.to_be(),
-            proto: cfg.protocol.number(),
-            _pad: 0,
-        };
+        let key =
+            VipKey { addr: u32::from(cfg.vip).to_be(), port: cfg.port.to_be(), proto: cfg.protocol.number(), _pad: 0 };
         let mut prev = self.services.get(&cfg.name).cloned();
         if prev.is_none()
             && let Some(a) = self.adopted.remove(&key)
@@ -667,9 +675,9 @@ impl Dataplane {
         let mut fresh = Vec::new();
         let mut changed = Vec::new();
         for b in &cfg.backends {
-            let existing = prev.as_ref().and_then(|p| {
-                p.backends.iter().find(|o| o.config.address == b.address && o.config.port == b.port)
-            });
+            let existing = prev
+                .as_ref()
+                .and_then(|p| p.backends.iter().find(|o| o.config.address == b.address && o.config.port == b.port));
             let rt = runtime(cfg, b);
             let bid = match existing {
                 Some(o) => {
@@ -729,13 +737,12 @@ impl Dataplane {
             }
         }
         if !fresh.is_empty() {
-            let mut stats: PerCpuArray<&mut MapData, BackendStats> = PerCpuArray::try_from(
-                self.ebpf.map_mut("BACKEND_STATS").expect("BACKEND_STATS map"),
-            )
-            .map_err(map_err("BACKEND_STATS"))?;
+            let mut stats: PerCpuArray<&mut MapData, BackendStats> =
+                PerCpuArray::try_from(self.ebpf.map_mut("BACKEND_STATS").expect("BACKEND_STATS map"))
+                    .map_err(map_err("BACKEND_STATS"))?;
             for &bid in &fresh {
-                let zero = PerCpuValues::try_from(vec![BackendStats::default(); self.ncpus])
-                    .expect("one value per CPU");
+                let zero =
+                    PerCpuValues::try_from(vec![BackendStats::default(); self.ncpus]).expect("one value per CPU");
                 stats.set(bid, zero, 0).map_err(map_err("BACKEND_STATS"))?;
             }
         }
@@ -795,7 +802,8 @@ impl Dataplane {
             info!(service = %cfg.name, vip = %cfg.vip, port = cfg.port, protocol = %cfg.protocol,
                   scheduler = %cfg.scheduler, backends = cfg.backends.len(), "service applied");
         }
-        self.services.insert(cfg.name.clone(), AppliedService { id, config: cfg.clone(), backends, key, region, table });
+        self.services
+            .insert(cfg.name.clone(), AppliedService { id, config: cfg.clone(), backends, key, region, table });
         Ok(())
     }
 
@@ -824,7 +832,8 @@ impl Dataplane {
             words[(bit / 64) as usize] |= 1u64 << (bit % 64);
         }
         let mut arr: Array<&mut MapData, u64> =
-            Array::try_from(self.ebpf.map_mut("ADDR_FILTER").expect("ADDR_FILTER map")).map_err(map_err("ADDR_FILTER"))?;
+            Array::try_from(self.ebpf.map_mut("ADDR_FILTER").expect("ADDR_FILTER map"))
+                .map_err(map_err("ADDR_FILTER"))?;
         for (i, (&new, old)) in words.iter().zip(self.filter.iter_mut()).enumerate() {
             // The first write after (re)loading goes out whole: an adopted
             // map may hold bits this process has not recorded.
@@ -843,7 +852,8 @@ impl Dataplane {
         self.write_filter(&all)?;
         let want: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
         let mut addrs: BpfHashMap<&mut MapData, u32, u32> =
-            BpfHashMap::try_from(self.ebpf.map_mut("VIP_ADDRS").expect("VIP_ADDRS map")).map_err(map_err("VIP_ADDRS"))?;
+            BpfHashMap::try_from(self.ebpf.map_mut("VIP_ADDRS").expect("VIP_ADDRS map"))
+                .map_err(map_err("VIP_ADDRS"))?;
         let have: Vec<u32> = addrs.keys().filter_map(Result::ok).collect();
         for a in &have {
             if !want.contains(a) {

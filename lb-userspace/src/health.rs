@@ -63,12 +63,7 @@ impl Checker {
     /// Backends start Up (so a restart of the agent never takes traffic
     /// away before the first probes).
     pub fn new() -> Self {
-        Self {
-            state: Health::Up,
-            successes: 0,
-            failures: 0,
-            up_since: None,
-        }
+        Self { state: Health::Up, successes: 0, failures: 0, up_since: None }
     }
 
     pub fn state(&self) -> Health {
@@ -204,9 +199,7 @@ pub async fn probe(cfg: &HealthConfig, addr: SocketAddrV4) -> Result<Duration, P
 }
 
 async fn connect(target: SocketAddrV4) -> Result<TcpStream, ProbeError> {
-    TcpStream::connect(target)
-        .await
-        .map_err(|e| ProbeError::Connect(io_text(&e)))
+    TcpStream::connect(target).await.map_err(|e| ProbeError::Connect(io_text(&e)))
 }
 
 async fn tcp_probe(target: SocketAddrV4) -> Result<(), ProbeError> {
@@ -216,27 +209,16 @@ async fn tcp_probe(target: SocketAddrV4) -> Result<(), ProbeError> {
 
 async fn http_probe(cfg: &HealthConfig, target: SocketAddrV4) -> Result<(), ProbeError> {
     let mut stream = connect(target).await?;
-    let path = if cfg.path.is_empty() {
-        "/"
-    } else {
-        cfg.path.as_str()
-    };
+    let path = if cfg.path.is_empty() { "/" } else { cfg.path.as_str() };
     let request = format!(
         "GET {path} HTTP/1.1\r\nHost: {ip}\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n",
         ip = target.ip()
     );
-    stream
-        .write_all(request.as_bytes())
-        .await
-        .map_err(|e| ProbeError::Http(format!("send: {}", io_text(&e))))?;
+    stream.write_all(request.as_bytes()).await.map_err(|e| ProbeError::Http(format!("send: {}", io_text(&e))))?;
     let line = read_status_line(&mut stream).await?;
     let code = parse_status_line(&line)?;
     let (lo, hi) = cfg.expect;
-    if (lo..=hi).contains(&code) {
-        Ok(())
-    } else {
-        Err(ProbeError::Status(code))
-    }
+    if (lo..=hi).contains(&code) { Ok(()) } else { Err(ProbeError::Status(code)) }
 }
 
 /// Read up to the first `\r\n` (at most [`MAX_STATUS_LINE`] bytes) and
@@ -246,14 +228,9 @@ async fn read_status_line<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, Pr
     let mut filled = 0;
     loop {
         if filled == buf.len() {
-            return Err(ProbeError::Http(format!(
-                "no status line within the first {MAX_STATUS_LINE} bytes"
-            )));
+            return Err(ProbeError::Http(format!("no status line within the first {MAX_STATUS_LINE} bytes")));
         }
-        let n = r
-            .read(&mut buf[filled..])
-            .await
-            .map_err(|e| ProbeError::Http(format!("receive: {}", io_text(&e))))?;
+        let n = r.read(&mut buf[filled..]).await.map_err(|e| ProbeError::Http(format!("receive: {}", io_text(&e))))?;
         if n == 0 {
             return Err(ProbeError::Http(if filled == 0 {
                 "connection closed without a response".to_string()
@@ -420,23 +397,10 @@ mod tests {
     #[test]
     fn status_line_parsing() {
         assert_eq!(parse_status_line(b"HTTP/1.1 200 OK"), Ok(200));
-        assert_eq!(
-            parse_status_line(b"HTTP/1.0 503 Service Unavailable"),
-            Ok(503)
-        );
+        assert_eq!(parse_status_line(b"HTTP/1.0 503 Service Unavailable"), Ok(503));
         assert_eq!(parse_status_line(b"HTTP/1.1 204"), Ok(204));
-        for bad in [
-            &b""[..],
-            b"garbage",
-            b"HTTP/1.1",
-            b"HTTP/1.1 20 OK",
-            b"HTTP/1.1 2000 OK",
-            b"SSH-2.0 200",
-        ] {
-            assert!(
-                matches!(parse_status_line(bad), Err(ProbeError::Http(_))),
-                "{bad:?}"
-            );
+        for bad in [&b""[..], b"garbage", b"HTTP/1.1", b"HTTP/1.1 20 OK", b"HTTP/1.1 2000 OK", b"SSH-2.0 200"] {
+            assert!(matches!(parse_status_line(bad), Err(ProbeError::Http(_))), "{bad:?}");
         }
     }
 
@@ -445,21 +409,12 @@ mod tests {
         let mut r: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
         assert_eq!(read_status_line(&mut r).await.unwrap(), b"HTTP/1.1 200 OK");
         let mut r: &[u8] = b"HTTP/1.1 200 OK";
-        assert!(matches!(
-            read_status_line(&mut r).await,
-            Err(ProbeError::Http(_))
-        ));
+        assert!(matches!(read_status_line(&mut r).await, Err(ProbeError::Http(_))));
         let mut r: &[u8] = b"";
-        assert!(matches!(
-            read_status_line(&mut r).await,
-            Err(ProbeError::Http(_))
-        ));
+        assert!(matches!(read_status_line(&mut r).await, Err(ProbeError::Http(_))));
         let long = vec![b'x'; MAX_STATUS_LINE + 10];
         let mut r: &[u8] = &long;
-        assert!(matches!(
-            read_status_line(&mut r).await,
-            Err(ProbeError::Http(_))
-        ));
+        assert!(matches!(read_status_line(&mut r).await, Err(ProbeError::Http(_))));
     }
 
     #[tokio::test]
@@ -475,14 +430,8 @@ mod tests {
     #[test]
     fn error_display() {
         assert_eq!(ProbeError::Timeout.to_string(), "timed out");
-        assert_eq!(
-            ProbeError::Connect("Connection refused".into()).to_string(),
-            "connect: Connection refused"
-        );
-        assert_eq!(
-            ProbeError::Status(503).to_string(),
-            "status 503 outside the expected range"
-        );
+        assert_eq!(ProbeError::Connect("Connection refused".into()).to_string(), "connect: Connection refused");
+        assert_eq!(ProbeError::Status(503).to_string(), "status 503 outside the expected range");
         let e = io::Error::from_raw_os_error(libc::ECONNREFUSED);
         assert_eq!(io_text(&e), "Connection refused");
     }
@@ -538,12 +487,9 @@ mod tests {
                 if req.is_empty() {
                     continue;
                 }
-                let expected = "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n";
-                let status = if req == expected.as_bytes() {
-                    status_line
-                } else {
-                    "HTTP/1.1 400 Bad Request"
-                };
+                let expected =
+                    "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n";
+                let status = if req == expected.as_bytes() { status_line } else { "HTTP/1.1 400 Bad Request" };
                 let resp = format!("{status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
                 let _ = s.write_all(resp.as_bytes()).await;
                 let _ = s.shutdown().await;
@@ -587,10 +533,7 @@ mod tests {
         let l = listener().await;
         let addr = v4(&l);
         let _server = serve_http(l, "HTTP/1.1 503 Service Unavailable");
-        assert_eq!(
-            probe(&cfg(ProbeKind::Http), addr).await,
-            Err(ProbeError::Status(503))
-        );
+        assert_eq!(probe(&cfg(ProbeKind::Http), addr).await, Err(ProbeError::Status(503)));
     }
 
     #[tokio::test]
@@ -612,10 +555,7 @@ mod tests {
         let l = listener().await;
         let addr = v4(&l);
         let _server = serve_http(l, "SSH-2.0-OpenSSH_9.6");
-        assert!(matches!(
-            probe(&cfg(ProbeKind::Http), addr).await,
-            Err(ProbeError::Http(_))
-        ));
+        assert!(matches!(probe(&cfg(ProbeKind::Http), addr).await, Err(ProbeError::Http(_))));
     }
 
     #[tokio::test]
@@ -633,11 +573,7 @@ mod tests {
         c.timeout = Duration::from_millis(200);
         let started = Instant::now();
         assert_eq!(probe(&c, addr).await, Err(ProbeError::Timeout));
-        assert!(
-            started.elapsed() < Duration::from_secs(2),
-            "took {:?}",
-            started.elapsed()
-        );
+        assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
         drop(tx);
     }
 
@@ -649,10 +585,7 @@ mod tests {
         let _server = serve_http(l, "HTTP/1.1 200 OK");
 
         // The address's own port is closed...
-        assert!(matches!(
-            probe(&cfg(ProbeKind::Tcp), addr).await,
-            Err(ProbeError::Connect(_))
-        ));
+        assert!(matches!(probe(&cfg(ProbeKind::Tcp), addr).await, Err(ProbeError::Connect(_))));
         // ...the override reaches the listener.
         let mut c = cfg(ProbeKind::Tcp);
         c.port = Some(port);

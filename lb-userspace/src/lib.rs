@@ -8,12 +8,12 @@
 pub mod agent;
 pub mod api;
 pub mod cli;
-pub mod health;
-pub mod render;
 pub mod config;
 pub mod dataplane;
+pub mod health;
 pub mod maglev;
 pub mod metrics;
+pub mod render;
 pub mod watch;
 pub mod wrr;
 

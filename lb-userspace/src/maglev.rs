@@ -64,14 +64,12 @@ impl fmt::Display for MaglevError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             MaglevError::SizeNotPrime(n) => write!(f, "maglev table size {n} is not prime"),
-            MaglevError::SizeTooSmall { size, backends } => write!(
-                f,
-                "maglev table size {size} is smaller than the number of weighted backends ({backends})"
-            ),
-            MaglevError::ReservedId { index } => write!(
-                f,
-                "maglev backend #{index} has id 0, which is reserved for \"no backend\""
-            ),
+            MaglevError::SizeTooSmall { size, backends } => {
+                write!(f, "maglev table size {size} is smaller than the number of weighted backends ({backends})")
+            }
+            MaglevError::ReservedId { index } => {
+                write!(f, "maglev backend #{index} has id 0, which is reserved for \"no backend\"")
+            }
         }
     }
 }
@@ -188,15 +186,9 @@ pub fn build(backends: &[MaglevBackend], size: u32) -> Result<Vec<u32>, MaglevEr
     }
     let active = backends.iter().filter(|b| b.weight > 0).count();
     if active > size as usize {
-        return Err(MaglevError::SizeTooSmall {
-            size,
-            backends: active,
-        });
+        return Err(MaglevError::SizeTooSmall { size, backends: active });
     }
-    if let Some(index) = backends
-        .iter()
-        .position(|b| b.weight > 0 && b.id == NO_BACKEND)
-    {
+    if let Some(index) = backends.iter().position(|b| b.weight > 0 && b.id == NO_BACKEND) {
         return Err(MaglevError::ReservedId { index });
     }
 
@@ -218,11 +210,7 @@ pub fn build(backends: &[MaglevBackend], size: u32) -> Result<Vec<u32>, MaglevEr
         let (h1, h2) = key_hashes(b.key);
         next_slot[idx] = h1 % m;
         skip[idx] = if m > 1 { h2 % (m - 1) + 1 } else { 1 };
-        heap.push(Turn {
-            turn: 0,
-            weight: u64::from(b.weight),
-            idx,
-        });
+        heap.push(Turn { turn: 0, weight: u64::from(b.weight), idx });
     }
 
     let mut filled: u64 = 0;
@@ -330,11 +318,7 @@ mod tests {
             // ~13 entries, so use the smallest prime >= 1000 * 5050
             // (= 5,050,000 -> 5,050,021), giving the weight-1 backend ~1000
             // expected entries.
-            let size = if DEFAULT_TABLE_SIZE / sum >= 1000 {
-                DEFAULT_TABLE_SIZE
-            } else {
-                next_prime_from(1000 * sum)
-            };
+            let size = if DEFAULT_TABLE_SIZE / sum >= 1000 { DEFAULT_TABLE_SIZE } else { next_prime_from(1000 * sum) };
             assert_shares(&backends_with(&weights), size);
         }
     }
@@ -365,11 +349,7 @@ mod tests {
         for n in [10usize, 100] {
             for remove in [0, n / 2, n - 1] {
                 let frac = disruption(n, remove);
-                assert!(
-                    frac <= 0.01,
-                    "n={n}, removed #{remove}: {:.3}% of surviving entries moved",
-                    frac * 100.0
-                );
+                assert!(frac <= 0.01, "n={n}, removed #{remove}: {:.3}% of surviving entries moved", frac * 100.0);
             }
         }
     }
@@ -407,13 +387,7 @@ mod tests {
         assert_eq!(build(&bs, 0), Err(MaglevError::SizeNotPrime(0)));
         assert_eq!(build(&bs, 1), Err(MaglevError::SizeNotPrime(1)));
         assert_eq!(build(&[], 10), Err(MaglevError::SizeNotPrime(10)));
-        assert_eq!(
-            build(&bs, 2),
-            Err(MaglevError::SizeTooSmall {
-                size: 2,
-                backends: 3
-            })
-        );
+        assert_eq!(build(&bs, 2), Err(MaglevError::SizeTooSmall { size: 2, backends: 3 }));
         // Exactly as many slots as backends: each gets one slot.
         let t = build(&bs, 3).unwrap();
         let mut s = t.clone();

@@ -259,8 +259,9 @@ mod tests {
 
     use super::*;
     use crate::config::{
-        DEFAULT_CONNTRACK_MAX, DEFAULT_CONTROL_SOCKET, DEFAULT_PIN_PATH, DEFAULT_TABLE_CAPACITY,
-        DEFAULT_METRICS_LISTEN, DEFAULT_TCP_IDLE_TIMEOUT, DEFAULT_UDP_IDLE_TIMEOUT, Environment, Protocol, Scheduler, parse,
+        DEFAULT_CONNTRACK_MAX, DEFAULT_CONTROL_SOCKET, DEFAULT_METRICS_LISTEN, DEFAULT_PIN_PATH,
+        DEFAULT_TABLE_CAPACITY, DEFAULT_TCP_IDLE_TIMEOUT, DEFAULT_UDP_IDLE_TIMEOUT, Environment, Protocol, Scheduler,
+        parse,
     };
 
     /// Every interface exists.

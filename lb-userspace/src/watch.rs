@@ -96,13 +96,18 @@ pub fn screen(s: &Status, prev: Option<&Sample>, cols: usize) -> String {
     let now = sample(s);
     let dt = prev.map(|p| now.at.duration_since(p.at).as_secs_f64()).filter(|d| *d > 0.0);
     let mut out = String::new();
-    let _ = writeln!(out, "lbctl watch  (q or Ctrl-C to quit)  program {}", s.program_id.map_or("-".into(), |i| i.to_string()));
+    let _ = writeln!(
+        out,
+        "lbctl watch  (q or Ctrl-C to quit)  program {}",
+        s.program_id.map_or("-".into(), |i| i.to_string())
+    );
     // Columns by priority: narrow terminals drop the ones at the end.
     let wide = cols >= 96;
     let mid = cols >= 64;
     for svc in &s.services {
         let fair = svc.fairness.map_or("-".to_owned(), |f| format!("{f:.4}"));
-        let head = format!("{} {}:{}/{} {} fairness {}", svc.name, svc.vip, svc.port, svc.protocol, svc.scheduler, fair);
+        let head =
+            format!("{} {}:{}/{} {} fairness {}", svc.name, svc.vip, svc.port, svc.protocol, svc.scheduler, fair);
         let _ = writeln!(out, "\n{}", &head[..head.len().min(cols.max(20))]);
         let mut hdr = format!("{:<21} {:<5} {:>6} {:>8}", "BACKEND", "STATE", "WEIGHT", "CONN/S");
         if mid {

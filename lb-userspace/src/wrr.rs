@@ -31,10 +31,9 @@ pub enum WrrError {
 impl fmt::Display for WrrError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            WrrError::TooLong { total, max } => write!(
-                f,
-                "weighted round robin cycle of {total} picks exceeds the limit of {max}"
-            ),
+            WrrError::TooLong { total, max } => {
+                write!(f, "weighted round robin cycle of {total} picks exceeds the limit of {max}")
+            }
         }
     }
 }
@@ -100,29 +99,17 @@ fn smooth_picks(weights: &[u32], n: u64) -> Vec<usize> {
 pub fn sequence(backends: &[WrrBackend], max_len: u64) -> Result<Vec<u32>, WrrError> {
     let weights: Vec<u32> = backends.iter().map(|b| b.weight).collect();
     let weights = reduce(&weights);
-    let total = weights
-        .iter()
-        .fold(0u64, |t, &w| t.saturating_add(u64::from(w)));
+    let total = weights.iter().fold(0u64, |t, &w| t.saturating_add(u64::from(w)));
     if total > max_len {
-        return Err(WrrError::TooLong {
-            total,
-            max: max_len,
-        });
+        return Err(WrrError::TooLong { total, max: max_len });
     }
-    Ok(smooth_picks(&weights, total)
-        .into_iter()
-        .map(|i| backends[i].id)
-        .collect())
+    Ok(smooth_picks(&weights, total).into_iter().map(|i| backends[i].id).collect())
 }
 
 /// Plain round robin: each backend with a weight > 0 once, in list order
 /// (the weight's value is otherwise ignored).
 pub fn round_robin(backends: &[WrrBackend]) -> Vec<u32> {
-    backends
-        .iter()
-        .filter(|b| b.weight > 0)
-        .map(|b| b.id)
-        .collect()
+    backends.iter().filter(|b| b.weight > 0).map(|b| b.id).collect()
 }
 
 #[cfg(test)]
@@ -132,14 +119,7 @@ mod tests {
     const MAX: u64 = 1 << 20;
 
     fn backends(weights: &[u32]) -> Vec<WrrBackend> {
-        weights
-            .iter()
-            .enumerate()
-            .map(|(i, &w)| WrrBackend {
-                id: i as u32 + 1,
-                weight: w,
-            })
-            .collect()
+        weights.iter().enumerate().map(|(i, &w)| WrrBackend { id: i as u32 + 1, weight: w }).collect()
     }
 
     /// Fixed-seed xorshift64*, for reproducible pseudo-random weight sets.
@@ -214,10 +194,7 @@ mod tests {
             let seq = sequence(&bs, MAX).unwrap();
             let reduced = reduce(&set);
             let g = set.iter().fold(0, |g, &w| gcd(g, w));
-            assert_eq!(
-                seq.len() as u64,
-                reduced.iter().map(|&w| u64::from(w)).sum::<u64>()
-            );
+            assert_eq!(seq.len() as u64, reduced.iter().map(|&w| u64::from(w)).sum::<u64>());
             for (b, &r) in bs.iter().zip(&reduced) {
                 assert_eq!(r, b.weight / g);
                 let count = seq.iter().filter(|&&id| id == b.id).count();
@@ -257,68 +234,39 @@ mod tests {
             let s: u64 = reduced.iter().map(|&w| u64::from(w)).sum();
             let one = smooth_picks(&reduced, s);
             let three = smooth_picks(&reduced, 3 * s);
-            assert_eq!(
-                three,
-                [one.clone(), one.clone(), one].concat(),
-                "weights {set:?}"
-            );
+            assert_eq!(three, [one.clone(), one.clone(), one].concat(), "weights {set:?}");
         }
     }
 
     #[test]
     fn five_one_one_is_smooth() {
         let (a, b, c) = (10, 20, 30);
-        let bs = [
-            WrrBackend { id: a, weight: 5 },
-            WrrBackend { id: b, weight: 1 },
-            WrrBackend { id: c, weight: 1 },
-        ];
+        let bs = [WrrBackend { id: a, weight: 5 }, WrrBackend { id: b, weight: 1 }, WrrBackend { id: c, weight: 1 }];
         assert_eq!(sequence(&bs, MAX).unwrap(), vec![a, a, b, a, c, a, a]);
         // Same after gcd reduction.
-        let bs10: Vec<_> = bs
-            .iter()
-            .map(|b| WrrBackend {
-                weight: b.weight * 10,
-                ..*b
-            })
-            .collect();
+        let bs10: Vec<_> = bs.iter().map(|b| WrrBackend { weight: b.weight * 10, ..*b }).collect();
         assert_eq!(sequence(&bs10, MAX).unwrap(), vec![a, a, b, a, c, a, a]);
     }
 
     #[test]
     fn ties_go_to_list_order() {
         assert_eq!(sequence(&backends(&[1, 1, 1]), MAX).unwrap(), vec![1, 2, 3]);
-        assert_eq!(
-            sequence(&backends(&[3, 0, 2]), MAX).unwrap(),
-            vec![1, 3, 1, 3, 1]
-        );
+        assert_eq!(sequence(&backends(&[3, 0, 2]), MAX).unwrap(), vec![1, 3, 1, 3, 1]);
     }
 
     #[test]
     fn empty_zero_and_too_long() {
         assert_eq!(sequence(&[], MAX).unwrap(), Vec::<u32>::new());
-        assert_eq!(
-            sequence(&backends(&[0, 0]), MAX).unwrap(),
-            Vec::<u32>::new()
-        );
+        assert_eq!(sequence(&backends(&[0, 0]), MAX).unwrap(), Vec::<u32>::new());
         assert_eq!(sequence(&backends(&[0, 0]), 0).unwrap(), Vec::<u32>::new());
-        assert_eq!(
-            sequence(&backends(&[7, 11, 13, 17]), 47),
-            Err(WrrError::TooLong { total: 48, max: 47 })
-        );
+        assert_eq!(sequence(&backends(&[7, 11, 13, 17]), 47), Err(WrrError::TooLong { total: 48, max: 47 }));
         assert_eq!(sequence(&backends(&[7, 11, 13, 17]), 48).unwrap().len(), 48);
         // The limit applies after gcd reduction.
-        assert_eq!(
-            sequence(&backends(&[1000, 2000]), 3).unwrap(),
-            vec![2, 1, 2]
-        );
+        assert_eq!(sequence(&backends(&[1000, 2000]), 3).unwrap(), vec![2, 1, 2]);
         // Huge weights are rejected before any allocation.
         assert_eq!(
             sequence(&backends(&[u32::MAX, u32::MAX - 1]), MAX),
-            Err(WrrError::TooLong {
-                total: 2 * u64::from(u32::MAX) - 1,
-                max: MAX
-            })
+            Err(WrrError::TooLong { total: 2 * u64::from(u32::MAX) - 1, max: MAX })
         );
     }
 
@@ -334,11 +282,7 @@ mod tests {
 
     #[test]
     fn round_robin_ignores_weights() {
-        let bs = [
-            WrrBackend { id: 1, weight: 5 },
-            WrrBackend { id: 2, weight: 1 },
-            WrrBackend { id: 3, weight: 0 },
-        ];
+        let bs = [WrrBackend { id: 1, weight: 5 }, WrrBackend { id: 2, weight: 1 }, WrrBackend { id: 3, weight: 0 }];
         assert_eq!(round_robin(&bs), vec![1, 2]);
         assert_eq!(round_robin(&[]), Vec::<u32>::new());
     }

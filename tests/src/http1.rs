@@ -21,10 +21,7 @@ pub struct Head {
 impl Head {
     /// First header with this name (case-insensitive).
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     /// Whether a `Connection` header lists `token` (case-insensitive).
@@ -40,10 +37,7 @@ impl Head {
     pub fn content_length(&self) -> io::Result<usize> {
         match self.header("content-length") {
             None => Ok(0),
-            Some(v) => v
-                .trim()
-                .parse()
-                .map_err(|_| invalid(format!("bad Content-Length {v:?}"))),
+            Some(v) => v.trim().parse().map_err(|_| invalid(format!("bad Content-Length {v:?}"))),
         }
     }
 
@@ -60,9 +54,9 @@ impl Head {
     pub fn status(&self) -> io::Result<u16> {
         let mut it = self.start_line.split_ascii_whitespace();
         match (it.next(), it.next()) {
-            (Some(v), Some(code)) if v.starts_with("HTTP/") => code
-                .parse()
-                .map_err(|_| invalid(format!("bad status line {:?}", self.start_line))),
+            (Some(v), Some(code)) if v.starts_with("HTTP/") => {
+                code.parse().map_err(|_| invalid(format!("bad status line {:?}", self.start_line)))
+            }
             _ => Err(invalid(format!("bad status line {:?}", self.start_line))),
         }
     }
@@ -74,19 +68,13 @@ fn invalid(msg: String) -> io::Error {
 
 fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
     let start = from.saturating_sub(3);
-    buf.get(start..)?
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|p| start + p + 4)
+    buf.get(start..)?.windows(4).position(|w| w == b"\r\n\r\n").map(|p| start + p + 4)
 }
 
 /// Reads one message head. Bytes already in `buf` are consumed first; bytes
 /// read past the head stay in `buf` for the next call (body or a pipelined
 /// message). Returns `Ok(None)` on EOF before the first byte of a message.
-pub async fn read_head<R: AsyncRead + Unpin>(
-    r: &mut R,
-    buf: &mut Vec<u8>,
-) -> io::Result<Option<Head>> {
+pub async fn read_head<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> io::Result<Option<Head>> {
     let mut scanned = 0;
     loop {
         // Tolerate stray CRLFs between messages (RFC 9112 §2.2).
@@ -99,9 +87,7 @@ pub async fn read_head<R: AsyncRead + Unpin>(
         }
         scanned = buf.len();
         if buf.len() > MAX_HEAD {
-            return Err(invalid(format!(
-                "message head larger than {MAX_HEAD} bytes"
-            )));
+            return Err(invalid(format!("message head larger than {MAX_HEAD} bytes")));
         }
         let mut chunk = [0u8; 8192];
         let n = r.read(&mut chunk).await?;
@@ -111,10 +97,7 @@ pub async fn read_head<R: AsyncRead + Unpin>(
             }
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                format!(
-                    "connection closed inside a message head ({} bytes read)",
-                    buf.len()
-                ),
+                format!("connection closed inside a message head ({} bytes read)", buf.len()),
             ));
         }
         buf.extend_from_slice(&chunk[..n]);
@@ -122,21 +105,14 @@ pub async fn read_head<R: AsyncRead + Unpin>(
 }
 
 /// Reads exactly `len` body bytes, using what is already buffered first.
-pub async fn read_body<R: AsyncRead + Unpin>(
-    r: &mut R,
-    buf: &mut Vec<u8>,
-    len: usize,
-) -> io::Result<Vec<u8>> {
+pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>, len: usize) -> io::Result<Vec<u8>> {
     while buf.len() < len {
         let mut chunk = [0u8; 8192];
         let n = r.read(&mut chunk).await?;
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                format!(
-                    "connection closed inside a body ({} of {len} bytes)",
-                    buf.len()
-                ),
+                format!("connection closed inside a body ({} of {len} bytes)", buf.len()),
             ));
         }
         buf.extend_from_slice(&chunk[..n]);
@@ -145,8 +121,7 @@ pub async fn read_body<R: AsyncRead + Unpin>(
 }
 
 fn parse_head(bytes: &[u8]) -> io::Result<Head> {
-    let text =
-        std::str::from_utf8(bytes).map_err(|_| invalid("message head is not UTF-8".into()))?;
+    let text = std::str::from_utf8(bytes).map_err(|_| invalid("message head is not UTF-8".into()))?;
     let mut lines = text.split("\r\n");
     let start_line = lines.next().unwrap_or_default().to_string();
     if start_line.is_empty() {
@@ -154,15 +129,10 @@ fn parse_head(bytes: &[u8]) -> io::Result<Head> {
     }
     let mut headers = Vec::new();
     for line in lines {
-        let (k, v) = line
-            .split_once(':')
-            .ok_or_else(|| invalid(format!("bad header line {line:?}")))?;
+        let (k, v) = line.split_once(':').ok_or_else(|| invalid(format!("bad header line {line:?}")))?;
         headers.push((k.trim().to_string(), v.trim().to_string()));
     }
-    Ok(Head {
-        start_line,
-        headers,
-    })
+    Ok(Head { start_line, headers })
 }
 
 #[cfg(test)]

@@ -44,12 +44,7 @@ pub struct LabSpec {
 
 impl Default for LabSpec {
     fn default() -> Self {
-        LabSpec {
-            prefix: "lb".into(),
-            backends: 3,
-            client_sources: 250,
-            bin_dir: default_bin_dir(),
-        }
+        LabSpec { prefix: "lb".into(), backends: 3, client_sources: 250, bin_dir: default_bin_dir() }
     }
 }
 
@@ -60,10 +55,7 @@ fn default_bin_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("LB_BIN_DIR") {
         return PathBuf::from(d);
     }
-    let Some(dir) = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(Path::to_path_buf))
-    else {
+    let Some(dir) = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf)) else {
         return PathBuf::from(".");
     };
     if dir.file_name() == Some(OsStr::new("deps"))
@@ -116,11 +108,7 @@ impl Lab {
         // A fresh lab starts lbd's log afresh (restarts within it append).
         let _ = std::fs::remove_file(format!("/tmp/{}-lbd.log", spec.prefix));
         Lab::down(&spec.prefix).context("clearing leftovers of an earlier lab")?;
-        let lab = Lab {
-            children: Mutex::new((0..spec.backends).map(|_| None).collect()),
-            spec,
-            keep: false,
-        };
+        let lab = Lab { children: Mutex::new((0..spec.backends).map(|_| None).collect()), spec, keep: false };
         match lab.build() {
             Ok(()) => Ok(lab),
             Err(e) => {
@@ -185,9 +173,7 @@ impl Lab {
 
     /// `[10.20.0.11, 10.20.0.12, ...]`.
     pub fn backend_addrs(&self) -> Vec<Ipv4Addr> {
-        (1..=self.spec.backends)
-            .map(|i| Ipv4Addr::new(10, 20, 0, 10 + i as u8))
-            .collect()
+        (1..=self.spec.backends).map(|i| Ipv4Addr::new(10, 20, 0, 10 + i as u8)).collect()
     }
 
     /// The extra client source addresses: 10.10.1.1, 10.10.1.2, ...
@@ -200,8 +186,7 @@ impl Lab {
         (0..self.spec.backends)
             .map(|i| {
                 let out = self.stats_call(i, "GET", "/stats")?;
-                serde_json::from_str(&out)
-                    .with_context(|| format!("be{}: bad stats JSON {out:?}", i + 1))
+                serde_json::from_str(&out).with_context(|| format!("be{}: bad stats JSON {out:?}", i + 1))
             })
             .collect()
     }
@@ -217,8 +202,7 @@ impl Lab {
     /// Sets the response delay of backend `idx` (0-based); 0 disables it.
     pub fn set_backend_delay(&self, idx: usize, ms: u64) -> anyhow::Result<()> {
         self.check_idx(idx)?;
-        self.stats_call(idx, "POST", &format!("/delay?ms={ms}"))
-            .map(drop)
+        self.stats_call(idx, "POST", &format!("/delay?ms={ms}")).map(drop)
     }
 
     /// Stops backend `idx`'s `lab-backend` process (no-op if not running).
@@ -229,8 +213,7 @@ impl Lab {
         }
         // Also one started by another handle (e.g. a kept lab).
         kill_ns_processes(&self.ns(&format!("be{}", idx + 1)), |pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|c| c.trim() == "lab-backend")
+            std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "lab-backend")
         })
     }
 
@@ -253,12 +236,7 @@ impl Lab {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         if !out.status.success() {
-            bail!(
-                "lab-client {} failed ({}): {}",
-                args.join(" "),
-                out.status,
-                stderr.trim()
-            );
+            bail!("lab-client {} failed ({}): {}", args.join(" "), out.status, stderr.trim());
         }
         serde_json::from_str(stdout.trim()).with_context(|| {
             format!(
@@ -274,10 +252,7 @@ impl Lab {
 
     fn check_idx(&self, idx: usize) -> anyhow::Result<()> {
         if idx >= self.spec.backends {
-            bail!(
-                "backend index {idx} out of range (lab has {} backends)",
-                self.spec.backends
-            );
+            bail!("backend index {idx} out of range (lab has {} backends)", self.spec.backends);
         }
         Ok(())
     }
@@ -289,8 +264,7 @@ impl Lab {
     fn stats_call(&self, idx: usize, method: &str, path: &str) -> anyhow::Result<String> {
         let role = format!("be{}", idx + 1);
         let mut c = self.cmd(&role, "curl");
-        c.args(["-sS", "-f", "--max-time", "3", "-X", method])
-            .arg(format!("{STATS_URL}{path}"));
+        c.args(["-sS", "-f", "--max-time", "3", "-X", method]).arg(format!("{STATS_URL}{path}"));
         run(&mut c).with_context(|| format!("{role} stats API {method} {path}"))
     }
 
@@ -318,42 +292,25 @@ impl Lab {
         for exe in ["lab-backend", "lab-client"] {
             let p = self.spec.bin_dir.join(exe);
             if !p.is_file() {
-                bail!(
-                    "{} not found (build the lb-tests binaries, or set LabSpec::bin_dir)",
-                    p.display()
-                );
+                bail!("{} not found (build the lb-tests binaries, or set LabSpec::bin_dir)", p.display());
             }
         }
         let n = self.spec.backends;
         for role in self.all_roles() {
-            run(Command::new("ip")
-                .args(["netns", "add"])
-                .arg(self.ns(&role)))?;
+            run(Command::new("ip").args(["netns", "add"]).arg(self.ns(&role)))?;
             self.ip_ns(&role, &["link", "set", "lo", "up"])?;
         }
 
         // Links, created directly inside their namespaces.
         let gw_ns = self.ns("gw");
         let sw_ns = self.ns("sw");
-        self.ip_ns(
-            "client",
-            &[
-                "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns,
-            ],
-        )?;
-        self.ip_ns(
-            "gw",
-            &[
-                "link", "add", "eth1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns,
-            ],
-        )?;
+        self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns])?;
+        self.ip_ns("gw", &["link", "add", "eth1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
         for i in 1..=n {
             let port = format!("p{i}");
             self.ip_ns(
                 &format!("be{i}"),
-                &[
-                    "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns", &sw_ns,
-                ],
+                &["link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns", &sw_ns],
             )?;
         }
 
@@ -389,19 +346,12 @@ impl Lab {
         for a in self.client_sources() {
             writeln!(cl, "addr add {a}/16 dev eth0").unwrap();
         }
-        cl.push_str(
-            "route add 10.10.0.96/28 via 10.10.0.1\nroute add 10.20.0.0/24 via 10.10.0.1\n",
-        );
+        cl.push_str("route add 10.10.0.96/28 via 10.10.0.1\nroute add 10.20.0.0/24 via 10.10.0.1\n");
         self.ip_batch("client", &cl)?;
         self.ns_exec(
             "client",
             "sysctl",
-            &[
-                "-q",
-                "-w",
-                "net.ipv4.ip_local_port_range=1024 65000",
-                "net.ipv4.tcp_tw_reuse=1",
-            ],
+            &["-q", "-w", "net.ipv4.ip_local_port_range=1024 65000", "net.ipv4.tcp_tw_reuse=1"],
         )?;
         self.ns_exec("client", "ethtool", &["-K", "eth0", "tx", "off"])?;
         self.ns_exec("client", "ethtool", &["-K", "eth0", "gro", "on"])?;
@@ -433,18 +383,10 @@ impl Lab {
         let name = format!("be{}", idx + 1);
         let listen = format!("{}:{BACKEND_PORT}", self.backend_addrs()[idx]);
         let log_path = self.log_path(idx);
-        let log =
-            File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        let log = File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
         let child = self
             .cmd(&name, &exe)
-            .args([
-                "--name",
-                &name,
-                "--listen",
-                &listen,
-                "--stats",
-                "0.0.0.0:9000",
-            ])
+            .args(["--name", &name, "--listen", &listen, "--stats", "0.0.0.0:9000"])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -508,24 +450,14 @@ impl Drop for Lab {
 
 fn validate(spec: &LabSpec) -> anyhow::Result<()> {
     let p = &spec.prefix;
-    if p.is_empty()
-        || !p
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    {
+    if p.is_empty() || !p.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
         bail!("lab prefix {p:?} must be non-empty and only contain [A-Za-z0-9_-]");
     }
     if !(1..=MAX_BACKENDS).contains(&spec.backends) {
-        bail!(
-            "lab backends must be 1..={MAX_BACKENDS}, not {}",
-            spec.backends
-        );
+        bail!("lab backends must be 1..={MAX_BACKENDS}, not {}", spec.backends);
     }
     if spec.client_sources > MAX_CLIENT_SOURCES {
-        bail!(
-            "lab client_sources must be at most {MAX_CLIENT_SOURCES}, not {}",
-            spec.client_sources
-        );
+        bail!("lab client_sources must be at most {MAX_CLIENT_SOURCES}, not {}", spec.client_sources);
     }
     Ok(())
 }
@@ -544,9 +476,7 @@ fn is_lab_ns(prefix: &str, ns: &str) -> bool {
         return false;
     };
     matches!(role, "client" | "gw" | "sw")
-        || role
-            .strip_prefix("be")
-            .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        || role.strip_prefix("be").is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
 }
 
 fn lab_namespaces(prefix: &str) -> anyhow::Result<Vec<String>> {
@@ -561,10 +491,7 @@ fn lab_namespaces(prefix: &str) -> anyhow::Result<Vec<String>> {
 
 fn ns_pids(ns: &str) -> anyhow::Result<Vec<i32>> {
     let out = run(Command::new("ip").args(["netns", "pids", ns]))?;
-    Ok(out
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect())
+    Ok(out.split_whitespace().filter_map(|p| p.parse().ok()).collect())
 }
 
 /// Whether `pid` is gone (or a zombie, i.e. no longer running anything).
@@ -572,9 +499,7 @@ fn pid_gone(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
         // The state follows the parenthesised command name.
-        Ok(s) => s
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+        Ok(s) => s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
     }
 }
 
@@ -587,10 +512,7 @@ fn signal(pid: i32, sig: libc::c_int) {
 /// waits until they are gone.
 fn kill_ns_processes(ns: &str, filter: impl Fn(i32) -> bool) -> anyhow::Result<()> {
     let own = std::process::id() as i32;
-    let pids: Vec<i32> = ns_pids(ns)?
-        .into_iter()
-        .filter(|&p| p != own && filter(p))
-        .collect();
+    let pids: Vec<i32> = ns_pids(ns)?.into_iter().filter(|&p| p != own && filter(p)).collect();
     if pids.is_empty() {
         return Ok(());
     }
@@ -646,17 +568,10 @@ fn describe(cmd: &Command) -> String {
         .join(" ")
 }
 
-fn check_output(
-    desc: String,
-    out: std::io::Result<std::process::Output>,
-) -> anyhow::Result<String> {
+fn check_output(desc: String, out: std::io::Result<std::process::Output>) -> anyhow::Result<String> {
     let out = out.with_context(|| format!("running `{desc}`"))?;
     if !out.status.success() {
-        bail!(
-            "`{desc}` failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        bail!("`{desc}` failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -672,11 +587,7 @@ fn run(cmd: &mut Command) -> anyhow::Result<String> {
 fn run_with_stdin(cmd: &mut Command, input: &str) -> anyhow::Result<String> {
     use std::io::Write as _;
     let desc = describe(cmd);
-    let spawned = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
+    let spawned = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn();
     let out = spawned.and_then(|mut child| {
         let mut stdin = child.stdin.take().expect("piped stdin");
         // ip reads the whole script before we wait; small scripts fit the pipe,

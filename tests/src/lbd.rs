@@ -116,10 +116,7 @@ impl Lbd {
 
     /// New-flow counter of one backend of one service, from `lbctl status`.
     pub fn new_flows(status: &serde_json::Value, service: &str, address: &str) -> Option<u64> {
-        status["services"]
-            .as_array()?
-            .iter()
-            .find(|s| s["name"] == service)?["backends"]
+        status["services"].as_array()?.iter().find(|s| s["name"] == service)?["backends"]
             .as_array()?
             .iter()
             .find(|b| b["address"] == address)?["new_flows"]
@@ -155,8 +152,9 @@ impl Lbd {
     pub fn restart(&self) -> anyhow::Result<u64> {
         let before = self.program_id().context("no program id before restart")?;
         self.signal(libc::SIGUSR2)?;
-        wait_for(20, || self.program_id().filter(|&id| id != before))
-            .with_context(|| format!("lbd did not come back with a new program after SIGUSR2; log:\n{}", self.log_text()))
+        wait_for(20, || self.program_id().filter(|&id| id != before)).with_context(|| {
+            format!("lbd did not come back with a new program after SIGUSR2; log:\n{}", self.log_text())
+        })
     }
 
     /// SIGTERM and wait (up to 10 s) for the exit status.

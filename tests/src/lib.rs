@@ -9,9 +9,7 @@ pub mod lbd;
 pub fn require_root() -> anyhow::Result<()> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
-        anyhow::bail!(
-            "this needs root (it creates network namespaces and loads BPF programs); run it as root"
-        );
+        anyhow::bail!("this needs root (it creates network namespaces and loads BPF programs); run it as root");
     }
     Ok(())
 }
@@ -19,13 +17,9 @@ pub fn require_root() -> anyhow::Result<()> {
 /// Raises the soft `RLIMIT_NOFILE` to the hard limit (best effort), so the
 /// helper binaries can hold thousands of sockets.
 pub fn raise_nofile_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: `lim` is a valid, writable rlimit.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 && lim.rlim_cur < lim.rlim_max
-    {
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 && lim.rlim_cur < lim.rlim_max {
         lim.rlim_cur = lim.rlim_max;
         // SAFETY: `lim` is a valid rlimit; failure is harmless.
         unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };

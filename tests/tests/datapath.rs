@@ -48,11 +48,7 @@ struct Netns {
 
 fn sh(args: &[&str]) {
     let out = Command::new(args[0]).args(&args[1..]).output().expect("spawn");
-    assert!(
-        out.status.success(),
-        "{args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
 }
 
 impl Netns {
@@ -65,7 +61,11 @@ impl Netns {
         let n = ns.name.as_str();
         let mac = |m: [u8; 6]| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
         for cmd in [
-            format!("ip -n {n} link add name gwa address {} type veth peer name gwb address {}", mac(GW_A_MAC), mac(GW_B_MAC)),
+            format!(
+                "ip -n {n} link add name gwa address {} type veth peer name gwb address {}",
+                mac(GW_A_MAC),
+                mac(GW_B_MAC)
+            ),
             format!("ip -n {n} link set lo up"),
             format!("ip -n {n} link set dev gwa up"),
             format!("ip -n {n} link set dev gwb up"),
@@ -269,7 +269,10 @@ fn service_with(
         protocol,
         scheduler,
         table_size: 65537,
-        backends: backends.iter().map(|&(address, port)| BackendConfig { address, port, weight: 1, drain: false }).collect(),
+        backends: backends
+            .iter()
+            .map(|&(address, port)| BackendConfig { address, port, weight: 1, drain: false })
+            .collect(),
         health: Default::default(),
         slow_start: None,
     }
@@ -359,11 +362,7 @@ fn reply_from_backend_is_rewritten_back_to_the_vip() {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
         let (action, _) = fx.run(&Pkt::tcp(CLIENT, 40001, VIP, 80, SYN).frame(), fx.if_a);
         assert_eq!(action, XDP_REDIRECT);
-        let synack = Pkt {
-            dmac: GW_B_MAC,
-            smac: BACKEND_MAC,
-            ..Pkt::tcp(BACKEND, 8080, CLIENT, 40001, SYN | ACK)
-        };
+        let synack = Pkt { dmac: GW_B_MAC, smac: BACKEND_MAC, ..Pkt::tcp(BACKEND, 8080, CLIENT, 40001, SYN | ACK) };
         let (action, out) = fx.run(&synack.frame(), fx.if_b);
         assert_eq!(action, XDP_REDIRECT);
         let expected = Pkt { src: VIP, sport: 80, ttl: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..synack };
@@ -478,7 +477,12 @@ fn ip_options_udp_and_unresolved_next_hop() {
             assert_eq!(out, expected.frame());
             assert_checksums_valid(&out);
             // Reply back through the VIP.
-            let r = Pkt { dmac: GW_B_MAC, smac: BACKEND_MAC, udp_no_csum: no_csum, ..Pkt::udp(BACKEND, 5353, CLIENT, 5000 + u16::from(no_csum)) };
+            let r = Pkt {
+                dmac: GW_B_MAC,
+                smac: BACKEND_MAC,
+                udp_no_csum: no_csum,
+                ..Pkt::udp(BACKEND, 5353, CLIENT, 5000 + u16::from(no_csum))
+            };
             let (action, out) = fx.run(&r.frame(), fx.if_b);
             assert_eq!(action, XDP_REDIRECT);
             assert_eq!(out, Pkt { src: VIP, sport: 53, ttl: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..r }.frame());
@@ -513,7 +517,8 @@ fn a_new_syn_on_a_closed_flow_is_a_new_connection() {
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
         let c = |flags| Pkt::tcp(CLIENT, 40005, VIP, 80, flags).frame();
-        let b = |flags| Pkt { dmac: GW_B_MAC, smac: BACKEND_MAC, ..Pkt::tcp(BACKEND, 8080, CLIENT, 40005, flags) }.frame();
+        let b =
+            |flags| Pkt { dmac: GW_B_MAC, smac: BACKEND_MAC, ..Pkt::tcp(BACKEND, 8080, CLIENT, 40005, flags) }.frame();
         assert_eq!(fx.run(&c(SYN), fx.if_a).0, XDP_REDIRECT);
         // A retransmitted SYN of an open flow is the same connection.
         assert_eq!(fx.run(&c(SYN), fx.if_a).0, XDP_REDIRECT);
@@ -590,7 +595,9 @@ fn round_robin_and_wrr_follow_their_sequence_exactly() {
         fx.dp.apply_admin(&[s]).unwrap();
         let seq: Vec<u8> = (0..14).map(|i| dst_of(&fx, 31000 + i)).collect();
         let cycle = [11, 11, 12, 11, 13, 11, 11];
-        let start = (0..7).find(|&r| (0..14).all(|i| seq[i] == cycle[(i + r) % 7])).unwrap_or_else(|| panic!("not a rotation of a a b a c a a: {seq:?}"));
+        let start = (0..7)
+            .find(|&r| (0..14).all(|i| seq[i] == cycle[(i + r) % 7]))
+            .unwrap_or_else(|| panic!("not a rotation of a a b a c a a: {seq:?}"));
         let _ = start;
     });
 }

@@ -86,8 +86,15 @@ fn a_thousand_new_connections_are_balanced_and_counted_exactly() {
     let r = s
         .lab
         .client(&[
-            "conns", "--target", "10.10.0.100:80", "--count", "1000", "--concurrency", "10",
-            "--sources-range", "10.10.1.1-10.10.1.250",
+            "conns",
+            "--target",
+            "10.10.0.100:80",
+            "--count",
+            "1000",
+            "--concurrency",
+            "10",
+            "--sources-range",
+            "10.10.1.1-10.10.1.250",
         ])
         .unwrap();
     assert_eq!(u(&r, "failed"), 0, "failed requests: {r}");
@@ -124,8 +131,15 @@ fn long_lived_connections_keep_their_backend_for_every_round_trip() {
     let r = s
         .lab
         .client(&[
-            "longlived", "--target", "10.10.0.100:80", "--connections", "50", "--rounds", "100",
-            "--sources-range", "10.10.1.1-10.10.1.50",
+            "longlived",
+            "--target",
+            "10.10.0.100:80",
+            "--connections",
+            "50",
+            "--rounds",
+            "100",
+            "--sources-range",
+            "10.10.1.1-10.10.1.50",
         ])
         .unwrap();
     assert_eq!(u(&r, "failed"), 0, "{r}");
@@ -134,12 +148,8 @@ fn long_lived_connections_keep_their_backend_for_every_round_trip() {
     let per: u64 = r["per_backend"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum();
     assert_eq!(per, 50);
     let status = s.lbd.status().unwrap();
-    let flows: u64 = s
-        .lab
-        .backend_addrs()
-        .iter()
-        .map(|a| Lbd::new_flows(&status, "web", &a.to_string()).unwrap())
-        .sum();
+    let flows: u64 =
+        s.lab.backend_addrs().iter().map(|a| Lbd::new_flows(&status, "web", &a.to_string()).unwrap()).sum();
     assert_eq!(flows, 50, "one scheduled flow per connection");
 }
 
@@ -170,15 +180,42 @@ fn invalid_configs_are_rejected_before_anything_is_attached() {
     let good = write_config(&dir, "good", &sock, WEB).unwrap();
     let good_text = std::fs::read_to_string(&good).unwrap();
     let cases: &[(&str, &str, &str, &str)] = &[
-        ("unknown-key", "weight: 1 }\n      - { address: 10.20.0.12", "wieght: 1 }\n      - { address: 10.20.0.12", "services[0].backends[0].wieght: unknown key"),
-        ("bad-address", "10.20.0.12", "10.20.0.312", "services[0].backends[1].address: \"10.20.0.312\" is not an IPv4 address"),
-        ("negative-weight", "10.20.0.13, port: 8080, weight: 1", "10.20.0.13, port: 8080, weight: -2", "services[0].backends[2].weight: -2 is negative"),
-        ("text-weight", "10.20.0.13, port: 8080, weight: 1", "10.20.0.13, port: 8080, weight: lots", "services[0].backends[2].weight: expected a whole number"),
+        (
+            "unknown-key",
+            "weight: 1 }\n      - { address: 10.20.0.12",
+            "wieght: 1 }\n      - { address: 10.20.0.12",
+            "services[0].backends[0].wieght: unknown key",
+        ),
+        (
+            "bad-address",
+            "10.20.0.12",
+            "10.20.0.312",
+            "services[0].backends[1].address: \"10.20.0.312\" is not an IPv4 address",
+        ),
+        (
+            "negative-weight",
+            "10.20.0.13, port: 8080, weight: 1",
+            "10.20.0.13, port: 8080, weight: -2",
+            "services[0].backends[2].weight: -2 is negative",
+        ),
+        (
+            "text-weight",
+            "10.20.0.13, port: 8080, weight: 1",
+            "10.20.0.13, port: 8080, weight: lots",
+            "services[0].backends[2].weight: expected a whole number",
+        ),
         ("missing-port", "    port: 80\n", "", "services[0].port: missing"),
-        ("missing-interface", "[eth0, eth1]", "[eth0, eth9]", "interfaces[1]: no network interface named \"eth9\" exists"),
+        (
+            "missing-interface",
+            "[eth0, eth1]",
+            "[eth0, eth9]",
+            "interfaces[1]: no network interface named \"eth9\" exists",
+        ),
     ];
-    let mut texts: Vec<(String, String, String)> =
-        cases.iter().map(|(n, from, to, want)| (n.to_string(), good_text.replacen(from, to, 1), want.to_string())).collect();
+    let mut texts: Vec<(String, String, String)> = cases
+        .iter()
+        .map(|(n, from, to, want)| (n.to_string(), good_text.replacen(from, to, 1), want.to_string()))
+        .collect();
     // A second service on the same VIP, port and protocol.
     texts.push((
         "duplicate-vip".into(),

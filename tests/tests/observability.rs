@@ -138,13 +138,8 @@ fn metrics_equal_the_backends_counts_in_promtool_and_prometheus() {
         .spawn()
         .unwrap();
     let _prom = Prometheus { child, dir: dir.clone() };
-    let want: BTreeMap<String, u64> = s
-        .lab
-        .backend_addrs()
-        .iter()
-        .zip(&counts)
-        .map(|(a, c)| (format!("{a}:8080"), c.connections))
-        .collect();
+    let want: BTreeMap<String, u64> =
+        s.lab.backend_addrs().iter().zip(&counts).map(|(a, c)| (format!("{a}:8080"), c.connections)).collect();
     let started = Instant::now();
     let got = wait_for(30, || {
         let out = s
@@ -157,7 +152,12 @@ fn metrics_equal_the_backends_counts_in_promtool_and_prometheus() {
         let got: BTreeMap<String, u64> = v["data"]["result"]
             .as_array()?
             .iter()
-            .map(|r| (r["metric"]["backend"].as_str().unwrap_or("").to_owned(), r["value"][1].as_str().unwrap_or("0").parse().unwrap_or(0)))
+            .map(|r| {
+                (
+                    r["metric"]["backend"].as_str().unwrap_or("").to_owned(),
+                    r["value"][1].as_str().unwrap_or("0").parse().unwrap_or(0),
+                )
+            })
             .collect();
         (got == want).then_some(got)
     });
@@ -210,8 +210,15 @@ fn lbctl_watch_shows_backends_rates_and_states_and_a_stopped_backend() {
         let load = scope.spawn(|| {
             s.lab
                 .client(&[
-                    "conns", "--target", "10.10.0.100:80", "--concurrency", "2", "--duration-ms", "6000",
-                    "--sources-range", "10.10.1.1-10.10.1.250",
+                    "conns",
+                    "--target",
+                    "10.10.0.100:80",
+                    "--concurrency",
+                    "2",
+                    "--duration-ms",
+                    "6000",
+                    "--sources-range",
+                    "10.10.1.1-10.10.1.250",
                 ])
                 .unwrap()
         });
@@ -241,8 +248,10 @@ fn lbctl_watch_shows_backends_rates_and_states_and_a_stopped_backend() {
         // within the detection time (3 x 500 ms + 1 s).
         s.lab.stop_backend(1).unwrap();
         let t0 = Instant::now();
-        wait_for(5, || wide.capture().lines().any(|l| l.starts_with("10.20.0.12:8080") && l.contains(" down ")).then_some(()))
-            .unwrap_or_else(|| panic!("watch never showed the backend down:\n{}", wide.capture()));
+        wait_for(5, || {
+            wide.capture().lines().any(|l| l.starts_with("10.20.0.12:8080") && l.contains(" down ")).then_some(())
+        })
+        .unwrap_or_else(|| panic!("watch never showed the backend down:\n{}", wide.capture()));
         let in_view = t0.elapsed();
         let text = get(&s.lab, "http://127.0.0.1:9464/metrics");
         assert_eq!(samples(&text, "lb_backend_up")["service=\"web\",backend=\"10.20.0.12:8080\""], 0.0);

@@ -27,7 +27,8 @@ struct Setup {
 
 /// Health checks against the backends' stats port (so probes are not
 /// counted as balanced connections).
-const HEALTH: &str = "    health: { type: http, path: /stats, port: 9000, interval: 500ms, timeout: 300ms, rise: 2, fall: 3 }\n";
+const HEALTH: &str =
+    "    health: { type: http, path: /stats, port: 9000, interval: 500ms, timeout: 300ms, rise: 2, fall: 3 }\n";
 
 fn web(extra: &str, backends: &[(u8, u32)]) -> String {
     let mut s = format!("  - name: web\n    vip: 10.10.0.100\n    port: 80\n{extra}    backends:\n");
@@ -87,7 +88,8 @@ fn a_stopped_backend_is_taken_out_and_rejoins() {
     assert!(detected <= Duration::from_millis(2500), "detection took {detected:?}");
     assert!(r["ok"].as_u64().unwrap() >= 200, "the stream was under 50 connections/s: {r}");
     // From the detection point on: nothing to be1, nothing fails.
-    let after = conns(lab, &["--concurrency", "2", "--duration-ms", "2000", "--sources-range", "10.10.1.101-10.10.1.200"]);
+    let after =
+        conns(lab, &["--concurrency", "2", "--duration-ms", "2000", "--sources-range", "10.10.1.101-10.10.1.200"]);
     println!("after detection: ok {} failed {} per backend {}", after["ok"], after["failed"], after["per_backend"]);
     assert_eq!(after["failed"], 0, "{after}");
     assert!(after["ok"].as_u64().unwrap() >= 100, "{after}");
@@ -143,7 +145,11 @@ fn slow_start_ramps_a_returning_backend() {
         assert_eq!(r["failed"], 0, "{r}");
         (share(&c0, &c2), share(&c8, &c10))
     });
-    println!("slow start 10s: the returning backend's share {:.1}% in the first 2 s, {:.1}% in the last 2 s", first * 100.0, last * 100.0);
+    println!(
+        "slow start 10s: the returning backend's share {:.1}% in the first 2 s, {:.1}% in the last 2 s",
+        first * 100.0,
+        last * 100.0
+    );
     assert!(first * 2.0 < last, "first {first:.3} vs last {last:.3}");
 }
 
@@ -154,8 +160,17 @@ fn lbctl_changes_the_pool_under_load_and_changes_survive_a_restart() {
     std::thread::scope(|scope| {
         let long = scope.spawn(|| {
             lab.client(&[
-                "longlived", "--target", "10.10.0.100:80", "--connections", "50", "--rounds", "80",
-                "--interval-ms", "40", "--sources-range", "10.10.1.1-10.10.1.50",
+                "longlived",
+                "--target",
+                "10.10.0.100:80",
+                "--connections",
+                "50",
+                "--rounds",
+                "80",
+                "--interval-ms",
+                "40",
+                "--sources-range",
+                "10.10.1.1-10.10.1.50",
             ])
             .unwrap()
         });

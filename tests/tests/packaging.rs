@@ -79,7 +79,8 @@ fn queries(dash: &Value) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for p in &panels {
         for t in p["targets"].as_array().into_iter().flatten() {
-            let expr = t["expr"].as_str().unwrap_or_else(|| panic!("panel {:?}: a target without expr: {t}", p["title"]));
+            let expr =
+                t["expr"].as_str().unwrap_or_else(|| panic!("panel {:?}: a target without expr: {t}", p["title"]));
             out.push((format!("panel {:?} target {}", p["title"], t["refId"]), expr.to_owned()));
         }
     }
@@ -184,7 +185,9 @@ fn dashboard_queries_only_what_lbd_exports() {
     // Imports as-is: a Prometheus datasource input that every panel and query uses.
     let inputs = dash["__inputs"].as_array().expect("__inputs");
     assert!(
-        inputs.iter().any(|i| i["name"] == "DS_PROMETHEUS" && i["type"] == "datasource" && i["pluginId"] == "prometheus"),
+        inputs
+            .iter()
+            .any(|i| i["name"] == "DS_PROMETHEUS" && i["type"] == "datasource" && i["pluginId"] == "prometheus"),
         "no DS_PROMETHEUS prometheus datasource in __inputs: {inputs:?}"
     );
     let schema = dash["schemaVersion"].as_u64().expect("schemaVersion");
@@ -228,11 +231,15 @@ fn dashboard_queries_only_what_lbd_exports() {
             if !exported(&n) {
                 unknown.push(format!("{place}: {n} (in {expr:?})"));
             }
-            let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| n.strip_suffix(s)).filter(|f| SERIES.contains(f));
+            let family =
+                ["_bucket", "_sum", "_count"].iter().find_map(|s| n.strip_suffix(s)).filter(|f| SERIES.contains(f));
             used.insert(family.unwrap_or(&n).to_owned());
         }
         for l in label_names(expr) {
-            assert!(known_labels.contains(&l.as_str()), "{place}: label {l:?} is not one lbd (or Prometheus) sets: {expr:?}");
+            assert!(
+                known_labels.contains(&l.as_str()),
+                "{place}: label {l:?} is not one lbd (or Prometheus) sets: {expr:?}"
+            );
         }
         // Every $variable is a template variable or a Grafana built-in.
         for (i, _) in expr.match_indices('$') {
@@ -260,7 +267,9 @@ fn dashboard_queries_only_what_lbd_exports() {
 #[test]
 fn metric_name_extraction() {
     assert_eq!(
-        metric_names(r#"sum by (le) (rate(lb_health_check_duration_seconds_bucket{service=~"$service"}[5m])) / xlb_no"#),
+        metric_names(
+            r#"sum by (le) (rate(lb_health_check_duration_seconds_bucket{service=~"$service"}[5m])) / xlb_no"#
+        ),
         ["lb_health_check_duration_seconds_bucket"]
     );
     assert!(exported("lb_health_check_duration_seconds_bucket"));
@@ -390,12 +399,7 @@ fn lb_docs_writes_completions_and_man_pages() {
     let lb_docs = built("lb-docs");
     let tmp = TempDir::new("docs");
     let out = Command::new(&lb_docs).arg(&tmp.0).output().expect("running lb-docs");
-    assert!(
-        out.status.success(),
-        "lb-docs failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "lb-docs failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
     let read = |rel: &str| -> String {
         let p = tmp.0.join(rel);
         let text = fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
@@ -429,7 +433,11 @@ fn lb_docs_writes_completions_and_man_pages() {
     assert!(read("completions/fish/lbctl.fish").contains("complete -c lbctl"));
     let man = read("man/man8/lbctl.8");
     assert!(man.contains("status"), "lbctl.8 does not mention status");
-    assert!(man.contains(".TH lbctl 8"), "lbctl.8 is not a section 8 page: {}", man.lines().take(3).collect::<Vec<_>>().join("\n"));
+    assert!(
+        man.contains(".TH lbctl 8"),
+        "lbctl.8 is not a section 8 page: {}",
+        man.lines().take(3).collect::<Vec<_>>().join("\n")
+    );
     let lbd_man = read("man/man8/lbd.8");
     for word in ["SIGHUP", "SIGUSR2", "\\-\\-config"] {
         assert!(lbd_man.contains(word), "lbd.8 does not mention {word}");

@@ -44,15 +44,31 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
     std::thread::scope(|scope| {
         let load = scope.spawn(|| {
             lab.client(&[
-                "conns", "--target", "10.10.0.100:80", "--concurrency", "10", "--duration-ms", "9000",
-                "--sources-range", "10.10.1.1-10.10.1.250",
+                "conns",
+                "--target",
+                "10.10.0.100:80",
+                "--concurrency",
+                "10",
+                "--duration-ms",
+                "9000",
+                "--sources-range",
+                "10.10.1.1-10.10.1.250",
             ])
             .unwrap()
         });
         let long = scope.spawn(|| {
             lab.client(&[
-                "longlived", "--target", "10.10.0.100:80", "--connections", "20", "--rounds", "160",
-                "--interval-ms", "50", "--sources-range", "10.10.1.1-10.10.1.20",
+                "longlived",
+                "--target",
+                "10.10.0.100:80",
+                "--connections",
+                "20",
+                "--rounds",
+                "160",
+                "--interval-ms",
+                "50",
+                "--sources-range",
+                "10.10.1.1-10.10.1.20",
             ])
             .unwrap()
         });

@@ -25,7 +25,8 @@ struct Setup {
 /// One `web` service on 10.10.0.100:80 with `scheduler` over lab backends
 /// given as (1-based backend number, weight).
 fn web(scheduler: &str, backends: &[(u8, u32)]) -> String {
-    let mut s = format!("  - name: web\n    vip: 10.10.0.100\n    port: 80\n    scheduler: {scheduler}\n    backends:\n");
+    let mut s =
+        format!("  - name: web\n    vip: 10.10.0.100\n    port: 80\n    scheduler: {scheduler}\n    backends:\n");
     for (n, w) in backends {
         s.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: {w} }}\n", 10 + n));
     }
@@ -58,7 +59,17 @@ impl Setup {
         let (c, k) = (count.to_string(), concurrency.to_string());
         let r = self
             .lab
-            .client(&["conns", "--target", "10.10.0.100:80", "--count", &c, "--concurrency", &k, "--sources-range", sources])
+            .client(&[
+                "conns",
+                "--target",
+                "10.10.0.100:80",
+                "--count",
+                &c,
+                "--concurrency",
+                &k,
+                "--sources-range",
+                sources,
+            ])
             .unwrap();
         assert_eq!(r["failed"], 0, "failed requests: {r}");
         assert_eq!(r["ok"], u64::from(count));
@@ -156,8 +167,15 @@ fn least_conn_sends_fewer_connections_to_a_slow_backend() {
     let r = s
         .lab
         .client(&[
-            "conns", "--target", "10.10.0.100:80", "--concurrency", "30", "--duration-ms", "10000",
-            "--sources-range", "10.10.1.1-10.10.1.250",
+            "conns",
+            "--target",
+            "10.10.0.100:80",
+            "--concurrency",
+            "30",
+            "--duration-ms",
+            "10000",
+            "--sources-range",
+            "10.10.1.1-10.10.1.250",
         ])
         .unwrap();
     assert_eq!(r["failed"], 0, "{r}");
@@ -179,8 +197,17 @@ fn live_changes_never_move_an_established_connection() {
     std::thread::scope(|scope| {
         let long = scope.spawn(|| {
             lab.client(&[
-                "longlived", "--target", "10.10.0.100:80", "--connections", "50", "--rounds", "100",
-                "--interval-ms", "40", "--sources-range", "10.10.1.1-10.10.1.50",
+                "longlived",
+                "--target",
+                "10.10.0.100:80",
+                "--connections",
+                "50",
+                "--rounds",
+                "100",
+                "--interval-ms",
+                "40",
+                "--sources-range",
+                "10.10.1.1-10.10.1.50",
             ])
             .unwrap()
         });
@@ -194,7 +221,15 @@ fn live_changes_never_move_an_established_connection() {
         s.reconfigure(&web("least-conn", &[(1, 1), (2, 1), (3, 1), (4, 3)]));
         // New connections meanwhile go by the new pool.
         let r = lab
-            .client(&["conns", "--target", "10.10.0.100:80", "--count", "200", "--sources-range", "10.10.1.51-10.10.1.250"])
+            .client(&[
+                "conns",
+                "--target",
+                "10.10.0.100:80",
+                "--count",
+                "200",
+                "--sources-range",
+                "10.10.1.51-10.10.1.250",
+            ])
             .unwrap();
         assert_eq!(r["failed"], 0, "{r}");
         assert!(r["per_backend"]["be4"].as_u64().unwrap_or(0) > 0, "the added backend got nothing: {r}");
@@ -214,8 +249,17 @@ fn draining_a_backend_lets_its_connections_finish_and_sends_it_nothing_new() {
     std::thread::scope(|scope| {
         let long = scope.spawn(|| {
             lab.client(&[
-                "longlived", "--target", "10.10.0.100:80", "--connections", "60", "--rounds", "60",
-                "--interval-ms", "50", "--sources-range", "10.10.1.1-10.10.1.60",
+                "longlived",
+                "--target",
+                "10.10.0.100:80",
+                "--connections",
+                "60",
+                "--rounds",
+                "60",
+                "--interval-ms",
+                "50",
+                "--sources-range",
+                "10.10.1.1-10.10.1.60",
             ])
             .unwrap()
         });
@@ -223,7 +267,15 @@ fn draining_a_backend_lets_its_connections_finish_and_sends_it_nothing_new() {
         s.reconfigure(&web("rr", &[(1, 0), (2, 1), (3, 1)]));
         let before = lab.backend_counts().unwrap()[0].connections;
         let r = lab
-            .client(&["conns", "--target", "10.10.0.100:80", "--count", "300", "--sources-range", "10.10.1.61-10.10.1.160"])
+            .client(&[
+                "conns",
+                "--target",
+                "10.10.0.100:80",
+                "--count",
+                "300",
+                "--sources-range",
+                "10.10.1.61-10.10.1.160",
+            ])
             .unwrap();
         assert_eq!(r["failed"], 0, "{r}");
         assert!(r["per_backend"].get("be1").is_none(), "drained backend got new connections: {r}");

@@ -202,8 +202,15 @@ fn start(env: &Env, b: Balancer, method: &str) -> anyhow::Result<Running> {
     match b {
         Balancer::Direct => Ok(Running::None),
         Balancer::Ours => {
-            let sched = if method == "rr" { "rr" } else if method == "wrr" { "wrr" } else { "maglev" };
-            let mut svc = format!("  - name: web\n    vip: {VIP_OURS}\n    port: 80\n    scheduler: {sched}\n    backends:\n");
+            let sched = if method == "rr" {
+                "rr"
+            } else if method == "wrr" {
+                "wrr"
+            } else {
+                "maglev"
+            };
+            let mut svc =
+                format!("  - name: web\n    vip: {VIP_OURS}\n    port: 80\n    scheduler: {sched}\n    backends:\n");
             for a in BACKENDS {
                 svc.push_str(&format!("      - {{ address: {a}, port: 8080, weight: 1 }}\n"));
             }
@@ -212,7 +219,8 @@ fn start(env: &Env, b: Balancer, method: &str) -> anyhow::Result<Running> {
             Ok(Running::Ours(Box::new(Lbd::start(lab, &cfg, &sock)?)))
         }
         Balancer::Haproxy => {
-            let balance = if method == "rr" { "balance roundrobin" } else { "balance hash src_port\n  hash-type consistent" };
+            let balance =
+                if method == "rr" { "balance roundrobin" } else { "balance hash src_port\n  hash-type consistent" };
             let mut cfg = format!(
                 "global\n  maxconn 8000\n  nbthread 2\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 30s\n  timeout server 30s\n  maxconn 8000\nfrontend fe\n  bind {VIP_HAPROXY}:80\n  default_backend be\nbackend be\n  {balance}\n"
             );
@@ -243,13 +251,8 @@ fn start(env: &Env, b: Balancer, method: &str) -> anyhow::Result<Running> {
             );
             let path = env.work.join("nginx.conf");
             std::fs::write(&path, cfg)?;
-            let child = lab
-                .cmd("gw", "nginx")
-                .arg("-c")
-                .arg(&path)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()?;
+            let child =
+                lab.cmd("gw", "nginx").arg("-c").arg(&path).stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
             wait_listening(lab, VIP_NGINX)?;
             Ok(Running::Proxy(child))
         }
@@ -273,7 +276,8 @@ fn wait_listening(lab: &Lab, vip: &str) -> anyhow::Result<()> {
 /// Busy and total CPU time of the whole machine, in microseconds.
 fn cpu_us() -> (f64, f64) {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let f: Vec<f64> = stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    let f: Vec<f64> =
+        stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let us = |j: f64| j * 1e6 / hz;
@@ -309,8 +313,11 @@ fn wrk(env: &Env, target: &str, load: &Load) -> anyhow::Result<Value> {
     lab.reset_backend_counts()?;
     let threads = load.connections.min(2).to_string();
     let mut cmd = lab.cmd("client", "wrk");
-    cmd.args(["-t", &threads, "-c", &load.connections.to_string(), "-d", &format!("{}s", load.secs)])
-        .args(["--timeout", "5s", "--latency"]);
+    cmd.args(["-t", &threads, "-c", &load.connections.to_string(), "-d", &format!("{}s", load.secs)]).args([
+        "--timeout",
+        "5s",
+        "--latency",
+    ]);
     if load.close {
         cmd.args(["-H", "Connection: close"]);
     }
@@ -332,7 +339,12 @@ fn wrk(env: &Env, target: &str, load: &Load) -> anyhow::Result<Value> {
     v["cpu_us_per_request"] = json!(if requests > 0.0 { (busy1 - busy0) / requests } else { 0.0 });
     v["xdp_ns_per_request"] = json!(if requests > 0.0 { (bpf1 - bpf0) / requests } else { 0.0 });
     v["wall_s"] = json!(wall);
-    v["backends"] = json!(counts.iter().map(|c| json!({"name": c.name, "connections": c.connections, "requests": c.requests})).collect::<Vec<_>>());
+    v["backends"] = json!(
+        counts
+            .iter()
+            .map(|c| json!({"name": c.name, "connections": c.connections, "requests": c.requests}))
+            .collect::<Vec<_>>()
+    );
     let unit: Vec<f64> =
         counts.iter().map(|c| if load.close { c.connections as f64 } else { c.requests as f64 }).collect();
     v["jain"] = json!(jain(&unit));
@@ -467,8 +479,15 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
             lab.reset_backend_counts()?;
             let t0 = Instant::now();
             let r = lab.client(&[
-                "conns", "--target", &Balancer::Ours.target(), "--count", &n.to_string(), "--concurrency", "10",
-                "--sources-range", "10.10.1.1-10.10.1.250",
+                "conns",
+                "--target",
+                &Balancer::Ours.target(),
+                "--count",
+                &n.to_string(),
+                "--concurrency",
+                "10",
+                "--sources-range",
+                "10.10.1.1-10.10.1.250",
             ])?;
             let counts: Vec<BackendCounts> = lab.backend_counts()?;
             let c: Vec<f64> = counts.iter().map(|c| c.connections as f64).collect();
@@ -484,10 +503,8 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
     // (b) k6-style: ramp in steps of concurrent clients, then hold; new
     // connection per request (what stresses an L4 balancer).
     let (step, hold) = if full { (10, 60) } else { (2, 6) };
-    let profiles: [(&str, Vec<u32>, u32); 2] = [
-        ("average load", vec![25, 50, 75, 100], 100),
-        ("stress", vec![50, 100, 150, 200], 200),
-    ];
+    let profiles: [(&str, Vec<u32>, u32); 2] =
+        [("average load", vec![25, 50, 75, 100], 100), ("stress", vec![50, 100, 150, 200], 200)];
     let mut k6 = Vec::new();
     for b in [Balancer::Ours, Balancer::Haproxy, Balancer::Direct] {
         let running = start(env, b, "rr")?;
@@ -497,7 +514,8 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
                 stages.push(wrk(env, &b.target(), &Load { connections: *c, close: true, secs: step })?);
             }
             let held = wrk(env, &b.target(), &Load { connections: *top, close: true, secs: hold })?;
-            let failed: f64 = stages.iter().chain(std::iter::once(&held)).map(|s| s["failed"].as_f64().unwrap_or(0.0)).sum();
+            let failed: f64 =
+                stages.iter().chain(std::iter::once(&held)).map(|s| s["failed"].as_f64().unwrap_or(0.0)).sum();
             println!(
                 "  {name:<12} {:<8} hold c{top}: {:>8.0} req/s p90 {:.2} ms p99 {:.2} ms, failed {failed}",
                 b.name(),
@@ -516,7 +534,12 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
             let req = r["requests"].as_f64().unwrap_or(0.0);
             let fail_ratio = r["failed"].as_f64().unwrap_or(0.0) / req.max(1.0);
             let p99 = r["p99_ms"].as_f64().unwrap_or(f64::INFINITY);
-            println!("  breakpoint {:<8} c{c:<5} {:>8.0} req/s p99 {p99:.1} ms failed {:.2}%", b.name(), r["rps"].as_f64().unwrap_or(0.0), fail_ratio * 100.0);
+            println!(
+                "  breakpoint {:<8} c{c:<5} {:>8.0} req/s p99 {p99:.1} ms failed {:.2}%",
+                b.name(),
+                r["rps"].as_f64().unwrap_or(0.0),
+                fail_ratio * 100.0
+            );
             steps.push(json!({"connections": c, "result": r}));
             if fail_ratio > 0.01 || p99 > 1000.0 {
                 break Some(c);
@@ -526,7 +549,9 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
             }
             c *= 2;
         };
-        k6.push(json!({"scenario": "breakpoint", "balancer": b.name(), "steps": steps, "broke_at": broke, "limit": limit}));
+        k6.push(
+            json!({"scenario": "breakpoint", "balancer": b.name(), "steps": steps, "broke_at": broke, "limit": limit}),
+        );
         drop(running);
     }
     Ok(json!({ "p4": p4, "k6": k6 }))
@@ -604,7 +629,10 @@ fn packet_section(md: &mut String, p: &Value, dir: &Path) -> anyhow::Result<()> 
         "Each repeat sees the original frame: a harness program restores it and tail-calls the program under test; \
 the harness's own cost (measured on the XDP_PASS floor) is subtracted. Median of the rounds, min-max beside.\n"
     );
-    let _ = writeln!(md, "| case | median ns | min-max ns | x floor XDP_TX | Katran reference | x Katran |\n|---|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        md,
+        "| case | median ns | min-max ns | x floor XDP_TX | Katran reference | x Katran |\n|---|---:|---:|---:|---:|---:|"
+    );
     let mut bars = Vec::new();
     for c in p["cases"].as_array().into_iter().flatten() {
         let name = c["name"].as_str().unwrap_or("?");
@@ -650,9 +678,13 @@ wrk runs from one client address, so the lab's servers and proxies keep no TIME_
     let summary = e["summary"].as_array().cloned().unwrap_or_default();
     for load in ["new connection per request, c10", "keep-alive, c50"] {
         let rows: Vec<&Value> = summary.iter().filter(|s| s["load"] == load).collect();
-        let direct = rows.iter().find(|s| s["balancer"] == "direct").map(|s| (f(&s["rps"]), f(&s["cpu_us_per_request"])));
+        let direct =
+            rows.iter().find(|s| s["balancer"] == "direct").map(|s| (f(&s["rps"]), f(&s["cpu_us_per_request"])));
         let _ = writeln!(md, "### {load}\n");
-        let _ = writeln!(md, "| balancer | method | req/s | x direct | p50 ms | p90 ms | p99 ms | failed | CPU us/req | x direct | XDP ns/req | Jain | per backend |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+        let _ = writeln!(
+            md,
+            "| balancer | method | req/s | x direct | p50 ms | p90 ms | p99 ms | failed | CPU us/req | x direct | XDP ns/req | Jain | per backend |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+        );
         let mut bars = Vec::new();
         let mut p99 = Vec::new();
         for s in &rows {
@@ -698,7 +730,8 @@ wrk runs from one client address, so the lab's servers and proxies keep no TIME_
 
 fn scenario_section(md: &mut String, s: &Value, dir: &Path) -> anyhow::Result<()> {
     let _ = writeln!(md, "## The published evaluations\n\n### P4 data-plane study: requests over 3 backends\n");
-    let _ = writeln!(md, "| method | requests | be1 | be2 | be3 | Jain | failed |\n|---|---:|---:|---:|---:|---:|---:|");
+    let _ =
+        writeln!(md, "| method | requests | be1 | be2 | be3 | Jain | failed |\n|---|---:|---:|---:|---:|---:|---:|");
     let mut bars = Vec::new();
     for p in s["p4"].as_array().into_iter().flatten() {
         let c: Vec<f64> = p["per_backend"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
@@ -716,9 +749,13 @@ fn scenario_section(md: &mut String, s: &Value, dir: &Path) -> anyhow::Result<()
         bars.push((format!("{method} {}", p["requests"]), f(&p["jain"])));
     }
     bar_chart("Jain's fairness index per size", "", &bars, &dir.join("p4-jain.svg"))?;
-    let _ = writeln!(md, "\n![Jain per size](p4-jain.svg)\n\nTargets: WRR 1.000 at every size; Maglev at least 0.99.\n");
+    let _ =
+        writeln!(md, "\n![Jain per size](p4-jain.svg)\n\nTargets: WRR 1.000 at every size; Maglev at least 0.99.\n");
     let _ = writeln!(md, "### k6-style scenarios (new connection per request)\n");
-    let _ = writeln!(md, "| scenario | balancer | req/s (hold) | p90 ms | p99 ms | failed (whole scenario) |\n|---|---|---:|---:|---:|---:|");
+    let _ = writeln!(
+        md,
+        "| scenario | balancer | req/s (hold) | p90 ms | p99 ms | failed (whole scenario) |\n|---|---|---:|---:|---:|---:|"
+    );
     for k in s["k6"].as_array().into_iter().flatten().filter(|k| k["scenario"] != "breakpoint") {
         let h = &k["hold"];
         let _ = writeln!(
@@ -739,11 +776,22 @@ fn scenario_section(md: &mut String, s: &Value, dir: &Path) -> anyhow::Result<()
             .as_array()
             .into_iter()
             .flatten()
-            .map(|st| format!("{}: {:.0}, {:.1}, {}", st["connections"], f(&st["result"]["rps"]), f(&st["result"]["p99_ms"]), st["result"]["failed"]))
+            .map(|st| {
+                format!(
+                    "{}: {:.0}, {:.1}, {}",
+                    st["connections"],
+                    f(&st["result"]["rps"]),
+                    f(&st["result"]["p99_ms"]),
+                    st["result"]["failed"]
+                )
+            })
             .collect();
         let broke = k["broke_at"].as_u64().map_or(format!("not broken up to {}", k["limit"]), |c| c.to_string());
         let _ = writeln!(md, "| {} | {} | {} |", k["balancer"].as_str().unwrap_or(""), broke, steps.join("; "));
     }
-    let _ = writeln!(md, "\nTargets: zero failed requests for our balancer in average load and stress; its breaking point higher than HAProxy's.\n");
+    let _ = writeln!(
+        md,
+        "\nTargets: zero failed requests for our balancer in average load and stress; its breaking point higher than HAProxy's.\n"
+    );
     Ok(())
 }

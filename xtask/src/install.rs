@@ -180,7 +180,8 @@ fn put(dest: &Path, bytes: &[u8], mode: u32) -> anyhow::Result<PathBuf> {
 /// The unit with its binary and configuration directory moved to where they
 /// were installed (directives only; comments keep the defaults they explain).
 fn rewrite_unit(unit: &str, lbd: &Path, conf_dir: &Path) -> anyhow::Result<String> {
-    let (lbd, conf_dir) = (lbd.to_str().context("non-UTF-8 prefix")?, conf_dir.to_str().context("non-UTF-8 sysconfdir")?);
+    let (lbd, conf_dir) =
+        (lbd.to_str().context("non-UTF-8 prefix")?, conf_dir.to_str().context("non-UTF-8 sysconfdir")?);
     if lbd.contains(char::is_whitespace) || conf_dir.contains(char::is_whitespace) {
         bail!("--prefix and --sysconfdir must not contain whitespace (they go into the systemd unit)");
     }
@@ -303,7 +304,9 @@ mod tests {
         assert!(u.contains("\nExecStart=/opt/lb/bin/lbd --config /opt/lb/etc/lbd/lbd.yaml\n"), "{u}");
         assert!(u.contains("\nReadWritePaths=/opt/lb/etc/lbd\n"), "{u}");
         assert!(u.starts_with("# ExecStart=/usr/local/bin/lbd"), "{u}");
-        assert!(rewrite_unit("[Service]\nExecStart=/bin/true\n", Path::new("/x/bin/lbd"), Path::new("/etc/lbd")).is_err());
+        assert!(
+            rewrite_unit("[Service]\nExecStart=/bin/true\n", Path::new("/x/bin/lbd"), Path::new("/etc/lbd")).is_err()
+        );
     }
 
     #[test]

@@ -93,10 +93,9 @@ fn main() {
     let result = match args.cmd {
         Cmd::Setup => setup::setup(),
         Cmd::Build => ensure_setup().and_then(|()| build()),
-        Cmd::Lab { action: LabAction::Up } => need_root("cargo xtask lab up")
-            .and_then(|()| ensure_setup())
-            .and_then(|()| build())
-            .and_then(|()| lab_up()),
+        Cmd::Lab { action: LabAction::Up } => {
+            need_root("cargo xtask lab up").and_then(|()| ensure_setup()).and_then(|()| build()).and_then(|()| lab_up())
+        }
         Cmd::Lab { action: LabAction::Down } => need_root("cargo xtask lab down").and_then(|()| Lab::down(LAB_PREFIX)),
         Cmd::Demo { requests } => need_root("cargo xtask demo")
             .and_then(|()| ensure_setup())
@@ -210,7 +209,11 @@ fn lab_up() -> anyhow::Result<()> {
         lab.ns("be1"),
         lab.ns(&format!("be{}", lab.spec.backends)),
     );
-    println!("start the balancer:  ip netns exec {} {}/lbd --config configs/lab.yaml", lab.ns("gw"), bin_dir().display());
+    println!(
+        "start the balancer:  ip netns exec {} {}/lbd --config configs/lab.yaml",
+        lab.ns("gw"),
+        bin_dir().display()
+    );
     println!("take it down:        cargo xtask lab down");
     lab.keep();
     Ok(())
@@ -225,7 +228,9 @@ fn demo(requests: u32) -> anyhow::Result<()> {
     lab.reset_backend_counts()?;
 
     let count = requests.to_string();
-    println!("\nsending {requests} HTTP requests to 10.10.0.100:80, each on a new TCP connection, from 250 client addresses ...");
+    println!(
+        "\nsending {requests} HTTP requests to 10.10.0.100:80, each on a new TCP connection, from 250 client addresses ..."
+    );
     let result = lab.client(&[
         "conns",
         "--target",
@@ -284,8 +289,5 @@ fn demo(requests: u32) -> anyhow::Result<()> {
 }
 
 fn test(extra: &[String]) -> anyhow::Result<()> {
-    run(cargo()
-        .args(["test", "--no-fail-fast"])
-        .args(extra)
-        .env("LB_BIN_DIR", bin_dir()))
+    run(cargo().args(["test", "--no-fail-fast"]).args(extra).env("LB_BIN_DIR", bin_dir()))
 }

@@ -131,7 +131,10 @@ pub fn debian(packages: &[(&str, &str)]) -> anyhow::Result<()> {
     }
     eprintln!("setup: installing Debian packages: {}", missing.join(" "));
     let install = |cmd: &mut Command| {
-        run(cmd.env("DEBIAN_FRONTEND", "noninteractive").args(["install", "-y", "--no-install-recommends"]).args(&missing))
+        run(cmd
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "--no-install-recommends"])
+            .args(&missing))
     };
     if install(&mut Command::new("apt-get")).is_err() {
         run(Command::new("apt-get").arg("update").env("DEBIAN_FRONTEND", "noninteractive"))?;

@@ -210,13 +210,7 @@ fn csum_replace2(check: u16, old: u16, new: u16) -> u16 {
 
 #[inline(always)]
 fn csum_replace4(check: u16, old: u32, new: u32) -> u16 {
-    !fold(
-        !check as u32
-            + !(old as u16) as u32
-            + !((old >> 16) as u16) as u32
-            + (new & 0xffff)
-            + (new >> 16),
-    )
+    !fold(!check as u32 + !(old as u16) as u32 + !((old >> 16) as u16) as u32 + (new & 0xffff) + (new >> 16))
 }
 
 #[cfg(not(test))]

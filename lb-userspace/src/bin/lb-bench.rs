@@ -608,12 +608,7 @@ fn items() -> Vec<Item> {
         path: "not IPv4: PASS",
         prog: Prog::Lb,
         via: Via::Harness(MODE_RESTORE),
-        frame: frame6_tcp(
-            "fd00::1".parse().expect("literal"),
-            "fd00::64".parse().expect("literal"),
-            40000,
-            80,
-        ),
+        frame: frame6_tcp("fd00::1".parse().expect("literal"), "fd00::64".parse().expect("literal"), 40000, 80),
         expect: Expect::Pass,
         service: None,
         katran: None,
@@ -682,10 +677,8 @@ impl Bench {
         dp.apply_admin(&cfg.services).context("programming the services")?;
         let mut bench = EbpfLoader::new().load(BENCH_OBJECT).context("loading the benchmark programs")?;
         for name in ["floor_pass", "floor_tx", "bench_harness"] {
-            let p: &mut Xdp = bench
-                .program_mut(name)
-                .ok_or_else(|| anyhow!("program {name} missing from the object"))?
-                .try_into()?;
+            let p: &mut Xdp =
+                bench.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?;
             p.load().with_context(|| format!("loading {name}"))?;
         }
         let lb_fd = dp.program().fd()?.try_clone()?;
@@ -815,7 +808,11 @@ impl Bench {
         match item.expect {
             Expect::Pass => {
                 ensure!(r.retval == XDP_PASS, "{what}: returned {} instead of XDP_PASS (2)", r.retval);
-                ensure!(r.out == seen, "{what}: a passed frame must be untouched\n in  {seen:02x?}\n out {:02x?}", r.out);
+                ensure!(
+                    r.out == seen,
+                    "{what}: a passed frame must be untouched\n in  {seen:02x?}\n out {:02x?}",
+                    r.out
+                );
             }
             Expect::Tx => {
                 ensure!(r.retval == XDP_TX, "{what}: returned {} instead of XDP_TX (3)", r.retval);
@@ -878,8 +875,17 @@ impl Bench {
                 ..TestRunOptions::new()
             })?;
             out.truncate(res.data_size_out as usize);
-            ensure!(res.return_value == XDP_PASS, "harness self-test ({} bytes): returned {}", f.len(), res.return_value);
-            ensure!(out == f, "harness self-test ({} bytes): frame not restored\n want {f:02x?}\n out  {out:02x?}", f.len());
+            ensure!(
+                res.return_value == XDP_PASS,
+                "harness self-test ({} bytes): returned {}",
+                f.len(),
+                res.return_value
+            );
+            ensure!(
+                out == f,
+                "harness self-test ({} bytes): frame not restored\n want {f:02x?}\n out  {out:02x?}",
+                f.len()
+            );
         }
         Ok(())
     }
@@ -1301,7 +1307,9 @@ fn report(
         "Per-packet cost through BPF_PROG_TEST_RUN: {} rounds x {} repeats, CPU {cpu} ({model}), kernel {release}",
         rounds, args.repeat
     );
-    println!("Each case: harness -> program, minus the harness's own cost (harness -> floor_pass, minus floor_pass).\n");
+    println!(
+        "Each case: harness -> program, minus the harness's own cost (harness -> floor_pass, minus floor_pass).\n"
+    );
     print!("{table}");
     println!(
         "\nharness cost: restore {:.1} ns (min-max {:.1}-{:.1}), restore + new flow {:.1} ns ({:.1}-{:.1})",
@@ -1343,10 +1351,10 @@ fn report(
     json!({
         "benchmark": "packet",
         "method": "BPF_PROG_TEST_RUN with a large repeat count, thread pinned to one CPU, rounds interleaved; \
-every repeat sees the original frame (bench_harness restores it and tail-calls the program under test); \
-case cost = t(harness -> program) - (t(harness -> floor_pass) - t(floor_pass)); new flows get a fresh source \
-address and port per repeat (checksums updated incrementally); flow table emptied before each datapath run; \
-return value and output checked before and after timing, counters show every repeat took the intended path.",
+    every repeat sees the original frame (bench_harness restores it and tail-calls the program under test); \
+    case cost = t(harness -> program) - (t(harness -> floor_pass) - t(floor_pass)); new flows get a fresh source \
+    address and port per repeat (checksums updated incrementally); flow table emptied before each datapath run; \
+    return value and output checked before and after timing, counters show every repeat took the intended path.",
         "rounds": rounds,
         "repeat": args.repeat,
         "cpu": cpu,

@@ -3,8 +3,8 @@ use std::process::ExitCode;
 
 use clap::Parser as _;
 use lb_userspace::{
-    cli::{BackendAction, Command, LbctlArgs as Args, ServiceAction},
     api::{self, Request, Status},
+    cli::{BackendAction, Command, LbctlArgs as Args, ServiceAction},
 };
 
 /// Send each request in turn; stop at the first refusal.
@@ -167,7 +167,18 @@ fn render(s: &Status) -> String {
         let _ = writeln!(
             out,
             "  {:<21} {:<5} {:>6} {:>9} {:>8} {:>8} {:>10} {:>7} {:>10} {:>12} {:>10} {:>12}",
-            "BACKEND", "STATE", "WEIGHT", "EFFECTIVE", "EXPECTED", "OBSERVED", "NEW_FLOWS", "ACTIVE", "PKTS_IN", "BYTES_IN", "PKTS_OUT", "BYTES_OUT"
+            "BACKEND",
+            "STATE",
+            "WEIGHT",
+            "EFFECTIVE",
+            "EXPECTED",
+            "OBSERVED",
+            "NEW_FLOWS",
+            "ACTIVE",
+            "PKTS_IN",
+            "BYTES_IN",
+            "PKTS_OUT",
+            "BYTES_OUT"
         );
         for b in &svc.backends {
             let _ = writeln!(
@@ -189,6 +200,7 @@ fn render(s: &Status) -> String {
         }
     }
     let drops: Vec<String> = s.counters.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}={v}")).collect();
-    let _ = writeln!(out, "\ndatapath counters: {}", if drops.is_empty() { "all zero".into() } else { drops.join(" ") });
+    let _ =
+        writeln!(out, "\ndatapath counters: {}", if drops.is_empty() { "all zero".into() } else { drops.join(" ") });
     out
 }

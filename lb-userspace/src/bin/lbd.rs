@@ -11,9 +11,9 @@ use std::{
 use anyhow::Context as _;
 use clap::Parser as _;
 use lb_userspace::{
-    cli::{LbdArgs as Args, LogFormat},
     agent::{Agent, BackendKey},
     api,
+    cli::{LbdArgs as Args, LogFormat},
     config::{self, System},
     dataplane::Dataplane,
     health,
@@ -103,7 +103,9 @@ async fn run(cfg: config::Config, path: PathBuf) -> anyhow::Result<Exit> {
     if let Ok(v) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
         && v.trim() == "0"
     {
-        warn!("net.ipv4.ip_forward is 0: the FIB refuses to route, so every packet falls back to the kernel, which will not forward it");
+        warn!(
+            "net.ipv4.ip_forward is 0: the FIB refuses to route, so every packet falls back to the kernel, which will not forward it"
+        );
     }
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
@@ -248,7 +250,12 @@ async fn health_checks(agent: Arc<Mutex<Agent>>) {
     }
 }
 
-async fn probe_loop(agent: Arc<Mutex<Agent>>, key: BackendKey, addr: std::net::SocketAddrV4, cfg: config::HealthConfig) {
+async fn probe_loop(
+    agent: Arc<Mutex<Agent>>,
+    key: BackendKey,
+    addr: std::net::SocketAddrV4,
+    cfg: config::HealthConfig,
+) {
     let mut tick = tokio::time::interval(cfg.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -51,14 +51,9 @@ impl Drop for ActiveGuard {
 }
 
 fn tcp_listener(addr: SocketAddr) -> anyhow::Result<TcpListener> {
-    let sock = if addr.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
+    let sock = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
     sock.set_reuseaddr(true)?;
-    sock.bind(addr)
-        .with_context(|| format!("binding TCP {addr}"))?;
+    sock.bind(addr).with_context(|| format!("binding TCP {addr}"))?;
     Ok(sock.listen(4096)?)
 }
 
@@ -70,18 +65,13 @@ async fn main() -> anyhow::Result<()> {
     let state = Arc::new(State::default());
 
     let main_l = tcp_listener(args.listen)?;
-    let udp = UdpSocket::bind(args.listen)
-        .await
-        .with_context(|| format!("binding UDP {}", args.listen))?;
+    let udp = UdpSocket::bind(args.listen).await.with_context(|| format!("binding UDP {}", args.listen))?;
     let stats_l = tcp_listener(args.stats)?;
 
     tokio::spawn(serve_main(main_l, name.clone(), state.clone()));
     tokio::spawn(serve_udp(udp, name.clone(), state.clone()));
     tokio::spawn(serve_stats(stats_l, name.clone(), state.clone()));
-    eprintln!(
-        "lab-backend {name}: serving {} (tcp+udp), stats on {}",
-        args.listen, args.stats
-    );
+    eprintln!("lab-backend {name}: serving {} (tcp+udp), stats on {}", args.listen, args.stats);
 
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
@@ -123,12 +113,7 @@ async fn serve_main(l: TcpListener, name: Arc<str>, state: Arc<State>) {
     }
 }
 
-async fn handle_main_conn(
-    mut stream: TcpStream,
-    name: &str,
-    state: &State,
-    conn_no: u64,
-) -> std::io::Result<()> {
+async fn handle_main_conn(mut stream: TcpStream, name: &str, state: &State, conn_no: u64) -> std::io::Result<()> {
     let _ = stream.set_nodelay(true);
     let mut buf = Vec::new();
     let mut req_no = 0u64;
@@ -137,11 +122,8 @@ async fn handle_main_conn(
             return Ok(());
         };
         let (_, _, version) = head.request_parts()?;
-        let keep_alive = if version == "HTTP/1.0" {
-            head.connection_has("keep-alive")
-        } else {
-            !head.connection_has("close")
-        };
+        let keep_alive =
+            if version == "HTTP/1.0" { head.connection_has("keep-alive") } else { !head.connection_has("close") };
         let body_len = head.content_length()?;
         http1::read_body(&mut stream, &mut buf, body_len).await?;
 
@@ -152,11 +134,7 @@ async fn handle_main_conn(
             tokio::time::sleep(Duration::from_millis(delay)).await;
         }
         let body = format!("backend={name} conn={conn_no} req={req_no}\n");
-        let conn_hdr = if keep_alive {
-            ""
-        } else {
-            "Connection: close\r\n"
-        };
+        let conn_hdr = if keep_alive { "" } else { "Connection: close\r\n" };
         let resp = format!(
             "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Backend: {name}\r\nContent-Type: text/plain\r\n{conn_hdr}\r\n{body}",
             body.len()
@@ -203,21 +181,14 @@ async fn serve_stats(l: TcpListener, name: Arc<str>, state: Arc<State>) {
     }
 }
 
-async fn handle_stats_conn(
-    mut stream: TcpStream,
-    name: &str,
-    state: &State,
-) -> std::io::Result<()> {
+async fn handle_stats_conn(mut stream: TcpStream, name: &str, state: &State) -> std::io::Result<()> {
     let mut buf = Vec::new();
     let Some(head) = http1::read_head(&mut stream, &mut buf).await? else {
         return Ok(());
     };
     let (status, body) = match route_stats(&head, name, state) {
         Ok(body) => ("200 OK", body),
-        Err((status, msg)) => (
-            status,
-            format!("{{\"error\":{}}}", serde_json::Value::from(msg)),
-        ),
+        Err((status, msg)) => (status, format!("{{\"error\":{}}}", serde_json::Value::from(msg))),
     };
     let resp = format!(
         "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -240,9 +211,7 @@ fn stats_json(name: &str, state: &State) -> String {
 }
 
 fn route_stats(head: &Head, name: &str, state: &State) -> Result<String, (&'static str, String)> {
-    let (method, target, _) = head
-        .request_parts()
-        .map_err(|e| ("400 Bad Request", e.to_string()))?;
+    let (method, target, _) = head.request_parts().map_err(|e| ("400 Bad Request", e.to_string()))?;
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     match (method, path) {
         ("GET", "/stats") => Ok(stats_json(name, state)),
@@ -262,9 +231,7 @@ fn route_stats(head: &Head, name: &str, state: &State) -> Result<String, (&'stat
             state.delay_ms.store(ms, Ordering::Relaxed);
             Ok(stats_json(name, state))
         }
-        (_, "/stats" | "/reset" | "/delay") => {
-            Err(("405 Method Not Allowed", format!("{method} {path}")))
-        }
+        (_, "/stats" | "/reset" | "/delay") => Err(("405 Method Not Allowed", format!("{method} {path}"))),
         _ => Err(("404 Not Found", format!("no route {method} {path}"))),
     }
 }

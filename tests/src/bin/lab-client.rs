@@ -49,17 +49,9 @@ impl SourceArgs {
         let Some(range) = &self.sources_range else {
             return Ok(self.sources.clone());
         };
-        let (a, b) = range
-            .split_once('-')
-            .with_context(|| format!("--sources-range {range:?}: expected A-B"))?;
-        let a: Ipv4Addr = a
-            .trim()
-            .parse()
-            .with_context(|| format!("bad address {a:?}"))?;
-        let b: Ipv4Addr = b
-            .trim()
-            .parse()
-            .with_context(|| format!("bad address {b:?}"))?;
+        let (a, b) = range.split_once('-').with_context(|| format!("--sources-range {range:?}: expected A-B"))?;
+        let a: Ipv4Addr = a.trim().parse().with_context(|| format!("bad address {a:?}"))?;
+        let b: Ipv4Addr = b.trim().parse().with_context(|| format!("bad address {b:?}"))?;
         let (a, b) = (u32::from(a), u32::from(b));
         if a > b {
             bail!("--sources-range {range:?}: start is after end");
@@ -67,10 +59,7 @@ impl SourceArgs {
         if b - a > 1 << 20 {
             bail!("--sources-range {range:?}: too many addresses");
         }
-        let v: Vec<Ipv4Addr> = (a..=b)
-            .filter(|x| !matches!(x & 0xff, 0 | 255))
-            .map(Ipv4Addr::from)
-            .collect();
+        let v: Vec<Ipv4Addr> = (a..=b).filter(|x| !matches!(x & 0xff, 0 | 255)).map(Ipv4Addr::from).collect();
         if v.is_empty() {
             bail!("--sources-range {range:?} holds no usable address");
         }
@@ -146,10 +135,7 @@ impl Errors {
 fn main() {
     let cli = Cli::parse();
     lb_tests::raise_nofile_limit();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("lab-client: cannot start runtime: {e}");
@@ -186,11 +172,7 @@ async fn timed<T>(
     }
 }
 
-async fn connect(
-    target: SocketAddr,
-    src: Option<Ipv4Addr>,
-    timeout_ms: u64,
-) -> Result<TcpStream, String> {
+async fn connect(target: SocketAddr, src: Option<Ipv4Addr>, timeout_ms: u64) -> Result<TcpStream, String> {
     let what = || match src {
         Some(s) => format!("connect {s} -> {target}"),
         None => format!("connect -> {target}"),
@@ -211,8 +193,7 @@ async fn connect(
                 size_of::<libc::c_int>() as libc::socklen_t,
             );
         }
-        sock.bind(SocketAddr::new(IpAddr::V4(s), 0))
-            .map_err(|e| format!("{}: bind: {e}", what()))?;
+        sock.bind(SocketAddr::new(IpAddr::V4(s), 0)).map_err(|e| format!("{}: bind: {e}", what()))?;
     }
     let stream = timed(what, timeout_ms, sock.connect(target)).await?;
     let _ = stream.set_nodelay(true);
@@ -221,25 +202,16 @@ async fn connect(
 
 fn request(target: SocketAddr, close: bool) -> String {
     let conn = if close { "close" } else { "keep-alive" };
-    format!(
-        "GET / HTTP/1.1\r\nHost: {target}\r\nUser-Agent: lab-client\r\nAccept: */*\r\nConnection: {conn}\r\n\r\n"
-    )
+    format!("GET / HTTP/1.1\r\nHost: {target}\r\nUser-Agent: lab-client\r\nAccept: */*\r\nConnection: {conn}\r\n\r\n")
 }
 
 /// Sends one request and reads its response; returns (backend, server closes).
-async fn round_trip(
-    stream: &mut TcpStream,
-    buf: &mut Vec<u8>,
-    req: &str,
-) -> std::io::Result<(String, bool)> {
+async fn round_trip(stream: &mut TcpStream, buf: &mut Vec<u8>, req: &str) -> std::io::Result<(String, bool)> {
     use std::io::{Error, ErrorKind};
     stream.write_all(req.as_bytes()).await?;
-    let head = http1::read_head(stream, buf).await?.ok_or_else(|| {
-        Error::new(
-            ErrorKind::UnexpectedEof,
-            "connection closed before a response",
-        )
-    })?;
+    let head = http1::read_head(stream, buf)
+        .await?
+        .ok_or_else(|| Error::new(ErrorKind::UnexpectedEof, "connection closed before a response"))?;
     let status = head.status()?;
     let len = head.content_length()?;
     http1::read_body(stream, buf, len).await?;
@@ -278,16 +250,9 @@ struct ConnsAgg {
     per_source: BTreeMap<String, BTreeSet<String>>,
 }
 
-async fn one_conn(
-    target: SocketAddr,
-    src: Option<Ipv4Addr>,
-    timeout_ms: u64,
-) -> Result<(String, String), String> {
+async fn one_conn(target: SocketAddr, src: Option<Ipv4Addr>, timeout_ms: u64) -> Result<(String, String), String> {
     let mut stream = connect(target, src, timeout_ms).await?;
-    let local = stream
-        .local_addr()
-        .map(|a| a.ip().to_string())
-        .unwrap_or_else(|_| "?".into());
+    let local = stream.local_addr().map(|a| a.ip().to_string()).unwrap_or_else(|_| "?".into());
     let mut buf = Vec::new();
     let req = request(target, true);
     let desc = || format!("request {local} -> {target}");
@@ -303,7 +268,8 @@ async fn run_conns(a: ConnsArgs) -> anyhow::Result<serde_json::Value> {
     let next = Arc::new(AtomicUsize::new(0));
     let errors = Errors::default();
     let mut workers = Vec::new();
-    let workers_n = if a.duration_ms.is_some() { a.concurrency.max(1) } else { a.concurrency.max(1).min(a.count.max(1)) };
+    let workers_n =
+        if a.duration_ms.is_some() { a.concurrency.max(1) } else { a.concurrency.max(1).min(a.count.max(1)) };
     for _ in 0..workers_n {
         let (sources, next, errors) = (sources.clone(), next.clone(), errors.clone());
         let (target, timeout_ms) = (a.target, a.timeout_ms);
@@ -382,17 +348,12 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
     for i in 0..a.connections {
         let (errors, barrier) = (errors.clone(), barrier.clone());
         let src = pick(&sources, i);
-        let (target, rounds, timeout_ms, interval_ms) =
-            (a.target, a.rounds, a.timeout_ms, a.interval_ms);
+        let (target, rounds, timeout_ms, interval_ms) = (a.target, a.rounds, a.timeout_ms, a.interval_ms);
         tasks.push(tokio::spawn(async move {
             let conn = connect(target, src, timeout_ms).await;
             // All connections are open before any round starts.
             barrier.wait().await;
-            let mut r = LongResult {
-                ok_rounds: 0,
-                failed: 0,
-                backends_seen: Vec::new(),
-            };
+            let mut r = LongResult { ok_rounds: 0, failed: 0, backends_seen: Vec::new() };
             let mut stream = match conn {
                 Ok(s) => s,
                 Err(e) => {
@@ -415,9 +376,7 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
                             r.backends_seen.push(backend);
                         }
                         if closing && round + 1 < rounds {
-                            errors.push(format!(
-                                "conn {i} round {round}: server closed the keep-alive connection"
-                            ));
+                            errors.push(format!("conn {i} round {round}: server closed the keep-alive connection"));
                             r.failed += (rounds - round - 1) as u64;
                             break;
                         }
@@ -460,24 +419,16 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
 
 // ------------------------------------------------------------------- udp
 
-async fn one_udp(
-    target: SocketAddr,
-    src: Option<Ipv4Addr>,
-    timeout_ms: u64,
-) -> Result<(String, bool), String> {
+async fn one_udp(target: SocketAddr, src: Option<Ipv4Addr>, timeout_ms: u64) -> Result<(String, bool), String> {
     let bind = SocketAddr::new(IpAddr::V4(src.unwrap_or(Ipv4Addr::UNSPECIFIED)), 0);
     let what = || format!("udp {} -> {target}", bind.ip());
-    let sock = UdpSocket::bind(bind)
-        .await
-        .map_err(|e| format!("{}: bind: {e}", what()))?;
+    let sock = UdpSocket::bind(bind).await.map_err(|e| format!("{}: bind: {e}", what()))?;
     timed(what, timeout_ms, sock.send_to(b"ping\n", target)).await?;
     let mut buf = [0u8; 2048];
     let (n, from) = timed(what, timeout_ms, sock.recv_from(&mut buf)).await?;
     let text = String::from_utf8_lossy(&buf[..n]);
-    let backend = text
-        .trim()
-        .strip_prefix("backend=")
-        .ok_or_else(|| format!("{}: unexpected reply {text:?}", what()))?;
+    let backend =
+        text.trim().strip_prefix("backend=").ok_or_else(|| format!("{}: unexpected reply {text:?}", what()))?;
     Ok((backend.to_string(), from != target))
 }
 
