@@ -14,7 +14,9 @@ use aya_ebpf::{
 };
 use lb_common::{Flow, PROTO_UDP, counter};
 
-use crate::{csum, parse::Packet, stats};
+use lb_ebpf::csum;
+
+use crate::{parse::Packet, stats};
 
 const AF_INET: u8 = 2;
 

@@ -8,7 +8,6 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
-mod csum;
 mod forward;
 mod maps;
 mod parse;

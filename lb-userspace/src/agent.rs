@@ -37,7 +37,8 @@ pub struct Agent {
     pub config: Config,
     pub config_path: PathBuf,
     health: HashMap<BackendKey, Checker>,
-    /// When a backend joined or came back up, for slow start.
+    /// When a backend was added (slow start also starts over when its
+    /// checker brings it back up: `Checker::up_since`).
     joined: HashMap<BackendKey, Instant>,
     pub reloads_ok: u64,
     pub reloads_failed: u64,
@@ -179,11 +180,18 @@ impl Agent {
             return BackendRuntime { weight: w, down: false };
         };
         let scaled = w.saturating_mul(SLOW_START_SCALE);
-        let weight = match self.joined.get(&k) {
-            Some(t) => slow_start_weight(scaled, now.duration_since(*t), window),
+        let weight = match self.ramp_start(&k) {
+            Some(t) => slow_start_weight(scaled, now.duration_since(t), window),
             None => scaled,
         };
         BackendRuntime { weight, down: false }
+    }
+
+    /// Where a backend's slow start counts from: the later of when it was
+    /// added and when it last came back up.
+    fn ramp_start(&self, k: &BackendKey) -> Option<Instant> {
+        let up = self.health.get(k).and_then(Checker::up_since);
+        self.joined.get(k).copied().into_iter().chain(up).max()
     }
 
     /// True while some backend is still ramping up.
@@ -192,7 +200,7 @@ impl Agent {
         self.config.services.iter().any(|s| {
             s.slow_start.is_some_and(|w| {
                 s.backends.iter().any(|b| {
-                    self.joined.get(&(s.name.clone(), b.address, b.port)).is_some_and(|t| now.duration_since(*t) < w)
+                    self.ramp_start(&(s.name.clone(), b.address, b.port)).is_some_and(|t| now.duration_since(t) < w)
                 })
             })
         })
@@ -215,16 +223,12 @@ impl Agent {
         let Some(s) = self.config.services.iter().find(|s| s.name == key.0) else { return };
         self.health_metrics.record(&key.0, &format!("{}:{}", key.1, key.2), &result);
         let (rise, fall) = (s.health.rise, s.health.fall);
-        let slow = s.slow_start.is_some();
         let Some(c) = self.health.get_mut(key) else { return };
         let Some(new) = c.observe(result.is_ok(), rise, fall) else { return };
         let backend = format!("{}:{}", key.1, key.2);
         match (&new, &result) {
             (Health::Down, Err(e)) => warn!(service = %key.0, backend = %backend, reason = %e, "backend down"),
             _ => info!(service = %key.0, backend = %backend, "backend up"),
-        }
-        if new == Health::Up && slow {
-            self.joined.insert(key.clone(), Instant::now());
         }
         if let Err(e) = self.apply() {
             warn!(error = %e, "reprogramming after a health change failed");

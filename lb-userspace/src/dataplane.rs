@@ -971,11 +971,6 @@ impl Dataplane {
         }
         Ok(report)
     }
-
-    /// Service ids by name, for callers that need to find a service's maps.
-    pub fn service_ids(&self) -> HashMap<String, u32> {
-        self.services.iter().map(|(n, s)| (n.clone(), s.id)).collect()
-    }
 }
 
 impl Drop for Dataplane {

@@ -1,6 +1,7 @@
 //! End-to-end test support for the load balancer: a network-namespace lab
 //! ([`lab`]) plus the `lab-backend` / `lab-client` helper binaries.
 
+pub mod harness;
 pub mod http1;
 pub mod lab;
 pub mod lbd;

@@ -2,22 +2,13 @@
 //! namespace through lbd's XDP program on the gateway to the backends,
 //! checked against what the backends themselves counted. Needs root.
 //! Tests run one at a time (a lock), each with its own lab.
-use std::{
-    path::PathBuf,
-    process::Command,
-    sync::{Mutex, MutexGuard},
-};
+use std::process::Command;
 
 use lb_tests::{
+    harness::{Running, config_dir, serial, socket_for},
     lab::{Lab, LabSpec},
     lbd::{Lbd, write_config},
 };
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 const WEB: &str = "  - name: web
     vip: 10.10.0.100
@@ -39,34 +30,13 @@ const DNS: &str = "  - name: dns
       - { address: 10.20.0.13, port: 8080, weight: 1 }
 ";
 
-struct Setup {
-    // Drop order: lbd first, then the lab.
-    lbd: Lbd,
-    lab: Lab,
-    _serial: MutexGuard<'static, ()>,
-}
-
-fn tmp_dir(prefix: &str) -> PathBuf {
-    PathBuf::from(format!("/tmp/{prefix}-cfg"))
-}
-
-fn socket(prefix: &str) -> PathBuf {
-    PathBuf::from(format!("/run/lbd/{prefix}.sock"))
-}
-
 fn lab(prefix: &str) -> Lab {
     lb_tests::require_root().expect("end-to-end tests need root");
     Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).expect("lab up")
 }
 
-fn setup(prefix: &str, services: &str) -> Setup {
-    let guard = serial();
-    let lab = lab(prefix);
-    let sock = socket(prefix);
-    let cfg = write_config(&tmp_dir(prefix), "lbd", &sock, services).expect("config");
-    let lbd = Lbd::start(&lab, &cfg, &sock).expect("lbd start");
-    lab.reset_backend_counts().expect("reset counts");
-    Setup { lbd, lab, _serial: guard }
+fn setup(prefix: &str, services: &str) -> Running {
+    Running::start(prefix, 3, services)
 }
 
 fn u(v: &serde_json::Value, k: &str) -> u64 {
@@ -175,8 +145,8 @@ fn udp_datagrams_are_balanced_and_answered_from_the_vip() {
 fn invalid_configs_are_rejected_before_anything_is_attached() {
     let _g = serial();
     let lab = lab("lbt-e2e-badcfg");
-    let dir = tmp_dir("lbt-e2e-badcfg");
-    let sock = socket("lbt-e2e-badcfg");
+    let dir = config_dir("lbt-e2e-badcfg");
+    let sock = socket_for("lbt-e2e-badcfg");
     let good = write_config(&dir, "good", &sock, WEB).unwrap();
     let good_text = std::fs::read_to_string(&good).unwrap();
     let cases: &[(&str, &str, &str, &str)] = &[

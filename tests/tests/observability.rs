@@ -6,16 +6,10 @@ use std::{
     collections::BTreeMap,
     path::PathBuf,
     process::{Child, Command, Stdio},
-    sync::{Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
-use lb_tests::{
-    lab::{Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config},
-};
-
-static SERIAL: Mutex<()> = Mutex::new(());
+use lb_tests::{harness::Running, lab::Lab, lbd::wait_for};
 
 const WEB: &str = "  - name: web
     vip: 10.10.0.100
@@ -27,21 +21,8 @@ const WEB: &str = "  - name: web
       - { address: 10.20.0.13, port: 8080, weight: 3 }
 ";
 
-struct Setup {
-    lbd: Lbd,
-    lab: Lab,
-    _serial: MutexGuard<'static, ()>,
-}
-
-fn setup(prefix: &str) -> Setup {
-    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    lb_tests::require_root().expect("needs root");
-    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
-    let sock = PathBuf::from(format!("/run/lbd/{prefix}.sock"));
-    let config = write_config(&PathBuf::from(format!("/tmp/{prefix}-cfg")), "lbd", &sock, WEB).unwrap();
-    let lbd = Lbd::start(&lab, &config, &sock).unwrap();
-    lab.reset_backend_counts().unwrap();
-    Setup { lbd, lab, _serial: guard }
+fn setup(prefix: &str) -> Running {
+    Running::start(prefix, 3, WEB)
 }
 
 /// GET a URL from inside the gateway namespace (where lbd listens).

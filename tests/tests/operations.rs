@@ -5,48 +5,23 @@
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     os::unix::{fs::MetadataExt as _, net::UnixStream},
-    path::PathBuf,
     process::Command,
-    sync::{Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
 use lb_tests::{
-    lab::{Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config},
+    harness::{Running, web},
+    lab::Lab,
+    lbd::{Lbd, wait_for},
 };
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-struct Setup {
-    lbd: Lbd,
-    lab: Lab,
-    config: PathBuf,
-    _serial: MutexGuard<'static, ()>,
-}
 
 /// Health checks against the backends' stats port (so probes are not
 /// counted as balanced connections).
 const HEALTH: &str =
     "    health: { type: http, path: /stats, port: 9000, interval: 500ms, timeout: 300ms, rise: 2, fall: 3 }\n";
 
-fn web(extra: &str, backends: &[(u8, u32)]) -> String {
-    let mut s = format!("  - name: web\n    vip: 10.10.0.100\n    port: 80\n{extra}    backends:\n");
-    for (n, w) in backends {
-        s.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: {w} }}\n", 10 + n));
-    }
-    s
-}
-
-fn setup(prefix: &str, backends: usize, services: &str) -> Setup {
-    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    lb_tests::require_root().expect("operations tests need root");
-    let lab = Lab::up(LabSpec { prefix: prefix.into(), backends, ..LabSpec::default() }).expect("lab up");
-    let sock = PathBuf::from(format!("/run/lbd/{prefix}.sock"));
-    let config = write_config(&PathBuf::from(format!("/tmp/{prefix}-cfg")), "lbd", &sock, services).unwrap();
-    let lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
-    lab.reset_backend_counts().unwrap();
-    Setup { lbd, lab, config, _serial: guard }
+fn setup(prefix: &str, backends: usize, services: &str) -> Running {
+    Running::start(prefix, backends, services)
 }
 
 fn backend_state(lbd: &Lbd, addr: &str) -> String {

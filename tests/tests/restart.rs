@@ -5,6 +5,7 @@
 use std::{path::PathBuf, time::Duration};
 
 use lb_tests::{
+    harness::{config_dir, socket_for},
     lab::{Lab, LabSpec},
     lbd::{Lbd, wait_for, write_config},
 };
@@ -29,8 +30,8 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
     lb_tests::require_root().expect("needs root");
     let prefix = "lbt-restart";
     let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
-    let sock = PathBuf::from(format!("/run/lbd/{prefix}.sock"));
-    let config = write_config(&PathBuf::from(format!("/tmp/{prefix}-cfg")), "lbd", &sock, WEB).unwrap();
+    let sock = socket_for(prefix);
+    let config = write_config(&config_dir(prefix), "lbd", &sock, WEB).unwrap();
     // lbd runs from its own copy, so the test can upgrade it in place.
     let bin = PathBuf::from(format!("/tmp/{prefix}-bin"));
     std::fs::create_dir_all(&bin).unwrap();

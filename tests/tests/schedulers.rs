@@ -2,59 +2,29 @@
 //! themselves: round robin, smooth WRR, Maglev, source hash, weighted least
 //! connections; live changes (weights, scheduler, pool) that must not move
 //! an established connection; draining. Needs root; one lab at a time.
-use std::{
-    path::PathBuf,
-    sync::{Mutex, MutexGuard},
-    time::Duration,
-};
+use std::time::Duration;
 
 use lb_tests::{
-    lab::{Lab, LabSpec},
-    lbd::{Lbd, write_config},
+    harness::{self, Running},
+    lbd::Lbd,
 };
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-struct Setup {
-    lbd: Lbd,
-    lab: Lab,
-    config: PathBuf,
-    _serial: MutexGuard<'static, ()>,
-}
 
 /// One `web` service on 10.10.0.100:80 with `scheduler` over lab backends
 /// given as (1-based backend number, weight).
 fn web(scheduler: &str, backends: &[(u8, u32)]) -> String {
-    let mut s =
-        format!("  - name: web\n    vip: 10.10.0.100\n    port: 80\n    scheduler: {scheduler}\n    backends:\n");
-    for (n, w) in backends {
-        s.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: {w} }}\n", 10 + n));
-    }
-    s
+    harness::web(&format!("    scheduler: {scheduler}\n"), backends)
 }
 
-fn setup(prefix: &str, backends: usize, services: &str) -> Setup {
-    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    lb_tests::require_root().expect("scheduler tests need root");
-    let lab = Lab::up(LabSpec { prefix: prefix.into(), backends, ..LabSpec::default() }).expect("lab up");
-    let sock = PathBuf::from(format!("/run/lbd/{prefix}.sock"));
-    let dir = PathBuf::from(format!("/tmp/{prefix}-cfg"));
-    let config = write_config(&dir, "lbd", &sock, services).expect("config");
-    let lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
-    lab.reset_backend_counts().expect("reset");
-    Setup { lbd, lab, config, _serial: guard }
+fn setup(prefix: &str, backends: usize, services: &str) -> Running {
+    Running::start(prefix, backends, services)
 }
 
-impl Setup {
-    /// Rewrite the config file with `services` and `lbctl reload`.
-    fn reconfigure(&self, services: &str) {
-        let sock = self.lbd.socket.clone();
-        let dir = self.config.parent().unwrap().to_owned();
-        write_config(&dir, "lbd", &sock, services).unwrap();
-        let out = self.lbd.lbctl(&["reload"]).expect("reload");
-        assert!(out.starts_with("reloaded"), "{out}");
-    }
+trait Measure {
+    fn conns(&self, count: u32, concurrency: u32, sources: &str) -> serde_json::Value;
+    fn counts(&self) -> Vec<u64>;
+}
 
+impl Measure for Running {
     fn conns(&self, count: u32, concurrency: u32, sources: &str) -> serde_json::Value {
         let (c, k) = (count.to_string(), concurrency.to_string());
         let r = self
@@ -91,9 +61,7 @@ impl Setup {
 }
 
 fn jain(x: &[f64]) -> f64 {
-    let s: f64 = x.iter().sum();
-    let q: f64 = x.iter().map(|v| v * v).sum();
-    s * s / (x.len() as f64 * q)
+    lb_userspace::api::jain(x).expect("some connections were counted")
 }
 
 fn as_f64(v: &[u64]) -> Vec<f64> {

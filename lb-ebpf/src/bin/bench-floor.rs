@@ -21,6 +21,8 @@
 
 use core::ffi::c_void;
 
+use lb_ebpf::csum;
+
 use aya_ebpf::{
     bindings::xdp_action,
     helpers::generated::bpf_xdp_store_bytes,
@@ -179,11 +181,11 @@ fn vary_source<const CHECK: usize>(ctx: &XdpContext, udp: bool) -> bool {
         let new_port = (n as u16).to_be();
         saddr.write(new_addr);
         sport.write(new_port);
-        ip_check.write(csum_replace4(ip_check.read(), old_addr, new_addr));
+        ip_check.write(csum::replace4(ip_check.read(), old_addr, new_addr));
         let old = l4_check.read();
         if !(udp && old == 0) {
-            let mut new = csum_replace4(old, old_addr, new_addr);
-            new = csum_replace2(new, old_port, new_port);
+            let mut new = csum::replace4(old, old_addr, new_addr);
+            new = csum::replace2(new, old_port, new_port);
             if udp && new == 0 {
                 new = 0xffff;
             }
@@ -195,23 +197,6 @@ fn vary_source<const CHECK: usize>(ctx: &XdpContext, udp: bool) -> bool {
 
 // Incremental checksum update (RFC 1624: HC' = ~(~HC + ~m + m')), on the raw
 // words as they sit in the packet.
-
-#[inline(always)]
-fn fold(mut sum: u32) -> u16 {
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum as u16
-}
-
-#[inline(always)]
-fn csum_replace2(check: u16, old: u16, new: u16) -> u16 {
-    !fold(!check as u32 + !old as u32 + new as u32)
-}
-
-#[inline(always)]
-fn csum_replace4(check: u16, old: u32, new: u32) -> u16 {
-    !fold(!check as u32 + !(old as u16) as u32 + !((old >> 16) as u16) as u32 + (new & 0xffff) + (new >> 16))
-}
 
 #[cfg(not(test))]
 #[panic_handler]
