@@ -204,20 +204,15 @@ async fn serve(
         l.abort();
         let _ = l.await;
     }
-    let mut agent = match Arc::try_unwrap(agent) {
-        Ok(m) => m.into_inner().unwrap_or_else(|p| p.into_inner()),
-        Err(_) => anyhow::bail!("the datapath is still in use at shutdown"),
-    };
+    // Under the lock, not by unwrapping the Arc: a control or metrics
+    // connection that is still being answered may hold a clone, and must
+    // not turn a stop or a restart into an error.
     match exit {
         Exit::Stopped => {
-            agent.dp.shutdown();
-            drop(agent);
+            lock(&agent).dp.shutdown();
             info!("detached and stopped");
         }
-        Exit::Restart => {
-            drop(agent);
-            info!(pin = %cfg.pin_path.display(), "handing over: the datapath stays pinned");
-        }
+        Exit::Restart => info!(pin = %cfg.pin_path.display(), "handing over: the datapath stays pinned"),
     }
     Ok(exit)
 }
@@ -226,7 +221,18 @@ async fn serve(
 /// following configuration changes.
 async fn health_checks(agent: Arc<Mutex<Agent>>) {
     type Running = (config::HealthConfig, std::net::SocketAddrV4, tokio::task::JoinHandle<()>);
-    let mut running: HashMap<BackendKey, Running> = HashMap::new();
+    /// The probe loops, aborted with this task (dropping a JoinHandle only
+    /// detaches its task).
+    struct Loops(HashMap<BackendKey, Running>);
+    impl Drop for Loops {
+        fn drop(&mut self) {
+            for (_, _, task) in self.0.values() {
+                task.abort();
+            }
+        }
+    }
+    let mut loops = Loops(HashMap::new());
+    let running = &mut loops.0;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tick.tick().await;
