@@ -291,6 +291,9 @@ pub enum ApiError {
     Io { path: PathBuf, source: std::io::Error },
 }
 
+/// How long lbd waits for a refused peer's request before closing.
+const REFUSED_DRAIN: Duration = Duration::from_secs(1);
+
 /// Bind the control socket: parent directory created (0700 if new), a
 /// stale socket file replaced, the socket itself mode 0600.
 pub fn bind(path: &Path) -> Result<UnixListener, ApiError> {
@@ -345,12 +348,18 @@ async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Resul
     let me = unsafe { libc::geteuid() };
     let peer = stream.peer_cred()?.uid();
     let (rd, mut wr) = stream.into_split();
+    let mut rd = TokioBufReader::new(rd);
     if peer != 0 && peer != me {
         let resp = Response { ok: false, result: None, error: Some(format!("permission denied for uid {peer}")) };
         wr.write_all(format!("{}\n", serde_json::to_string(&resp)?).as_bytes()).await?;
+        // Read (and discard) the peer's request before closing, so that its
+        // write does not fail with a broken pipe before it reads the answer.
+        let mut discard = Vec::new();
+        let mut limited = (&mut rd).take(MAX_REQUEST as u64 + 1);
+        let _ = tokio::time::timeout(REFUSED_DRAIN, limited.read_until(b'\n', &mut discard)).await;
+        wr.shutdown().await?;
         return Ok(());
     }
-    let mut rd = TokioBufReader::new(rd);
     let mut buf = Vec::new();
     loop {
         buf.clear();
@@ -360,10 +369,12 @@ async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Resul
         }
         let resp = if buf.len() > MAX_REQUEST {
             // Oversized: answer and drop the connection (the rest of the
-            // line is unread garbage).
+            // line is unread garbage; the client reads this answer even if
+            // its write fails, see `call`).
             let r =
                 Response { ok: false, result: None, error: Some(format!("request longer than {MAX_REQUEST} bytes")) };
             wr.write_all(format!("{}\n", serde_json::to_string(&r)?).as_bytes()).await?;
+            wr.shutdown().await?;
             return Ok(());
         } else {
             match std::str::from_utf8(&buf) {
@@ -403,9 +414,17 @@ pub fn call(path: &Path, req: &Request) -> Result<serde_json::Value, ClientError
     s.set_read_timeout(Some(Duration::from_secs(30))).map_err(io)?;
     let mut line = serde_json::to_string(req)?;
     line.push('\n');
-    s.write_all(line.as_bytes()).map_err(io)?;
+    // lbd may answer and close before reading the request (a refused
+    // peer): the write then fails (broken pipe), but the answer is already
+    // waiting in our receive buffer, and it is what the user must see.
+    let written = s.write_all(line.as_bytes());
     let mut answer = String::new();
-    BufReader::new(&s).read_line(&mut answer).map_err(io)?;
+    let read = BufReader::new(&s).read_line(&mut answer);
+    if answer.trim().is_empty() {
+        written.map_err(io)?;
+        read.map_err(io)?;
+        return Err(io(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "lbd closed without an answer")));
+    }
     let resp: Response = serde_json::from_str(&answer)?;
     if resp.ok {
         Ok(resp.result.unwrap_or(serde_json::Value::Null))
@@ -426,6 +445,26 @@ mod tests {
         // One of three gets everything: 1/n.
         let j = jain(&[3.0, 0.0, 0.0]).unwrap();
         assert!((j - 1.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_refusal_is_reported_even_when_the_request_write_fails() {
+        // lbd answers and closes without reading; the request is larger
+        // than the socket buffers, so the client's write fails (EPIPE).
+        let dir = std::env::temp_dir().join(format!("lb-api-refusal-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.write_all(b"{\"ok\":false,\"error\":\"permission denied for uid 65534\"}\n").unwrap();
+        });
+        let huge = serde_json::json!({ "name": "x".repeat(4 << 20) });
+        let err = call(&path, &Request::ServiceAdd { spec: huge }).unwrap_err();
+        server.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(matches!(&err, ClientError::Remote(m) if m == "permission denied for uid 65534"), "{err}");
     }
 
     #[test]
