@@ -41,6 +41,22 @@ pub const SVC_F_NO_BACKEND: u32 = 1;
 /// it are re-dispatched on their next packet.
 pub const BACKEND_F_DOWN: u32 = 1;
 
+/// Size of the network-device map (`NETDEVS` in lb-ebpf): devices
+/// of the gateway's network namespace lbd describes to the datapath.
+pub const MAX_NETDEVS: u32 = 4096;
+
+/// Network-device flags, by ifindex, written by lbd. The datapath's program
+/// runs on this device in generic (skb) mode; without it, native mode is
+/// assumed (and a device lbd has not described is treated as native).
+pub const NETDEV_F_GENERIC: u32 = 1;
+/// Generic-mode XDP may redirect into this device: an Ethernet device that
+/// is up (generic redirect hands the skb to the device's transmit).
+pub const NETDEV_F_XMIT_GENERIC: u32 = 2;
+/// Native-mode XDP may redirect into this device: the kernel reports
+/// NDO_XMIT in its XDP features (for a veth: the peer has an XDP program or
+/// GRO on). A bridge, for one, never has it.
+pub const NETDEV_F_XMIT_NATIVE: u32 = 4;
+
 /// [`Flow::dir`]: client -> VIP, rewritten to the backend.
 pub const DIR_FORWARD: u8 = 0;
 /// [`Flow::dir`]: backend -> client, rewritten back to the VIP.
@@ -63,12 +79,36 @@ pub mod counter {
     /// Packet to a VIP with TTL <= 1, passed unmodified so the kernel answers
     /// with ICMP time exceeded.
     pub const TTL_EXPIRED: u32 = 5;
+    /// Rewritten packet that left by XDP redirect (the fast path).
+    pub const XDP_REDIRECT: u32 = 6;
+    /// Rewritten packet handed to the kernel's forwarding path because its
+    /// egress device cannot transmit frames redirected from the mode the
+    /// program runs in on the ingress device (a bridge under native XDP, a
+    /// veth whose peer has neither XDP nor GRO, a non-Ethernet device).
+    pub const KERNEL_EGRESS: u32 = 7;
+    /// Packet whose TCP/UDP checksum arrived unfinished (CHECKSUM_PARTIAL
+    /// from a local sender behind a veth): completed before a native XDP
+    /// redirect, or updated as a partial checksum for the kernel to finish.
+    pub const CSUM_PARTIAL: u32 = 8;
     /// Number of counters.
-    pub const COUNT: u32 = 6;
+    pub const COUNT: u32 = 9;
 
     /// Names used by userspace (metrics labels, `lbctl status`).
-    pub const NAMES: [&str; COUNT as usize] =
-        ["malformed", "no_backend", "flow_table", "fragment", "fib_fallback", "ttl_expired"];
+    pub const NAMES: [&str; COUNT as usize] = [
+        "malformed",
+        "no_backend",
+        "flow_table",
+        "fragment",
+        "fib_fallback",
+        "ttl_expired",
+        "xdp_redirect",
+        "kernel_egress",
+        "csum_partial",
+    ];
+
+    /// Counters that count a rewritten packet handed to the kernel's
+    /// forwarding path (each packet in exactly one of them).
+    pub const KERNEL_PATH: [u32; 2] = [FIB_FALLBACK, KERNEL_EGRESS];
 }
 
 /// Key of the VIP map: what a client connects to.

@@ -40,3 +40,37 @@ pub fn replace_addr_port(check: u16, old_addr: u32, new_addr: u32, old_port: u16
         + new_port as u32;
     !fold(sum)
 }
+
+/// The folded sum of the IPv4 pseudo-header (addresses, protocol, L4
+/// length), in the same raw word order as the packet. A sender that leaves
+/// the checksum to offload (CHECKSUM_PARTIAL) puts exactly this in the L4
+/// checksum field, uncomplemented.
+#[inline(always)]
+pub fn pseudo_header(saddr: u32, daddr: u32, proto: u8, l4_len: u16) -> u16 {
+    // Raw words: the protocol sits in the second byte of its word, and the
+    // length in network order, as both are laid out in memory.
+    let proto_word = u16::from_ne_bytes([0, proto]) as u32;
+    let sum = (saddr & 0xffff) + (saddr >> 16) + (daddr & 0xffff) + (daddr >> 16) + proto_word + l4_len.to_be() as u32;
+    fold(sum)
+}
+
+/// Ones' complement sum of two folded sums.
+#[inline(always)]
+pub fn add(a: u16, b: u16) -> u16 {
+    fold(a as u32 + b as u32)
+}
+
+/// Fold a 32-bit partial sum (as `bpf_csum_diff` returns) to 16 bits.
+#[inline(always)]
+pub fn fold32(sum: u32) -> u16 {
+    fold((sum & 0xffff) + (sum >> 16))
+}
+
+/// An unfinished (partial) checksum field after an address changed: it
+/// holds the uncomplemented pseudo-header sum, so the address delta goes
+/// in the other direction than for a finished checksum, and ports (which
+/// the device sums itself when it finishes the checksum) do not enter.
+#[inline(always)]
+pub fn replace4_partial(seed: u16, old: u32, new: u32) -> u16 {
+    !replace4(!seed, old, new)
+}

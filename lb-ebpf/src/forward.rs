@@ -9,20 +9,161 @@ use core::mem::{MaybeUninit, size_of};
 
 use aya_ebpf::{
     bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams, xdp_action},
-    helpers::generated::{bpf_fib_lookup, bpf_redirect},
+    helpers::generated::{bpf_csum_diff, bpf_fib_lookup, bpf_redirect, bpf_xdp_load_bytes},
     programs::XdpContext,
 };
-use lb_common::{Flow, PROTO_UDP, counter};
+use lb_common::{Flow, NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE, PROTO_UDP, counter};
 
 use lb_ebpf::csum;
 
-use crate::{parse::Packet, stats};
+use crate::{
+    maps::NETDEVS,
+    parse::{Packet, ptr_at},
+    stats,
+};
 
 const AF_INET: u8 = 2;
 
-/// Rewrite the destination address and port (client -> backend).
+/// The L4 checksum as it arrived, judged before the rewrite.
+#[derive(Clone, Copy)]
+pub enum L4Csum {
+    /// A finished checksum (or UDP without one): updated incrementally.
+    Full,
+    /// An unfinished one (CHECKSUM_PARTIAL: a local sender behind a veth
+    /// left it to offload): the field holds the pseudo-header sum. `done`
+    /// is the finished checksum of the packet as it arrived (None for a
+    /// segment longer than [`SUM_MAX`], only seen in generic mode).
+    Partial { done: Option<u16> },
+}
+
+/// What a NAT rewrite changed, for the L4 checksum update that follows
+/// once the path is known.
+#[derive(Clone, Copy)]
+pub struct Rewrite {
+    old_addr: u32,
+    new_addr: u32,
+    old_port: u16,
+    new_port: u16,
+}
+
+/// Is the L4 checksum unfinished? Cheap test first: an unfinished one
+/// equals the pseudo-header sum. A finished checksum equals it by chance
+/// once in 65,536 packets, so a match is confirmed by summing the segment.
 #[inline(always)]
-pub fn rewrite_dst(pkt: &Packet, addr: u32, port: u16) {
+pub fn classify(ctx: &XdpContext, pkt: &Packet) -> L4Csum {
+    // SAFETY: bounds-checked by parse().
+    let field = unsafe { *pkt.l4_check };
+    if pkt.proto == PROTO_UDP && field == 0 {
+        return L4Csum::Full;
+    }
+    let pseudo = csum::pseudo_header(pkt.saddr, pkt.daddr, pkt.proto, pkt.l4_len as u16);
+    if field != pseudo {
+        return L4Csum::Full;
+    }
+    classify_slow(ctx, pkt, pseudo)
+}
+
+// Its own frame: the summing loop is only for unfinished checksums.
+#[inline(never)]
+fn classify_slow(ctx: &XdpContext, pkt: &Packet, pseudo: u16) -> L4Csum {
+    if pkt.l4_len > SUM_MAX {
+        // Only generic mode sees segments this long (native frames fit a
+        // page): a GSO packet from a local sender, which is always
+        // unfinished, or a GRO-merged one, whose checksum the kernel
+        // recomputes when it splits it. A native jumbo frame that matches
+        // by chance (1 in 65,536) is left as it is.
+        if generic_ingress(ctx) {
+            stats::count(counter::CSUM_PARTIAL);
+            return L4Csum::Partial { done: None };
+        }
+        return L4Csum::Full;
+    }
+    let Some(segment) = segment_sum(ctx, pkt.l4_off, pkt.l4_len) else {
+        return L4Csum::Full;
+    };
+    // A finished checksum sums, with the pseudo-header, to all ones.
+    if csum::add(pseudo, segment) == 0xffff {
+        return L4Csum::Full;
+    }
+    // Unfinished: the field holds the pseudo-header sum, so the segment's
+    // sum is already the sum over pseudo-header and segment.
+    stats::count(counter::CSUM_PARTIAL);
+    L4Csum::Partial { done: Some(!segment) }
+}
+
+/// Largest chunk `bpf_csum_diff` sums in one call.
+const CHUNK: usize = 512;
+/// Longest L4 segment summed. Bounds the loop (and keeps the packet
+/// offsets the verifier tracks well inside the 64 KiB it allows); more than
+/// any native XDP frame on veth or a 9,000-byte jumbo frame.
+const SUM_MAX: usize = 18 * CHUNK;
+
+/// Ones' complement sum of `len` bytes from `off` (the L4 segment, which
+/// parse() checked lies inside the frame). None if the frame ends early.
+#[inline(always)]
+fn segment_sum(ctx: &XdpContext, off: usize, len: usize) -> Option<u16> {
+    let end = off + len;
+    let mut off = off;
+    let mut sum: u32 = 0;
+    // Verifier: a bounded loop (the caller checked len <= SUM_MAX).
+    for _ in 0..SUM_MAX / CHUNK {
+        if off + CHUNK > end {
+            break;
+        }
+        sum = csum_diff(ptr_at::<[u8; CHUNK]>(ctx, off)?, CHUNK, sum);
+        off += CHUNK;
+    }
+    // The rest (< 512 bytes): power-of-two pieces, sizes the helper needs
+    // as constants, then up to 3 single bytes.
+    macro_rules! piece {
+        ($n:expr) => {
+            if off + $n <= end {
+                sum = csum_diff(ptr_at::<[u8; $n]>(ctx, off)?, $n, sum);
+                off += $n;
+            }
+        };
+    }
+    piece!(256);
+    piece!(128);
+    piece!(64);
+    piece!(32);
+    piece!(16);
+    piece!(8);
+    piece!(4);
+    // The last 0-3 bytes, copied by the helper (a direct 1-byte read at a
+    // variable offset loses its bounds proof to the compiler's rewriting of
+    // the check). A last odd byte is the first byte of a zero-padded word.
+    let mut b = [0u8; 4];
+    let rc = match end.saturating_sub(off) {
+        0 => 0,
+        1 => load_bytes(ctx, off, &mut b, 1),
+        2 => load_bytes(ctx, off, &mut b, 2),
+        _ => load_bytes(ctx, off, &mut b, 3),
+    };
+    if rc != 0 {
+        return None;
+    }
+    let tail = u32::from(u16::from_ne_bytes([b[0], b[1]])) + u32::from(u16::from_ne_bytes([b[2], 0]));
+    Some(csum::add(csum::fold32(sum), csum::fold32(tail)))
+}
+
+#[inline(always)]
+fn load_bytes(ctx: &XdpContext, off: usize, buf: &mut [u8; 4], len: u32) -> i64 {
+    // SAFETY: buf has room for `len` (at most 3) bytes; the helper checks
+    // the packet bounds itself.
+    unsafe { bpf_xdp_load_bytes(ctx.ctx, off as u32, buf.as_mut_ptr() as *mut _, len) }
+}
+
+#[inline(always)]
+fn csum_diff<T>(p: *mut T, len: usize, seed: u32) -> u32 {
+    // SAFETY: `p` points at `len` readable packet bytes (ptr_at checked).
+    unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, p as *mut u32, len as u32, seed) as u32 }
+}
+
+/// Rewrite the destination address and port (client -> backend); the L4
+/// checksum follows in [`send`].
+#[inline(always)]
+pub fn rewrite_dst(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
     // SAFETY: every pointer in Packet was bounds-checked by parse().
     unsafe {
         let ip = pkt.ip;
@@ -31,13 +172,13 @@ pub fn rewrite_dst(pkt: &Packet, addr: u32, port: u16) {
         (*ip).daddr = addr;
         (*ip).check = csum::replace4((*ip).check, old_addr, addr);
         (*pkt.ports)[1] = port;
-        update_l4(pkt, old_addr, addr, old_port, port);
+        Rewrite { old_addr, new_addr: addr, old_port, new_port: port }
     }
 }
 
 /// Rewrite the source address and port (backend -> client).
 #[inline(always)]
-pub fn rewrite_src(pkt: &Packet, addr: u32, port: u16) {
+pub fn rewrite_src(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
     // SAFETY: every pointer in Packet was bounds-checked by parse().
     unsafe {
         let ip = pkt.ip;
@@ -46,20 +187,49 @@ pub fn rewrite_src(pkt: &Packet, addr: u32, port: u16) {
         (*ip).saddr = addr;
         (*ip).check = csum::replace4((*ip).check, old_addr, addr);
         (*pkt.ports)[0] = port;
-        update_l4(pkt, old_addr, addr, old_port, port);
+        Rewrite { old_addr, new_addr: addr, old_port, new_port: port }
     }
 }
 
+/// The kernel's forwarding path: the packet as rewritten so far, TTL and
+/// MACs untouched (the kernel routes it, decrements the TTL, resolves the
+/// neighbour), its checksum left unfinished if it came so.
 #[inline(always)]
-unsafe fn update_l4(pkt: &Packet, old_addr: u32, new_addr: u32, old_port: u16, new_port: u16) {
+fn to_kernel(pkt: &Packet, rw: Rewrite, cs: L4Csum, reason: u32) -> u32 {
+    update_l4(pkt, rw, cs, false);
+    stats::count(reason);
+    xdp_action::XDP_PASS
+}
+
+/// Bring the L4 checksum in line with the rewrite. An unfinished checksum
+/// is finished first when the packet leaves by native XDP redirect (the
+/// frame loses the skb's "finish me" mark on the way); otherwise it stays
+/// unfinished, for the kernel or the device to finish.
+#[inline(always)]
+fn update_l4(pkt: &Packet, rw: Rewrite, cs: L4Csum, finish: bool) {
     // SAFETY: l4_check was bounds-checked by parse().
     unsafe {
-        let old = *pkt.l4_check;
-        if pkt.proto == PROTO_UDP && old == 0 {
-            // UDP without checksum: leave it without one.
-            return;
+        let mut old = *pkt.l4_check;
+        match cs {
+            L4Csum::Partial { .. } if !finish => {
+                *pkt.l4_check = csum::replace4_partial(old, rw.old_addr, rw.new_addr);
+                return;
+            }
+            L4Csum::Partial { done: Some(done) } => old = done,
+            // Unreachable: a segment too long to sum is unfinished only in
+            // generic mode, which never finishes. Keep it unfinished.
+            L4Csum::Partial { done: None } => {
+                *pkt.l4_check = csum::replace4_partial(old, rw.old_addr, rw.new_addr);
+                return;
+            }
+            L4Csum::Full => {
+                if pkt.proto == PROTO_UDP && old == 0 {
+                    // UDP without checksum: leave it without one.
+                    return;
+                }
+            }
         }
-        let mut new = csum::replace_addr_port(old, old_addr, new_addr, old_port, new_port);
+        let mut new = csum::replace_addr_port(old, rw.old_addr, rw.new_addr, rw.old_port, rw.new_port);
         if pkt.proto == PROTO_UDP && new == 0 {
             // 0 means "no checksum" in UDP; a computed 0 is sent as 0xffff.
             new = 0xffff;
@@ -78,13 +248,36 @@ pub fn ttl_ok(pkt: &Packet) -> bool {
 /// Seconds a cached next hop is used before the FIB is asked again.
 const NEXT_HOP_TTL: u32 = 1;
 
-/// Send the (already rewritten) packet to its next hop, decrementing the
-/// TTL as a router does. The next hop comes from the flow entry's cache
-/// when fresh, else from the kernel FIB (and is cached). Without a usable
-/// FIB answer the packet goes to the kernel as it is, which forwards it
-/// (and decrements the TTL itself).
+/// The flags lbd gave the device `ifindex` (0 for a device it did not describe).
 #[inline(always)]
-pub fn redirect(ctx: &XdpContext, pkt: &Packet, entry: Option<*mut Flow>, now: u64) -> u32 {
+fn netdev(ifindex: u32) -> u32 {
+    // SAFETY: the value is copied at once.
+    unsafe { NETDEVS.get(&ifindex) }.copied().unwrap_or(0)
+}
+
+/// Does the program run in generic mode on the packet's ingress device?
+#[inline(always)]
+fn generic_ingress(ctx: &XdpContext) -> bool {
+    netdev(ctx.ingress_ifindex() as u32) & NETDEV_F_GENERIC != 0
+}
+
+/// Can a frame received on this packet's ingress device leave by XDP
+/// redirect through `egress`? Native XDP needs a device that transmits
+/// redirected frames (NDO_XMIT); generic XDP any Ethernet device that is up.
+#[inline(always)]
+fn can_redirect(ctx: &XdpContext, egress: u32) -> bool {
+    let need = if generic_ingress(ctx) { NETDEV_F_XMIT_GENERIC } else { NETDEV_F_XMIT_NATIVE };
+    netdev(egress) & need != 0
+}
+
+/// Send the (already rewritten) packet to its next hop, decrementing the
+/// TTL as a router does, or hand it to the kernel's forwarding path. The
+/// next hop comes from the flow entry's cache when fresh, else from the
+/// kernel FIB, checked against what the egress device can take, and then
+/// cached. The kernel path gets the packet with its TTL and MACs as they
+/// came (the kernel decrements the TTL itself), counted by reason.
+#[inline(always)]
+pub fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Option<*mut Flow>, now: u64) -> u32 {
     let now = now as u32;
     // SAFETY: a valid map value, read in place.
     let cached =
@@ -92,26 +285,26 @@ pub fn redirect(ctx: &XdpContext, pkt: &Packet, entry: Option<*mut Flow>, now: u
     let (ifindex, smac, dmac) = if let Some(f) = cached {
         (f.nh_ifindex, f.nh_smac, f.nh_dmac)
     } else {
-        match fib(ctx, pkt) {
-            Some((ifindex, smac, dmac)) => {
-                if let Some(e) = entry {
-                    // SAFETY: a valid map value. Another CPU may read a
-                    // half-written cache at worst once; ifindex last.
-                    unsafe {
-                        (*e).nh_time = now;
-                        (*e).nh_smac = smac;
-                        (*e).nh_dmac = dmac;
-                        core::ptr::write_volatile(&raw mut (*e).nh_ifindex, ifindex);
-                    }
-                }
-                (ifindex, smac, dmac)
-            }
-            None => {
-                stats::count(counter::FIB_FALLBACK);
-                return xdp_action::XDP_PASS;
+        let Some(hop) = fib(ctx, pkt) else {
+            return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK);
+        };
+        if !can_redirect(ctx, hop.0) {
+            return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
+        }
+        if let Some(e) = entry {
+            // SAFETY: a valid map value. Another CPU may read a
+            // half-written cache at worst once; ifindex last.
+            unsafe {
+                (*e).nh_time = now;
+                (*e).nh_smac = hop.1;
+                (*e).nh_dmac = hop.2;
+                core::ptr::write_volatile(&raw mut (*e).nh_ifindex, hop.0);
             }
         }
+        hop
     };
+    let finish = matches!(cs, L4Csum::Partial { .. }) && !generic_ingress(ctx);
+    update_l4(pkt, rw, cs, finish);
     // SAFETY: bounds-checked by parse().
     unsafe {
         let ip = pkt.ip;
@@ -128,6 +321,7 @@ pub fn redirect(ctx: &XdpContext, pkt: &Packet, entry: Option<*mut Flow>, now: u
             core::ptr::write_volatile(eth.add(6 + i), smac[i]);
         }
     }
+    stats::count(counter::XDP_REDIRECT);
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(ifindex, 0) as u32 }
 }

@@ -243,8 +243,9 @@ fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: Option<*mut Flow>, n
         return xdp_action::XDP_PASS;
     }
     stats::packet_in(nat.backend_id, pkt.len);
-    forward::rewrite_dst(pkt, nat.addr, nat.port);
-    forward::redirect(ctx, pkt, entry, now)
+    let cs = forward::classify(ctx, pkt);
+    let rw = forward::rewrite_dst(pkt, nat.addr, nat.port);
+    forward::send(ctx, pkt, rw, cs, entry, now)
 }
 
 /// Backend -> client: source becomes the VIP again.
@@ -269,8 +270,9 @@ fn reply(ctx: &XdpContext, pkt: &Packet, f: &Flow, nat: Nat, entry: Option<*mut 
         return xdp_action::XDP_PASS;
     }
     stats::packet_out(nat.backend_id, pkt.len);
-    forward::rewrite_src(pkt, nat.addr, nat.port);
-    forward::redirect(ctx, pkt, entry, now)
+    let cs = forward::classify(ctx, pkt);
+    let rw = forward::rewrite_src(pkt, nat.addr, nat.port);
+    forward::send(ctx, pkt, rw, cs, entry, now)
 }
 
 #[cfg(not(test))]

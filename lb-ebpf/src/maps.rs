@@ -6,7 +6,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use lb_common::{
-    ADDR_FILTER_BITS, Backend, BackendStats, Conns, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, Service, VipKey, counter,
+    ADDR_FILTER_BITS, Backend, BackendStats, Conns, Flow, FlowKey, MAX_BACKENDS, MAX_NETDEVS, MAX_SERVICES, Service, VipKey,
+    counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.
@@ -61,3 +62,11 @@ pub static CONNS: Array<Conns> = Array::with_max_entries(MAX_BACKENDS, 0);
 /// Per-backend count of flows that expired idle, written only by userspace.
 #[map]
 pub static EXPIRED: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// Network devices of the gateway, by ifindex -> `NETDEV_F_*` flags: the
+/// mode the program runs in on each device it is attached to, and which
+/// devices can transmit frames redirected from native or generic XDP.
+/// Written by lbd at attach and whenever a device changes; read only when
+/// a next hop is looked up (not per packet of an established flow).
+#[map]
+pub static NETDEVS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_NETDEVS, 0);

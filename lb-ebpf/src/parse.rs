@@ -101,6 +101,10 @@ pub struct Packet {
     pub l4_check: *mut u16,
     /// Frame length in bytes, for the byte counters.
     pub len: u64,
+    /// Offset of the L4 header from the start of the frame, and the L4
+    /// length (header and payload) the IP header gives (at most 65,535).
+    pub l4_off: usize,
+    pub l4_len: usize,
 }
 
 #[inline(always)]
@@ -157,5 +161,19 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
     if tot_len < ihl_len + l4_len || ETH_HLEN + tot_len > frame_len {
         return Err(ParseError::Malformed { daddr });
     }
-    Ok(Packet { eth, ip, ports, proto, saddr, daddr, sport, dport, tcp_flags, l4_check, len: frame_len as u64 })
+    Ok(Packet {
+        eth,
+        ip,
+        ports,
+        proto,
+        saddr,
+        daddr,
+        sport,
+        dport,
+        tcp_flags,
+        l4_check,
+        len: frame_len as u64,
+        l4_off: l4,
+        l4_len: tot_len - ihl_len,
+    })
 }

@@ -187,7 +187,12 @@ pub struct Status {
     /// swaps in a new one).
     pub program_id: Option<u32>,
     pub interfaces: Vec<Attachment>,
-    /// Datapath drop and fallback counters by reason.
+    /// Which path packets take from each attached interface to each
+    /// (XDP redirect or the kernel's forwarding), and why.
+    #[serde(default)]
+    pub paths: Vec<crate::paths::PathReport>,
+    /// Datapath counters by name: drops and kernel-path packets by reason,
+    /// XDP redirects, unfinished checksums.
     pub counters: BTreeMap<String, u64>,
     pub services: Vec<ServiceStatus>,
 }
@@ -252,7 +257,13 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             backends,
         });
     }
-    Ok(Status { program_id: dp.program_id(), interfaces: dp.attachments(), counters: dp.counters()?, services })
+    Ok(Status {
+        program_id: dp.program_id(),
+        interfaces: dp.attachments(),
+        paths: dp.paths().to_vec(),
+        counters: dp.counters()?,
+        services,
+    })
 }
 
 fn ok(v: impl Serialize) -> Response {

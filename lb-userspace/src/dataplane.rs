@@ -38,7 +38,9 @@ use tracing::{info, warn};
 
 use crate::{
     config::{BackendConfig, Config, Scheduler, ServiceConfig, XdpMode},
-    maglev, wrr,
+    maglev, netdev,
+    paths::{self, Mode, PathReport},
+    wrr,
 };
 
 /// The XDP program, built by build.rs and embedded in the binary.
@@ -72,6 +74,10 @@ pub enum DataplaneError {
     Pin { path: PathBuf, source: std::io::Error },
     #[error("XDP link {path}: {source}")]
     Link { path: PathBuf, source: LinkError },
+    #[error("reading the network devices: {0}")]
+    Netdev(#[from] crate::netdev::NetdevError),
+    #[error("interface {0} does not exist")]
+    NoInterface(String),
 }
 
 /// Maps that live in bpffs (everything but aya-log's ring buffer and the
@@ -88,7 +94,13 @@ pub const PINNED_MAPS: &[&str] = &[
     "COUNTERS",
     "CONNS",
     "EXPIRED",
+    "NETDEVS",
 ];
+
+/// Whether a pinned XDP link for `iface` exists under `links_dir`.
+fn d_exists(links_dir: Option<&Path>, iface: &str) -> bool {
+    links_dir.is_some_and(|d| d.join(iface).exists())
+}
 
 /// bpffs magic number (statfs f_type).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -177,6 +189,9 @@ pub struct Attachment {
     pub interface: String,
     /// "native" or "generic".
     pub mode: String,
+    /// Why this mode (what `xdp_mode` asked, what `auto` found).
+    #[serde(default)]
+    pub reason: String,
 }
 
 /// One backend as programmed into the maps.
@@ -317,6 +332,10 @@ pub struct Dataplane {
     /// What ADDR_FILTER holds, word by word.
     filter: Vec<u64>,
     filter_written: bool,
+    /// What NETDEVS holds, and the path report derived with it.
+    netdevs: BTreeMap<u32, u32>,
+    netdevs_written: bool,
+    paths: Vec<PathReport>,
 }
 
 impl Dataplane {
@@ -375,6 +394,9 @@ impl Dataplane {
             known_backends: HashSet::new(),
             filter: vec![0; (lb_common::ADDR_FILTER_BITS / 64) as usize],
             filter_written: false,
+            netdevs: BTreeMap::new(),
+            netdevs_written: false,
+            paths: Vec::new(),
         };
         if adopting {
             dp.adopt()?;
@@ -439,11 +461,13 @@ impl Dataplane {
             .expect("the XDP program was loaded in Dataplane::load")
     }
 
-    /// Attach to every interface. `Auto` tries native mode and falls back
-    /// to generic mode with a warning. Where a pinned link from a previous
-    /// lbd exists, the program is swapped in atomically (link update)
-    /// instead. On error, interfaces attached here are detached again.
-    pub fn attach(&mut self, interfaces: &[String], mode: XdpMode) -> Result<(), DataplaneError> {
+    /// Attach to every interface, each in the mode [`paths::choose_mode`]
+    /// picks from what the devices can do (`auto`), or as forced. Where a
+    /// pinned link from a previous lbd exists, the program is swapped in
+    /// atomically (link update) instead, keeping its mode. The NETDEVS map
+    /// is filled first, so the first packet already knows its paths. On
+    /// error, interfaces attached here are detached again.
+    pub fn attach(&mut self, interfaces: &[String], requested: XdpMode) -> Result<(), DataplaneError> {
         let links_dir = self.pin.as_ref().map(|p| p.join("links"));
         if let Some(d) = &links_dir {
             std::fs::create_dir_all(d).map_err(|source| DataplaneError::Pin { path: d.clone(), source })?;
@@ -461,10 +485,34 @@ impl Dataplane {
                 }
             }
         }
+        let links = netdev::links()?;
+        let find = |name: &str| {
+            links.iter().find(|l| l.name == name).ok_or_else(|| DataplaneError::NoInterface(name.to_owned()))
+        };
+        let mut plan: Vec<(String, Mode, String)> = Vec::new();
+        for iface in interfaces {
+            let egresses: Vec<&netdev::Link> =
+                paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
+            let (mut mode, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
+            // A pinned link is adopted in the mode it has: plan with that one.
+            if let Some(saved) = links_dir.as_ref().and_then(|d| std::fs::read_to_string(d.join(iface).with_extension("mode")).ok())
+                && d_exists(links_dir.as_deref(), iface)
+            {
+                mode = Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native);
+            }
+            if requested == XdpMode::Native {
+                for c in paths::native_caveats(&egresses) {
+                    warn!(interface = %iface, "xdp_mode native: {c}");
+                }
+            }
+            plan.push((iface.clone(), mode, reason));
+        }
+        let planned: BTreeMap<String, Mode> = plan.iter().map(|(i, m, _)| (i.clone(), *m)).collect();
+        self.write_netdevs(&paths::netdev_flags(&links, &planned))?;
         let mut done: Vec<Attached> = Vec::new();
         let mut result = Ok(());
-        for iface in interfaces {
-            match self.attach_one(iface, mode, links_dir.as_deref()) {
+        for (iface, mode, reason) in plan {
+            match self.attach_one(&iface, mode, requested, reason, links_dir.as_deref()) {
                 Ok(a) => done.push(a),
                 Err(e) => {
                     result = Err(e);
@@ -478,10 +526,18 @@ impl Dataplane {
             }
         }
         self.attached.extend(done);
-        result
+        result?;
+        self.refresh_paths().map(drop)
     }
 
-    fn attach_one(&mut self, iface: &str, mode: XdpMode, links_dir: Option<&Path>) -> Result<Attached, DataplaneError> {
+    fn attach_one(
+        &mut self,
+        iface: &str,
+        mode: Mode,
+        requested: XdpMode,
+        reason: String,
+        links_dir: Option<&Path>,
+    ) -> Result<Attached, DataplaneError> {
         let prog: &mut Xdp = self.ebpf.program_mut(PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
         let pin_path = links_dir.map(|d| d.join(iface));
         if let Some(path) = pin_path.as_ref().filter(|p| p.exists()) {
@@ -491,33 +547,38 @@ impl Dataplane {
             let xdp = XdpLink::try_from(FdLink::from(pinned)).map_err(link_err)?;
             let id = prog.attach_to_link(xdp)?;
             let fd = FdLink::try_from(prog.take_link(id)?).map_err(link_err)?;
-            let mode_name = std::fs::read_to_string(path.with_extension("mode")).unwrap_or_else(|_| "native".into());
-            info!(interface = %iface, mode = %mode_name.trim(), "XDP program replaced on the pinned link");
+            let saved = std::fs::read_to_string(path.with_extension("mode")).unwrap_or_default();
+            let mode = Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native);
+            let reason = saved.lines().nth(1).map(str::to_owned).unwrap_or_default();
+            info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
             return Ok(Attached {
-                attachment: Attachment { interface: iface.to_owned(), mode: mode_name.trim().to_owned() },
+                attachment: Attachment { interface: iface.to_owned(), mode: mode.name().to_owned(), reason },
                 link: AttachedLink::Pinned { fd, path: path.clone() },
             });
         }
-        let try_mode = |prog: &mut Xdp, m: AyaXdpMode, name: &'static str| {
-            prog.attach(iface, m).map_err(|source| DataplaneError::Attach {
+        let try_mode = |prog: &mut Xdp, m: Mode| {
+            let aya_mode = match m {
+                Mode::Native => AyaXdpMode::Driver,
+                Mode::Generic => AyaXdpMode::Skb,
+            };
+            prog.attach(iface, aya_mode).map_err(|source| DataplaneError::Attach {
                 iface: iface.to_owned(),
-                mode: name,
+                mode: m.name(),
                 source,
             })
         };
-        let (id, mode_name) = match mode {
-            XdpMode::Native => (try_mode(prog, AyaXdpMode::Driver, "native")?, "native"),
-            XdpMode::Generic => (try_mode(prog, AyaXdpMode::Skb, "generic")?, "generic"),
-            XdpMode::Auto => match try_mode(prog, AyaXdpMode::Driver, "native") {
-                Ok(id) => (id, "native"),
+        let (id, mode, reason) = match (mode, requested) {
+            (Mode::Native, XdpMode::Auto) => match try_mode(prog, Mode::Native) {
+                Ok(id) => (id, Mode::Native, reason),
                 Err(e) => {
                     warn!(interface = %iface, error = %e, "native XDP attach failed; falling back to generic mode");
-                    (try_mode(prog, AyaXdpMode::Skb, "generic")?, "generic")
+                    (try_mode(prog, Mode::Generic)?, Mode::Generic, format!("auto: native attach failed ({e})"))
                 }
             },
+            (m, _) => (try_mode(prog, m)?, m, reason),
         };
-        info!(interface = %iface, mode = mode_name, "XDP attached");
-        let attachment = Attachment { interface: iface.to_owned(), mode: mode_name.into() };
+        info!(interface = %iface, mode = mode.name(), reason = %reason, "XDP attached");
+        let attachment = Attachment { interface: iface.to_owned(), mode: mode.name().into(), reason: reason.clone() };
         let Some(path) = pin_path else {
             return Ok(Attached { attachment, link: AttachedLink::Owned(id) });
         };
@@ -526,8 +587,72 @@ impl Dataplane {
         let pinned = fd
             .pin(&path)
             .map_err(|e| DataplaneError::Pin { path: path.clone(), source: std::io::Error::other(e.to_string()) })?;
-        let _ = std::fs::write(path.with_extension("mode"), mode_name);
+        let _ = std::fs::write(path.with_extension("mode"), format!("{}\n{reason}\n", mode.name()));
         Ok(Attached { attachment, link: AttachedLink::Pinned { fd: FdLink::from(pinned), path } })
+    }
+
+    /// Re-read the network devices and bring NETDEVS (which egress takes
+    /// which path) up to date: at attach, and periodically, since a
+    /// device's abilities change at run time (a veth peer's GRO or XDP, a
+    /// bridge port added, a link going down). Every path that changes is
+    /// logged, one line per ingress and egress. Returns whether anything
+    /// changed.
+    pub fn refresh_paths(&mut self) -> Result<bool, DataplaneError> {
+        let links = netdev::links()?;
+        let modes: BTreeMap<String, Mode> = self
+            .attached
+            .iter()
+            .filter_map(|a| Mode::parse(&a.attachment.mode).map(|m| (a.attachment.interface.clone(), m)))
+            .collect();
+        self.write_netdevs(&paths::netdev_flags(&links, &modes))?;
+        let rows = paths::report(&links, &modes);
+        let mut changed = false;
+        for r in &rows {
+            if self.paths.iter().any(|old| old == r) {
+                continue;
+            }
+            changed = true;
+            let path = match r.path {
+                paths::Path::XdpRedirect => "XDP redirect",
+                paths::Path::Kernel => "kernel forwarding",
+            };
+            match r.path {
+                paths::Path::XdpRedirect => {
+                    info!(ingress = %r.ingress, mode = r.mode.name(), egress = %r.egress, path, reason = %r.reason, "forwarding path")
+                }
+                paths::Path::Kernel => {
+                    warn!(ingress = %r.ingress, mode = r.mode.name(), egress = %r.egress, path, reason = %r.reason, "forwarding path")
+                }
+            }
+        }
+        self.paths = rows;
+        Ok(changed)
+    }
+
+    /// The current path report (see [`refresh_paths`](Self::refresh_paths)).
+    pub fn paths(&self) -> &[PathReport] {
+        &self.paths
+    }
+
+    /// Make NETDEVS hold exactly `flags` (ifindex -> `NETDEV_F_*`).
+    pub fn write_netdevs(&mut self, flags: &BTreeMap<u32, u32>) -> Result<(), DataplaneError> {
+        if self.netdevs_written && &self.netdevs == flags {
+            return Ok(());
+        }
+        let mut map: BpfHashMap<&mut MapData, u32, u32> =
+            BpfHashMap::try_from(self.ebpf.map_mut("NETDEVS").expect("NETDEVS map")).map_err(map_err("NETDEVS"))?;
+        let have: Vec<u32> = map.keys().filter_map(Result::ok).collect();
+        for (&i, &f) in flags {
+            map.insert(i, f, 0).map_err(map_err("NETDEVS"))?;
+        }
+        for i in have {
+            if !flags.contains_key(&i) {
+                map.remove(&i).map_err(map_err("NETDEVS"))?;
+            }
+        }
+        self.netdevs = flags.clone();
+        self.netdevs_written = true;
+        Ok(())
     }
 
     fn detach_one(&mut self, a: Attached) {

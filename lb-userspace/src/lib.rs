@@ -13,6 +13,8 @@ pub mod dataplane;
 pub mod health;
 pub mod maglev;
 pub mod metrics;
+pub mod netdev;
+pub mod paths;
 pub mod render;
 pub mod watch;
 pub mod wrr;

@@ -19,6 +19,10 @@ pub const SERIES: &[&str] = &[
     "lb_service_fairness",
     "lb_dropped_packets_total",
     "lb_kernel_fallback_packets_total",
+    "lb_xdp_redirect_packets_total",
+    "lb_partial_checksum_packets_total",
+    "lb_interface_xdp_mode",
+    "lb_forwarding_path",
     "lb_flow_table_entries",
     "lb_health_check_duration_seconds",
     "lb_health_check_failures_total",
@@ -123,9 +127,41 @@ pub fn exposition(agent: &Agent) -> Result<String, String> {
     }
     let dropped = Family::<Labels, Counter>::default();
     let fallback = Family::<Labels, Counter>::default();
+    let redirected = Counter::<u64>::default();
+    let partial = Counter::<u64>::default();
     for (reason, v) in &status.counters {
-        let fam = if matches!(reason.as_str(), "fib_fallback" | "ttl_expired") { &fallback } else { &dropped };
-        fam.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
+        match reason.as_str() {
+            "xdp_redirect" => {
+                redirected.inc_by(*v);
+            }
+            "csum_partial" => {
+                partial.inc_by(*v);
+            }
+            "fib_fallback" | "kernel_egress" | "ttl_expired" => {
+                fallback.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
+            }
+            _ => {
+                dropped.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
+            }
+        }
+    }
+    let modes = Family::<Labels, Gauge>::default();
+    for a in &status.interfaces {
+        modes.get_or_create(&labels(&[("interface", &a.interface), ("mode", &a.mode)])).set(1);
+    }
+    let path = Family::<Labels, Gauge>::default();
+    for r in &status.paths {
+        let p = match r.path {
+            crate::paths::Path::XdpRedirect => "xdp_redirect",
+            crate::paths::Path::Kernel => "kernel",
+        };
+        path.get_or_create(&labels(&[
+            ("ingress", &r.ingress),
+            ("mode", r.mode.name()),
+            ("egress", &r.egress),
+            ("path", p),
+        ]))
+        .set(1);
     }
     let entries = Gauge::<i64>::default();
     entries.set(agent.flow_entries as i64);
@@ -149,8 +185,20 @@ pub fn exposition(agent: &Agent) -> Result<String, String> {
     reg.register("lb_dropped_packets", "Packets the datapath dropped, by reason", dropped);
     reg.register(
         "lb_kernel_fallback_packets",
-        "Packets handed to the kernel's own forwarding (unresolved next hop, expiring TTL)",
+        "Rewritten packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL)",
         fallback,
+    );
+    reg.register("lb_xdp_redirect_packets", "Rewritten packets that left by XDP redirect", redirected);
+    reg.register(
+        "lb_partial_checksum_packets",
+        "Packets whose TCP/UDP checksum arrived unfinished (local senders behind a veth)",
+        partial,
+    );
+    reg.register("lb_interface_xdp_mode", "The XDP mode in use per attached interface (always 1)", modes);
+    reg.register(
+        "lb_forwarding_path",
+        "Path packets take from an ingress interface to an egress interface (always 1; see the path label)",
+        path,
     );
     reg.register("lb_flow_table_entries", "Flow table entries (two per flow), as of the last sweep", entries);
     reg.register(

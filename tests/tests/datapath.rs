@@ -17,6 +17,7 @@ use std::{
 };
 
 use aya::programs::{TestRun as _, TestRunOptions};
+use lb_common::{NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE};
 use lb_userspace::{
     config::{BackendConfig, Config, Protocol, Scheduler, ServiceConfig, XdpMode},
     dataplane::Dataplane,
@@ -25,6 +26,8 @@ use lb_userspace::{
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
 const XDP_REDIRECT: u32 = 4;
+
+const XMIT_ALL: u32 = NETDEV_F_XMIT_GENERIC | NETDEV_F_XMIT_NATIVE;
 
 const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x01, 0x01];
 const BACKEND_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x02, 0x11];
@@ -148,6 +151,10 @@ struct Pkt {
     payload: Vec<u8>,
     /// UDP only: send without checksum (0).
     udp_no_csum: bool,
+    /// Leave the L4 checksum unfinished, as a local sender with checksum
+    /// offload does (CHECKSUM_PARTIAL): the field holds the folded
+    /// pseudo-header sum.
+    partial: bool,
 }
 
 const SYN: u8 = 0x02;
@@ -169,6 +176,7 @@ impl Pkt {
             ip_options: Vec::new(),
             payload: b"GET / HTTP/1.1\r\n\r\n".to_vec(),
             udp_no_csum: false,
+            partial: false,
         }
     }
 
@@ -187,13 +195,16 @@ impl Pkt {
             l4.extend(64240u16.to_be_bytes());
             l4.extend([0, 0, 0, 0]); // checksum, urgent
             l4.extend(&self.payload);
-            let c = checksum(&pseudo(self.src, self.dst, 6, &l4));
+            let c = if self.partial { self.seed(l4.len()) } else { checksum(&pseudo(self.src, self.dst, 6, &l4)) };
             l4[16..18].copy_from_slice(&c.to_be_bytes());
         } else {
             l4.extend((8 + self.payload.len() as u16).to_be_bytes());
             l4.extend([0, 0]);
             l4.extend(&self.payload);
-            if !self.udp_no_csum {
+            if self.partial {
+                let c = self.seed(l4.len());
+                l4[6..8].copy_from_slice(&c.to_be_bytes());
+            } else if !self.udp_no_csum {
                 let mut c = checksum(&pseudo(self.src, self.dst, 17, &l4));
                 if c == 0 {
                     c = 0xffff;
@@ -202,6 +213,12 @@ impl Pkt {
             }
         }
         l4
+    }
+
+    /// The unfinished checksum a sender with offload writes: the folded
+    /// sum of the pseudo-header alone, not complemented.
+    fn seed(&self, l4_len: usize) -> u16 {
+        !checksum(&pseudo(self.src, self.dst, self.proto, &[])[..10].iter().copied().chain((l4_len as u16).to_be_bytes()).collect::<Vec<u8>>())
     }
 
     fn frame(&self) -> Vec<u8> {
@@ -294,7 +311,18 @@ impl Fixture {
         };
         let mut dp = Dataplane::load_unpinned(&cfg).expect("load the XDP program (are you root?)");
         dp.apply_admin(&cfg.services).expect("apply services");
-        Self { dp, if_a: ifindex("gwa"), if_b: ifindex("gwb") }
+        let mut fx = Self { dp, if_a: ifindex("gwa"), if_b: ifindex("gwb") };
+        // Both devices take native and generic redirects, the program
+        // runs natively on both (what lbd writes for such a gateway).
+        fx.netdevs(0, XMIT_ALL, 0, XMIT_ALL);
+        fx
+    }
+
+    /// Describe the two devices to the datapath as lbd would: each one's
+    /// ingress mode (`NETDEV_F_GENERIC` or 0) and what it can transmit.
+    fn netdevs(&mut self, a_mode: u32, a_xmit: u32, b_mode: u32, b_xmit: u32) {
+        let flags = [(self.if_a, a_mode | a_xmit), (self.if_b, b_mode | b_xmit)].into_iter().collect();
+        self.dp.write_netdevs(&flags).expect("write NETDEVS");
     }
 
     /// Run one frame as if received on `ifindex`; returns (action, output).
@@ -353,6 +381,132 @@ fn syn_to_vip_is_rewritten_to_the_backend_and_redirected() {
         assert_eq!(action, XDP_REDIRECT);
         assert_eq!(out, Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..ack }.frame());
         assert_eq!(fx.new_flows("web", BACKEND), 1);
+        assert_eq!(fx.counter("xdp_redirect"), 2);
+        assert_eq!(fx.counter("kernel_egress") + fx.counter("fib_fallback") + fx.counter("csum_partial"), 0);
+    });
+}
+
+/// The packet `p` as the datapath should leave it for the kernel: rewritten
+/// to the backend, TTL and MACs as they came.
+fn to_backend_unrouted(p: &Pkt) -> Pkt {
+    Pkt { dst: BACKEND, dport: 8080, ..p.clone() }
+}
+
+#[test]
+fn an_egress_that_cannot_take_native_redirects_gets_the_kernel_path() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        // gwb transmits only redirects from generic XDP (a bridge, or a
+        // veth whose peer has neither XDP nor GRO); gwa runs natively.
+        fx.netdevs(0, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC);
+        let syn = Pkt::tcp(CLIENT, 41000, VIP, 80, SYN);
+        let (action, out) = fx.run(&syn.frame(), fx.if_a);
+        assert_eq!(action, XDP_PASS, "a native redirect into gwb would be dropped by the kernel");
+        // Rewritten, but TTL and MACs untouched: the kernel forwards it and
+        // decrements the TTL once.
+        assert_eq!(out, to_backend_unrouted(&syn).frame());
+        assert_checksums_valid(&out);
+        assert_eq!(fx.counter("kernel_egress"), 1);
+        assert_eq!(fx.counter("xdp_redirect"), 0);
+        // Not cached: the next packet asks again, and goes the same way.
+        let ack = Pkt { tcp_flags: ACK, ..syn.clone() };
+        assert_eq!(fx.run(&ack.frame(), fx.if_a).0, XDP_PASS);
+        assert_eq!(fx.counter("kernel_egress"), 2);
+
+        // With the program in generic mode on gwa, the same egress works.
+        fx.netdevs(NETDEV_F_GENERIC, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC);
+        let (action, out) = fx.run(&ack.frame(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        assert_eq!(out, Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..ack.clone() }.frame());
+        assert_eq!(fx.counter("xdp_redirect"), 1);
+
+        // A device lbd knows nothing about (or one that is down / not
+        // Ethernet) takes no redirect at all.
+        fx.netdevs(NETDEV_F_GENERIC, XMIT_ALL, 0, 0);
+        let other = Pkt::tcp(CLIENT, 41001, VIP, 80, SYN);
+        let (action, out) = fx.run(&other.frame(), fx.if_a);
+        assert_eq!(action, XDP_PASS);
+        assert_eq!(out, to_backend_unrouted(&other).frame());
+        assert_eq!(fx.counter("kernel_egress"), 3);
+    });
+}
+
+#[test]
+fn unfinished_checksums_are_finished_for_native_redirects_and_kept_unfinished_otherwise() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![
+            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service("dns", 53, Protocol::Udp, &[(BACKEND, 5353)]),
+        ]);
+        // Payload sizes around the summing loop's pieces: empty, odd,
+        // 3 bytes, just over one 512-byte chunk, a full-size segment.
+        let sizes = [0usize, 1, 3, 481, 513, 1400, 1460];
+        let mut port = 42000u16;
+        let mut partial = 0;
+        for (i, &n) in sizes.iter().enumerate() {
+            let payload: Vec<u8> = (0..n).map(|b| (b * 7 + i) as u8).collect();
+            for udp in [false, true] {
+                port += 1;
+                let base = if udp { Pkt::udp(CLIENT, port, VIP, 53) } else { Pkt::tcp(CLIENT, port, VIP, 80, SYN) };
+                let p = Pkt { payload: payload.clone(), partial: true, ..base };
+                let (dport, proto) = if udp { (5353, "udp") } else { (8080, "tcp") };
+
+                // Native ingress, capable egress: leaves as an XDP frame, which
+                // carries no "finish me" mark, so it must be finished here.
+                fx.netdevs(0, XMIT_ALL, 0, XMIT_ALL);
+                let (action, out) = fx.run(&p.frame(), fx.if_a);
+                assert_eq!(action, XDP_REDIRECT, "{proto} payload {n}");
+                let done = Pkt { dst: BACKEND, dport, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, partial: false, ..p.clone() };
+                assert_eq!(out, done.frame(), "{proto} payload {n}: not finished correctly");
+                assert_checksums_valid(&out);
+                partial += 1;
+
+                // Generic ingress: the skb keeps its mark, and the device
+                // (or the kernel) finishes it: it stays unfinished, for the
+                // rewritten addresses.
+                let next = Pkt { sport: p.sport + 10_000, ..p.clone() };
+                fx.netdevs(NETDEV_F_GENERIC, XMIT_ALL, 0, XMIT_ALL);
+                let (action, out) = fx.run(&next.frame(), fx.if_a);
+                assert_eq!(action, XDP_REDIRECT, "{proto} payload {n}");
+                let kept = Pkt { dst: BACKEND, dport, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..next.clone() };
+                assert_eq!(out, kept.frame(), "{proto} payload {n}: unfinished checksum not kept for the new addresses");
+                partial += 1;
+
+                // Native ingress, kernel path: the skb keeps its mark too.
+                let third = Pkt { sport: p.sport + 20_000, ..p.clone() };
+                fx.netdevs(0, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC);
+                let (action, out) = fx.run(&third.frame(), fx.if_a);
+                assert_eq!(action, XDP_PASS, "{proto} payload {n}");
+                assert_eq!(out, Pkt { dst: BACKEND, dport, ..third.clone() }.frame(), "{proto} payload {n}");
+                partial += 1;
+            }
+        }
+        assert_eq!(fx.counter("csum_partial"), partial);
+    });
+}
+
+#[test]
+fn a_finished_checksum_that_looks_unfinished_is_left_finished() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        // Choose the last two payload bytes so that the finished checksum
+        // equals the pseudo-header sum (what an unfinished one holds): one
+        // packet in 65,536 does so by chance.
+        let mut p = Pkt { payload: vec![0x55; 100], ..Pkt::tcp(CLIENT, 43000, VIP, 80, ACK | 0x08) };
+        let seed = p.seed(20 + p.payload.len());
+        let found = (0..=u16::MAX).find(|&w| {
+            p.payload[98..100].copy_from_slice(&w.to_be_bytes());
+            let f = p.frame();
+            u16::from_be_bytes([f[14 + 20 + 16], f[14 + 20 + 17]]) == seed
+        });
+        assert!(found.is_some(), "no payload word gives the colliding checksum");
+        assert_checksums_valid(&p.frame());
+        // Not a new flow (ACK without SYN is still scheduled, as a mid-flow packet).
+        let (action, out) = fx.run(&p.frame(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        assert_eq!(out, Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..p }.frame());
+        assert_checksums_valid(&out);
+        assert_eq!(fx.counter("csum_partial"), 0);
     });
 }
 

@@ -155,8 +155,31 @@ fn main() -> ExitCode {
 fn render(s: &Status) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
-    let ifaces: Vec<String> = s.interfaces.iter().map(|a| format!("{} ({})", a.interface, a.mode)).collect();
-    let _ = writeln!(out, "interfaces: {}", if ifaces.is_empty() { "none".into() } else { ifaces.join(", ") });
+    if s.interfaces.is_empty() {
+        let _ = writeln!(out, "interfaces: none");
+    }
+    for a in &s.interfaces {
+        let _ = writeln!(out, "interface {} XDP {} ({})", a.interface, a.mode, a.reason);
+    }
+    for r in &s.paths {
+        let path = match r.path {
+            lb_userspace::paths::Path::XdpRedirect => "XDP redirect",
+            lb_userspace::paths::Path::Kernel => "kernel forwarding",
+        };
+        let _ = writeln!(out, "  path {} -> {}: {path} ({})", r.ingress, r.egress, r.reason);
+    }
+    let count = |k: &str| s.counters.get(k).copied().unwrap_or(0);
+    let kernel: u64 = lb_common::counter::KERNEL_PATH.iter().map(|&i| count(lb_common::counter::NAMES[i as usize])).sum();
+    let total = count("xdp_redirect") + kernel;
+    if total > 0 {
+        let _ = writeln!(
+            out,
+            "forwarded packets: {} by XDP redirect ({:.1}%), {} through the kernel",
+            count("xdp_redirect"),
+            100.0 * count("xdp_redirect") as f64 / total as f64,
+            kernel
+        );
+    }
     for svc in &s.services {
         let fairness = svc.fairness.map_or_else(|| "-".to_owned(), |f| format!("{f:.4}"));
         let _ = writeln!(

@@ -162,6 +162,7 @@ async fn serve(
     let sweeper = tokio::spawn(sweep_flows(agent.clone()));
     let prober = tokio::spawn(health_checks(agent.clone()));
     let ramp = tokio::spawn(slow_start(agent.clone()));
+    let devices = tokio::spawn(watch_devices(agent.clone()));
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut sigusr2 = signal(SignalKind::user_defined2()).context("installing the SIGUSR2 handler")?;
     let logs = logger.map(|mut fd| {
@@ -196,7 +197,7 @@ async fn serve(
             }
         }
     };
-    for task in [api, exporter, sweeper, prober, ramp] {
+    for task in [api, exporter, sweeper, prober, ramp, devices] {
         task.abort();
         let _ = task.await;
     }
@@ -300,6 +301,24 @@ fn lock(agent: &Mutex<Agent>) -> std::sync::MutexGuard<'_, Agent> {
 }
 
 /// Every few seconds, expire idle flows (the datapath only sees FIN/RST).
+/// Re-read the network devices every 2 s: a device's ability to take XDP
+/// redirects changes at run time (a veth peer's GRO or XDP program, a link
+/// going down), and the datapath must never redirect into one that lost it.
+/// Changes are logged by the dataplane, one line per ingress and egress.
+async fn watch_devices(agent: Arc<Mutex<Agent>>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let agent = agent.clone();
+        match tokio::task::spawn_blocking(move || lock(&agent).dp.refresh_paths()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => warn!(error = %e, "re-reading the network devices failed"),
+            Err(e) => warn!(error = %e, "device watch task failed"),
+        }
+    }
+}
+
 async fn sweep_flows(agent: Arc<Mutex<Agent>>) {
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
