@@ -33,11 +33,26 @@ pub fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
 
 /// Write a lab config for lbd: `services_yaml` is the `services:` list
 /// (already indented as list items). Returns the file path.
+/// The config says nothing about `xdp_mode`: lbd's default (`auto`) is
+/// what is tested. Interfaces are the tuned lab's (`eth0`, `eth1`).
 pub fn write_config(dir: &Path, name: &str, socket: &Path, services_yaml: &str) -> anyhow::Result<PathBuf> {
+    write_config_for(dir, name, socket, &["eth0".into(), "eth1".into()], services_yaml)
+}
+
+/// As [`write_config`], attaching to `interfaces` (a topology's
+/// [`Lab::gw_interfaces`](crate::lab::Lab::gw_interfaces)).
+pub fn write_config_for(
+    dir: &Path,
+    name: &str,
+    socket: &Path,
+    interfaces: &[String],
+    services_yaml: &str,
+) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     let path = dir.join(format!("{name}.yaml"));
     let text = format!(
-        "interfaces: [eth0, eth1]\nxdp_mode: native\nforwarding: nat\ncontrol_socket: {}\npin_path: {}/{}\nconntrack_max: 65536\nservices:\n{services_yaml}",
+        "interfaces: [{}]\nforwarding: nat\ncontrol_socket: {}\npin_path: {}/{}\nconntrack_max: 65536\nservices:\n{services_yaml}",
+        interfaces.join(", "),
         socket.display(),
         crate::lab::BPFFS,
         socket.file_stem().and_then(|s| s.to_str()).unwrap_or("lbd"),
@@ -46,7 +61,35 @@ pub fn write_config(dir: &Path, name: &str, socket: &Path, services_yaml: &str) 
     Ok(path)
 }
 
+/// The XDP mode the kernel reports for `iface` in the lab's gateway
+/// (`ip -j -d link`: the attach mode number, not a substring of the text):
+/// "native", "generic", "offload", or None when no program is attached.
+pub fn xdp_mode_in_use(lab: &Lab, iface: &str) -> anyhow::Result<Option<String>> {
+    let out = Command::new("ip")
+        .args(["-n", &lab.ns("gw"), "-j", "-d", "link", "show", "dev", iface])
+        .output()
+        .context("running ip link show")?;
+    if !out.status.success() {
+        bail!("ip link show dev {iface}: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("ip -j link output")?;
+    let xdp = &v[0]["xdp"];
+    // XDP_ATTACHED_* from linux/if_link.h.
+    Ok(match xdp["mode"].as_u64() {
+        None | Some(0) => None,
+        Some(1) => Some("native".into()),
+        Some(2) => Some("generic".into()),
+        Some(3) => Some("offload".into()),
+        Some(m) => bail!("{iface}: XDP attach mode {m} ({xdp}) is not a single program"),
+    })
+}
+
 impl Lbd {
+    /// lbd's process id (the child of `ip netns exec`, which execs lbd).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Start lbd with `config` in the lab's gateway and wait until its
     /// control socket answers.
     pub fn start(lab: &Lab, config: &Path, socket: &Path) -> anyhow::Result<Self> {

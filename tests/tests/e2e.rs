@@ -7,7 +7,7 @@ use std::process::Command;
 use lb_tests::{
     harness::{Running, config_dir, serial, socket_for},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, write_config},
+    lbd::{Lbd, write_config, xdp_mode_in_use},
 };
 
 const WEB: &str = "  - name: web
@@ -43,16 +43,33 @@ fn u(v: &serde_json::Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"))
 }
 
+/// (XDP-redirected, kernel-path, forwarded) packets from a status: the
+/// path counters and the per-backend packet counters of every service.
+fn paths(status: &serde_json::Value) -> (u64, u64, u64) {
+    let c = &status["counters"];
+    let forwarded = status["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["backends"].as_array().unwrap().iter())
+        .map(|b| u(b, "packets_in") + u(b, "packets_out"))
+        .sum();
+    (u(c, "xdp_redirect"), u(c, "fib_fallback") + u(c, "kernel_egress"), forwarded)
+}
+
 fn xdp_attached(lab: &Lab, iface: &str) -> bool {
-    let out = Command::new("ip").args(["-n", &lab.ns("gw"), "link", "show", "dev", iface]).output().unwrap();
-    assert!(out.status.success());
-    String::from_utf8_lossy(&out.stdout).contains("xdp")
+    xdp_mode_in_use(lab, iface).unwrap().is_some()
 }
 
 #[test]
 fn a_thousand_new_connections_are_balanced_and_counted_exactly() {
-    let s = setup("lbt-e2e-conns", WEB);
-    assert!(xdp_attached(&s.lab, "eth0") && xdp_attached(&s.lab, "eth1"));
+    // Two services on one VIP, as the demo config has.
+    let s = setup("lbt-e2e-conns", &format!("{WEB}{DNS}"));
+    // The tuned lab (GRO on the veth peers): auto picks native on both,
+    // and the kernel says so.
+    for iface in ["eth0", "eth1"] {
+        assert_eq!(xdp_mode_in_use(&s.lab, iface).unwrap().as_deref(), Some("native"), "{iface}");
+    }
     let r = s
         .lab
         .client(&[
@@ -85,9 +102,27 @@ fn a_thousand_new_connections_are_balanced_and_counted_exactly() {
     assert_eq!(counts.iter().map(|c| c.connections).sum::<u64>(), 1000);
     // Every packet went through XDP: none fell back to the kernel after warm-up
     // beyond neighbour resolution, and nothing was dropped.
-    for reason in ["malformed", "no_backend", "flow_table", "fragment"] {
-        assert_eq!(status["counters"][reason], 0, "{reason} drops: {status}");
+    for reason in ["malformed", "no_backend", "flow_table", "fragment", "kernel_egress", "ttl_expired", "csum_partial"] {
+        assert_eq!(status["counters"][reason], 0, "{reason}: {status}");
     }
+    // Neighbour resolution: at most the first packet towards each of the
+    // 250 client addresses and 3 backends (and a retransmission or two)
+    // takes the kernel path.
+    let (redirected, fallback, forwarded) = paths(&status);
+    assert!(fallback <= 260, "{fallback} packets fell back to the kernel: {status}");
+    assert_eq!(redirected + fallback, forwarded, "every forwarded packet took one counted path: {status}");
+    // Once the neighbours are known, XDP redirect carries (nearly) everything.
+    let again = ["conns", "--target", "10.10.0.100:80", "--count", "1000", "--sources-range", "10.10.1.1-10.10.1.250"];
+    assert_eq!(u(&s.lab.client(&again).unwrap(), "failed"), 0);
+    let after = s.lbd.status().unwrap();
+    let (r2, f2, t2) = paths(&after);
+    let share = (r2 - redirected) as f64 / (t2 - forwarded) as f64;
+    println!("tuned lab: {:.2}% of {} packets by XDP redirect after warm-up ({:.2}% before it)", share * 100.0, t2 - forwarded, 100.0 * redirected as f64 / forwarded as f64);
+    assert!(share >= 0.99, "only {:.2}% by XDP redirect after warm-up: {after}", share * 100.0);
+    assert_eq!(r2 + f2, t2);
+    // The second service answers too.
+    let r = s.lab.client(&["udp", "--target", "10.10.0.100:53", "--count", "20", "--per-socket", "3"]).unwrap();
+    assert_eq!((u(&r, "ok"), u(&r, "failed"), u(&r, "flows_switched")), (60, 0, 0), "{r}");
     // The text view names every backend with its weight.
     let text = s.lbd.lbctl(&["status"]).unwrap();
     for addr in s.lab.backend_addrs() {
@@ -239,7 +274,23 @@ fn sigterm_detaches_everything_and_leaves_nothing_pinned() {
     assert!(xdp_attached(&s.lab, "eth0") && xdp_attached(&s.lab, "eth1"));
     assert!(s.lab.pin_dir().join("maps/FLOWS").exists(), "the running datapath is pinned");
     assert_eq!(bpf_programs_named("lb_xdp"), 1);
+    // lbd runs in its own mount namespace (`ip netns exec` makes one):
+    // hold it, to look at the pins from where lbd made them.
+    let pid = s.lbd.pid().unwrap();
+    let lbd_mnt = std::fs::File::open(format!("/proc/{pid}/ns/mnt")).unwrap();
+    let in_lbd_ns = |path: &std::path::Path| {
+        use std::os::fd::AsRawFd as _;
+        let ns = format!("/proc/{}/fd/{}", std::process::id(), lbd_mnt.as_raw_fd());
+        let out = Command::new("nsenter").arg(format!("--mount={ns}")).arg("--").arg("test").arg("-e").arg(path).output().unwrap();
+        match out.status.code() {
+            Some(0) => true,
+            Some(1) => false,
+            _ => panic!("nsenter failed: {out:?}"),
+        }
+    };
+    assert!(in_lbd_ns(&s.lab.pin_dir().join("maps/FLOWS")), "lbd's own view shows the pins");
     let status = s.lbd.stop().unwrap();
+    assert!(!in_lbd_ns(&s.lab.pin_dir()), "pins left in lbd's mount namespace");
     assert!(status.success(), "lbd exited with {status}; log:\n{}", s.lbd.log_text());
     assert!(!xdp_attached(&s.lab, "eth0"), "XDP still attached to eth0");
     assert!(!xdp_attached(&s.lab, "eth1"), "XDP still attached to eth1");

@@ -114,6 +114,11 @@ struct UdpArgs {
     src: SourceArgs,
     #[arg(long, default_value_t = 1000)]
     timeout_ms: u64,
+    /// Datagrams sent one after another from each socket (one UDP flow):
+    /// `count` is then the number of flows; a flow whose answers came from
+    /// more than one backend counts in `flows_switched`.
+    #[arg(long, default_value_t = 1)]
+    per_socket: usize,
 }
 
 /// First few error strings, shared by all workers.
@@ -419,17 +424,30 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
 
 // ------------------------------------------------------------------- udp
 
-async fn one_udp(target: SocketAddr, src: Option<Ipv4Addr>, timeout_ms: u64) -> Result<(String, bool), String> {
+/// One UDP flow: `n` request/reply rounds from one socket. Returns the
+/// backend of every answer, and whether any answer came from another address.
+async fn one_udp(
+    target: SocketAddr,
+    src: Option<Ipv4Addr>,
+    timeout_ms: u64,
+    n: usize,
+) -> Result<(Vec<String>, bool), String> {
     let bind = SocketAddr::new(IpAddr::V4(src.unwrap_or(Ipv4Addr::UNSPECIFIED)), 0);
     let what = || format!("udp {} -> {target}", bind.ip());
     let sock = UdpSocket::bind(bind).await.map_err(|e| format!("{}: bind: {e}", what()))?;
-    timed(what, timeout_ms, sock.send_to(b"ping\n", target)).await?;
-    let mut buf = [0u8; 2048];
-    let (n, from) = timed(what, timeout_ms, sock.recv_from(&mut buf)).await?;
-    let text = String::from_utf8_lossy(&buf[..n]);
-    let backend =
-        text.trim().strip_prefix("backend=").ok_or_else(|| format!("{}: unexpected reply {text:?}", what()))?;
-    Ok((backend.to_string(), from != target))
+    let mut backends = Vec::new();
+    let mut other = false;
+    for _ in 0..n.max(1) {
+        timed(what, timeout_ms, sock.send_to(b"ping\n", target)).await?;
+        let mut buf = [0u8; 2048];
+        let (len, from) = timed(what, timeout_ms, sock.recv_from(&mut buf)).await?;
+        let text = String::from_utf8_lossy(&buf[..len]);
+        let backend =
+            text.trim().strip_prefix("backend=").ok_or_else(|| format!("{}: unexpected reply {text:?}", what()))?;
+        backends.push(backend.to_string());
+        other |= from != target;
+    }
+    Ok((backends, other))
 }
 
 async fn run_udp(a: UdpArgs) -> anyhow::Result<serde_json::Value> {
@@ -440,20 +458,23 @@ async fn run_udp(a: UdpArgs) -> anyhow::Result<serde_json::Value> {
     let mut workers = Vec::new();
     for _ in 0..a.concurrency.max(1).min(a.count.max(1)) {
         let (sources, next, errors) = (sources.clone(), next.clone(), errors.clone());
-        let (target, count, timeout_ms) = (a.target, a.count, a.timeout_ms);
+        let (target, count, timeout_ms, per_socket) = (a.target, a.count, a.timeout_ms, a.per_socket);
         workers.push(tokio::spawn(async move {
-            let (mut ok, mut failed, mut other) = (0u64, 0u64, 0u64);
+            let (mut ok, mut failed, mut other, mut switched) = (0u64, 0u64, 0u64, 0u64);
             let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= count {
                     break;
                 }
-                match one_udp(target, pick(&sources, i), timeout_ms).await {
-                    Ok((backend, from_other)) => {
-                        ok += 1;
+                match one_udp(target, pick(&sources, i), timeout_ms, per_socket).await {
+                    Ok((backends, from_other)) => {
+                        ok += backends.len() as u64;
                         other += u64::from(from_other);
-                        *per_backend.entry(backend).or_default() += 1;
+                        switched += u64::from(backends.iter().any(|b| *b != backends[0]));
+                        for b in backends {
+                            *per_backend.entry(b).or_default() += 1;
+                        }
                     }
                     Err(e) => {
                         failed += 1;
@@ -461,14 +482,15 @@ async fn run_udp(a: UdpArgs) -> anyhow::Result<serde_json::Value> {
                     }
                 }
             }
-            (ok, failed, other, per_backend)
+            (ok, failed, other, switched, per_backend)
         }));
     }
-    let (mut ok, mut failed, mut other) = (0u64, 0u64, 0u64);
+    let (mut ok, mut failed, mut other, mut switched) = (0u64, 0u64, 0u64, 0u64);
     let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
     for w in workers {
-        let (o, f, x, pb) = w.await.context("worker panicked")?;
+        let (o, f, x, sw, pb) = w.await.context("worker panicked")?;
         ok += o;
+        switched += sw;
         failed += f;
         other += x;
         for (k, v) in pb {
@@ -480,6 +502,7 @@ async fn run_udp(a: UdpArgs) -> anyhow::Result<serde_json::Value> {
         "failed": failed,
         "per_backend": per_backend,
         "replies_from_other_addr": other,
+        "flows_switched": switched,
         "errors": errors.take(),
         "elapsed_ms": ms_since(start),
     }))
