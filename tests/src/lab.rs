@@ -29,6 +29,91 @@ const MAX_BACKENDS: usize = 200;
 /// 10.10.1.1 ..= 10.10.255.254 without .0/.255 host parts.
 const MAX_CLIENT_SOURCES: usize = 255 * 254;
 
+/// How the gateway is wired: the lab variants for real-world conditions.
+/// Every one keeps the same addresses (clients 10.10.0.0/16, backends
+/// 10.20.0.0/24, gateway .1 in both, VIPs 10.10.0.96/28 routed to it) and,
+/// except `Tuned`, leaves every device's offloads at kernel defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topology {
+    /// Client veth, backend veth into a switch namespace's bridge; TX
+    /// checksum offload off on the senders, GRO on on the gateway's veth
+    /// peers (what native XDP redirects on veth need).
+    Tuned,
+    /// The same wiring, kernel-default offloads.
+    Default,
+    /// The backends on ports of a Linux bridge inside the gateway (`br0`).
+    BridgeBackend,
+    /// The client behind a Linux bridge inside the gateway (`br0`).
+    BridgeClient,
+    /// One gateway interface for clients and backends (both subnets on it).
+    OneArm,
+    /// Default wiring and offloads, but the far end of the backend link runs
+    /// its own XDP program: native redirects into `eth1` work, into `eth0` not.
+    Mixed,
+}
+
+impl Topology {
+    pub const ALL: [Topology; 6] = [
+        Topology::Tuned,
+        Topology::Default,
+        Topology::BridgeBackend,
+        Topology::BridgeClient,
+        Topology::OneArm,
+        Topology::Mixed,
+    ];
+
+    /// The name on the command line (`cargo xtask lab up --topology NAME`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Topology::Tuned => "tuned",
+            Topology::Default => "default",
+            Topology::BridgeBackend => "bridge-backend",
+            Topology::BridgeClient => "bridge-client",
+            Topology::OneArm => "one-arm",
+            Topology::Mixed => "mixed",
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Topology::Tuned => "veth to the client, veth to a switch bridge; senders' TX checksum off, GRO on the gateway's veth peers",
+            Topology::Default => "veth to the client, veth to a switch bridge; kernel-default offloads",
+            Topology::BridgeBackend => "veth to the client; the backends on ports of a bridge br0 inside the gateway",
+            Topology::BridgeClient => "the client on a port of a bridge br0 inside the gateway; veth to a switch bridge",
+            Topology::OneArm => "one veth to a switch bridge that holds the client and the backends",
+            Topology::Mixed => "default wiring and offloads; the switch end of eth1 runs an XDP program",
+        }
+    }
+
+    /// The gateway interfaces lbd attaches to, client side first.
+    pub fn gw_interfaces(self) -> Vec<String> {
+        let v: &[&str] = match self {
+            Topology::Tuned | Topology::Default | Topology::Mixed => &["eth0", "eth1"],
+            Topology::BridgeBackend => &["eth0", "br0"],
+            Topology::BridgeClient => &["br0", "eth1"],
+            Topology::OneArm => &["eth0"],
+        };
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+}
+
+impl std::str::FromStr for Topology {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Topology::ALL.into_iter().find(|t| t.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Topology::ALL.iter().map(|t| t.name()).collect();
+            format!("unknown topology {s:?} (one of {})", names.join(", "))
+        })
+    }
+}
+
+impl std::fmt::Display for Topology {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// What to build.
 #[derive(Debug, Clone)]
 pub struct LabSpec {
@@ -40,11 +125,19 @@ pub struct LabSpec {
     pub client_sources: usize,
     /// Directory holding the `lab-backend` and `lab-client` binaries.
     pub bin_dir: PathBuf,
+    /// How the gateway is wired.
+    pub topology: Topology,
 }
 
 impl Default for LabSpec {
     fn default() -> Self {
-        LabSpec { prefix: "lb".into(), backends: 3, client_sources: 250, bin_dir: default_bin_dir() }
+        LabSpec {
+            prefix: "lb".into(),
+            backends: 3,
+            client_sources: 250,
+            bin_dir: default_bin_dir(),
+            topology: Topology::Tuned,
+        }
     }
 }
 
@@ -131,6 +224,13 @@ impl Lab {
                 first_err.get_or_insert(e.context(format!("removing namespace {ns}")));
             }
         }
+        // The mixed topology's peer XDP program.
+        let peer = peer_xdp_pin(prefix);
+        if peer.exists()
+            && let Err(e) = std::fs::remove_file(&peer)
+        {
+            first_err.get_or_insert(anyhow::Error::from(e).context(format!("removing {}", peer.display())));
+        }
         // Whatever a killed lbd left pinned for this lab.
         let pins = Path::new(BPFFS).join(prefix);
         if pins.exists()
@@ -147,6 +247,11 @@ impl Lab {
     /// The bpffs directory lbd pins this lab's datapath under.
     pub fn pin_dir(&self) -> PathBuf {
         Path::new(BPFFS).join(&self.spec.prefix)
+    }
+
+    /// The gateway interfaces lbd attaches to in this lab's topology.
+    pub fn gw_interfaces(&self) -> Vec<String> {
+        self.spec.topology.gw_interfaces()
     }
 
     /// Leaves the lab running when this handle is dropped.
@@ -301,45 +406,72 @@ impl Lab {
             self.ip_ns(&role, &["link", "set", "lo", "up"])?;
         }
 
-        // Links, created directly inside their namespaces.
+        let topo = self.spec.topology;
         let gw_ns = self.ns("gw");
         let sw_ns = self.ns("sw");
-        self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns])?;
-        self.ip_ns("gw", &["link", "add", "eth1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
+        // The backends' side: ports p1..pN of a bridge, in the switch
+        // namespace or (bridge-backend) in the gateway itself.
+        let be_bridge_ns = if topo == Topology::BridgeBackend { &gw_ns } else { &sw_ns };
         for i in 1..=n {
             let port = format!("p{i}");
             self.ip_ns(
                 &format!("be{i}"),
-                &["link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns", &sw_ns],
+                &["link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns", be_bridge_ns],
             )?;
         }
-
-        // Switch.
-        let mut sw = String::from("link add br0 type bridge stp_state 0\nlink set br0 up\n");
-        for p in 0..=n {
-            writeln!(sw, "link set p{p} master br0\nlink set p{p} up").unwrap();
+        let ports = |first: usize| {
+            let mut b = String::from("link add br0 type bridge stp_state 0\nlink set br0 up\n");
+            for p in first..=n {
+                writeln!(b, "link set p{p} master br0\nlink set p{p} up").unwrap();
+            }
+            b
+        };
+        let mut gw = String::new();
+        match topo {
+            Topology::Tuned | Topology::Default | Topology::Mixed => {
+                self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns])?;
+                self.ip_ns("gw", &["link", "add", "eth1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
+                self.ip_batch("sw", &ports(0))?;
+                gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n");
+            }
+            Topology::BridgeBackend => {
+                self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns])?;
+                gw.push_str(&ports(1));
+                gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev br0\n");
+            }
+            Topology::BridgeClient => {
+                self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "c0", "netns", &gw_ns])?;
+                self.ip_ns("gw", &["link", "add", "eth1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
+                self.ip_batch("sw", &ports(0))?;
+                gw.push_str("link add br0 type bridge stp_state 0\nlink set br0 up\nlink set c0 master br0\nlink set c0 up\n");
+                gw.push_str("addr add 10.10.0.1/16 dev br0\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n");
+            }
+            Topology::OneArm => {
+                self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "pc", "netns", &sw_ns])?;
+                self.ip_ns("gw", &["link", "add", "eth0", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
+                let mut sw = ports(0);
+                sw.push_str("link set pc master br0\nlink set pc up\n");
+                self.ip_batch("sw", &sw)?;
+                gw.push_str("addr add 10.10.0.1/16 dev eth0\naddr add 10.20.0.1/24 dev eth0\nlink set eth0 up\n");
+            }
         }
-        self.ip_batch("sw", &sw)?;
-        self.ns_exec("sw", "ethtool", &["-K", "p0", "gro", "on"])?;
-
-        // Gateway.
-        self.ip_batch(
-            "gw",
-            "addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n",
-        )?;
-        self.ns_exec(
-            "gw",
-            "sysctl",
-            &[
-                "-q",
-                "-w",
-                "net.ipv4.ip_forward=1",
-                "net.ipv4.conf.all.rp_filter=0",
-                "net.ipv4.conf.default.rp_filter=0",
-                "net.ipv4.conf.eth0.rp_filter=0",
-                "net.ipv4.conf.eth1.rp_filter=0",
-            ],
-        )?;
+        self.ip_batch("gw", &gw)?;
+        let mut sysctls: Vec<String> = ["net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"]
+            .map(String::from)
+            .into();
+        for i in self.gw_interfaces() {
+            sysctls.push(format!("net.ipv4.conf.{i}.rp_filter=0"));
+        }
+        if topo == Topology::OneArm {
+            // A one-arm router would tell clients to talk to the backends
+            // directly (ICMP redirect) for packets it forwards itself.
+            for i in ["all", "default", "eth0"] {
+                sysctls.push(format!("net.ipv4.conf.{i}.send_redirects=0"));
+            }
+        }
+        let mut args = vec!["-q", "-w"];
+        args.extend(sysctls.iter().map(String::as_str));
+        self.ns_exec("gw", "sysctl", &args)?;
 
         // Client.
         let mut cl = String::from("addr add 10.10.0.2/16 dev eth0\nlink set eth0 up\n");
@@ -353,8 +485,16 @@ impl Lab {
             "sysctl",
             &["-q", "-w", "net.ipv4.ip_local_port_range=1024 65000", "net.ipv4.tcp_tw_reuse=1"],
         )?;
-        self.ns_exec("client", "ethtool", &["-K", "eth0", "tx", "off"])?;
-        self.ns_exec("client", "ethtool", &["-K", "eth0", "gro", "on"])?;
+        if topo == Topology::Tuned {
+            self.ns_exec("sw", "ethtool", &["-K", "p0", "gro", "on"])?;
+            self.ns_exec("client", "ethtool", &["-K", "eth0", "tx", "off"])?;
+            self.ns_exec("client", "ethtool", &["-K", "eth0", "gro", "on"])?;
+        }
+        if topo == Topology::Mixed {
+            let pin = peer_xdp_pin(&self.spec.prefix);
+            load_pass_program(&pin)?;
+            self.ip_ns("sw", &["link", "set", "dev", "p0", "xdpdrv", "pinned", &pin.to_string_lossy()])?;
+        }
 
         // Backends.
         for (i, addr) in (1..=n).zip(self.backend_addrs()) {
@@ -363,7 +503,9 @@ impl Lab {
                 &role,
                 &format!("addr add {addr}/24 dev eth0\nlink set eth0 up\nroute add default via 10.20.0.1\n"),
             )?;
-            self.ns_exec(&role, "ethtool", &["-K", "eth0", "tx", "off"])?;
+            if topo == Topology::Tuned {
+                self.ns_exec(&role, "ethtool", &["-K", "eth0", "tx", "off"])?;
+            }
         }
         for idx in 0..n {
             self.spawn_backend(idx)?;
@@ -446,6 +588,53 @@ impl Drop for Lab {
             eprintln!("lab {}: teardown panicked", self.spec.prefix);
         }
     }
+}
+
+/// Where the mixed topology pins its peer's XDP program.
+fn peer_xdp_pin(prefix: &str) -> PathBuf {
+    Path::new(BPFFS).join(format!("{prefix}-peer-xdp"))
+}
+
+/// Load an XDP program that returns XDP_PASS and pin it at `pin`.
+///
+/// Hand-written with bpf(2): the program is two instructions, and loading
+/// it needs no ELF object, no libbpf and no aya in the lab library.
+fn load_pass_program(pin: &Path) -> anyhow::Result<()> {
+    // struct bpf_insn, little endian: opcode, registers, offset, immediate.
+    let insns: [u64; 2] = [
+        0xb7 | (2u64 << 32), // r0 = 2 (XDP_PASS)
+        0x95,                // exit
+    ];
+    let license = b"GPL\0";
+    let name = b"lab_peer_pass\0";
+    // union bpf_attr for BPF_PROG_LOAD: prog_type, insn_cnt, insns,
+    // license, log fields (zero), kern_version, prog_flags, prog_name.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&6u32.to_ne_bytes()); // BPF_PROG_TYPE_XDP
+    attr[4..8].copy_from_slice(&(insns.len() as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    attr[48..48 + name.len()].copy_from_slice(name);
+    // SAFETY: bpf(BPF_PROG_LOAD) reads `attr` and the buffers it points to,
+    // all alive for the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, 5, attr.as_ptr(), attr.len()) };
+    if fd < 0 {
+        bail!("loading the peer XDP program: {}", std::io::Error::last_os_error());
+    }
+    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes()).context("pin path")?;
+    // union bpf_attr for BPF_OBJ_PIN: pathname, bpf_fd.
+    let mut pin_attr = [0u8; 16];
+    pin_attr[0..8].copy_from_slice(&(path.as_ptr() as u64).to_ne_bytes());
+    pin_attr[8..12].copy_from_slice(&(fd as u32).to_ne_bytes());
+    // SAFETY: bpf(BPF_OBJ_PIN) reads `pin_attr` and the path it points to.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, 6, pin_attr.as_ptr(), pin_attr.len()) };
+    let err = std::io::Error::last_os_error();
+    // SAFETY: fd is ours; the pin (if made) keeps the program alive.
+    unsafe { libc::close(fd as i32) };
+    if rc != 0 {
+        bail!("pinning the peer XDP program at {}: {err}", pin.display());
+    }
+    Ok(())
 }
 
 fn validate(spec: &LabSpec) -> anyhow::Result<()> {

@@ -11,7 +11,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
 use lb_tests::{
-    lab::{Lab, LabSpec},
+    lab::{Lab, LabSpec, Topology},
     lbd::Lbd,
 };
 
@@ -81,7 +81,12 @@ enum BenchPart {
 #[derive(Subcommand)]
 enum LabAction {
     /// Create the lab (replacing any leftover one) and leave it running.
-    Up,
+    Up {
+        /// Gateway wiring: tuned (the demo's), default, bridge-backend,
+        /// bridge-client, one-arm or mixed (see the README, "Where it runs").
+        #[arg(long, default_value = "tuned")]
+        topology: Topology,
+    },
     /// Remove the lab: processes, namespaces, links. Safe to repeat.
     Down,
 }
@@ -93,9 +98,10 @@ fn main() {
     let result = match args.cmd {
         Cmd::Setup => setup::setup(),
         Cmd::Build => ensure_setup().and_then(|()| build()),
-        Cmd::Lab { action: LabAction::Up } => {
-            need_root("cargo xtask lab up").and_then(|()| ensure_setup()).and_then(|()| build()).and_then(|()| lab_up())
-        }
+        Cmd::Lab { action: LabAction::Up { topology } } => need_root("cargo xtask lab up")
+            .and_then(|()| ensure_setup())
+            .and_then(|()| build())
+            .and_then(|()| lab_up(topology)),
         Cmd::Lab { action: LabAction::Down } => need_root("cargo xtask lab down").and_then(|()| Lab::down(LAB_PREFIX)),
         Cmd::Demo { requests } => need_root("cargo xtask demo")
             .and_then(|()| ensure_setup())
@@ -199,21 +205,32 @@ fn lab_spec() -> LabSpec {
     LabSpec { prefix: LAB_PREFIX.into(), bin_dir: bin_dir(), ..LabSpec::default() }
 }
 
-fn lab_up() -> anyhow::Result<()> {
-    let lab = Lab::up(lab_spec())?;
+fn lab_up(topology: Topology) -> anyhow::Result<()> {
+    let lab = Lab::up(LabSpec { topology, ..lab_spec() })?;
     println!(
-        "lab {LAB_PREFIX} is up: namespaces {}, {}, {}, {}..{}; gateway interfaces eth0 (clients, 10.10.0.1) and eth1 (backends, 10.20.0.1)",
+        "lab {LAB_PREFIX} ({topology}: {}) is up: namespaces {}, {}, {}, {}..{}; gateway interfaces {} (clients 10.10.0.1, backends 10.20.0.1)",
+        topology.describe(),
         lab.ns("client"),
         lab.ns("gw"),
         lab.ns("sw"),
         lab.ns("be1"),
         lab.ns(&format!("be{}", lab.spec.backends)),
+        lab.gw_interfaces().join(", "),
     );
-    println!(
-        "start the balancer:  ip netns exec {} {}/lbd --config configs/lab.yaml",
-        lab.ns("gw"),
-        bin_dir().display()
-    );
+    if lab.gw_interfaces() == ["eth0", "eth1"] {
+        println!(
+            "start the balancer:  ip netns exec {} {}/lbd --config configs/lab.yaml",
+            lab.ns("gw"),
+            bin_dir().display()
+        );
+    } else {
+        println!(
+            "start the balancer:  ip netns exec {} {}/lbd --config FILE  (configs/lab.yaml with interfaces: [{}])",
+            lab.ns("gw"),
+            bin_dir().display(),
+            lab.gw_interfaces().join(", ")
+        );
+    }
     println!("take it down:        cargo xtask lab down");
     lab.keep();
     Ok(())

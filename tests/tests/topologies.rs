@@ -1,0 +1,250 @@
+//! Where it runs: the balancer with its default configuration (`xdp_mode:
+//! auto`) on every lab topology, with every device's offloads at kernel
+//! defaults (and the tuned lab as the fast-path reference). Per topology:
+//! the XDP mode the kernel reports on each interface is the one `auto`
+//! must pick; 2,000 new HTTP connections and 20 long-lived ones pass with
+//! no failure; lbd's new-flow counters equal the backends' accept counts;
+//! UDP flows of several datagrams each stay on one backend (a second
+//! service); and the path counters account for every forwarded packet,
+//! agreeing with the path lbd reports. Prints the share of packets that
+//! left by XDP redirect. Needs root.
+use std::collections::BTreeMap;
+
+use lb_tests::{
+    harness::{config_dir, serial, socket_for},
+    lab::{Lab, LabSpec, Topology},
+    lbd::{Lbd, write_config_for, xdp_mode_in_use},
+};
+
+const SERVICES: &str = "  - name: web
+    vip: 10.10.0.100
+    port: 80
+    protocol: tcp
+    scheduler: maglev
+    backends:
+      - { address: 10.20.0.11, port: 8080, weight: 1 }
+      - { address: 10.20.0.12, port: 8080, weight: 1 }
+      - { address: 10.20.0.13, port: 8080, weight: 1 }
+  - name: dns
+    vip: 10.10.0.101
+    port: 53
+    protocol: udp
+    scheduler: maglev
+    backends:
+      - { address: 10.20.0.11, port: 8080, weight: 1 }
+      - { address: 10.20.0.12, port: 8080, weight: 1 }
+      - { address: 10.20.0.13, port: 8080, weight: 1 }
+";
+
+/// What `auto` must choose on each gateway interface, and why (see the
+/// README's "Where it runs").
+fn expected_modes(t: Topology) -> Vec<(&'static str, &'static str)> {
+    match t {
+        // GRO on the veth peers: both directions take native redirects.
+        Topology::Tuned => vec![("eth0", "native"), ("eth1", "native")],
+        // Default veths: no peer has XDP or GRO, native redirects would be dropped.
+        Topology::Default => vec![("eth0", "generic"), ("eth1", "generic")],
+        // A bridge has no native XDP and cannot transmit native redirects.
+        Topology::BridgeBackend => vec![("eth0", "generic"), ("br0", "generic")],
+        Topology::BridgeClient => vec![("br0", "generic"), ("eth1", "generic")],
+        // One veth whose peer takes no native redirects.
+        Topology::OneArm => vec![("eth0", "generic")],
+        // eth1's peer runs XDP (native redirects into eth1 work), eth0's does not.
+        Topology::Mixed => vec![("eth0", "native"), ("eth1", "generic")],
+    }
+}
+
+fn u(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"))
+}
+
+fn counters(status: &serde_json::Value) -> BTreeMap<String, u64> {
+    serde_json::from_value(status["counters"].clone()).expect("counters")
+}
+
+fn run_topology(t: Topology) {
+    let prefix = "lbt-where";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), backends: 3, topology: t, ..LabSpec::default() })
+        .unwrap_or_else(|e| panic!("{}: lab up: {e:#}", t.name()));
+    let sock = socket_for(prefix);
+    let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), SERVICES).unwrap();
+    let lbd = Lbd::start(&lab, &config, &sock).unwrap_or_else(|e| panic!("{}: lbd start: {e:#}", t.name()));
+    let status = lbd.status().unwrap();
+
+    // The mode in use, as the kernel reports it, is what auto must pick
+    // and what lbd says it uses.
+    for (iface, mode) in expected_modes(t) {
+        let kernel = xdp_mode_in_use(&lab, iface).unwrap();
+        assert_eq!(kernel.as_deref(), Some(mode), "{}: XDP mode on {iface}; lbd log:\n{}", t.name(), lbd.log_text());
+        let reported = status["interfaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["interface"] == iface)
+            .unwrap_or_else(|| panic!("{}: {iface} not in status {status}", t.name()));
+        assert_eq!(reported["mode"], mode, "{}: lbd reports {reported}", t.name());
+    }
+    // lbd reports a path for every ingress and each egress it forwards
+    // to (the other interfaces; itself on a one-arm gateway), and logged
+    // each one.
+    let log = lbd.log_text();
+    let paths = status["paths"].as_array().unwrap();
+    let ifaces = lab.gw_interfaces();
+    let want = if ifaces.len() == 1 { 1 } else { ifaces.len() * (ifaces.len() - 1) };
+    assert_eq!(paths.len(), want, "{}: paths {status}", t.name());
+    for p in paths {
+        let (i, e) = (p["ingress"].as_str().unwrap(), p["egress"].as_str().unwrap());
+        assert!(
+            log.lines().any(|l| l.contains("forwarding path")
+                && l.contains(&format!("ingress={i} "))
+                && l.contains(&format!("egress={e} "))),
+            "{}: no path line for {i} -> {e} in the log:\n{log}",
+            t.name()
+        );
+    }
+    lab.reset_backend_counts().unwrap();
+
+    // 20 long-lived connections while 2,000 new ones come and go.
+    let long = std::thread::scope(|sc| {
+        let long = sc.spawn(|| {
+            lab.client(&[
+                "longlived",
+                "--target",
+                "10.10.0.100:80",
+                "--connections",
+                "20",
+                "--rounds",
+                "200",
+                "--interval-ms",
+                "20",
+                "--sources-range",
+                "10.10.1.231-10.10.1.250",
+            ])
+        });
+        let conns = lab
+            .client(&[
+                "conns",
+                "--target",
+                "10.10.0.100:80",
+                "--count",
+                "2000",
+                "--concurrency",
+                "10",
+                "--sources-range",
+                "10.10.1.1-10.10.1.250",
+            ])
+            .unwrap();
+        assert_eq!(u(&conns, "failed"), 0, "{}: failed connections: {conns}", t.name());
+        assert_eq!(u(&conns, "ok"), 2000, "{}: {conns}", t.name());
+        long.join().unwrap()
+    });
+    let long = long.unwrap_or_else(|e| panic!("{}: long-lived connections: {e:#}", t.name()));
+    assert_eq!(u(&long, "failed"), 0, "{}: long-lived failures: {long}", t.name());
+
+    // UDP through the second service: 50 flows of 5 datagrams, each flow
+    // answered by one backend throughout.
+    let udp = lab
+        .client(&[
+            "udp",
+            "--target",
+            "10.10.0.101:53",
+            "--count",
+            "50",
+            "--per-socket",
+            "5",
+            "--concurrency",
+            "5",
+            "--sources-range",
+            "10.10.1.1-10.10.1.250",
+        ])
+        .unwrap();
+    assert_eq!(u(&udp, "failed"), 0, "{}: UDP failures: {udp}", t.name());
+    assert_eq!(u(&udp, "ok"), 250, "{}: {udp}", t.name());
+    assert_eq!(u(&udp, "flows_switched"), 0, "{}: a UDP flow changed backend: {udp}", t.name());
+
+    let status = lbd.status().unwrap();
+    // New-flow counters equal the backends' own accept counts.
+    let counts = lab.backend_counts().unwrap();
+    for (i, addr) in lab.backend_addrs().iter().enumerate() {
+        let ours = Lbd::new_flows(&status, "web", &addr.to_string()).unwrap();
+        assert_eq!(ours, counts[i].connections, "{}: lbd counted {ours} new flows for {addr}, the backend {counts:?}", t.name());
+        let udp_flows = Lbd::new_flows(&status, "dns", &addr.to_string()).unwrap();
+        assert!(udp_flows <= 50, "{}: {udp_flows} UDP flows on {addr}", t.name());
+    }
+    let total_udp: u64 = lab.backend_addrs().iter().map(|a| Lbd::new_flows(&status, "dns", &a.to_string()).unwrap()).sum();
+    assert_eq!(total_udp, 50, "{}: UDP flows counted", t.name());
+
+    // Every forwarded packet left by exactly one path, and the counters say
+    // which; they agree with the paths lbd reports.
+    let c = counters(&status);
+    let forwarded: u64 = status["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["backends"].as_array().unwrap().iter())
+        .map(|b| u(b, "packets_in") + u(b, "packets_out"))
+        .sum();
+    let redirect = c["xdp_redirect"];
+    let kernel = c["kernel_egress"] + c["fib_fallback"];
+    assert_eq!(redirect + kernel, forwarded, "{}: path counters {c:?} do not add up to {forwarded} packets", t.name());
+    for k in ["malformed", "no_backend", "flow_table", "fragment", "ttl_expired"] {
+        assert_eq!(c[k], 0, "{}: counter {k} = {}: {c:?}", t.name(), c[k]);
+    }
+    let all_redirect = status["paths"].as_array().unwrap().iter().all(|p| p["path"] == "xdp_redirect");
+    let share = redirect as f64 / forwarded as f64;
+    // The neighbours are known now: a second round shows the steady state.
+    let again = lab
+        .client(&["conns", "--target", "10.10.0.100:80", "--count", "500", "--sources-range", "10.10.1.1-10.10.1.250"])
+        .unwrap();
+    assert_eq!(u(&again, "failed"), 0, "{}: {again}", t.name());
+    let later = lbd.status().unwrap();
+    let c2 = counters(&later);
+    let forwarded2: u64 = later["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["backends"].as_array().unwrap().iter())
+        .map(|b| u(b, "packets_in") + u(b, "packets_out"))
+        .sum::<u64>()
+        - forwarded;
+    let steady = (c2["xdp_redirect"] - redirect) as f64 / forwarded2 as f64;
+    println!(
+        "topology {:<15} modes {:?}: {forwarded} packets, {:.2}% by XDP redirect ({:.2}% of the next {forwarded2} after warm-up), {} kernel_egress, {} fib_fallback, {} unfinished checksums",
+        t.name(),
+        expected_modes(t),
+        share * 100.0,
+        steady * 100.0,
+        c["kernel_egress"],
+        c["fib_fallback"],
+        c["csum_partial"]
+    );
+    if all_redirect {
+        assert_eq!(c["kernel_egress"], 0, "{}: lbd reports XDP redirect everywhere, yet {c:?}", t.name());
+        // Only first packets towards a not-yet-resolved neighbour (250
+        // client source addresses, 3 backends) take the kernel path.
+        assert!(c["fib_fallback"] <= 290, "{}: {c:?}", t.name());
+        assert!(steady >= 0.99, "{}: only {:.2}% by XDP redirect after warm-up: {c2:?}", t.name(), steady * 100.0);
+    } else {
+        assert!(c["kernel_egress"] > 0, "{}: lbd reports a kernel path, no packet took it: {c:?}", t.name());
+    }
+    if t == Topology::Tuned {
+        // The senders finish their checksums there.
+        assert_eq!(c["csum_partial"], 0, "{c:?}");
+    }
+    if t == Topology::Mixed {
+        // Default offloads: the client leaves checksums unfinished, and the
+        // native eth0 finishes them before redirecting.
+        assert!(c["csum_partial"] > 0, "{c:?}");
+    }
+    drop(lbd);
+    drop(lab);
+}
+
+#[test]
+fn every_topology_forwards_correctly_with_the_default_config() {
+    let _guard = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    for t in Topology::ALL {
+        run_topology(t);
+    }
+}
