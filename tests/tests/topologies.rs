@@ -248,3 +248,82 @@ fn every_topology_forwards_correctly_with_the_default_config() {
         run_topology(t);
     }
 }
+
+/// `xdp_mode: native` forced where native redirects cannot work (default
+/// veths: no peer has XDP or GRO): lbd warns, every forwarded packet takes
+/// the kernel path and is counted there, nothing fails. Then the devices
+/// change at run time (GRO turned on at both peers): within a few seconds
+/// lbd logs the new paths and packets leave by XDP redirect; and back.
+#[test]
+fn forced_native_takes_the_kernel_path_and_follows_device_changes() {
+    let _guard = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    let prefix = "lbt-native";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), backends: 3, topology: Topology::Default, ..LabSpec::default() })
+        .expect("lab up");
+    let sock = socket_for(prefix);
+    let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), SERVICES).unwrap();
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("xdp_mode: native\n{text}")).unwrap();
+    let lbd = Lbd::start(&lab, &config, &sock).unwrap();
+    for iface in ["eth0", "eth1"] {
+        assert_eq!(xdp_mode_in_use(&lab, iface).unwrap().as_deref(), Some("native"), "{iface}");
+    }
+    let log = lbd.log_text();
+    assert!(
+        log.lines().any(|l| l.contains("WARN") && l.contains("xdp_mode native: packets to eth1 take the kernel path")),
+        "no warning about eth1 in:\n{log}"
+    );
+    let status = lbd.status().unwrap();
+    assert!(status["paths"].as_array().unwrap().iter().all(|p| p["path"] == "kernel"), "{status}");
+    let conns = ["conns", "--target", "10.10.0.100:80", "--count", "500", "--sources-range", "10.10.1.1-10.10.1.250"];
+    let r = lab.client(&conns).unwrap();
+    assert_eq!(u(&r, "failed"), 0, "{r}");
+    let status = lbd.status().unwrap();
+    let c = counters(&status);
+    let forwarded: u64 = status["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["backends"].as_array().unwrap().iter())
+        .map(|b| u(b, "packets_in") + u(b, "packets_out"))
+        .sum();
+    assert_eq!(c["xdp_redirect"], 0, "a native redirect into a veth without XDP or GRO at its peer: {c:?}");
+    assert_eq!(c["kernel_egress"] + c["fib_fallback"], forwarded, "{c:?}");
+    assert!(c["kernel_egress"] > 0, "{c:?}");
+    println!("forced native on default veths: {forwarded} packets, all through the kernel ({c:?})");
+
+    // GRO on at both peers: native redirects into eth0 and eth1 work now.
+    let ethtool = |role: &str, dev: &str, on: &str| {
+        let out = lab.cmd(role, "ethtool").args(["-K", dev, "gro", on]).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+    };
+    ethtool("sw", "p0", "on");
+    ethtool("client", "eth0", "on");
+    let switched = lb_tests::lbd::wait_for(6, || {
+        let s = lbd.status().ok()?;
+        s["paths"].as_array()?.iter().all(|p| p["path"] == "xdp_redirect").then_some(())
+    });
+    assert!(switched.is_some(), "paths did not follow the devices:\n{}", lbd.log_text());
+    let r = lab.client(&conns).unwrap();
+    assert_eq!(u(&r, "failed"), 0, "{r}");
+    let c2 = counters(&lbd.status().unwrap());
+    assert!(c2["xdp_redirect"] > 0, "{c2:?}");
+    assert_eq!(c2["kernel_egress"], c["kernel_egress"], "{c2:?}");
+    // And back: the datapath stops redirecting into eth1 at once.
+    ethtool("sw", "p0", "off");
+    let back = lb_tests::lbd::wait_for(6, || {
+        let s = lbd.status().ok()?;
+        s["paths"].as_array()?.iter().any(|p| p["egress"] == "eth1" && p["path"] == "kernel").then_some(())
+    });
+    assert!(back.is_some(), "eth1 still reported as a redirect target:\n{}", lbd.log_text());
+    let r = lab.client(&conns).unwrap();
+    assert_eq!(u(&r, "failed"), 0, "{r}");
+    let c3 = counters(&lbd.status().unwrap());
+    assert!(c3["kernel_egress"] > c2["kernel_egress"], "{c3:?}");
+    let log = lbd.log_text();
+    assert!(
+        log.lines().any(|l| l.contains("forwarding path") && l.contains("ingress=eth0 ") && l.contains("egress=eth1 ") && l.contains("kernel forwarding")),
+        "{log}"
+    );
+}
