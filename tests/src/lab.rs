@@ -7,9 +7,27 @@
 //!                                                   br0 ─ pN ─────── eth0 10.20.0.(10+N)/24
 //! ```
 //!
-//! VIPs live in 10.10.0.96/28; the client routes them (and 10.20.0.0/24, for
-//! direct-to-backend runs) via the gateway. Each backend namespace runs
-//! `lab-backend` with its stats API on port 9000 (all addresses: health checks use it).
+//! That is the `tuned` and `default` wiring ([`Topology`]); the variants
+//! change only the gateway's side, never an address:
+//!
+//! ```text
+//!  bridge-backend  client eth0 ── eth0 │ gw br0 10.20.0.1 ─ pN ──── beN eth0   (no switch)
+//!  bridge-client   client eth0 ── c0 ─ br0 10.10.0.1 │ gw eth1 ── p0 (switch as above)
+//!  one-arm         gw eth0 10.10.0.1 + 10.20.0.1 ── p0 ┐
+//!                  client eth0 ─────────────────── pc ─ br0 ─ pN ── beN eth0
+//!  mixed           as default, plus an XDP_PASS program (native) on the switch's p0
+//! ```
+//!
+//! Only `tuned` touches offloads (TX checksum off on the client's and the
+//! backends' eth0, GRO on on the client's eth0 and the switch's p0); every
+//! other variant leaves kernel defaults. [`Lab::gw_interfaces`] names the
+//! interfaces lbd attaches to.
+//!
+//! VIPs live in 10.10.0.96/28 (not configured on the gateway); the client
+//! routes them (and 10.20.0.0/24, for direct-to-backend runs) via the
+//! gateway, which forwards (ip_forward=1, rp_filter=0; send_redirects=0 in
+//! one-arm). Each backend namespace runs `lab-backend` with its stats API on
+//! port 9000 (all addresses: health checks use it).
 
 use std::ffi::OsStr;
 use std::fmt::Write as _;
@@ -76,10 +94,14 @@ impl Topology {
 
     pub fn describe(self) -> &'static str {
         match self {
-            Topology::Tuned => "veth to the client, veth to a switch bridge; senders' TX checksum off, GRO on the gateway's veth peers",
+            Topology::Tuned => {
+                "veth to the client, veth to a switch bridge; senders' TX checksum off, GRO on the gateway's veth peers"
+            }
             Topology::Default => "veth to the client, veth to a switch bridge; kernel-default offloads",
             Topology::BridgeBackend => "veth to the client; the backends on ports of a bridge br0 inside the gateway",
-            Topology::BridgeClient => "the client on a port of a bridge br0 inside the gateway; veth to a switch bridge",
+            Topology::BridgeClient => {
+                "the client on a port of a bridge br0 inside the gateway; veth to a switch bridge"
+            }
             Topology::OneArm => "one veth to a switch bridge that holds the client and the backends",
             Topology::Mixed => "default wiring and offloads; the switch end of eth1 runs an XDP program",
         }
@@ -429,13 +451,19 @@ impl Lab {
         let mut gw = String::new();
         match topo {
             Topology::Tuned | Topology::Default | Topology::Mixed => {
-                self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns])?;
+                self.ip_ns(
+                    "client",
+                    &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns],
+                )?;
                 self.ip_ns("gw", &["link", "add", "eth1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
                 self.ip_batch("sw", &ports(0))?;
                 gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n");
             }
             Topology::BridgeBackend => {
-                self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns])?;
+                self.ip_ns(
+                    "client",
+                    &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns],
+                )?;
                 gw.push_str(&ports(1));
                 gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev br0\n");
             }
@@ -443,7 +471,9 @@ impl Lab {
                 self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "c0", "netns", &gw_ns])?;
                 self.ip_ns("gw", &["link", "add", "eth1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
                 self.ip_batch("sw", &ports(0))?;
-                gw.push_str("link add br0 type bridge stp_state 0\nlink set br0 up\nlink set c0 master br0\nlink set c0 up\n");
+                gw.push_str(
+                    "link add br0 type bridge stp_state 0\nlink set br0 up\nlink set c0 master br0\nlink set c0 up\n",
+                );
                 gw.push_str("addr add 10.10.0.1/16 dev br0\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n");
             }
             Topology::OneArm => {
@@ -456,9 +486,10 @@ impl Lab {
             }
         }
         self.ip_batch("gw", &gw)?;
-        let mut sysctls: Vec<String> = ["net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"]
-            .map(String::from)
-            .into();
+        let mut sysctls: Vec<String> =
+            ["net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"]
+                .map(String::from)
+                .into();
         for i in self.gw_interfaces() {
             sysctls.push(format!("net.ipv4.conf.{i}.rp_filter=0"));
         }
