@@ -6,8 +6,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use lb_common::{
-    ADDR_FILTER_BITS, Backend, BackendStats, Conns, Flow, FlowKey, MAX_BACKENDS, MAX_NETDEVS, MAX_SERVICES, Service, VipKey,
-    counter,
+    ADDR_FILTER_BITS, Backend, BackendStats, Conns, Flow, FlowKey, MAX_BACKENDS, MAX_NETDEVS, MAX_SERVICES, Service,
+    VipKey, counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.

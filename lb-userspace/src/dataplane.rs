@@ -495,7 +495,8 @@ impl Dataplane {
                 paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
             let (mut mode, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
             // A pinned link is adopted in the mode it has: plan with that one.
-            if let Some(saved) = links_dir.as_ref().and_then(|d| std::fs::read_to_string(d.join(iface).with_extension("mode")).ok())
+            if let Some(saved) =
+                links_dir.as_ref().and_then(|d| std::fs::read_to_string(d.join(iface).with_extension("mode")).ok())
                 && d_exists(links_dir.as_deref(), iface)
             {
                 mode = Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native);

@@ -249,7 +249,8 @@ mod tests {
         let mut down = link(6, "eth9", Some("veth"), Some(VETH_XMIT));
         down.up = false;
         let links = vec![eth0, br0, down];
-        let modes: BTreeMap<String, Mode> = [("eth0".to_owned(), Mode::Native), ("br0".to_owned(), Mode::Generic)].into();
+        let modes: BTreeMap<String, Mode> =
+            [("eth0".to_owned(), Mode::Native), ("br0".to_owned(), Mode::Generic)].into();
         let flags = netdev_flags(&links, &modes);
         assert_eq!(flags[&2], NETDEV_F_XMIT_GENERIC | NETDEV_F_XMIT_NATIVE);
         assert_eq!(flags[&4], NETDEV_F_GENERIC | NETDEV_F_XMIT_GENERIC);

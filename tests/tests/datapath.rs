@@ -218,7 +218,13 @@ impl Pkt {
     /// The unfinished checksum a sender with offload writes: the folded
     /// sum of the pseudo-header alone, not complemented.
     fn seed(&self, l4_len: usize) -> u16 {
-        !checksum(&pseudo(self.src, self.dst, self.proto, &[])[..10].iter().copied().chain((l4_len as u16).to_be_bytes()).collect::<Vec<u8>>())
+        !checksum(
+            &pseudo(self.src, self.dst, self.proto, &[])[..10]
+                .iter()
+                .copied()
+                .chain((l4_len as u16).to_be_bytes())
+                .collect::<Vec<u8>>(),
+        )
     }
 
     fn frame(&self) -> Vec<u8> {
@@ -417,7 +423,10 @@ fn an_egress_that_cannot_take_native_redirects_gets_the_kernel_path() {
         fx.netdevs(NETDEV_F_GENERIC, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC);
         let (action, out) = fx.run(&ack.frame(), fx.if_a);
         assert_eq!(action, XDP_REDIRECT);
-        assert_eq!(out, Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..ack.clone() }.frame());
+        assert_eq!(
+            out,
+            Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..ack.clone() }.frame()
+        );
         assert_eq!(fx.counter("xdp_redirect"), 1);
 
         // A device lbd knows nothing about (or one that is down / not
@@ -456,7 +465,15 @@ fn unfinished_checksums_are_finished_for_native_redirects_and_kept_unfinished_ot
                 fx.netdevs(0, XMIT_ALL, 0, XMIT_ALL);
                 let (action, out) = fx.run(&p.frame(), fx.if_a);
                 assert_eq!(action, XDP_REDIRECT, "{proto} payload {n}");
-                let done = Pkt { dst: BACKEND, dport, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, partial: false, ..p.clone() };
+                let done = Pkt {
+                    dst: BACKEND,
+                    dport,
+                    ttl: 63,
+                    dmac: BACKEND_MAC,
+                    smac: GW_B_MAC,
+                    partial: false,
+                    ..p.clone()
+                };
                 assert_eq!(out, done.frame(), "{proto} payload {n}: not finished correctly");
                 assert_checksums_valid(&out);
                 partial += 1;
@@ -469,7 +486,11 @@ fn unfinished_checksums_are_finished_for_native_redirects_and_kept_unfinished_ot
                 let (action, out) = fx.run(&next.frame(), fx.if_a);
                 assert_eq!(action, XDP_REDIRECT, "{proto} payload {n}");
                 let kept = Pkt { dst: BACKEND, dport, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..next.clone() };
-                assert_eq!(out, kept.frame(), "{proto} payload {n}: unfinished checksum not kept for the new addresses");
+                assert_eq!(
+                    out,
+                    kept.frame(),
+                    "{proto} payload {n}: unfinished checksum not kept for the new addresses"
+                );
                 partial += 1;
 
                 // Native ingress, kernel path: the skb keeps its mark too.

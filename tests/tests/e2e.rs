@@ -102,7 +102,8 @@ fn a_thousand_new_connections_are_balanced_and_counted_exactly() {
     assert_eq!(counts.iter().map(|c| c.connections).sum::<u64>(), 1000);
     // Every packet went through XDP: none fell back to the kernel after warm-up
     // beyond neighbour resolution, and nothing was dropped.
-    for reason in ["malformed", "no_backend", "flow_table", "fragment", "kernel_egress", "ttl_expired", "csum_partial"] {
+    for reason in ["malformed", "no_backend", "flow_table", "fragment", "kernel_egress", "ttl_expired", "csum_partial"]
+    {
         assert_eq!(status["counters"][reason], 0, "{reason}: {status}");
     }
     // Neighbour resolution: at most the first packet towards each of the
@@ -117,7 +118,12 @@ fn a_thousand_new_connections_are_balanced_and_counted_exactly() {
     let after = s.lbd.status().unwrap();
     let (r2, f2, t2) = paths(&after);
     let share = (r2 - redirected) as f64 / (t2 - forwarded) as f64;
-    println!("tuned lab: {:.2}% of {} packets by XDP redirect after warm-up ({:.2}% before it)", share * 100.0, t2 - forwarded, 100.0 * redirected as f64 / forwarded as f64);
+    println!(
+        "tuned lab: {:.2}% of {} packets by XDP redirect after warm-up ({:.2}% before it)",
+        share * 100.0,
+        t2 - forwarded,
+        100.0 * redirected as f64 / forwarded as f64
+    );
     assert!(share >= 0.99, "only {:.2}% by XDP redirect after warm-up: {after}", share * 100.0);
     assert_eq!(r2 + f2, t2);
     // The second service answers too.
@@ -281,7 +287,14 @@ fn sigterm_detaches_everything_and_leaves_nothing_pinned() {
     let in_lbd_ns = |path: &std::path::Path| {
         use std::os::fd::AsRawFd as _;
         let ns = format!("/proc/{}/fd/{}", std::process::id(), lbd_mnt.as_raw_fd());
-        let out = Command::new("nsenter").arg(format!("--mount={ns}")).arg("--").arg("test").arg("-e").arg(path).output().unwrap();
+        let out = Command::new("nsenter")
+            .arg(format!("--mount={ns}"))
+            .arg("--")
+            .arg("test")
+            .arg("-e")
+            .arg(path)
+            .output()
+            .unwrap();
         match out.status.code() {
             Some(0) => true,
             Some(1) => false,

@@ -139,7 +139,13 @@ fn failed_up_leaves_nothing_behind() {
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
-    let spec = LabSpec { prefix: prefix.into(), backends: 2, client_sources: 10, bin_dir: dir.clone(), topology: lb_tests::lab::Topology::Tuned };
+    let spec = LabSpec {
+        prefix: prefix.into(),
+        backends: 2,
+        client_sources: 10,
+        bin_dir: dir.clone(),
+        topology: lb_tests::lab::Topology::Tuned,
+    };
     let err = Lab::up(spec).err().expect("up must fail");
     let msg = format!("{err:#}");
     assert!(msg.contains("exited during startup"), "{msg}");

@@ -167,11 +167,17 @@ fn run_topology(t: Topology) {
     let counts = lab.backend_counts().unwrap();
     for (i, addr) in lab.backend_addrs().iter().enumerate() {
         let ours = Lbd::new_flows(&status, "web", &addr.to_string()).unwrap();
-        assert_eq!(ours, counts[i].connections, "{}: lbd counted {ours} new flows for {addr}, the backend {counts:?}", t.name());
+        assert_eq!(
+            ours,
+            counts[i].connections,
+            "{}: lbd counted {ours} new flows for {addr}, the backend {counts:?}",
+            t.name()
+        );
         let udp_flows = Lbd::new_flows(&status, "dns", &addr.to_string()).unwrap();
         assert!(udp_flows <= 50, "{}: {udp_flows} UDP flows on {addr}", t.name());
     }
-    let total_udp: u64 = lab.backend_addrs().iter().map(|a| Lbd::new_flows(&status, "dns", &a.to_string()).unwrap()).sum();
+    let total_udp: u64 =
+        lab.backend_addrs().iter().map(|a| Lbd::new_flows(&status, "dns", &a.to_string()).unwrap()).sum();
     assert_eq!(total_udp, 50, "{}: UDP flows counted", t.name());
 
     // Every forwarded packet left by exactly one path, and the counters say
@@ -259,8 +265,9 @@ fn forced_native_takes_the_kernel_path_and_follows_device_changes() {
     let _guard = serial();
     lb_tests::require_root().expect("lab tests need root");
     let prefix = "lbt-native";
-    let lab = Lab::up(LabSpec { prefix: prefix.into(), backends: 3, topology: Topology::Default, ..LabSpec::default() })
-        .expect("lab up");
+    let lab =
+        Lab::up(LabSpec { prefix: prefix.into(), backends: 3, topology: Topology::Default, ..LabSpec::default() })
+            .expect("lab up");
     let sock = socket_for(prefix);
     let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), SERVICES).unwrap();
     let text = std::fs::read_to_string(&config).unwrap();
@@ -323,7 +330,10 @@ fn forced_native_takes_the_kernel_path_and_follows_device_changes() {
     assert!(c3["kernel_egress"] > c2["kernel_egress"], "{c3:?}");
     let log = lbd.log_text();
     assert!(
-        log.lines().any(|l| l.contains("forwarding path") && l.contains("ingress=eth0 ") && l.contains("egress=eth1 ") && l.contains("kernel forwarding")),
+        log.lines().any(|l| l.contains("forwarding path")
+            && l.contains("ingress=eth0 ")
+            && l.contains("egress=eth1 ")
+            && l.contains("kernel forwarding")),
         "{log}"
     );
 }

@@ -266,7 +266,7 @@ fn demo(requests: u32) -> anyhow::Result<()> {
     println!("\n$ lbctl status\n{}", lbd.lbctl(&["status"])?);
     let status = lbd.status()?;
     let seen = lab.backend_counts()?;
-    println!("{:<10} {:<18} {:>16} {:>22}  {}", "BACKEND", "ADDRESS", "lbd NEW FLOWS", "BACKEND CONNECTIONS", "");
+    println!("{:<10} {:<18} {:>16} {:>22}", "BACKEND", "ADDRESS", "lbd NEW FLOWS", "BACKEND CONNECTIONS");
     let mut all_match = true;
     let mut served = 0;
     for (i, addr) in lab.backend_addrs().iter().enumerate() {

@@ -169,7 +169,8 @@ fn render(s: &Status) -> String {
         let _ = writeln!(out, "  path {} -> {}: {path} ({})", r.ingress, r.egress, r.reason);
     }
     let count = |k: &str| s.counters.get(k).copied().unwrap_or(0);
-    let kernel: u64 = lb_common::counter::KERNEL_PATH.iter().map(|&i| count(lb_common::counter::NAMES[i as usize])).sum();
+    let kernel: u64 =
+        lb_common::counter::KERNEL_PATH.iter().map(|&i| count(lb_common::counter::NAMES[i as usize])).sum();
     let total = count("xdp_redirect") + kernel;
     if total > 0 {
         let _ = writeln!(
