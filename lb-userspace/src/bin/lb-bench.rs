@@ -925,8 +925,20 @@ impl Bench {
         self.check_output(item, &timed, repeat, c2.checked_sub(1))
             .with_context(|| format!("{}: output of the timed run (last repeat)", item.label))?;
         let global1 = self.dp.counters()?;
-        let moved: BTreeMap<&String, u64> =
+        let mut moved: BTreeMap<&String, u64> =
             global1.iter().filter(|&(k, v)| global0.get(k) != Some(v)).map(|(k, v)| (k, v - global0[k])).collect();
+        // A forwarded packet counts one XDP redirect; nothing else may move
+        // (a drop, a kernel-path hand-over: not the path meant to be timed).
+        let redirected = moved.remove(&"xdp_redirect".to_owned()).unwrap_or(0);
+        if matches!(item.expect, Expect::Redirect) {
+            ensure!(
+                redirected == u64::from(repeat),
+                "{}: {redirected} XDP redirects counted for {repeat} repeats",
+                item.label
+            );
+        } else {
+            ensure!(redirected == 0, "{}: {redirected} XDP redirects counted", item.label);
+        }
         ensure!(moved.is_empty(), "{}: datapath counters moved during the timed run: {moved:?}", item.label);
         if let (Some(s), Some((nf0, p0))) = (item.service, stats0) {
             let (nf1, p1) = self.service_counters(s)?;
