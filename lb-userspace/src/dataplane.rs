@@ -372,6 +372,21 @@ impl Dataplane {
             adopting = Self::pinned_at(pin);
             std::fs::create_dir_all(maps_dir)
                 .map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
+            // A global-counter map pinned by an older version has fewer
+            // slots than this program counts into: replace it (those
+            // counters restart from 0; flows, tables and per-backend
+            // counters are kept).
+            let counters = maps_dir.join("COUNTERS");
+            if let Ok(info) = aya::maps::MapInfo::from_pin(&counters)
+                && info.max_entries() < counter::COUNT
+            {
+                warn!(
+                    pinned = info.max_entries(),
+                    needed = counter::COUNT,
+                    "the pinned global-counter map predates this version: replaced, its counters restart from 0"
+                );
+                let _ = std::fs::remove_file(&counters);
+            }
             for name in PINNED_MAPS {
                 loader.map_pin_path(name, maps_dir.join(name));
             }

@@ -312,3 +312,28 @@ fn sigterm_detaches_everything_and_leaves_nothing_pinned() {
     assert!(!s.lab.pin_dir().exists(), "something was left pinned in {}", s.lab.pin_dir().display());
     assert!(!s.lbd.socket.exists(), "control socket left behind");
 }
+
+#[test]
+fn a_global_counter_map_pinned_by_an_older_version_is_replaced() {
+    let _g = serial();
+    let prefix = "lbt-e2e-oldpin";
+    let lab = lab(prefix);
+    // What the previous version pinned: 6 global counters (this one has more).
+    let maps = lab.pin_dir().join("maps");
+    std::fs::create_dir_all(&maps).unwrap();
+    let out = Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(maps.join("COUNTERS"))
+        .args(["type", "percpu_array", "key", "4", "value", "8", "entries", "6", "name", "COUNTERS"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let sock = socket_for(prefix);
+    let config = write_config(&config_dir(prefix), "lbd", &sock, WEB).unwrap();
+    let lbd = Lbd::start(&lab, &config, &sock).unwrap();
+    assert!(lbd.log_text().contains("predates this version"), "{}", lbd.log_text());
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "50"]).unwrap();
+    assert_eq!(u(&r, "failed"), 0, "{r}");
+    let status = lbd.status().unwrap();
+    assert!(u(&status["counters"], "xdp_redirect") > 0, "{status}");
+}
