@@ -215,7 +215,10 @@ pub struct Flow {
     pub nh_time: u32,
     pub nh_smac: [u8; 6],
     pub nh_dmac: [u8; 6],
-    pub _pad3: [u8; 4],
+    /// The device generation (`NETDEV_GEN`) the cached next hop was checked
+    /// against: a change to any device's abilities makes every cached hop
+    /// stale at once.
+    pub nh_gen: u32,
 }
 
 /// Bits in the address filter array (a power of two).

@@ -17,7 +17,7 @@ use lb_common::{Flow, NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NAT
 use lb_ebpf::csum;
 
 use crate::{
-    maps::NETDEVS,
+    maps::{NETDEV_GEN, NETDEVS},
     parse::{Packet, ptr_at},
     stats,
 };
@@ -279,9 +279,11 @@ fn can_redirect(ctx: &XdpContext, egress: u32) -> bool {
 #[inline(always)]
 pub fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Option<*mut Flow>, now: u64) -> u32 {
     let now = now as u32;
+    let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
     // SAFETY: a valid map value, read in place.
-    let cached =
-        entry.map(|e| unsafe { &*e }).filter(|f| f.nh_ifindex != 0 && now.wrapping_sub(f.nh_time) <= NEXT_HOP_TTL);
+    let cached = entry
+        .map(|e| unsafe { &*e })
+        .filter(|f| f.nh_ifindex != 0 && now.wrapping_sub(f.nh_time) <= NEXT_HOP_TTL && f.nh_gen == generation);
     let (ifindex, smac, dmac) = if let Some(f) = cached {
         (f.nh_ifindex, f.nh_smac, f.nh_dmac)
     } else {
@@ -296,6 +298,7 @@ pub fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Opti
             // half-written cache at worst once; ifindex last.
             unsafe {
                 (*e).nh_time = now;
+                (*e).nh_gen = generation;
                 (*e).nh_smac = hop.1;
                 (*e).nh_dmac = hop.2;
                 core::ptr::write_volatile(&raw mut (*e).nh_ifindex, hop.0);

@@ -192,7 +192,7 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service) -> Result<Nat, u32> {
         nh_time: 0,
         nh_smac: [0; 6],
         nh_dmac: [0; 6],
-        _pad3: [0; 4],
+        nh_gen: 0,
     };
     if FLOWS.insert(&rev_key, &e, 0).is_err() {
         stats::count(counter::DROP_FLOW_TABLE);

@@ -70,3 +70,8 @@ pub static EXPIRED: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
 /// a next hop is looked up (not per packet of an established flow).
 #[map]
 pub static NETDEVS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_NETDEVS, 0);
+
+/// Generation of NETDEVS, bumped by lbd after every change: next hops
+/// cached in flow entries under an older generation are looked up again.
+#[map]
+pub static NETDEV_GEN: Array<u32> = Array::with_max_entries(1, 0);

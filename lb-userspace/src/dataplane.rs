@@ -95,6 +95,7 @@ pub const PINNED_MAPS: &[&str] = &[
     "CONNS",
     "EXPIRED",
     "NETDEVS",
+    "NETDEV_GEN",
 ];
 
 /// Whether a pinned XDP link for `iface` exists under `links_dir`.
@@ -666,6 +667,11 @@ impl Dataplane {
                 map.remove(&i).map_err(map_err("NETDEVS"))?;
             }
         }
+        // Every cached next hop was checked against the old contents.
+        let mut generation: Array<&mut MapData, u32> =
+            Array::try_from(self.ebpf.map_mut("NETDEV_GEN").expect("NETDEV_GEN map")).map_err(map_err("NETDEV_GEN"))?;
+        let g = generation.get(&0, 0).map_err(map_err("NETDEV_GEN"))?;
+        generation.set(0, g.wrapping_add(1), 0).map_err(map_err("NETDEV_GEN"))?;
         self.netdevs = flags.clone();
         self.netdevs_written = true;
         Ok(())

@@ -441,6 +441,28 @@ fn an_egress_that_cannot_take_native_redirects_gets_the_kernel_path() {
 }
 
 #[test]
+fn a_device_change_makes_cached_next_hops_stale_at_once() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        // The flow's next hop is cached (for a second) while gwb takes
+        // native redirects...
+        let syn = Pkt::tcp(CLIENT, 40999, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.frame(), fx.if_a).0, XDP_REDIRECT);
+        // ...then gwb loses that (a veth whose peer's GRO went off): the
+        // very next packet of the flow must not be redirected into it.
+        fx.netdevs(0, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC);
+        let ack = Pkt { tcp_flags: ACK, ..syn.clone() };
+        let (action, out) = fx.run(&ack.frame(), fx.if_a);
+        assert_eq!(action, XDP_PASS, "a cached next hop outlived the device change");
+        assert_eq!(out, to_backend_unrouted(&ack).frame());
+        assert_eq!((fx.counter("xdp_redirect"), fx.counter("kernel_egress")), (1, 1));
+        // And back: redirected again.
+        fx.netdevs(0, XMIT_ALL, 0, XMIT_ALL);
+        assert_eq!(fx.run(&ack.frame(), fx.if_a).0, XDP_REDIRECT);
+    });
+}
+
+#[test]
 fn unfinished_checksums_are_finished_for_native_redirects_and_kept_unfinished_otherwise() {
     in_netns(|| {
         let mut fx = Fixture::new(vec![

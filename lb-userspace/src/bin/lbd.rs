@@ -301,12 +301,12 @@ fn lock(agent: &Mutex<Agent>) -> std::sync::MutexGuard<'_, Agent> {
 }
 
 /// Every few seconds, expire idle flows (the datapath only sees FIN/RST).
-/// Re-read the network devices every 2 s: a device's ability to take XDP
+/// Re-read the network devices every second: a device's ability to take XDP
 /// redirects changes at run time (a veth peer's GRO or XDP program, a link
 /// going down), and the datapath must never redirect into one that lost it.
 /// Changes are logged by the dataplane, one line per ingress and egress.
 async fn watch_devices(agent: Arc<Mutex<Agent>>) {
-    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
