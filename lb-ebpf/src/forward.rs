@@ -367,4 +367,4 @@ fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<(u32, [u8; 6], [u8; 6])> {
     Some((p.ifindex, p.smac, p.dmac))
 }
 
-const _: () = assert!(size_of::<FibParams>() % 8 == 0);
+const _: () = assert!(size_of::<FibParams>().is_multiple_of(8));

@@ -305,6 +305,30 @@ fn demo(requests: u32) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The lints first (formatting, clippy with warnings denied for the host
+/// crates and, with the nightly, for the eBPF crate on its own target),
+/// then every test. A filter (`extra`) runs only the matching tests.
 fn test(extra: &[String]) -> anyhow::Result<()> {
+    if extra.is_empty() {
+        run(cargo().args(["fmt", "--all", "--check"]))?;
+        run(cargo().args(["clippy", "--workspace", "--exclude", "lb-ebpf", "--all-targets", "--", "-D", "warnings"]))?;
+        lint_ebpf()?;
+    }
     run(cargo().args(["test", "--no-fail-fast"]).args(extra).env("LB_BIN_DIR", bin_dir()))
+}
+
+/// Clippy of lb-ebpf for bpfel-unknown-none (what lb-userspace's build
+/// script compiles), in a target directory of its own.
+fn lint_ebpf() -> anyhow::Result<()> {
+    let root = workspace_root();
+    let mut c = Command::new("rustup");
+    c.args(["run", "nightly", "cargo", "clippy", "--package", "lb-ebpf", "--bins", "--release"])
+        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core", "--target-dir"])
+        .arg(root.join("target/ebpf-clippy"))
+        .args(["--", "-D", "warnings"])
+        .current_dir(&root);
+    for key in ["RUSTC", "RUSTC_WORKSPACE_WRAPPER", "RUSTC_WRAPPER", "CARGO", "RUSTUP_TOOLCHAIN", "CARGO_TARGET_DIR"] {
+        c.env_remove(key);
+    }
+    run(&mut c)
 }

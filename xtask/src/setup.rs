@@ -31,15 +31,28 @@ pub fn setup() -> anyhow::Result<()> {
 
 /// True when nothing is missing (fast check used before demo and test).
 pub fn complete() -> bool {
-    nightly_has_rust_src() && bpf_linker_works() && PACKAGES.iter().all(|(_, f)| Path::new(f).exists())
+    nightly_has("rust-src")
+        && nightly_has("clippy")
+        && stable_lint_tools()
+        && bpf_linker_works()
+        && PACKAGES.iter().all(|(_, f)| Path::new(f).exists())
 }
 
-fn nightly_has_rust_src() -> bool {
+/// Whether the nightly toolchain has `component` (rust-src to build the
+/// eBPF crate, clippy to lint it for its target).
+fn nightly_has(component: &str) -> bool {
     Command::new("rustup")
         .args(["component", "list", "--toolchain", "nightly", "--installed"])
         .output()
-        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).lines().any(|l| l.starts_with("rust-src")))
+        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).lines().any(|l| l.starts_with(component)))
         .unwrap_or(false)
+}
+
+/// `cargo fmt` and `cargo clippy` of the toolchain running us (the test
+/// command runs both).
+fn stable_lint_tools() -> bool {
+    succeeds(Command::new("cargo").args(["fmt", "--version"]))
+        && succeeds(Command::new("cargo").args(["clippy", "--version"]))
 }
 
 fn nightly() -> anyhow::Result<()> {
@@ -47,9 +60,15 @@ fn nightly() -> anyhow::Result<()> {
         eprintln!("setup: installing the nightly toolchain");
         run(Command::new("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal"]))?;
     }
-    if !nightly_has_rust_src() {
-        eprintln!("setup: adding rust-src to the nightly toolchain");
-        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+    for component in ["rust-src", "clippy"] {
+        if !nightly_has(component) {
+            eprintln!("setup: adding {component} to the nightly toolchain");
+            run(Command::new("rustup").args(["component", "add", component, "--toolchain", "nightly"]))?;
+        }
+    }
+    if !stable_lint_tools() {
+        eprintln!("setup: adding rustfmt and clippy to the default toolchain");
+        run(Command::new("rustup").args(["component", "add", "rustfmt", "clippy"]))?;
     }
     Ok(())
 }

@@ -132,7 +132,7 @@ fn restore(ctx: &XdpContext, frame: &[u64; FRAME_WORDS], len: usize) -> bool {
     if len == 0 || len > FRAME_MAX || end - data != len {
         return false;
     }
-    if len % 8 != 0 {
+    if !len.is_multiple_of(8) {
         // SAFETY: helper call; `frame` is a map value of FRAME_MAX >= len bytes.
         let rc = unsafe { bpf_xdp_store_bytes(ctx.ctx, 0, frame.as_ptr() as *mut c_void, len as u32) };
         return rc == 0;
