@@ -20,8 +20,7 @@ use tracing::{info, warn};
 use crate::{
     config::{self, BackendConfig, Config, ConfigError, ProbeKind, Problem, ServiceConfig, System},
     dataplane::{BackendRuntime, Dataplane, DataplaneError, SweepReport, monotonic_coarse_secs},
-    health::{Checker, Health, slow_start_weight},
-    metrics::HealthMetrics,
+    health::{Checker, Health, HealthMetrics, slow_start_weight},
     render,
 };
 

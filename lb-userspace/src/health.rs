@@ -19,6 +19,12 @@ use tokio::{
     net::TcpStream,
 };
 
+use prometheus_client::metrics::{
+    counter::Counter,
+    family::Family,
+    histogram::{Histogram, exponential_buckets},
+};
+
 use crate::config::{HealthConfig, ProbeKind};
 
 /// Longest HTTP status line an HTTP probe reads before giving up.
@@ -262,6 +268,42 @@ fn parse_status_line(line: &[u8]) -> Result<u16, ProbeError> {
         return Err(bad());
     }
     code.parse().map_err(|_| bad())
+}
+
+// ------------------------------------------------------------ metrics
+
+/// Label pairs of a metric series.
+pub type Labels = Vec<(String, String)>;
+
+fn histogram() -> Histogram {
+    // 0.5 ms to about 4 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 14))
+}
+
+/// Health-check series, kept here with the checks (the exporter reads
+/// them; they accumulate between scrapes, everything else is read fresh).
+#[derive(Clone)]
+pub struct HealthMetrics {
+    pub duration: Family<Labels, Histogram, fn() -> Histogram>,
+    pub failures: Family<Labels, Counter>,
+}
+
+impl Default for HealthMetrics {
+    fn default() -> Self {
+        Self { duration: Family::new_with_constructor(histogram), failures: Family::default() }
+    }
+}
+
+impl HealthMetrics {
+    pub fn record(&self, service: &str, backend: &str, result: &Result<Duration, String>) {
+        let labels = vec![("service".to_owned(), service.to_owned()), ("backend".to_owned(), backend.to_owned())];
+        match result {
+            Ok(d) => self.duration.get_or_create(&labels).observe(d.as_secs_f64()),
+            Err(_) => {
+                self.failures.get_or_create(&labels).inc();
+            }
+        }
+    }
 }
 
 #[cfg(test)]

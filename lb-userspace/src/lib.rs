@@ -4,7 +4,14 @@
 //! - `maglev`, `wrr`: selection-table builders (pure, host-tested).
 //! - `dataplane`: the only module touching BPF maps.
 //! - `agent`: the running state (dataplane + config): reload, sweep.
-//! - `api`: the control socket, its requests and the status report.
+//! - `netdev`, `paths`: what the gateway's devices can do, and which path
+//!   (XDP redirect or kernel forwarding) a packet takes between them.
+//! - `report`: the status report (shared by the API, the exporter, watch).
+//! - `api`: the control socket and its requests.
+//! - `health`: probes, rise/fall, slow start, and their metrics.
+//! - `metrics`: the Prometheus exporter.
+//!
+//! No module imports one that imports it back (a test below checks).
 pub mod agent;
 pub mod api;
 pub mod cli;
@@ -16,6 +23,7 @@ pub mod metrics;
 pub mod netdev;
 pub mod paths;
 pub mod render;
+pub mod report;
 pub mod watch;
 pub mod wrr;
 
@@ -23,4 +31,88 @@ pub mod wrr;
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
+}
+
+#[cfg(test)]
+mod layout {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    /// The crate's modules and, per module, the modules its non-test code
+    /// names through `crate::`.
+    fn imports() -> BTreeMap<String, BTreeSet<String>> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = BTreeMap::new();
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(m) = name.strip_suffix(".rs")
+                && m != "lib"
+            {
+                let text = std::fs::read_to_string(e.path()).unwrap();
+                let code = text.split("#[cfg(test)]").next().unwrap_or("").to_owned();
+                files.insert(m.to_owned(), code);
+            }
+        }
+        let mods: BTreeSet<String> = files.keys().cloned().collect();
+        files
+            .iter()
+            .map(|(m, code)| {
+                // The identifier after `crate::`; for a `crate::{...}`
+                // group, the first identifier of each top-level item.
+                let mut used = BTreeSet::new();
+                for (i, _) in code.match_indices("crate::") {
+                    let rest = &code[i + "crate::".len()..];
+                    let items: Vec<&str> = match rest.strip_prefix('{') {
+                        None => vec![rest],
+                        Some(group) => {
+                            let (mut depth, mut from, mut items) = (0i32, 0, Vec::new());
+                            for (j, c) in group.char_indices() {
+                                match c {
+                                    '{' => depth += 1,
+                                    '}' if depth == 0 => {
+                                        items.push(&group[from..j]);
+                                        break;
+                                    }
+                                    '}' => depth -= 1,
+                                    ',' if depth == 0 => {
+                                        items.push(&group[from..j]);
+                                        from = j + 1;
+                                    }
+                                    _ => {}
+                                }
+                            }
+                            items
+                        }
+                    };
+                    for item in items {
+                        let word: String =
+                            item.trim_start().chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                        if mods.contains(&word) && &word != m {
+                            used.insert(word);
+                        }
+                    }
+                }
+                (m.clone(), used)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn no_module_imports_one_that_imports_it_back() {
+        let deps = imports();
+        assert!(deps["api"].contains("report") && deps["metrics"].contains("agent"), "the scan sees imports: {deps:?}");
+        for start in deps.keys() {
+            // Depth-first search for a path back to `start`.
+            let mut stack = vec![vec![start.clone()]];
+            while let Some(path) = stack.pop() {
+                for next in &deps[path.last().unwrap()] {
+                    assert!(next != start, "import circle: {} -> {next}", path.join(" -> "));
+                    if !path.contains(next) {
+                        let mut p = path.clone();
+                        p.push(next.clone());
+                        stack.push(p);
+                    }
+                }
+            }
+        }
+    }
 }

@@ -37,12 +37,7 @@ use std::{
 
 use prometheus_client::{
     encoding::text::encode,
-    metrics::{
-        counter::Counter,
-        family::Family,
-        gauge::Gauge,
-        histogram::{Histogram, exponential_buckets},
-    },
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
     registry::Registry,
 };
 use tokio::{
@@ -51,39 +46,9 @@ use tokio::{
 };
 use tracing::{debug, warn};
 
-use crate::{agent::Agent, api};
+use crate::{agent::Agent, report};
 
-pub type Labels = Vec<(String, String)>;
-
-fn histogram() -> Histogram {
-    // 0.5 ms to about 4 s.
-    Histogram::new(exponential_buckets(0.0005, 2.0, 14))
-}
-
-/// Series that accumulate between scrapes (everything else is read fresh).
-#[derive(Clone)]
-pub struct HealthMetrics {
-    pub duration: Family<Labels, Histogram, fn() -> Histogram>,
-    pub failures: Family<Labels, Counter>,
-}
-
-impl Default for HealthMetrics {
-    fn default() -> Self {
-        Self { duration: Family::new_with_constructor(histogram), failures: Family::default() }
-    }
-}
-
-impl HealthMetrics {
-    pub fn record(&self, service: &str, backend: &str, result: &Result<Duration, String>) {
-        let labels = vec![("service".to_owned(), service.to_owned()), ("backend".to_owned(), backend.to_owned())];
-        match result {
-            Ok(d) => self.duration.get_or_create(&labels).observe(d.as_secs_f64()),
-            Err(_) => {
-                self.failures.get_or_create(&labels).inc();
-            }
-        }
-    }
-}
+use crate::health::Labels;
 
 fn labels(pairs: &[(&str, &str)]) -> Labels {
     pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
@@ -91,7 +56,7 @@ fn labels(pairs: &[(&str, &str)]) -> Labels {
 
 /// The exposition (OpenMetrics text) of the agent's state now.
 pub fn exposition(agent: &Agent) -> Result<String, String> {
-    let status = api::status(agent).map_err(|e| e.to_string())?;
+    let status = report::status(agent).map_err(|e| e.to_string())?;
     let mut reg = Registry::default();
     let conns = Family::<Labels, Counter>::default();
     let packets = Family::<Labels, Counter>::default();

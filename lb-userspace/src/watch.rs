@@ -9,7 +9,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::api::{self, Request, Status};
+use crate::{
+    api::{self, Request},
+    report::Status,
+};
 
 /// Puts the terminal in non-canonical, no-echo mode; restores it on drop.
 struct RawMode {

@@ -61,7 +61,7 @@ impl Measure for Running {
 }
 
 fn jain(x: &[f64]) -> f64 {
-    lb_userspace::api::jain(x).expect("some connections were counted")
+    lb_userspace::report::jain(x).expect("some connections were counted")
 }
 
 fn as_f64(v: &[u64]) -> Vec<f64> {

@@ -3,8 +3,9 @@ use std::process::ExitCode;
 
 use clap::Parser as _;
 use lb_userspace::{
-    api::{self, Request, Status},
+    api::{self, Request},
     cli::{BackendAction, Command, LbctlArgs as Args, ServiceAction},
+    report::Status,
 };
 
 /// Send each request in turn; stop at the first refusal.

@@ -1,0 +1,151 @@
+//! The status report: what `lbctl status`, `lbctl watch` and the metrics
+//! exporter show (per service and backend: state, weights, shares, counters,
+//! Jain's fairness index; the forwarding paths and datapath counters). Its
+//! own module so that the API that serves it and the exporter that reads
+//! it both depend on it, and it on neither.
+use std::{collections::BTreeMap, net::Ipv4Addr};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    agent::{Agent, BackendState},
+    config::{Protocol, Scheduler},
+    dataplane::Attachment,
+};
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct BackendStatus {
+    pub address: Ipv4Addr,
+    pub port: u16,
+    /// Configured weight.
+    pub weight: u32,
+    /// The weight the scheduler uses now (0 when down or drained; ramping
+    /// during slow start, on a scale of 10x the configured weight).
+    pub effective_weight: u32,
+    pub state: BackendState,
+    pub new_flows: u64,
+    pub packets_in: u64,
+    pub bytes_in: u64,
+    pub packets_out: u64,
+    pub bytes_out: u64,
+    /// Flows open now (opened - closed - expired).
+    pub active_flows: u64,
+    /// weight / sum of weights.
+    pub expected_share: f64,
+    /// This backend's new flows / the service's new flows (0 when none yet).
+    pub observed_share: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ServiceStatus {
+    pub name: String,
+    pub vip: Ipv4Addr,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub scheduler: Scheduler,
+    pub new_flows: u64,
+    /// Jain's fairness index over weight-normalised new flows; None before
+    /// the first flow.
+    pub fairness: Option<f64>,
+    pub backends: Vec<BackendStatus>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Status {
+    /// Kernel id of the XDP program now attached (a restart or upgrade
+    /// swaps in a new one).
+    pub program_id: Option<u32>,
+    pub interfaces: Vec<Attachment>,
+    /// Which path packets take from each attached interface to each
+    /// (XDP redirect or the kernel's forwarding), and why.
+    #[serde(default)]
+    pub paths: Vec<crate::paths::PathReport>,
+    /// Datapath counters by name: drops and kernel-path packets by reason,
+    /// XDP redirects, unfinished checksums.
+    pub counters: BTreeMap<String, u64>,
+    pub services: Vec<ServiceStatus>,
+}
+
+/// Jain's fairness index `(sum x)^2 / (n * sum x^2)` over `x`; None when
+/// there is nothing to judge (no values or all zero).
+pub fn jain(x: &[f64]) -> Option<f64> {
+    let sum: f64 = x.iter().sum();
+    let sq: f64 = x.iter().map(|v| v * v).sum();
+    if x.is_empty() || sq == 0.0 {
+        return None;
+    }
+    Some(sum * sum / (x.len() as f64 * sq))
+}
+
+/// Build the status report.
+pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError> {
+    let dp = &agent.dp;
+    let mut services = Vec::new();
+    for s in dp.services() {
+        let total_weight: u64 = s.backends.iter().map(|b| u64::from(b.config.weight)).sum();
+        let mut backends = Vec::new();
+        for b in &s.backends {
+            let st = dp.backend_stats(b.id)?;
+            backends.push(BackendStatus {
+                address: b.config.address,
+                port: b.config.port,
+                weight: b.config.weight,
+                effective_weight: b.runtime.weight,
+                state: agent.state_of(&s.config.name, &b.config),
+                new_flows: st.new_flows,
+                packets_in: st.packets_in,
+                bytes_in: st.bytes_in,
+                packets_out: st.packets_out,
+                bytes_out: st.bytes_out,
+                active_flows: dp.active_flows(b.id)?,
+                expected_share: if total_weight == 0 { 0.0 } else { f64::from(b.config.weight) / total_weight as f64 },
+                observed_share: 0.0,
+            });
+        }
+        let new_flows: u64 = backends.iter().map(|b| b.new_flows).sum();
+        for b in &mut backends {
+            b.observed_share = if new_flows == 0 { 0.0 } else { b.new_flows as f64 / new_flows as f64 };
+        }
+        // Round robin ignores weights, so judge it on raw counts.
+        let normalised: Vec<f64> = backends
+            .iter()
+            .filter(|b| b.weight > 0)
+            .map(|b| match s.config.scheduler {
+                Scheduler::Rr => b.new_flows as f64,
+                _ => b.new_flows as f64 / f64::from(b.weight),
+            })
+            .collect();
+        services.push(ServiceStatus {
+            name: s.config.name.clone(),
+            vip: s.config.vip,
+            port: s.config.port,
+            protocol: s.config.protocol,
+            scheduler: s.config.scheduler,
+            new_flows,
+            fairness: jain(&normalised),
+            backends,
+        });
+    }
+    Ok(Status {
+        program_id: dp.program_id(),
+        interfaces: dp.attachments(),
+        paths: dp.paths().to_vec(),
+        counters: dp.counters()?,
+        services,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jain_index() {
+        assert_eq!(jain(&[1.0, 1.0, 1.0]), Some(1.0));
+        assert_eq!(jain(&[]), None);
+        assert_eq!(jain(&[0.0, 0.0]), None);
+        // One of three gets everything: 1/n.
+        let j = jain(&[3.0, 0.0, 0.0]).unwrap();
+        assert!((j - 1.0 / 3.0).abs() < 1e-12);
+    }
+}
