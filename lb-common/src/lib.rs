@@ -309,15 +309,15 @@ fn fmix(mut h: u32) -> u32 {
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
-    // SAFETY: all of these are repr(C), made of integers only, with every
-    // padding byte spelled out as a field (sizes asserted by the tests below).
-    unsafe impl aya::Pod for VipKey {}
-    unsafe impl aya::Pod for Service {}
-    unsafe impl aya::Pod for Backend {}
-    unsafe impl aya::Pod for FlowKey {}
-    unsafe impl aya::Pod for Flow {}
-    unsafe impl aya::Pod for BackendStats {}
-    unsafe impl aya::Pod for Conns {}
+    // All of these are repr(C), made of integers only, with every padding
+    // byte spelled out as a field (sizes asserted by the tests below).
+    macro_rules! pod {
+        ($($t:ty),*) => {$(
+            // SAFETY: see above: plain integers, no implicit padding.
+            unsafe impl aya::Pod for $t {}
+        )*};
+    }
+    pod!(VipKey, Service, Backend, FlowKey, Flow, BackendStats, Conns);
 }
 
 #[cfg(test)]

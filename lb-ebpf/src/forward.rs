@@ -52,7 +52,7 @@ pub struct Rewrite {
 #[inline(always)]
 pub fn classify(ctx: &XdpContext, pkt: &Packet) -> L4Csum {
     // SAFETY: bounds-checked by parse().
-    let field = unsafe { *pkt.l4_check };
+    let field = unsafe { *pkt.l4_check() };
     if pkt.proto == PROTO_UDP && field == 0 {
         return L4Csum::Full;
     }
@@ -166,12 +166,12 @@ fn csum_diff<T>(p: *mut T, len: usize, seed: u32) -> u32 {
 pub fn rewrite_dst(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
     // SAFETY: every pointer in Packet was bounds-checked by parse().
     unsafe {
-        let ip = pkt.ip;
+        let ip = pkt.ip();
         let old_addr = (*ip).daddr;
-        let old_port = (*pkt.ports)[1];
+        let old_port = (*pkt.ports())[1];
         (*ip).daddr = addr;
         (*ip).check = csum::replace4((*ip).check, old_addr, addr);
-        (*pkt.ports)[1] = port;
+        (*pkt.ports())[1] = port;
         Rewrite { old_addr, new_addr: addr, old_port, new_port: port }
     }
 }
@@ -181,12 +181,12 @@ pub fn rewrite_dst(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
 pub fn rewrite_src(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
     // SAFETY: every pointer in Packet was bounds-checked by parse().
     unsafe {
-        let ip = pkt.ip;
+        let ip = pkt.ip();
         let old_addr = (*ip).saddr;
-        let old_port = (*pkt.ports)[0];
+        let old_port = (*pkt.ports())[0];
         (*ip).saddr = addr;
         (*ip).check = csum::replace4((*ip).check, old_addr, addr);
-        (*pkt.ports)[0] = port;
+        (*pkt.ports())[0] = port;
         Rewrite { old_addr, new_addr: addr, old_port, new_port: port }
     }
 }
@@ -209,17 +209,17 @@ fn to_kernel(pkt: &Packet, rw: Rewrite, cs: L4Csum, reason: u32) -> u32 {
 fn update_l4(pkt: &Packet, rw: Rewrite, cs: L4Csum, finish: bool) {
     // SAFETY: l4_check was bounds-checked by parse().
     unsafe {
-        let mut old = *pkt.l4_check;
+        let mut old = *pkt.l4_check();
         match cs {
             L4Csum::Partial { .. } if !finish => {
-                *pkt.l4_check = csum::replace4_partial(old, rw.old_addr, rw.new_addr);
+                *pkt.l4_check() = csum::replace4_partial(old, rw.old_addr, rw.new_addr);
                 return;
             }
             L4Csum::Partial { done: Some(done) } => old = done,
             // Unreachable: a segment too long to sum is unfinished only in
             // generic mode, which never finishes. Keep it unfinished.
             L4Csum::Partial { done: None } => {
-                *pkt.l4_check = csum::replace4_partial(old, rw.old_addr, rw.new_addr);
+                *pkt.l4_check() = csum::replace4_partial(old, rw.old_addr, rw.new_addr);
                 return;
             }
             L4Csum::Full => {
@@ -234,7 +234,7 @@ fn update_l4(pkt: &Packet, rw: Rewrite, cs: L4Csum, finish: bool) {
             // 0 means "no checksum" in UDP; a computed 0 is sent as 0xffff.
             new = 0xffff;
         }
-        *pkt.l4_check = new;
+        *pkt.l4_check() = new;
     }
 }
 
@@ -242,7 +242,7 @@ fn update_l4(pkt: &Packet, rw: Rewrite, cs: L4Csum, finish: bool) {
 #[inline(always)]
 pub fn ttl_ok(pkt: &Packet) -> bool {
     // SAFETY: bounds-checked by parse().
-    unsafe { (*pkt.ip).ttl > 1 }
+    unsafe { (*pkt.ip()).ttl > 1 }
 }
 
 /// Seconds a cached next hop is used before the FIB is asked again.
@@ -280,12 +280,15 @@ fn can_redirect(ctx: &XdpContext, egress: u32) -> bool {
 pub fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Option<*mut Flow>, now: u64) -> u32 {
     let now = now as u32;
     let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
-    // SAFETY: a valid map value, read in place.
+    // The next-hop cache, copied out of the flow entry (no reference to
+    // it is held: other CPUs refresh it).
+    // SAFETY: `entry` is a valid map value; plain loads of integers.
     let cached = entry
-        .map(|e| unsafe { &*e })
-        .filter(|f| f.nh_ifindex != 0 && now.wrapping_sub(f.nh_time) <= NEXT_HOP_TTL && f.nh_gen == generation);
-    let (ifindex, smac, dmac) = if let Some(f) = cached {
-        (f.nh_ifindex, f.nh_smac, f.nh_dmac)
+        .map(|e| unsafe { ((*e).nh_ifindex, (*e).nh_time, (*e).nh_gen, e) })
+        .filter(|&(ifindex, time, g, _)| ifindex != 0 && now.wrapping_sub(time) <= NEXT_HOP_TTL && g == generation);
+    let (ifindex, smac, dmac) = if let Some((ifindex, _, _, e)) = cached {
+        // SAFETY: as above.
+        unsafe { (ifindex, (*e).nh_smac, (*e).nh_dmac) }
     } else {
         let Some(hop) = fib(ctx, pkt) else {
             return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK);
@@ -310,7 +313,7 @@ pub fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Opti
     update_l4(pkt, rw, cs, finish);
     // SAFETY: bounds-checked by parse().
     unsafe {
-        let ip = pkt.ip;
+        let ip = pkt.ip();
         // TTL is the high byte of the 16-bit word it shares with the protocol.
         let old = ((*ip).ttl as u16) << 8 | (*ip).proto as u16;
         (*ip).ttl -= 1;
@@ -318,7 +321,7 @@ pub fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Opti
         (*ip).check = csum::replace2((*ip).check, old.to_be(), new.to_be());
         // Byte stores: an array assignment here compiles to a call of a
         // memmove subprogram, which costs more than the copy.
-        let eth = pkt.eth as *mut u8;
+        let eth = pkt.eth() as *mut u8;
         for i in 0..6 {
             core::ptr::write_volatile(eth.add(i), dmac[i]);
             core::ptr::write_volatile(eth.add(6 + i), smac[i]);
@@ -350,7 +353,7 @@ fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<(u32, [u8; 6], [u8; 6])> {
     let mut p = unsafe { p.assume_init() };
     // SAFETY: bounds-checked by parse(); writes to a local struct.
     unsafe {
-        let ip = pkt.ip;
+        let ip = pkt.ip();
         p.family = AF_INET;
         p.l4_protocol = pkt.proto;
         p.__bindgen_anon_1.tot_len = u16::from_be((*ip).tot_len);

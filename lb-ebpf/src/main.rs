@@ -65,26 +65,37 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
         _pad: [0; 3],
     };
     if let Some(flow) = FLOWS.get_ptr_mut(&key) {
-        // SAFETY: a valid map value (read in place: a copy would cost stack).
-        let f = unsafe { &*flow };
+        // Copy out the fields we need: no reference to the map value is
+        // ever held, since this CPU writes it below and others may write
+        // it at any time (close bits, timestamp, next-hop cache).
+        // SAFETY: a valid, aligned map value; plain loads of integers.
+        let (dir, nat, last_seen) = unsafe { ((*flow).dir, Nat::of(flow), (*flow).last_seen) };
+        // `state` is also written with atomic OR by other CPUs. BPF before
+        // v4 has no atomic load instruction (LLVM cannot select one for
+        // v3); an aligned 8-byte load is single-copy atomic on every
+        // architecture BPF JITs for, and a volatile read keeps the compiler
+        // from tearing or repeating it. A stale value only delays seeing a
+        // close by one packet.
+        // SAFETY: a valid, aligned u64 inside a map value.
+        let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
         let now = now_secs();
-        if f.dir == DIR_REPLY {
-            return Ok(reply(ctx, &pkt, f, Nat::of(f), Some(flow), now));
+        if dir == DIR_REPLY {
+            return Ok(reply(ctx, &pkt, nat, Some(flow), now));
         }
         // A fresh SYN on a closed flow's tuple is a new connection; a flow
         // whose backend went down is re-dispatched (its next packet, e.g. a
         // retransmission, reaches a live backend, which resets it fast).
-        let down = backend_down(f.backend_id);
-        if down && !flow_closed(f.state) {
-            stats::flow_closed(f.backend_id);
+        let down = backend_down(nat.backend_id);
+        if down && !flow_closed(state) {
+            stats::flow_closed(nat.backend_id);
         }
-        if !down && !(is_syn(&pkt) && flow_closed(f.state)) {
-            track_close(flow, f, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
-            if f.last_seen != now {
+        if !down && !(is_syn(&pkt) && flow_closed(state)) {
+            track_close(flow, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
+            if last_seen != now {
                 // SAFETY: a valid map value; a plain store of a timestamp.
                 unsafe { (*flow).last_seen = now };
             }
-            return Ok(forward(ctx, &pkt, Nat::of(f), Some(flow), now));
+            return Ok(forward(ctx, &pkt, nat, Some(flow), now));
         }
     }
 
@@ -147,7 +158,7 @@ fn now_secs() -> u64 {
 /// Record a FIN (as `fin_bit`) or RST on a forward flow entry; the packet
 /// that closes the flow counts it closed for its backend, exactly once.
 #[inline(always)]
-fn track_close(flow: *mut Flow, f: &Flow, tcp_flags: u8, proto: u8, fin_bit: u64) {
+fn track_close(flow: *mut Flow, backend_id: u32, tcp_flags: u8, proto: u8, fin_bit: u64) {
     if proto != PROTO_TCP || tcp_flags & (TCP_FIN | TCP_RST) == 0 {
         return;
     }
@@ -158,7 +169,7 @@ fn track_close(flow: *mut Flow, f: &Flow, tcp_flags: u8, proto: u8, fin_bit: u64
     // SAFETY: a valid, aligned u64 inside a map value.
     let old = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*flow).state, bit) };
     if !flow_closed(old) && flow_closed(old | bit) {
-        stats::flow_closed(f.backend_id);
+        stats::flow_closed(backend_id);
     }
 }
 
@@ -231,9 +242,14 @@ pub struct Nat {
 }
 
 impl Nat {
+    /// The rewrite a flow entry names.
+    ///
+    /// # Safety
+    /// `f` points at a valid flow-table value.
     #[inline(always)]
-    fn of(f: &Flow) -> Self {
-        Self { backend_id: f.backend_id, addr: f.nat_addr, port: f.nat_port }
+    unsafe fn of(f: *const Flow) -> Self {
+        // SAFETY: the caller's promise; plain loads of integers.
+        unsafe { Self { backend_id: (*f).backend_id, addr: (*f).nat_addr, port: (*f).nat_port } }
     }
 }
 
@@ -253,19 +269,20 @@ fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: Option<*mut Flow>, n
 
 /// Backend -> client: source becomes the VIP again.
 #[inline(always)]
-fn reply(ctx: &XdpContext, pkt: &Packet, f: &Flow, nat: Nat, entry: Option<*mut Flow>, now: u64) -> u32 {
+fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: Option<*mut Flow>, now: u64) -> u32 {
     if pkt.proto == PROTO_TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        // Close tracking lives on the forward entry: (client, VIP) tuple.
+        // Close tracking lives on the forward entry: (client, VIP) tuple
+        // (a reply entry's rewrite is the VIP).
         let fwd_key = FlowKey {
             src_addr: pkt.daddr,
-            dst_addr: f.nat_addr,
+            dst_addr: nat.addr,
             src_port: pkt.dport,
-            dst_port: f.nat_port,
+            dst_port: nat.port,
             proto: pkt.proto,
             _pad: [0; 3],
         };
         if let Some(fwd) = FLOWS.get_ptr_mut(&fwd_key) {
-            track_close(fwd, f, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
+            track_close(fwd, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
         }
     }
     if !forward::ttl_ok(pkt) {

@@ -85,11 +85,17 @@ pub enum ParseError {
 }
 
 /// Where the interesting fields of one parsed packet are.
+///
+/// A checked type: only [`parse`] makes one, after bounds-checking every
+/// header its pointers name against the end of the frame, and the pointers
+/// are private, so safe code can neither forge one nor point it elsewhere.
+/// That is what makes the accessors' pointers valid to dereference for as
+/// long as the program runs on this frame (nothing here resizes it).
 pub struct Packet {
-    pub eth: *mut EthHdr,
-    pub ip: *mut Ipv4Hdr,
+    eth: *mut EthHdr,
+    ip: *mut Ipv4Hdr,
     /// TCP or UDP header start: source port, then destination port.
-    pub ports: *mut [u16; 2],
+    ports: *mut [u16; 2],
     pub proto: u8,
     pub saddr: u32,
     pub daddr: u32,
@@ -98,13 +104,39 @@ pub struct Packet {
     /// TCP flags (0 for UDP).
     pub tcp_flags: u8,
     /// The L4 checksum field.
-    pub l4_check: *mut u16,
+    l4_check: *mut u16,
     /// Frame length in bytes, for the byte counters.
     pub len: u64,
     /// Offset of the L4 header from the start of the frame, and the L4
     /// length (header and payload) the IP header gives (at most 65,535).
     pub l4_off: usize,
     pub l4_len: usize,
+}
+
+impl Packet {
+    /// The Ethernet header: valid for reads and writes (see the type doc).
+    #[inline(always)]
+    pub fn eth(&self) -> *mut EthHdr {
+        self.eth
+    }
+
+    /// The IPv4 header (without options): valid for reads and writes.
+    #[inline(always)]
+    pub fn ip(&self) -> *mut Ipv4Hdr {
+        self.ip
+    }
+
+    /// The L4 ports: valid for reads and writes.
+    #[inline(always)]
+    pub fn ports(&self) -> *mut [u16; 2] {
+        self.ports
+    }
+
+    /// The L4 checksum field: valid for reads and writes.
+    #[inline(always)]
+    pub fn l4_check(&self) -> *mut u16 {
+        self.l4_check
+    }
 }
 
 #[inline(always)]

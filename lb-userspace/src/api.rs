@@ -232,6 +232,7 @@ pub async fn serve(listener: UnixListener, dp: Arc<Mutex<Agent>>) {
 async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Result<()> {
     // Only root (or whoever runs lbd) may drive the balancer; the file mode
     // already says so, this guards against a loosened mode.
+    // SAFETY: a plain libc call with valid arguments; it has no other preconditions.
     let me = unsafe { libc::geteuid() };
     let peer = stream.peer_cred()?.uid();
     let (rd, mut wr) = stream.into_split();

@@ -110,6 +110,7 @@ fn is_bpffs(path: &Path) -> bool {
     let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
     // SAFETY: valid C string and out-pointer.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a plain libc call with valid arguments; it has no other preconditions.
     unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC }
 }
 

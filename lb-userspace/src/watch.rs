@@ -56,6 +56,7 @@ impl Drop for RawMode {
 fn width() -> usize {
     // SAFETY: TIOCGWINSZ fills a winsize.
     let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    // SAFETY: a plain libc call with valid arguments; it has no other preconditions.
     let ok = unsafe { libc::ioctl(1, libc::TIOCGWINSZ, &mut ws) } == 0;
     if ok && ws.ws_col > 0 { ws.ws_col as usize } else { 100 }
 }

@@ -1054,6 +1054,7 @@ fn round2(x: f64) -> f64 {
 fn kernel_release() -> (String, String) {
     // SAFETY: zeroed utsname filled by the kernel.
     let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: a plain libc call with valid arguments; it has no other preconditions.
     if unsafe { libc::uname(&mut u) } != 0 {
         return ("?".into(), "?".into());
     }
