@@ -211,14 +211,10 @@ fn update_l4(pkt: &Packet, rw: Rewrite, cs: L4Csum, finish: bool) {
     unsafe {
         let mut old = *pkt.l4_check();
         match cs {
-            L4Csum::Partial { .. } if !finish => {
-                *pkt.l4_check() = csum::replace4_partial(old, rw.old_addr, rw.new_addr);
-                return;
-            }
-            L4Csum::Partial { done: Some(done) } => old = done,
-            // Unreachable: a segment too long to sum is unfinished only in
-            // generic mode, which never finishes. Keep it unfinished.
-            L4Csum::Partial { done: None } => {
+            // Kept unfinished (a segment too long to sum is only seen in
+            // generic mode, which never finishes).
+            L4Csum::Partial { done: Some(done) } if finish => old = done,
+            L4Csum::Partial { .. } => {
                 *pkt.l4_check() = csum::replace4_partial(old, rw.old_addr, rw.new_addr);
                 return;
             }

@@ -98,9 +98,18 @@ pub const PINNED_MAPS: &[&str] = &[
     "NETDEV_GEN",
 ];
 
-/// Whether a pinned XDP link for `iface` exists under `links_dir`.
-fn d_exists(links_dir: Option<&Path>, iface: &str) -> bool {
-    links_dir.is_some_and(|d| d.join(iface).exists())
+/// The mode (and the reason it was chosen) of the XDP link pinned for
+/// `iface` under `links_dir`, when there is one: a pinned link is adopted in
+/// the mode it has. Its `.mode` file says which (an older lbd wrote only the
+/// mode, and only native links).
+fn saved_mode(links_dir: Option<&Path>, iface: &str) -> Option<(Mode, String)> {
+    let link = links_dir?.join(iface);
+    if !link.exists() {
+        return None;
+    }
+    let saved = std::fs::read_to_string(link.with_extension("mode")).unwrap_or_default();
+    let mode = Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native);
+    Some((mode, saved.lines().nth(1).unwrap_or_default().to_owned()))
 }
 
 /// bpffs magic number (statfs f_type).
@@ -189,8 +198,7 @@ fn map_err(map: &'static str) -> impl FnOnce(MapError) -> DataplaneError {
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct Attachment {
     pub interface: String,
-    /// "native" or "generic".
-    pub mode: String,
+    pub mode: Mode,
     /// Why this mode (what `xdp_mode` asked, what `auto` found).
     #[serde(default)]
     pub reason: String,
@@ -512,11 +520,8 @@ impl Dataplane {
                 paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
             let (mut mode, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
             // A pinned link is adopted in the mode it has: plan with that one.
-            if let Some(saved) =
-                links_dir.as_ref().and_then(|d| std::fs::read_to_string(d.join(iface).with_extension("mode")).ok())
-                && d_exists(links_dir.as_deref(), iface)
-            {
-                mode = Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native);
+            if let Some((saved, _)) = saved_mode(links_dir.as_deref(), iface) {
+                mode = saved;
             }
             if requested == XdpMode::Native {
                 for c in paths::native_caveats(&egresses) {
@@ -565,12 +570,10 @@ impl Dataplane {
             let xdp = XdpLink::try_from(FdLink::from(pinned)).map_err(link_err)?;
             let id = prog.attach_to_link(xdp)?;
             let fd = FdLink::try_from(prog.take_link(id)?).map_err(link_err)?;
-            let saved = std::fs::read_to_string(path.with_extension("mode")).unwrap_or_default();
-            let mode = Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native);
-            let reason = saved.lines().nth(1).map(str::to_owned).unwrap_or_default();
+            let (mode, reason) = saved_mode(links_dir, iface).unwrap_or((Mode::Native, String::new()));
             info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
             return Ok(Attached {
-                attachment: Attachment { interface: iface.to_owned(), mode: mode.name().to_owned(), reason },
+                attachment: Attachment { interface: iface.to_owned(), mode, reason },
                 link: AttachedLink::Pinned { fd, path: path.clone() },
             });
         }
@@ -596,7 +599,7 @@ impl Dataplane {
             (m, _) => (try_mode(prog, m)?, m, reason),
         };
         info!(interface = %iface, mode = mode.name(), reason = %reason, "XDP attached");
-        let attachment = Attachment { interface: iface.to_owned(), mode: mode.name().into(), reason: reason.clone() };
+        let attachment = Attachment { interface: iface.to_owned(), mode, reason: reason.clone() };
         let Some(path) = pin_path else {
             return Ok(Attached { attachment, link: AttachedLink::Owned(id) });
         };
@@ -617,11 +620,8 @@ impl Dataplane {
     /// changed.
     pub fn refresh_paths(&mut self) -> Result<bool, DataplaneError> {
         let links = netdev::links()?;
-        let modes: BTreeMap<String, Mode> = self
-            .attached
-            .iter()
-            .filter_map(|a| Mode::parse(&a.attachment.mode).map(|m| (a.attachment.interface.clone(), m)))
-            .collect();
+        let modes: BTreeMap<String, Mode> =
+            self.attached.iter().map(|a| (a.attachment.interface.clone(), a.attachment.mode)).collect();
         self.write_netdevs(&paths::netdev_flags(&links, &modes))?;
         let rows = paths::report(&links, &modes);
         let mut changed = false;
@@ -630,10 +630,7 @@ impl Dataplane {
                 continue;
             }
             changed = true;
-            let path = match r.path {
-                paths::Path::XdpRedirect => "XDP redirect",
-                paths::Path::Kernel => "kernel forwarding",
-            };
+            let path = r.path.describe();
             match r.path {
                 paths::Path::XdpRedirect => {
                     info!(ingress = %r.ingress, mode = r.mode.name(), egress = %r.egress, path, reason = %r.reason, "forwarding path")

@@ -112,19 +112,15 @@ pub fn exposition(agent: &Agent) -> Result<String, String> {
     }
     let modes = Family::<Labels, Gauge>::default();
     for a in &status.interfaces {
-        modes.get_or_create(&labels(&[("interface", &a.interface), ("mode", &a.mode)])).set(1);
+        modes.get_or_create(&labels(&[("interface", &a.interface), ("mode", a.mode.name())])).set(1);
     }
     let path = Family::<Labels, Gauge>::default();
     for r in &status.paths {
-        let p = match r.path {
-            crate::paths::Path::XdpRedirect => "xdp_redirect",
-            crate::paths::Path::Kernel => "kernel",
-        };
         path.get_or_create(&labels(&[
             ("ingress", &r.ingress),
             ("mode", r.mode.name()),
             ("egress", &r.egress),
-            ("path", p),
+            ("path", r.path.label()),
         ]))
         .set(1);
     }

@@ -50,6 +50,21 @@ impl Mode {
             _ => None,
         }
     }
+
+    /// The `NETDEV_F_XMIT_*` flag an egress needs for a redirect from a
+    /// program running in this mode (what the datapath tests).
+    pub fn xmit_flag(self) -> u32 {
+        match self {
+            Mode::Native => NETDEV_F_XMIT_NATIVE,
+            Mode::Generic => NETDEV_F_XMIT_GENERIC,
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// The path packets from one ingress take through one egress.
@@ -58,6 +73,24 @@ impl Mode {
 pub enum Path {
     XdpRedirect,
     Kernel,
+}
+
+impl Path {
+    /// The metric label (as serialized).
+    pub fn label(self) -> &'static str {
+        match self {
+            Path::XdpRedirect => "xdp_redirect",
+            Path::Kernel => "kernel",
+        }
+    }
+
+    /// For logs and `lbctl status`.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Path::XdpRedirect => "XDP redirect",
+            Path::Kernel => "kernel forwarding",
+        }
+    }
 }
 
 /// Where packets arriving on `iface` are forwarded to, among the
@@ -168,30 +201,24 @@ pub struct PathReport {
 /// ([`egresses_of`]), exactly as the datapath decides it from
 /// [`netdev_flags`].
 pub fn report(links: &[Link], modes: &BTreeMap<String, Mode>) -> Vec<PathReport> {
+    let flags = netdev_flags(links, modes);
     let by_name: BTreeMap<&str, &Link> = links.iter().map(|l| (l.name.as_str(), l)).collect();
     let names: Vec<String> = modes.keys().cloned().collect();
     let mut rows = Vec::new();
     for (ingress, &mode) in modes {
         for egress in egresses_of(ingress, &names) {
-            let Some(e) = by_name.get(egress) else {
-                rows.push(PathReport {
-                    ingress: ingress.clone(),
-                    mode,
-                    egress: egress.to_owned(),
-                    path: Path::Kernel,
-                    reason: "device not found".into(),
-                });
-                continue;
-            };
-            let (path, reason) = match mode {
-                Mode::Generic if e.up && e.is_ethernet() => {
-                    (Path::XdpRedirect, "generic XDP redirects into any Ethernet device".to_owned())
-                }
-                Mode::Generic => (Path::Kernel, why_no_native_xmit(e)),
-                Mode::Native if e.up && e.is_ethernet() && e.native_xmit() => {
-                    (Path::XdpRedirect, "the device transmits native XDP redirects".to_owned())
-                }
-                Mode::Native => (Path::Kernel, why_no_native_xmit(e)),
+            let (path, reason) = match by_name.get(egress) {
+                None => (Path::Kernel, "device not found".to_owned()),
+                // The datapath's test, on the flags it is given.
+                Some(e) if flags[&e.ifindex] & mode.xmit_flag() != 0 => (
+                    Path::XdpRedirect,
+                    match mode {
+                        Mode::Generic => "generic XDP redirects into any Ethernet device",
+                        Mode::Native => "the device transmits native XDP redirects",
+                    }
+                    .to_owned(),
+                ),
+                Some(e) => (Path::Kernel, why_no_native_xmit(e)),
             };
             rows.push(PathReport { ingress: ingress.clone(), mode, egress: egress.to_owned(), path, reason });
         }

@@ -84,6 +84,23 @@ pub fn xdp_mode_in_use(lab: &Lab, iface: &str) -> anyhow::Result<Option<String>>
     })
 }
 
+/// Where the forwarded packets of a status report went: (left by XDP
+/// redirect, handed to the kernel's forwarding, forwarded in all). The
+/// last is the per-backend packet counters of every service; the first two
+/// are the path counters, which must add up to it.
+pub fn path_counts(status: &serde_json::Value) -> (u64, u64, u64) {
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"));
+    let forwarded = status["services"]
+        .as_array()
+        .expect("services")
+        .iter()
+        .flat_map(|s| s["backends"].as_array().expect("backends").iter())
+        .map(|b| n(b, "packets_in") + n(b, "packets_out"))
+        .sum();
+    let c = &status["counters"];
+    (n(c, "xdp_redirect"), n(c, "fib_fallback") + n(c, "kernel_egress"), forwarded)
+}
+
 impl Lbd {
     /// lbd's process id (the child of `ip netns exec`, which execs lbd).
     pub fn pid(&self) -> Option<u32> {

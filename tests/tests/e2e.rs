@@ -7,7 +7,7 @@ use std::process::Command;
 use lb_tests::{
     harness::{Running, config_dir, serial, socket_for},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, write_config, xdp_mode_in_use},
+    lbd::{Lbd, path_counts, write_config, xdp_mode_in_use},
 };
 
 const WEB: &str = "  - name: web
@@ -41,20 +41,6 @@ fn setup(prefix: &str, services: &str) -> Running {
 
 fn u(v: &serde_json::Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"))
-}
-
-/// (XDP-redirected, kernel-path, forwarded) packets from a status: the
-/// path counters and the per-backend packet counters of every service.
-fn paths(status: &serde_json::Value) -> (u64, u64, u64) {
-    let c = &status["counters"];
-    let forwarded = status["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s["backends"].as_array().unwrap().iter())
-        .map(|b| u(b, "packets_in") + u(b, "packets_out"))
-        .sum();
-    (u(c, "xdp_redirect"), u(c, "fib_fallback") + u(c, "kernel_egress"), forwarded)
 }
 
 fn xdp_attached(lab: &Lab, iface: &str) -> bool {
@@ -109,14 +95,14 @@ fn a_thousand_new_connections_are_balanced_and_counted_exactly() {
     // Neighbour resolution: at most the first packet towards each of the
     // 250 client addresses and 3 backends (and a retransmission or two)
     // takes the kernel path.
-    let (redirected, fallback, forwarded) = paths(&status);
+    let (redirected, fallback, forwarded) = path_counts(&status);
     assert!(fallback <= 260, "{fallback} packets fell back to the kernel: {status}");
     assert_eq!(redirected + fallback, forwarded, "every forwarded packet took one counted path: {status}");
     // Once the neighbours are known, XDP redirect carries (nearly) everything.
     let again = ["conns", "--target", "10.10.0.100:80", "--count", "1000", "--sources-range", "10.10.1.1-10.10.1.250"];
     assert_eq!(u(&s.lab.client(&again).unwrap(), "failed"), 0);
     let after = s.lbd.status().unwrap();
-    let (r2, f2, t2) = paths(&after);
+    let (r2, f2, t2) = path_counts(&after);
     let share = (r2 - redirected) as f64 / (t2 - forwarded) as f64;
     println!(
         "tuned lab: {:.2}% of {} packets by XDP redirect after warm-up ({:.2}% before it)",

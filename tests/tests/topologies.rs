@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use lb_tests::{
     harness::{config_dir, serial, socket_for},
     lab::{Lab, LabSpec, Topology},
-    lbd::{Lbd, write_config_for, xdp_mode_in_use},
+    lbd::{Lbd, path_counts, write_config_for, xdp_mode_in_use},
 };
 
 const SERVICES: &str = "  - name: web
@@ -183,15 +183,7 @@ fn run_topology(t: Topology) {
     // Every forwarded packet left by exactly one path, and the counters say
     // which; they agree with the paths lbd reports.
     let c = counters(&status);
-    let forwarded: u64 = status["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s["backends"].as_array().unwrap().iter())
-        .map(|b| u(b, "packets_in") + u(b, "packets_out"))
-        .sum();
-    let redirect = c["xdp_redirect"];
-    let kernel = c["kernel_egress"] + c["fib_fallback"];
+    let (redirect, kernel, forwarded) = path_counts(&status);
     assert_eq!(redirect + kernel, forwarded, "{}: path counters {c:?} do not add up to {forwarded} packets", t.name());
     for k in ["malformed", "no_backend", "flow_table", "fragment", "ttl_expired"] {
         assert_eq!(c[k], 0, "{}: counter {k} = {}: {c:?}", t.name(), c[k]);
@@ -205,15 +197,9 @@ fn run_topology(t: Topology) {
     assert_eq!(u(&again, "failed"), 0, "{}: {again}", t.name());
     let later = lbd.status().unwrap();
     let c2 = counters(&later);
-    let forwarded2: u64 = later["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s["backends"].as_array().unwrap().iter())
-        .map(|b| u(b, "packets_in") + u(b, "packets_out"))
-        .sum::<u64>()
-        - forwarded;
-    let steady = (c2["xdp_redirect"] - redirect) as f64 / forwarded2 as f64;
+    let (redirect2, _, total2) = path_counts(&later);
+    let forwarded2 = total2 - forwarded;
+    let steady = (redirect2 - redirect) as f64 / forwarded2 as f64;
     println!(
         "topology {:<15} modes {:?}: {forwarded} packets, {:.2}% by XDP redirect ({:.2}% of the next {forwarded2} after warm-up), {} kernel_egress, {} fib_fallback, {} unfinished checksums",
         t.name(),
@@ -288,13 +274,7 @@ fn forced_native_takes_the_kernel_path_and_follows_device_changes() {
     assert_eq!(u(&r, "failed"), 0, "{r}");
     let status = lbd.status().unwrap();
     let c = counters(&status);
-    let forwarded: u64 = status["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s["backends"].as_array().unwrap().iter())
-        .map(|b| u(b, "packets_in") + u(b, "packets_out"))
-        .sum();
+    let (_, _, forwarded) = path_counts(&status);
     assert_eq!(c["xdp_redirect"], 0, "a native redirect into a veth without XDP or GRO at its peer: {c:?}");
     assert_eq!(c["kernel_egress"] + c["fib_fallback"], forwarded, "{c:?}");
     assert!(c["kernel_egress"] > 0, "{c:?}");

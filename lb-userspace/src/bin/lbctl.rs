@@ -163,11 +163,7 @@ fn render(s: &Status) -> String {
         let _ = writeln!(out, "interface {} XDP {} ({})", a.interface, a.mode, a.reason);
     }
     for r in &s.paths {
-        let path = match r.path {
-            lb_userspace::paths::Path::XdpRedirect => "XDP redirect",
-            lb_userspace::paths::Path::Kernel => "kernel forwarding",
-        };
-        let _ = writeln!(out, "  path {} -> {}: {path} ({})", r.ingress, r.egress, r.reason);
+        let _ = writeln!(out, "  path {} -> {}: {} ({})", r.ingress, r.egress, r.path.describe(), r.reason);
     }
     let count = |k: &str| s.counters.get(k).copied().unwrap_or(0);
     let kernel: u64 =
