@@ -178,8 +178,9 @@ pub enum ApiError {
     Io { path: PathBuf, source: std::io::Error },
 }
 
-/// How long lbd waits for a refused peer's request before closing.
+/// How long, and how much, lbd reads of a refused request before closing.
 const REFUSED_DRAIN: Duration = Duration::from_secs(1);
+const REFUSED_DRAIN_BYTES: u64 = 16 << 20;
 
 /// Bind the control socket: parent directory created (0700 if new), a
 /// stale socket file replaced, the socket itself mode 0600.
@@ -238,15 +239,7 @@ async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Resul
     let (rd, mut wr) = stream.into_split();
     let mut rd = TokioBufReader::new(rd);
     if peer != 0 && peer != me {
-        let resp = Response { ok: false, result: None, error: Some(format!("permission denied for uid {peer}")) };
-        wr.write_all(format!("{}\n", serde_json::to_string(&resp)?).as_bytes()).await?;
-        // Read (and discard) the peer's request before closing, so that its
-        // write does not fail with a broken pipe before it reads the answer.
-        let mut discard = Vec::new();
-        let mut limited = (&mut rd).take(MAX_REQUEST as u64 + 1);
-        let _ = tokio::time::timeout(REFUSED_DRAIN, limited.read_until(b'\n', &mut discard)).await;
-        wr.shutdown().await?;
-        return Ok(());
+        return refuse(&mut rd, &mut wr, format!("permission denied for uid {peer}")).await;
     }
     let mut buf = Vec::new();
     loop {
@@ -256,14 +249,9 @@ async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Resul
             return Ok(());
         }
         let resp = if buf.len() > MAX_REQUEST {
-            // Oversized: answer and drop the connection (the rest of the
-            // line is unread garbage; the client reads this answer even if
-            // its write fails, see `call`).
-            let r =
-                Response { ok: false, result: None, error: Some(format!("request longer than {MAX_REQUEST} bytes")) };
-            wr.write_all(format!("{}\n", serde_json::to_string(&r)?).as_bytes()).await?;
-            wr.shutdown().await?;
-            return Ok(());
+            // Oversized: the rest of the line is garbage; refuse, and end
+            // the connection.
+            return refuse(&mut rd, &mut wr, format!("request longer than {MAX_REQUEST} bytes")).await;
         } else {
             match std::str::from_utf8(&buf) {
                 Ok(line) => {
@@ -280,6 +268,26 @@ async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Resul
         };
         wr.write_all(format!("{}\n", serde_json::to_string(&resp)?).as_bytes()).await?;
     }
+}
+
+/// Answer `error` and end the connection without cutting the peer off
+/// mid-write: the answer goes out and the write side is shut, then what the
+/// peer is still sending of its request line is read and discarded (at most
+/// `REFUSED_DRAIN` long and `REFUSED_DRAIN_BYTES` bytes), so that its write
+/// completes and it reads the answer, instead of failing with a broken pipe
+/// because lbd closed first.
+async fn refuse(
+    rd: &mut TokioBufReader<tokio::net::unix::OwnedReadHalf>,
+    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    error: String,
+) -> std::io::Result<()> {
+    let resp = Response { ok: false, result: None, error: Some(error) };
+    wr.write_all(format!("{}\n", serde_json::to_string(&resp)?).as_bytes()).await?;
+    wr.shutdown().await?;
+    let mut rest = rd.take(REFUSED_DRAIN_BYTES);
+    let mut discard = Vec::new();
+    let _ = tokio::time::timeout(REFUSED_DRAIN, rest.read_until(b'\n', &mut discard)).await;
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -343,6 +351,34 @@ mod tests {
         server.join().unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         assert!(matches!(&err, ClientError::Remote(m) if m == "permission denied for uid 65534"), "{err}");
+    }
+
+    #[test]
+    fn a_refusing_server_lets_the_client_finish_its_write_and_read_the_answer() {
+        // The client sends a 1 MiB request line; lbd reads only the start,
+        // refuses, and must not close under the client's write.
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (server, client) = std::os::unix::net::UnixStream::pair().unwrap();
+        let writer = std::thread::spawn(move || {
+            let mut c = client;
+            let mut line = vec![b'a'; 1 << 20];
+            line.push(b'\n');
+            let written = c.write_all(&line);
+            let mut answer = String::new();
+            BufReader::new(&c).read_line(&mut answer).unwrap();
+            (written.map_err(|e| e.kind()), answer)
+        });
+        rt.block_on(async {
+            server.set_nonblocking(true).unwrap();
+            let (rd, mut wr) = UnixStream::from_std(server).unwrap().into_split();
+            let mut rd = TokioBufReader::new(rd);
+            let mut start = [0u8; 4096];
+            rd.read_exact(&mut start).await.unwrap();
+            refuse(&mut rd, &mut wr, "request longer than 65536 bytes".into()).await.unwrap();
+        });
+        let (written, answer) = writer.join().unwrap();
+        assert_eq!(written, Ok(()), "the client's write was cut off");
+        assert!(answer.contains("request longer than 65536 bytes"), "{answer:?}");
     }
 
     #[test]
