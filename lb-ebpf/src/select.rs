@@ -1,5 +1,9 @@
 //! Backend selection for a new flow: one bounded read of the service's
 //! selection table, which userspace built (Maglev, WRR sequence, ...).
+//!
+//! This is the datapath half of the schedulers. The userspace half, which
+//! names them, validates a service and builds its table, is
+//! `lb-userspace/src/sched/`; a scheduler lives in those two places only.
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use crate::config::DEFAULT_CONTROL_SOCKET;
+use crate::{config::DEFAULT_CONTROL_SOCKET, sched::Scheduler};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum LogFormat {
@@ -112,7 +112,8 @@ pub enum ServiceAction {
         port: u16,
         #[arg(long, default_value = "tcp")]
         protocol: String,
-        #[arg(long, default_value = "maglev")]
+        /// One of the schedulers of the configuration file.
+        #[arg(long, default_value = Scheduler::Maglev.name())]
         scheduler: String,
         /// ADDRESS:PORT or ADDRESS:PORT:WEIGHT; repeat for more.
         #[arg(long = "backend", value_name = "ADDRESS:PORT[:WEIGHT]")]

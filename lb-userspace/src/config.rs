@@ -15,7 +15,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use serde_yaml::{Mapping, Value};
 
-use crate::{maglev, wrr};
+use crate::sched::{Pool, Scheduler, maglev};
 
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lbd/lbd.sock";
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/lbd";
@@ -26,8 +26,6 @@ pub const MAX_CONNTRACK: u32 = 1 << 26;
 /// Entries of the selection-table array when the config does not say.
 pub const DEFAULT_TABLE_CAPACITY: u32 = 1 << 22;
 pub const MAX_WEIGHT: u32 = 65_535;
-/// Longest weighted-round-robin cycle a service may need.
-pub const MAX_WRR_CYCLE: u64 = 1 << 20;
 pub const DEFAULT_TCP_IDLE_TIMEOUT: u32 = 900;
 pub const DEFAULT_UDP_IDLE_TIMEOUT: u32 = 300;
 
@@ -60,48 +58,6 @@ impl fmt::Display for Protocol {
         f.write_str(match self {
             Self::Tcp => "tcp",
             Self::Udp => "udp",
-        })
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Scheduler {
-    /// Maglev consistent hashing of the 5-tuple (default).
-    Maglev,
-    /// Smooth weighted round robin over new flows.
-    Wrr,
-    /// Round robin (weights only decide in or out).
-    Rr,
-    /// Consistent hashing of the client address alone.
-    SourceHash,
-    /// Weighted least connections (power of two choices).
-    LeastConn,
-}
-
-impl Scheduler {
-    pub const NAMES: &[&str] = &["maglev", "wrr", "rr", "source-hash", "least-conn"];
-
-    fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "maglev" => Self::Maglev,
-            "wrr" => Self::Wrr,
-            "rr" => Self::Rr,
-            "source-hash" => Self::SourceHash,
-            "least-conn" => Self::LeastConn,
-            _ => return None,
-        })
-    }
-}
-
-impl fmt::Display for Scheduler {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Maglev => "maglev",
-            Self::Wrr => "wrr",
-            Self::Rr => "rr",
-            Self::SourceHash => "source-hash",
-            Self::LeastConn => "least-conn",
         })
     }
 }
@@ -584,14 +540,14 @@ impl Walker<'_> {
             },
         };
         let scheduler = match m.get("scheduler") {
-            None => Some(Scheduler::Maglev),
+            None => Some(Scheduler::default()),
             Some(v) => match self.string(v, &Self::field(path, "scheduler")) {
                 Some(s) => match Scheduler::parse(s) {
                     Some(s) => Some(s),
                     None => {
                         self.problem(
                             &Self::field(path, "scheduler"),
-                            format!("{s:?} is not one of {}", Scheduler::NAMES.join(", ")),
+                            format!("{s:?} is not one of {}", Scheduler::names()),
                         );
                         None
                     }
@@ -643,23 +599,12 @@ impl Walker<'_> {
             }
             Some(v) => self.problem(&bpath, format!("expected a list of backends, found {}", describe(v))),
         }
-        if let (Some(size), Some(Scheduler::Maglev | Scheduler::SourceHash | Scheduler::LeastConn)) =
-            (table_size, scheduler)
-            && backends.len() as u64 > size as u64
-        {
-            self.problem(
-                &Self::field(path, "table_size"),
-                format!("{size} entries cannot hold {} backends", backends.len()),
-            );
-        }
-        if let Some(Scheduler::Wrr) = scheduler {
-            let reduced = wrr::reduce(&backends.iter().map(|b| b.weight).collect::<Vec<_>>());
-            let cycle: u64 = reduced.iter().map(|&w| w as u64).sum();
-            if cycle > MAX_WRR_CYCLE {
-                self.problem(
-                    &bpath,
-                    format!("the weights make a round-robin cycle of {cycle} picks (at most {MAX_WRR_CYCLE}); use coarser weights"),
-                );
+        if let Some(scheduler) = scheduler {
+            let weights: Vec<u32> = backends.iter().map(|b| b.weight).collect();
+            // A table_size already refused is not judged again.
+            let table_size = table_size.unwrap_or(u32::MAX);
+            for p in scheduler.validate(&Pool { table_size, weights: &weights }) {
+                self.problem(&Self::field(path, p.field), p.message);
             }
         }
         if self.problems.len() != before {
@@ -863,13 +808,8 @@ pub fn parse_status_range(s: &str) -> Option<(u16, u16)> {
 
 /// Entries the selection table of `s` takes.
 pub fn table_entries(s: &ServiceConfig) -> u64 {
-    match s.scheduler {
-        Scheduler::Maglev | Scheduler::SourceHash | Scheduler::LeastConn => s.table_size as u64,
-        Scheduler::Rr => s.backends.len() as u64,
-        Scheduler::Wrr => {
-            wrr::reduce(&s.backends.iter().map(|b| b.weight).collect::<Vec<_>>()).iter().map(|&w| w as u64).sum()
-        }
-    }
+    let weights: Vec<u32> = s.backends.iter().map(|b| b.weight).collect();
+    s.scheduler.table_len(&Pool { table_size: s.table_size, weights: &weights })
 }
 
 #[cfg(test)]

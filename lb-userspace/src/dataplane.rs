@@ -31,16 +31,15 @@ use aya::{
 };
 use lb_common::{
     BACKEND_F_DOWN, Backend, BackendStats, Conns, DIR_FORWARD, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, PROTO_TCP,
-    SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service, VipKey, counter,
-    flow_closed,
+    SVC_F_NO_BACKEND, Service, VipKey, counter, flow_closed,
 };
 use tracing::{info, warn};
 
 use crate::{
-    config::{BackendConfig, Config, Scheduler, ServiceConfig, XdpMode},
-    maglev, netdev,
+    config::{BackendConfig, Config, ServiceConfig, XdpMode},
+    netdev,
     paths::{self, Mode, PathReport},
-    wrr,
+    sched::Member,
 };
 
 /// The XDP program, built by build.rs and embedded in the binary.
@@ -892,7 +891,12 @@ impl Dataplane {
             }
         }
 
-        let (scheduler, table) = build_table(cfg, &backends);
+        let members: Vec<Member> = backends
+            .iter()
+            .map(|b| Member { id: b.id, key: backend_key(b.config.address, b.config.port), weight: b.runtime.weight })
+            .collect();
+        let scheduler = cfg.scheduler.datapath_id();
+        let table = cfg.scheduler.build(&members, cfg.table_size);
         let flags = if table.iter().all(|&b| b == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
         let region = match &prev {
             Some(p) if p.table == table => p.region,
@@ -1146,40 +1150,6 @@ pub fn monotonic_coarse_secs() -> u64 {
     // SAFETY: valid out-pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
     ts.tv_sec as u64
-}
-
-/// The datapath scheduler id and selection table for a service.
-fn build_table(cfg: &ServiceConfig, backends: &[AppliedBackend]) -> (u32, Vec<u32>) {
-    match cfg.scheduler {
-        Scheduler::Maglev | Scheduler::SourceHash | Scheduler::LeastConn => {
-            let input: Vec<maglev::MaglevBackend> = backends
-                .iter()
-                .map(|b| maglev::MaglevBackend {
-                    id: b.id,
-                    key: backend_key(b.config.address, b.config.port),
-                    weight: b.runtime.weight,
-                })
-                .collect();
-            let table = maglev::build(&input, cfg.table_size)
-                .expect("table size and backend count were validated with the config");
-            let sched = match cfg.scheduler {
-                Scheduler::Maglev => SCHED_FLOW_HASH,
-                Scheduler::SourceHash => SCHED_SOURCE_HASH,
-                _ => SCHED_LEAST_CONN,
-            };
-            (sched, table)
-        }
-        Scheduler::Wrr | Scheduler::Rr => {
-            let input: Vec<wrr::WrrBackend> =
-                backends.iter().map(|b| wrr::WrrBackend { id: b.id, weight: b.runtime.weight }).collect();
-            let seq = if cfg.scheduler == Scheduler::Wrr {
-                wrr::sequence(&input, crate::config::MAX_WRR_CYCLE).expect("cycle length was validated with the config")
-            } else {
-                wrr::round_robin(&input)
-            };
-            (SCHED_SEQUENCE, seq)
-        }
-    }
 }
 
 /// A backend's identity for Maglev: its address and port, so the same

@@ -260,9 +260,9 @@ mod tests {
     use super::*;
     use crate::config::{
         DEFAULT_CONNTRACK_MAX, DEFAULT_CONTROL_SOCKET, DEFAULT_METRICS_LISTEN, DEFAULT_PIN_PATH,
-        DEFAULT_TABLE_CAPACITY, DEFAULT_TCP_IDLE_TIMEOUT, DEFAULT_UDP_IDLE_TIMEOUT, Environment, Protocol, Scheduler,
-        parse,
+        DEFAULT_TABLE_CAPACITY, DEFAULT_TCP_IDLE_TIMEOUT, DEFAULT_UDP_IDLE_TIMEOUT, Environment, Protocol, parse,
     };
+    use crate::sched::Scheduler;
 
     /// Every interface exists.
     struct AnyInterface;
@@ -316,14 +316,10 @@ mod tests {
         c.services.clear();
         v.push(("zero services", c));
 
-        for (i, sched) in
-            [Scheduler::Maglev, Scheduler::Wrr, Scheduler::Rr, Scheduler::SourceHash, Scheduler::LeastConn]
-                .into_iter()
-                .enumerate()
-        {
+        for (sched, size) in Scheduler::ALL.into_iter().zip([65537, 251, 3, 1009, 65521].into_iter().cycle()) {
             let mut c = base();
             c.services[0].scheduler = sched;
-            c.services[0].table_size = [65537, 251, 3, 1009, 65521][i];
+            c.services[0].table_size = size;
             v.push(("scheduler", c));
         }
 

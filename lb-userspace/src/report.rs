@@ -9,8 +9,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     agent::{Agent, BackendState},
-    config::{Protocol, Scheduler},
+    config::Protocol,
     dataplane::Attachment,
+    sched::Scheduler,
 };
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -106,14 +107,10 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
         for b in &mut backends {
             b.observed_share = if new_flows == 0 { 0.0 } else { b.new_flows as f64 / new_flows as f64 };
         }
-        // Round robin ignores weights, so judge it on raw counts.
         let normalised: Vec<f64> = backends
             .iter()
             .filter(|b| b.weight > 0)
-            .map(|b| match s.config.scheduler {
-                Scheduler::Rr => b.new_flows as f64,
-                _ => b.new_flows as f64 / f64::from(b.weight),
-            })
+            .map(|b| s.config.scheduler.fairness_input(b.new_flows, b.weight))
             .collect();
         services.push(ServiceStatus {
             name: s.config.name.clone(),

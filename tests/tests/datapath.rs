@@ -19,8 +19,9 @@ use std::{
 use aya::programs::{TestRun as _, TestRunOptions};
 use lb_common::{NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE};
 use lb_userspace::{
-    config::{BackendConfig, Config, Protocol, Scheduler, ServiceConfig, XdpMode},
+    config::{BackendConfig, Config, Protocol, ServiceConfig, XdpMode},
     dataplane::Dataplane,
+    sched::Scheduler,
 };
 
 const XDP_DROP: u32 = 1;

@@ -57,8 +57,9 @@ use aya::{
 };
 use clap::{Args, Parser, Subcommand};
 use lb_userspace::{
-    config::{BackendConfig, Config, Protocol, Scheduler, ServiceConfig, XdpMode},
+    config::{BackendConfig, Config, Protocol, ServiceConfig, XdpMode},
     dataplane::Dataplane,
+    sched::Scheduler,
 };
 use serde_json::{Value, json};
 

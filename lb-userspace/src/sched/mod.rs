@@ -1,0 +1,271 @@
+//! Schedulers: everything userspace knows about how a service picks a
+//! backend for a new flow, in one place.
+//!
+//! A [`Scheduler`] answers every question the rest of the agent asks about
+//! it: its name in the configuration, its datapath id, how long its
+//! selection table is, what it needs from a service to be valid, how its
+//! table is built from a neutral list of [`Member`]s, and what its fairness
+//! index is computed on. The table builders are [`maglev`] (consistent
+//! hashing) and [`wrr`] (round-robin sequences).
+//!
+//! The datapath half is `lb-ebpf/src/select.rs`: it reads the table built
+//! here and applies the per-packet part of the scheduler (hash, shared
+//! sequence counter, or two random choices compared on active flows).
+//! Adding a scheduler means a variant here and, only if it needs a new
+//! per-packet rule, a branch there.
+use std::{fmt, time::Duration};
+
+use lb_common::{SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH};
+use serde::{Deserialize, Deserializer, Serialize, Serializer, de::Error as _};
+
+pub mod maglev;
+pub mod wrr;
+
+/// Longest weighted-round-robin cycle a service may need.
+pub const MAX_WRR_CYCLE: u64 = 1 << 20;
+
+/// How a service picks a backend for a new flow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Scheduler {
+    /// Maglev consistent hashing of the 5-tuple (default).
+    #[default]
+    Maglev,
+    /// Smooth weighted round robin over new flows.
+    Wrr,
+    /// Round robin (weights only decide in or out).
+    Rr,
+    /// Consistent hashing of the client address alone.
+    SourceHash,
+    /// Weighted least connections (power of two choices).
+    LeastConn,
+}
+
+/// The selection table a scheduler's datapath half reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Table {
+    /// A Maglev table of the service's `table_size` (a prime).
+    Maglev,
+    /// One full round-robin cycle, weighted or not.
+    Sequence { weighted: bool },
+}
+
+/// One backend as a scheduler sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Member {
+    /// The datapath's backend id (what the table holds).
+    pub id: u32,
+    /// A stable identity (Maglev derives the backend's slots from it).
+    pub key: u64,
+    /// The weight in force now (health, drain and slow start applied);
+    /// 0 keeps the backend out of the table.
+    pub weight: u32,
+}
+
+/// What a scheduler needs to know about a service to validate it.
+#[derive(Clone, Copy, Debug)]
+pub struct Pool<'a> {
+    /// The configured Maglev table size (a prime).
+    pub table_size: u32,
+    /// The backends' configured weights.
+    pub weights: &'a [u32],
+}
+
+/// A service setting the scheduler cannot work with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// The service's key at fault (`table_size`, `backends`, ...).
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl Scheduler {
+    /// Every scheduler, in the order the documentation lists them.
+    pub const ALL: [Self; 5] = [Self::Maglev, Self::Wrr, Self::Rr, Self::SourceHash, Self::LeastConn];
+
+    /// The name used in the configuration, the API and the status.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Maglev => "maglev",
+            Self::Wrr => "wrr",
+            Self::Rr => "rr",
+            Self::SourceHash => "source-hash",
+            Self::LeastConn => "least-conn",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == s)
+    }
+
+    /// "maglev, wrr, ..." for error messages.
+    pub fn names() -> String {
+        Self::ALL.map(Self::name).join(", ")
+    }
+
+    /// The `SCHED_*` id the datapath switches on (`lb-ebpf/src/select.rs`).
+    pub const fn datapath_id(self) -> u32 {
+        match self {
+            Self::Maglev => SCHED_FLOW_HASH,
+            Self::SourceHash => SCHED_SOURCE_HASH,
+            Self::LeastConn => SCHED_LEAST_CONN,
+            Self::Wrr | Self::Rr => SCHED_SEQUENCE,
+        }
+    }
+
+    const fn table(self) -> Table {
+        match self {
+            Self::Maglev | Self::SourceHash | Self::LeastConn => Table::Maglev,
+            Self::Wrr => Table::Sequence { weighted: true },
+            Self::Rr => Table::Sequence { weighted: false },
+        }
+    }
+
+    /// Entries of the selection table for a pool, at most (every backend
+    /// at its configured weight).
+    pub fn table_len(self, pool: &Pool<'_>) -> u64 {
+        match self.table() {
+            Table::Maglev => u64::from(pool.table_size),
+            Table::Sequence { weighted: false } => pool.weights.len() as u64,
+            Table::Sequence { weighted: true } => wrr::reduce(pool.weights).iter().map(|&w| u64::from(w)).sum(),
+        }
+    }
+
+    /// Every reason the pool cannot be scheduled this way.
+    pub fn validate(self, pool: &Pool<'_>) -> Vec<Problem> {
+        let mut problems = Vec::new();
+        match self.table() {
+            Table::Maglev if pool.weights.len() as u64 > u64::from(pool.table_size) => problems.push(Problem {
+                field: "table_size",
+                message: format!("{} entries cannot hold {} backends", pool.table_size, pool.weights.len()),
+            }),
+            Table::Sequence { weighted: true } => {
+                let cycle = self.table_len(pool);
+                if cycle > MAX_WRR_CYCLE {
+                    problems.push(Problem {
+                        field: "backends",
+                        message: format!(
+                            "the weights make a round-robin cycle of {cycle} picks (at most {MAX_WRR_CYCLE}); use coarser weights"
+                        ),
+                    });
+                }
+            }
+            _ => {}
+        }
+        problems
+    }
+
+    /// The selection table for the members (in a stable order: Maglev
+    /// breaks ties by position). Only called on validated pools.
+    pub fn build(self, members: &[Member], table_size: u32) -> Vec<u32> {
+        match self.table() {
+            Table::Maglev => {
+                let input: Vec<maglev::MaglevBackend> =
+                    members.iter().map(|m| maglev::MaglevBackend { id: m.id, key: m.key, weight: m.weight }).collect();
+                maglev::build(&input, table_size).expect("table size and backend count were validated with the config")
+            }
+            Table::Sequence { weighted } => {
+                let input: Vec<wrr::WrrBackend> =
+                    members.iter().map(|m| wrr::WrrBackend { id: m.id, weight: m.weight }).collect();
+                if weighted {
+                    wrr::sequence(&input, MAX_WRR_CYCLE).expect("cycle length was validated with the config")
+                } else {
+                    wrr::round_robin(&input)
+                }
+            }
+        }
+    }
+
+    /// What the fairness index (Jain's) of a service is computed on, per
+    /// backend: new flows per unit of weight, or raw counts for a scheduler
+    /// that ignores weights.
+    pub fn fairness_input(self, new_flows: u64, weight: u32) -> f64 {
+        match self.table() {
+            Table::Sequence { weighted: false } => new_flows as f64,
+            _ => new_flows as f64 / f64::from(weight),
+        }
+    }
+
+    /// The weight the datapath and the table use for a backend whose weight
+    /// in force is `weight` (health, drain and slow start applied), given
+    /// its recent probe response time when one is measured.
+    pub fn effective_weight(self, weight: u32, _response_time: Option<Duration>) -> u32 {
+        weight
+    }
+}
+
+impl fmt::Display for Scheduler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Serialize for Scheduler {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Scheduler {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Self::parse(&s).ok_or_else(|| D::Error::custom(format!("{s:?} is not one of {}", Self::names())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_are_unique() {
+        for k in Scheduler::ALL {
+            assert_eq!(Scheduler::parse(k.name()), Some(k));
+            assert_eq!(serde_json::to_string(&k).unwrap(), format!("\"{}\"", k.name()));
+            assert_eq!(serde_json::from_str::<Scheduler>(&format!("\"{k}\"")).unwrap(), k);
+        }
+        let mut names: Vec<_> = Scheduler::ALL.map(Scheduler::name).to_vec();
+        names.dedup();
+        assert_eq!(names.len(), Scheduler::ALL.len());
+        assert_eq!(Scheduler::parse("random"), None);
+        assert!(serde_json::from_str::<Scheduler>("\"random\"").unwrap_err().to_string().contains("maglev, wrr"));
+    }
+
+    #[test]
+    fn tables_follow_the_scheduler() {
+        let w = [4, 2, 2];
+        let pool = Pool { table_size: 7, weights: &w };
+        assert_eq!(Scheduler::Maglev.table_len(&pool), 7);
+        assert_eq!(Scheduler::Rr.table_len(&pool), 3);
+        assert_eq!(Scheduler::Wrr.table_len(&pool), 4, "2:1:1 after the gcd");
+        let m: Vec<Member> =
+            w.iter().enumerate().map(|(i, &weight)| Member { id: i as u32 + 1, key: i as u64, weight }).collect();
+        let mut wrr = Scheduler::Wrr.build(&m, 7);
+        wrr.sort_unstable();
+        assert_eq!(wrr, [1, 1, 2, 3]);
+        assert_eq!(Scheduler::Rr.build(&m, 7), [1, 2, 3]);
+        let t = Scheduler::LeastConn.build(&m, 7);
+        assert_eq!(t.len(), 7);
+        assert!(t.iter().all(|&id| (1..=3).contains(&id)));
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let w = [1; 8];
+        let p = Scheduler::SourceHash.validate(&Pool { table_size: 7, weights: &w });
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].field, "table_size");
+        assert!(Scheduler::Wrr.validate(&Pool { table_size: 7, weights: &w }).is_empty());
+        let w: Vec<u32> = (0..17).map(|i| 65_535 - i).collect();
+        let p = Scheduler::Wrr.validate(&Pool { table_size: 7, weights: &w });
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].field, "backends");
+        assert!(p[0].message.contains("cycle of 1113959 picks"), "{}", p[0].message);
+    }
+
+    #[test]
+    fn fairness_ignores_weights_only_for_round_robin() {
+        assert_eq!(Scheduler::Rr.fairness_input(30, 3), 30.0);
+        assert_eq!(Scheduler::Wrr.fairness_input(30, 3), 10.0);
+        assert_eq!(Scheduler::Maglev.fairness_input(30, 3), 10.0);
+    }
+}
