@@ -175,15 +175,23 @@ impl Agent {
             return BackendRuntime { weight: 0, down: true };
         }
         let w = b.admin_weight();
-        let Some(window) = s.slow_start else {
-            return BackendRuntime { weight: w, down: false };
+        let weight = match s.slow_start {
+            None => w,
+            Some(window) => {
+                let scaled = w.saturating_mul(SLOW_START_SCALE);
+                match self.ramp_start(&k) {
+                    Some(t) => slow_start_weight(scaled, now.duration_since(t), window),
+                    None => scaled,
+                }
+            }
         };
-        let scaled = w.saturating_mul(SLOW_START_SCALE);
-        let weight = match self.ramp_start(&k) {
-            Some(t) => slow_start_weight(scaled, now.duration_since(t), window),
-            None => scaled,
-        };
-        BackendRuntime { weight, down: false }
+        let response = self.health.get(&k).and_then(Checker::response_time);
+        BackendRuntime { weight: s.scheduler.effective_weight(weight, response), down: false }
+    }
+
+    /// A backend's recent probe response time, when measured.
+    pub fn response_time_of(&self, service: &str, address: Ipv4Addr, port: u16) -> Option<Duration> {
+        self.health.get(&(service.to_owned(), address, port)).and_then(Checker::response_time)
     }
 
     /// Where a backend's slow start counts from: the later of when it was
@@ -223,15 +231,36 @@ impl Agent {
         self.health_metrics.record(&key.0, &format!("{}:{}", key.1, key.2), &result);
         let (rise, fall) = (s.health.rise, s.health.fall);
         let Some(c) = self.health.get_mut(key) else { return };
-        let Some(new) = c.observe(result.is_ok(), rise, fall) else { return };
+        if let Ok(took) = result {
+            c.record_response(took);
+        }
+        let transition = c.observe(result.is_ok(), rise, fall);
         let backend = format!("{}:{}", key.1, key.2);
-        match (&new, &result) {
-            (Health::Down, Err(e)) => warn!(service = %key.0, backend = %backend, reason = %e, "backend down"),
-            _ => info!(service = %key.0, backend = %backend, "backend up"),
+        match (&transition, &result) {
+            (None, _) => {}
+            (Some(Health::Down), Err(e)) => warn!(service = %key.0, backend = %backend, reason = %e, "backend down"),
+            (Some(_), _) => info!(service = %key.0, backend = %backend, "backend up"),
         }
-        if let Err(e) = self.apply() {
-            warn!(error = %e, "reprogramming after a health change failed");
+        // A scheduler may weigh the response time: reprogram when the
+        // weight in force moved, not only on a health transition.
+        if (transition.is_some() || self.runtime_moved(key))
+            && let Err(e) = self.apply()
+        {
+            warn!(error = %e, "reprogramming after a probe result failed");
         }
+    }
+
+    /// True when the backend's runtime (weight, down) now differs from what
+    /// the dataplane has.
+    fn runtime_moved(&self, key: &BackendKey) -> bool {
+        let Some(s) = self.config.services.iter().find(|s| s.name == key.0) else { return false };
+        let Some(b) = s.backends.iter().find(|b| b.address == key.1 && b.port == key.2) else { return false };
+        let now = self.runtime(s, b, Instant::now());
+        self.dp
+            .services()
+            .filter(|a| a.config.name == key.0)
+            .flat_map(|a| &a.backends)
+            .any(|a| a.config.address == key.1 && a.config.port == key.2 && a.runtime != now)
     }
 
     /// What the health checker should probe: (key, probe address, config).

@@ -57,7 +57,15 @@ pub struct Checker {
     failures: u32,
     /// When the last Down -> Up transition happened.
     up_since: Option<Instant>,
+    /// Exponentially weighted moving average of successful probes' times
+    /// (for http, the time to the first line of the response).
+    response: Option<Duration>,
 }
+
+/// Weight of the newest probe time in [`Checker::response_time`]: an
+/// estimate follows a lasting change within about five probes and a single
+/// slow probe moves it by a quarter.
+const RESPONSE_EWMA_WEIGHT: f64 = 0.25;
 
 impl Default for Checker {
     fn default() -> Self {
@@ -69,7 +77,7 @@ impl Checker {
     /// Backends start Up (so a restart of the agent never takes traffic
     /// away before the first probes).
     pub fn new() -> Self {
-        Self { state: Health::Up, successes: 0, failures: 0, up_since: None }
+        Self { state: Health::Up, successes: 0, failures: 0, up_since: None, response: None }
     }
 
     pub fn state(&self) -> Health {
@@ -105,6 +113,21 @@ impl Checker {
     /// [`Checker::new`]; used for slow start).
     pub fn up_since(&self) -> Option<Instant> {
         self.up_since
+    }
+
+    /// Record how long a successful probe took (failed probes leave the
+    /// estimate alone: health decides about those).
+    pub fn record_response(&mut self, took: Duration) {
+        self.response = Some(match self.response {
+            None => took,
+            Some(avg) => avg.mul_f64(1.0 - RESPONSE_EWMA_WEIGHT) + took.mul_f64(RESPONSE_EWMA_WEIGHT),
+        });
+    }
+
+    /// The recent response time (see [`Checker::record_response`]); None
+    /// before the first successful probe.
+    pub fn response_time(&self) -> Option<Duration> {
+        self.response
     }
 }
 
@@ -644,5 +667,20 @@ mod tests {
         let mut c = cfg(ProbeKind::None);
         c.timeout = Duration::ZERO;
         assert_eq!(probe(&c, addr).await, Ok(Duration::ZERO));
+    }
+
+    #[test]
+    fn response_time_is_a_moving_average_of_successful_probes() {
+        let mut c = Checker::new();
+        assert_eq!(c.response_time(), None);
+        c.record_response(Duration::from_millis(40));
+        assert_eq!(c.response_time(), Some(Duration::from_millis(40)), "the first probe sets it");
+        c.record_response(Duration::from_millis(80));
+        assert_eq!(c.response_time(), Some(Duration::from_millis(50)), "a quarter of the way to the new time");
+        for _ in 0..30 {
+            c.record_response(Duration::from_millis(2));
+        }
+        let d = c.response_time().unwrap();
+        assert!(d >= Duration::from_millis(2) && d < Duration::from_micros(2050), "{d:?}");
     }
 }

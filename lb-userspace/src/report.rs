@@ -35,6 +35,11 @@ pub struct BackendStatus {
     pub expected_share: f64,
     /// This backend's new flows / the service's new flows (0 when none yet).
     pub observed_share: f64,
+    /// Moving average of the health probes' response time (for http, the
+    /// time to the response's first line), in milliseconds; None without
+    /// probes or before the first successful one.
+    #[serde(default)]
+    pub response_time_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -101,6 +106,9 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
                 active_flows: dp.active_flows(b.id)?,
                 expected_share: if total_weight == 0 { 0.0 } else { f64::from(b.config.weight) / total_weight as f64 },
                 observed_share: 0.0,
+                response_time_ms: agent
+                    .response_time_of(&s.config.name, b.config.address, b.config.port)
+                    .map(|d| d.as_secs_f64() * 1000.0),
             });
         }
         let new_flows: u64 = backends.iter().map(|b| b.new_flows).sum();

@@ -187,7 +187,7 @@ fn render(s: &Status) -> String {
         );
         let _ = writeln!(
             out,
-            "  {:<21} {:<5} {:>6} {:>9} {:>8} {:>8} {:>10} {:>7} {:>10} {:>12} {:>10} {:>12}",
+            "  {:<21} {:<5} {:>6} {:>9} {:>8} {:>8} {:>10} {:>7} {:>10} {:>12} {:>10} {:>12} {:>9}",
             "BACKEND",
             "STATE",
             "WEIGHT",
@@ -199,12 +199,13 @@ fn render(s: &Status) -> String {
             "PKTS_IN",
             "BYTES_IN",
             "PKTS_OUT",
-            "BYTES_OUT"
+            "BYTES_OUT",
+            "RESPONSE"
         );
         for b in &svc.backends {
             let _ = writeln!(
                 out,
-                "  {:<21} {:<5} {:>6} {:>9} {:>7.1}% {:>7.1}% {:>10} {:>7} {:>10} {:>12} {:>10} {:>12}",
+                "  {:<21} {:<5} {:>6} {:>9} {:>7.1}% {:>7.1}% {:>10} {:>7} {:>10} {:>12} {:>10} {:>12} {:>9}",
                 format!("{}:{}", b.address, b.port),
                 format!("{:?}", b.state).to_lowercase(),
                 b.weight,
@@ -216,7 +217,8 @@ fn render(s: &Status) -> String {
                 b.packets_in,
                 b.bytes_in,
                 b.packets_out,
-                b.bytes_out
+                b.bytes_out,
+                b.response_time_ms.map_or_else(|| "-".to_owned(), |ms| format!("{ms:.1}ms"))
             );
         }
     }
