@@ -603,7 +603,8 @@ impl Walker<'_> {
             let weights: Vec<u32> = backends.iter().map(|b| b.weight).collect();
             // A table_size already refused is not judged again.
             let table_size = table_size.unwrap_or(u32::MAX);
-            for p in scheduler.validate(&Pool { table_size, weights: &weights }) {
+            let measures_response = health.as_ref().is_some_and(|h| h.kind == ProbeKind::Http);
+            for p in scheduler.validate(&Pool { table_size, weights: &weights, measures_response }) {
                 self.problem(&Self::field(path, p.field), p.message);
             }
         }
@@ -809,7 +810,8 @@ pub fn parse_status_range(s: &str) -> Option<(u16, u16)> {
 /// Entries the selection table of `s` takes.
 pub fn table_entries(s: &ServiceConfig) -> u64 {
     let weights: Vec<u32> = s.backends.iter().map(|b| b.weight).collect();
-    s.scheduler.table_len(&Pool { table_size: s.table_size, weights: &weights })
+    let measures_response = s.health.kind == ProbeKind::Http;
+    s.scheduler.table_len(&Pool { table_size: s.table_size, weights: &weights, measures_response })
 }
 
 #[cfg(test)]

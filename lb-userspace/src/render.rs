@@ -260,7 +260,8 @@ mod tests {
     use super::*;
     use crate::config::{
         DEFAULT_CONNTRACK_MAX, DEFAULT_CONTROL_SOCKET, DEFAULT_METRICS_LISTEN, DEFAULT_PIN_PATH,
-        DEFAULT_TABLE_CAPACITY, DEFAULT_TCP_IDLE_TIMEOUT, DEFAULT_UDP_IDLE_TIMEOUT, Environment, Protocol, parse,
+        DEFAULT_TABLE_CAPACITY, DEFAULT_TCP_IDLE_TIMEOUT, DEFAULT_UDP_IDLE_TIMEOUT, Environment, ProbeKind, Protocol,
+        parse,
     };
     use crate::sched::Scheduler;
 
@@ -320,6 +321,8 @@ mod tests {
             let mut c = base();
             c.services[0].scheduler = sched;
             c.services[0].table_size = size;
+            // Some schedulers weigh the probes' response times.
+            c.services[0].health = HealthConfig { kind: ProbeKind::Http, ..HealthConfig::default() };
             v.push(("scheduler", c));
         }
 

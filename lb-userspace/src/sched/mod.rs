@@ -68,6 +68,9 @@ pub struct Pool<'a> {
     pub table_size: u32,
     /// The backends' configured weights.
     pub weights: &'a [u32],
+    /// Whether the service's health probes measure a response time (http
+    /// probes: the time to the response's first line).
+    pub measures_response: bool,
 }
 
 /// A service setting the scheduler cannot work with.
@@ -233,7 +236,7 @@ mod tests {
     #[test]
     fn tables_follow_the_scheduler() {
         let w = [4, 2, 2];
-        let pool = Pool { table_size: 7, weights: &w };
+        let pool = Pool { table_size: 7, weights: &w, measures_response: false };
         assert_eq!(Scheduler::Maglev.table_len(&pool), 7);
         assert_eq!(Scheduler::Rr.table_len(&pool), 3);
         assert_eq!(Scheduler::Wrr.table_len(&pool), 4, "2:1:1 after the gcd");
@@ -251,12 +254,12 @@ mod tests {
     #[test]
     fn validation_names_the_field() {
         let w = [1; 8];
-        let p = Scheduler::SourceHash.validate(&Pool { table_size: 7, weights: &w });
+        let p = Scheduler::SourceHash.validate(&Pool { table_size: 7, weights: &w, measures_response: false });
         assert_eq!(p.len(), 1);
         assert_eq!(p[0].field, "table_size");
-        assert!(Scheduler::Wrr.validate(&Pool { table_size: 7, weights: &w }).is_empty());
+        assert!(Scheduler::Wrr.validate(&Pool { table_size: 7, weights: &w, measures_response: false }).is_empty());
         let w: Vec<u32> = (0..17).map(|i| 65_535 - i).collect();
-        let p = Scheduler::Wrr.validate(&Pool { table_size: 7, weights: &w });
+        let p = Scheduler::Wrr.validate(&Pool { table_size: 7, weights: &w, measures_response: false });
         assert_eq!(p.len(), 1);
         assert_eq!(p[0].field, "backends");
         assert!(p[0].message.contains("cycle of 1113959 picks"), "{}", p[0].message);
