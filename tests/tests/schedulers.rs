@@ -1,6 +1,6 @@
 //! The schedulers on real connections in the lab, counted by the backends
 //! themselves: round robin, smooth WRR, Maglev, source hash, weighted least
-//! connections; live changes (weights, scheduler, pool) that must not move
+//! connections, least response time; live changes (weights, scheduler, pool) that must not move
 //! an established connection; draining. Needs root; one lab at a time.
 use std::time::Duration;
 
@@ -156,6 +156,74 @@ fn least_conn_sends_fewer_connections_to_a_slow_backend() {
     for b in status["services"][0]["backends"].as_array().unwrap() {
         assert_eq!(b["active_flows"], 0, "{b}");
     }
+}
+
+#[test]
+fn least_time_sends_little_to_a_backend_that_answers_50ms_later() {
+    let health = "    health: { type: http, interval: 200ms, timeout: 150ms, rise: 1, fall: 3 }\n";
+    let services = harness::web(&format!("    scheduler: least-time\n{health}"), &[(1, 1), (2, 1), (3, 1)]);
+    let s = setup("lbt-s-lt", 3, &services);
+    s.lab.set_backend_delay(0, 50).unwrap();
+    // Wait until lbd's estimates have seen the delay (probes every 200 ms,
+    // a moving average): be1's above 40 ms, the others' below 10 ms.
+    let addrs: Vec<String> = s.lab.backend_addrs().iter().map(ToString::to_string).collect();
+    let estimate = |st: &serde_json::Value, addr: &str| {
+        st["services"][0]["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["address"] == addr)
+            .and_then(|b| b["response_time_ms"].as_f64())
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = s.lbd.status().unwrap();
+        let e: Vec<Option<f64>> = addrs.iter().map(|a| estimate(&st, a)).collect();
+        if e[0].is_some_and(|t| t > 40.0) && e[1..].iter().all(|t| t.is_some_and(|t| t < 10.0)) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "estimates never settled: {e:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let r = s
+        .lab
+        .client(&[
+            "conns",
+            "--target",
+            "10.10.0.100:80",
+            "--concurrency",
+            "30",
+            "--duration-ms",
+            "10000",
+            "--sources-range",
+            "10.10.1.1-10.10.1.250",
+        ])
+        .unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
+    // Counted by the client (the backends also count the probes), and equal
+    // to lbd's new-flow counters.
+    let status = s.lbd.status().unwrap();
+    let c: Vec<u64> = (1..=3).map(|i| r["per_backend"][format!("be{i}")].as_u64().unwrap_or(0)).collect();
+    for (i, addr) in addrs.iter().enumerate() {
+        assert_eq!(Lbd::new_flows(&status, "web", addr), Some(c[i]), "lbd and the client disagree on {addr}: {c:?}");
+    }
+    println!("least-time, be1 answers after 50 ms, 30 clients for 10 s: {c:?}");
+    assert!(c[0] * 3 < c[1] && c[0] * 3 < c[2], "slow backend got {} vs {} and {}", c[0], c[1], c[2]);
+    let (lo, hi) = (c[1].min(c[2]) as f64, c[1].max(c[2]) as f64);
+    assert!(hi <= lo * 1.1, "the two fast backends differ by more than 10%: {c:?}");
+    // The estimates and the weights in force are what an operator sees.
+    let text = s.lbd.lbctl(&["status"]).unwrap();
+    assert!(text.contains("scheduler least-time") && text.contains("RESPONSE"), "{text}");
+    let row = text.lines().find(|l| l.trim_start().starts_with(&format!("{}:8080", addrs[0]))).unwrap();
+    let ms: f64 = row.split_whitespace().last().unwrap().trim_end_matches("ms").parse().unwrap();
+    assert!(ms > 40.0, "be1's estimate in lbctl status: {row}");
+    let eff = |a: &str| {
+        status["services"][0]["backends"].as_array().unwrap().iter().find(|b| b["address"] == a).unwrap()
+            ["effective_weight"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(eff(&addrs[0]) * 10 < eff(&addrs[1]), "be1 weighs {} vs {}", eff(&addrs[0]), eff(&addrs[1]));
 }
 
 #[test]

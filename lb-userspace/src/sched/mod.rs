@@ -38,6 +38,10 @@ pub enum Scheduler {
     SourceHash,
     /// Weighted least connections (power of two choices).
     LeastConn,
+    /// Least response time: weighted least connections where a backend's
+    /// weight is divided by its recent probe response time (see
+    /// [`least_time_weight`]).
+    LeastTime,
 }
 
 /// The selection table a scheduler's datapath half reads.
@@ -83,7 +87,7 @@ pub struct Problem {
 
 impl Scheduler {
     /// Every scheduler, in the order the documentation lists them.
-    pub const ALL: [Self; 5] = [Self::Maglev, Self::Wrr, Self::Rr, Self::SourceHash, Self::LeastConn];
+    pub const ALL: [Self; 6] = [Self::Maglev, Self::Wrr, Self::Rr, Self::SourceHash, Self::LeastConn, Self::LeastTime];
 
     /// The name used in the configuration, the API and the status.
     pub const fn name(self) -> &'static str {
@@ -93,6 +97,7 @@ impl Scheduler {
             Self::Rr => "rr",
             Self::SourceHash => "source-hash",
             Self::LeastConn => "least-conn",
+            Self::LeastTime => "least-time",
         }
     }
 
@@ -110,14 +115,17 @@ impl Scheduler {
         match self {
             Self::Maglev => SCHED_FLOW_HASH,
             Self::SourceHash => SCHED_SOURCE_HASH,
-            Self::LeastConn => SCHED_LEAST_CONN,
+            // Two random choices compared on active flows per unit of
+            // weight: with the weight divided by the response time, that
+            // compares active flows x response time.
+            Self::LeastConn | Self::LeastTime => SCHED_LEAST_CONN,
             Self::Wrr | Self::Rr => SCHED_SEQUENCE,
         }
     }
 
     const fn table(self) -> Table {
         match self {
-            Self::Maglev | Self::SourceHash | Self::LeastConn => Table::Maglev,
+            Self::Maglev | Self::SourceHash | Self::LeastConn | Self::LeastTime => Table::Maglev,
             Self::Wrr => Table::Sequence { weighted: true },
             Self::Rr => Table::Sequence { weighted: false },
         }
@@ -153,6 +161,12 @@ impl Scheduler {
                 }
             }
             _ => {}
+        }
+        if self == Self::LeastTime && !pool.measures_response {
+            problems.push(Problem {
+                field: "health",
+                message: "least-time estimates response times from the health probes; set health.type: http".into(),
+            });
         }
         problems
     }
@@ -191,9 +205,33 @@ impl Scheduler {
     /// The weight the datapath and the table use for a backend whose weight
     /// in force is `weight` (health, drain and slow start applied), given
     /// its recent probe response time when one is measured.
-    pub fn effective_weight(self, weight: u32, _response_time: Option<Duration>) -> u32 {
-        weight
+    pub fn effective_weight(self, weight: u32, response_time: Option<Duration>) -> u32 {
+        match self {
+            Self::LeastTime => least_time_weight(weight, response_time),
+            _ => weight,
+        }
     }
+}
+
+/// Response times at or below this count as equal: below a millisecond the
+/// differences between probes are mostly scheduling noise.
+pub const LEAST_TIME_FLOOR: Duration = Duration::from_millis(1);
+
+/// Least time's weight: `weight x 1024 / (response time / floor)`, with the
+/// ratio rounded to quarter octaves (steps of about 19%) so an estimate
+/// wandering a little does not rebuild the table on every probe. A backend
+/// not measured yet counts as answering at the floor. Never 0 for a weight
+/// above 0; 0 stays 0 (down or drained).
+pub fn least_time_weight(weight: u32, response_time: Option<Duration>) -> u32 {
+    if weight == 0 {
+        return 0;
+    }
+    let ratio =
+        response_time.unwrap_or(LEAST_TIME_FLOOR).max(LEAST_TIME_FLOOR).as_secs_f64() / LEAST_TIME_FLOOR.as_secs_f64();
+    let quarters = (4.0 * ratio.log2()).round();
+    let scaled = f64::from(weight) * 1024.0 / (quarters / 4.0).exp2();
+    // weight <= 2^20 (configured x slow start), so the product fits.
+    (scaled.round() as u32).max(1)
 }
 
 impl fmt::Display for Scheduler {
@@ -263,6 +301,40 @@ mod tests {
         assert_eq!(p.len(), 1);
         assert_eq!(p[0].field, "backends");
         assert!(p[0].message.contains("cycle of 1113959 picks"), "{}", p[0].message);
+    }
+
+    #[test]
+    fn least_time_needs_http_probes() {
+        let w = [1, 1];
+        let p = Scheduler::LeastTime.validate(&Pool { table_size: 7, weights: &w, measures_response: false });
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].field, "health");
+        assert!(p[0].message.contains("health.type: http"), "{}", p[0].message);
+        assert!(
+            Scheduler::LeastTime.validate(&Pool { table_size: 7, weights: &w, measures_response: true }).is_empty()
+        );
+        assert_eq!(Scheduler::LeastTime.datapath_id(), SCHED_LEAST_CONN);
+    }
+
+    #[test]
+    fn least_time_divides_the_weight_by_the_response_time() {
+        let ms = |m: u64| Some(Duration::from_millis(m));
+        let lt = |w, t| Scheduler::LeastTime.effective_weight(w, t);
+        // At or under the floor, and unmeasured, all count the same.
+        assert_eq!(lt(1, None), 1024);
+        assert_eq!(lt(1, Some(Duration::from_micros(150))), 1024);
+        assert_eq!(lt(3, ms(1)), 3072);
+        // Twice as slow: half the weight; 50 ms: about a fiftieth.
+        assert_eq!(lt(1, ms(2)), 512);
+        let slow = lt(1, ms(50));
+        assert!((18..=21).contains(&slow), "{slow}");
+        // Small wanderings land on the same step.
+        assert_eq!(lt(1, ms(52)), lt(1, ms(56)));
+        // Down or drained stays out; very slow stays in.
+        assert_eq!(lt(0, ms(5)), 0);
+        assert_eq!(lt(1, Some(Duration::from_secs(3600))), 1);
+        // Other schedulers ignore response times.
+        assert_eq!(Scheduler::LeastConn.effective_weight(7, ms(50)), 7);
     }
 
     #[test]
