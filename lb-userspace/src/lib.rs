@@ -10,6 +10,8 @@
 //! - `report`: the status report (shared by the API, the exporter, watch).
 //! - `api`: the control socket and its requests.
 //! - `health`: probes, rise/fall, slow start, and their metrics.
+//! - `tasks`: lbd's background loops (probes, slow start, device watch,
+//!   flow sweeper), driven through a trait so tests can run them.
 //! - `metrics`: the Prometheus exporter.
 //!
 //! No module imports one that imports it back (a test below checks).
@@ -25,6 +27,7 @@ pub mod paths;
 pub mod render;
 pub mod report;
 pub mod sched;
+pub mod tasks;
 pub mod watch;
 
 /// True when running as root (needed to load BPF and attach XDP).

@@ -1,22 +1,20 @@
 //! lbd: the load-balancer agent. Loads and attaches the XDP program,
 //! programs the pool into BPF maps and serves the control socket.
 use std::{
-    collections::HashMap,
     path::PathBuf,
     process::ExitCode,
     sync::{Arc, Mutex},
-    time::Duration,
 };
 
 use anyhow::Context as _;
 use clap::Parser as _;
 use lb_userspace::{
-    agent::{Agent, BackendKey},
+    agent::Agent,
     api,
     cli::{LbdArgs as Args, LogFormat},
     config::{self, System},
     dataplane::Dataplane,
-    health,
+    tasks::{Periods, Tasks, lock},
 };
 use tokio::{
     io::unix::AsyncFd,
@@ -159,10 +157,7 @@ async fn serve(
     let agent = Arc::new(Mutex::new(agent));
     let api = tokio::spawn(api::serve(listener, agent.clone()));
     let exporter = tokio::spawn(lb_userspace::metrics::serve(metrics, agent.clone()));
-    let sweeper = tokio::spawn(sweep_flows(agent.clone()));
-    let prober = tokio::spawn(health_checks(agent.clone()));
-    let ramp = tokio::spawn(slow_start(agent.clone()));
-    let devices = tokio::spawn(watch_devices(agent.clone()));
+    let background = Tasks::start(&agent, Periods::default());
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut sigusr2 = signal(SignalKind::user_defined2()).context("installing the SIGUSR2 handler")?;
     let logs = logger.map(|mut fd| {
@@ -197,10 +192,11 @@ async fn serve(
             }
         }
     };
-    for task in [api, exporter, sweeper, prober, ramp, devices] {
+    for task in [api, exporter] {
         task.abort();
         let _ = task.await;
     }
+    background.stop().await;
     if let Some(l) = logs {
         l.abort();
         let _ = l.await;
@@ -216,122 +212,4 @@ async fn serve(
         Exit::Restart => info!(pin = %cfg.pin_path.display(), "handing over: the datapath stays pinned"),
     }
     Ok(exit)
-}
-
-/// Keep one probe loop per backend of every service with health checks,
-/// following configuration changes.
-async fn health_checks(agent: Arc<Mutex<Agent>>) {
-    type Running = (config::HealthConfig, std::net::SocketAddrV4, tokio::task::JoinHandle<()>);
-    /// The probe loops, aborted with this task (dropping a JoinHandle only
-    /// detaches its task).
-    struct Loops(HashMap<BackendKey, Running>);
-    impl Drop for Loops {
-        fn drop(&mut self) {
-            for (_, _, task) in self.0.values() {
-                task.abort();
-            }
-        }
-    }
-    let mut loops = Loops(HashMap::new());
-    let running = &mut loops.0;
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
-    loop {
-        tick.tick().await;
-        let targets = lock(&agent).probe_targets();
-        let wanted: HashMap<BackendKey, (std::net::SocketAddrV4, config::HealthConfig)> =
-            targets.into_iter().map(|(k, a, c)| (k, (a, c))).collect();
-        running.retain(|k, (cfg, addr, task)| {
-            let keep = wanted.get(k).is_some_and(|(a, c)| a == addr && c == cfg);
-            if !keep {
-                task.abort();
-            }
-            keep
-        });
-        for (k, (addr, cfg)) in wanted {
-            if running.contains_key(&k) {
-                continue;
-            }
-            let task = tokio::spawn(probe_loop(agent.clone(), k.clone(), addr, cfg.clone()));
-            running.insert(k, (cfg, addr, task));
-        }
-    }
-}
-
-async fn probe_loop(
-    agent: Arc<Mutex<Agent>>,
-    key: BackendKey,
-    addr: std::net::SocketAddrV4,
-    cfg: config::HealthConfig,
-) {
-    let mut tick = tokio::time::interval(cfg.interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let result = health::probe(&cfg, addr).await.map_err(|e| e.to_string());
-        let (agent, key) = (agent.clone(), key.clone());
-        let _ = tokio::task::spawn_blocking(move || lock(&agent).observe(&key, result)).await;
-    }
-}
-
-/// While a backend ramps up, reprogram its weight every half second.
-async fn slow_start(agent: Arc<Mutex<Agent>>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
-    let mut was = false;
-    loop {
-        tick.tick().await;
-        let agent = agent.clone();
-        was = tokio::task::spawn_blocking(move || {
-            let mut a = lock(&agent);
-            let now = a.ramping();
-            // One more pass after the ramp ends, to land on full weight.
-            if (now || was)
-                && let Err(e) = a.apply()
-            {
-                warn!(error = %e, "slow start: reprogramming failed");
-            }
-            now
-        })
-        .await
-        .unwrap_or(false);
-    }
-}
-
-fn lock(agent: &Mutex<Agent>) -> std::sync::MutexGuard<'_, Agent> {
-    agent.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Every few seconds, expire idle flows (the datapath only sees FIN/RST).
-/// Re-read the network devices every second: a device's ability to take XDP
-/// redirects changes at run time (a veth peer's GRO or XDP program, a link
-/// going down), and the datapath must never redirect into one that lost it.
-/// Changes are logged by the dataplane, one line per ingress and egress.
-async fn watch_devices(agent: Arc<Mutex<Agent>>) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let agent = agent.clone();
-        match tokio::task::spawn_blocking(move || lock(&agent).dp.refresh_paths()).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => warn!(error = %e, "re-reading the network devices failed"),
-            Err(e) => warn!(error = %e, "device watch task failed"),
-        }
-    }
-}
-
-async fn sweep_flows(agent: Arc<Mutex<Agent>>) {
-    let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let agent = agent.clone();
-        match tokio::task::spawn_blocking(move || lock(&agent).sweep()).await {
-            Ok(Ok(r)) if r.expired > 0 || r.removed > 0 => {
-                tracing::debug!(scanned = r.scanned, removed = r.removed, expired = r.expired, "flow sweep")
-            }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => warn!(error = %e, "flow sweep failed"),
-            Err(e) => warn!(error = %e, "flow sweep task failed"),
-        }
-    }
 }

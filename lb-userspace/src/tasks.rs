@@ -1,0 +1,379 @@
+//! lbd's background loops: the probe supervisor (one probe loop per
+//! backend with health checks, following configuration changes), slow
+//! start, the device watch and the flow sweeper.
+//!
+//! They drive anything that implements [`Driven`] (the [`Agent`] in lbd, a
+//! recording fake in the tests below), on the periods in [`Periods`], so a
+//! test can run them against a fake at a fast pace. Every loop runs until
+//! its task is aborted; blocking work (map updates) runs on tokio's
+//! blocking pool under the lock.
+use std::{
+    collections::HashMap,
+    net::SocketAddrV4,
+    sync::{Arc, Mutex, MutexGuard},
+    time::Duration,
+};
+
+use tokio::{task::JoinHandle, time::MissedTickBehavior};
+use tracing::{debug, warn};
+
+use crate::{
+    agent::{Agent, BackendKey},
+    config::HealthConfig,
+    dataplane::SweepReport,
+    health,
+};
+
+/// What the loops need from the running state.
+pub trait Driven: Send + 'static {
+    /// Every backend to probe now: key, probe address, probe settings.
+    fn probe_targets(&self) -> Vec<(BackendKey, SocketAddrV4, HealthConfig)>;
+    /// One probe result (how long it took, or why it failed).
+    fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>);
+    /// True while some backend's slow start is still ramping.
+    fn ramping(&self) -> bool;
+    /// Reprogram the datapath from the configuration and runtime state.
+    fn reprogram(&mut self) -> Result<(), String>;
+    /// Re-read the network devices; true when a forwarding path changed.
+    fn refresh_devices(&mut self) -> Result<bool, String>;
+    /// Expire idle flows.
+    fn sweep(&mut self) -> Result<SweepReport, String>;
+}
+
+impl Driven for Agent {
+    fn probe_targets(&self) -> Vec<(BackendKey, SocketAddrV4, HealthConfig)> {
+        Agent::probe_targets(self)
+    }
+    fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) {
+        Agent::observe(self, key, result);
+    }
+    fn ramping(&self) -> bool {
+        Agent::ramping(self)
+    }
+    fn reprogram(&mut self) -> Result<(), String> {
+        self.apply().map_err(|e| e.to_string())
+    }
+    fn refresh_devices(&mut self) -> Result<bool, String> {
+        self.dp.refresh_paths().map_err(|e| e.to_string())
+    }
+    fn sweep(&mut self) -> Result<SweepReport, String> {
+        Agent::sweep(self).map_err(|e| e.to_string())
+    }
+}
+
+/// How often each loop runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Periods {
+    /// The probe supervisor's check for added, changed or removed targets.
+    pub supervise: Duration,
+    /// Slow start's reprogramming step.
+    pub slow_start: Duration,
+    /// Re-reading the network devices.
+    pub devices: Duration,
+    /// Expiring idle flows.
+    pub sweep: Duration,
+}
+
+impl Default for Periods {
+    fn default() -> Self {
+        Self {
+            supervise: Duration::from_millis(500),
+            slow_start: Duration::from_millis(500),
+            devices: Duration::from_secs(1),
+            sweep: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The running loops; dropping this aborts them all.
+pub struct Tasks(Vec<JoinHandle<()>>);
+
+impl Tasks {
+    /// Start every loop on `state`.
+    pub fn start<D: Driven>(state: &Arc<Mutex<D>>, periods: Periods) -> Self {
+        Self(vec![
+            tokio::spawn(supervise_probes(state.clone(), periods.supervise)),
+            tokio::spawn(slow_start(state.clone(), periods.slow_start)),
+            tokio::spawn(watch_devices(state.clone(), periods.devices)),
+            tokio::spawn(sweep_flows(state.clone(), periods.sweep)),
+        ])
+    }
+
+    /// Abort every loop and wait until each has stopped (so none holds a
+    /// clone of the state afterwards).
+    pub async fn stop(mut self) {
+        for t in std::mem::take(&mut self.0) {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+/// The lock, also after a panic of another holder (the state stays usable:
+/// every change is applied whole or not at all).
+pub fn lock<D>(state: &Mutex<D>) -> MutexGuard<'_, D> {
+    state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Run `f` under the lock on the blocking pool.
+async fn locked<D: Driven, R: Send + 'static>(
+    state: &Arc<Mutex<D>>,
+    f: impl FnOnce(&mut D) -> R + Send + 'static,
+) -> Option<R> {
+    let state = state.clone();
+    match tokio::task::spawn_blocking(move || f(&mut lock(&state))).await {
+        Ok(r) => Some(r),
+        Err(e) => {
+            warn!(error = %e, "background task failed");
+            None
+        }
+    }
+}
+
+fn interval(period: Duration) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    tick
+}
+
+/// Keep one probe loop per backend of every service with health checks,
+/// restarting a loop whose address or settings changed.
+async fn supervise_probes<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
+    // The probe loops, aborted with this task (dropping a JoinHandle only
+    // detaches its task).
+    struct Loops(HashMap<BackendKey, (HealthConfig, SocketAddrV4, JoinHandle<()>)>);
+    impl Drop for Loops {
+        fn drop(&mut self) {
+            for (_, _, task) in self.0.values() {
+                task.abort();
+            }
+        }
+    }
+    let mut loops = Loops(HashMap::new());
+    let running = &mut loops.0;
+    let mut tick = interval(period);
+    loop {
+        tick.tick().await;
+        let wanted: HashMap<BackendKey, (SocketAddrV4, HealthConfig)> =
+            lock(&state).probe_targets().into_iter().map(|(k, a, c)| (k, (a, c))).collect();
+        running.retain(|k, (cfg, addr, task)| {
+            let keep = wanted.get(k).is_some_and(|(a, c)| a == addr && c == cfg);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (k, (addr, cfg)) in wanted {
+            if let std::collections::hash_map::Entry::Vacant(slot) = running.entry(k) {
+                let task = tokio::spawn(probe_loop(state.clone(), slot.key().clone(), addr, cfg.clone()));
+                slot.insert((cfg, addr, task));
+            }
+        }
+    }
+}
+
+/// Probe one backend every `cfg.interval` and report each result.
+async fn probe_loop<D: Driven>(state: Arc<Mutex<D>>, key: BackendKey, addr: SocketAddrV4, cfg: HealthConfig) {
+    let mut tick = interval(cfg.interval);
+    loop {
+        tick.tick().await;
+        let result = health::probe(&cfg, addr).await.map_err(|e| e.to_string());
+        let key = key.clone();
+        locked(&state, move |s| s.observe(&key, result)).await;
+    }
+}
+
+/// While a backend ramps up, reprogram every period, and once more after
+/// the ramp ends to land on the full weight.
+async fn slow_start<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
+    let mut tick = interval(period);
+    let mut was = false;
+    loop {
+        tick.tick().await;
+        was = locked(&state, move |s| {
+            let now = s.ramping();
+            if (now || was)
+                && let Err(e) = s.reprogram()
+            {
+                warn!(error = %e, "slow start: reprogramming failed");
+            }
+            now
+        })
+        .await
+        .unwrap_or(false);
+    }
+}
+
+/// Re-read the network devices: a device's ability to take XDP redirects
+/// changes at run time (a veth peer's GRO or XDP program, a link going
+/// down), and the datapath must never redirect into one that lost it. The
+/// dataplane logs changes, one line per ingress and egress.
+async fn watch_devices<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
+    let mut tick = interval(period);
+    loop {
+        tick.tick().await;
+        if let Some(Err(e)) = locked(&state, D::refresh_devices).await {
+            warn!(error = %e, "re-reading the network devices failed");
+        }
+    }
+}
+
+/// Expire idle flows (the datapath only sees FIN and RST).
+async fn sweep_flows<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
+    let mut tick = interval(period);
+    loop {
+        tick.tick().await;
+        match locked(&state, D::sweep).await {
+            Some(Ok(r)) if r.expired > 0 || r.removed > 0 => {
+                debug!(scanned = r.scanned, removed = r.removed, expired = r.expired, "flow sweep");
+            }
+            Some(Ok(_)) | None => {}
+            Some(Err(e)) => warn!(error = %e, "flow sweep failed"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::config::ProbeKind;
+
+    /// Records what the loops asked of it.
+    #[derive(Default)]
+    struct Fake {
+        targets: Vec<(BackendKey, SocketAddrV4, HealthConfig)>,
+        observed: Vec<(BackendKey, bool)>,
+        ramp_left: u32,
+        reprograms: u32,
+        refreshes: u32,
+        sweeps: u32,
+        fail: bool,
+    }
+
+    impl Driven for Fake {
+        fn probe_targets(&self) -> Vec<(BackendKey, SocketAddrV4, HealthConfig)> {
+            self.targets.clone()
+        }
+        fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) {
+            self.observed.push((key.clone(), result.is_ok()));
+        }
+        fn ramping(&self) -> bool {
+            self.ramp_left > 0
+        }
+        fn reprogram(&mut self) -> Result<(), String> {
+            self.reprograms += 1;
+            self.ramp_left = self.ramp_left.saturating_sub(1);
+            Ok(())
+        }
+        fn refresh_devices(&mut self) -> Result<bool, String> {
+            self.refreshes += 1;
+            if self.fail { Err("netlink said no".into()) } else { Ok(false) }
+        }
+        fn sweep(&mut self) -> Result<SweepReport, String> {
+            self.sweeps += 1;
+            if self.fail { Err("map said no".into()) } else { Ok(SweepReport::default()) }
+        }
+    }
+
+    fn fast() -> Periods {
+        let p = Duration::from_millis(20);
+        Periods { supervise: p, slow_start: p, devices: p, sweep: p }
+    }
+
+    fn tcp(interval_ms: u64) -> HealthConfig {
+        HealthConfig {
+            kind: ProbeKind::Tcp,
+            interval: Duration::from_millis(interval_ms),
+            timeout: Duration::from_millis(interval_ms),
+            ..HealthConfig::default()
+        }
+    }
+
+    async fn wait_for(state: &Arc<Mutex<Fake>>, what: &str, done: impl Fn(&Fake) -> bool) {
+        for _ in 0..200 {
+            if done(&lock(state)) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("timed out waiting for {what}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn probes_follow_the_targets() {
+        let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let std::net::SocketAddr::V4(up_addr) = up.local_addr().unwrap() else { unreachable!() };
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let std::net::SocketAddr::V4(a) = l.local_addr().unwrap() else { unreachable!() };
+            a
+        };
+        let k = |port: u16| -> BackendKey { ("web".into(), Ipv4Addr::LOCALHOST, port) };
+        let state = Arc::new(Mutex::new(Fake {
+            targets: vec![(k(1), up_addr, tcp(20)), (k(2), closed, tcp(20))],
+            ..Fake::default()
+        }));
+        let tasks = Tasks::start(&state, fast());
+        wait_for(&state, "both backends probed twice", |f| {
+            [k(1), k(2)].iter().all(|key| f.observed.iter().filter(|(o, _)| o == key).count() >= 2)
+        })
+        .await;
+        {
+            let f = lock(&state);
+            assert!(f.observed.iter().filter(|(o, _)| *o == k(1)).all(|(_, ok)| *ok), "{:?}", f.observed);
+            assert!(f.observed.iter().filter(|(o, _)| *o == k(2)).all(|(_, ok)| !ok), "{:?}", f.observed);
+        }
+        // Remove backend 2: its loop stops; backend 1 keeps being probed.
+        {
+            let mut f = lock(&state);
+            f.targets.retain(|(key, _, _)| *key == k(1));
+        }
+        // Past the supervisor's next check and any result already in flight.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let before = lock(&state).observed.clone();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let after = lock(&state).observed.clone();
+        let new = &after[before.len()..];
+        assert!(new.iter().any(|(o, _)| *o == k(1)), "backend 1 still probed: {new:?}");
+        assert!(new.iter().all(|(o, _)| *o == k(1)), "a removed backend is not probed: {new:?}");
+        tasks.stop().await;
+        assert_eq!(Arc::strong_count(&state), 1, "no loop holds the state after stop");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slow_start_reprograms_while_ramping_and_once_after() {
+        let state = Arc::new(Mutex::new(Fake { ramp_left: 3, ..Fake::default() }));
+        let tasks = Tasks::start(&state, fast());
+        wait_for(&state, "the ramp to end", |f| f.ramp_left == 0).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let n = lock(&state).reprograms;
+        tasks.stop().await;
+        assert_eq!(n, 4, "three steps while ramping, one to land on the full weight");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn devices_and_sweeps_run_periodically_and_survive_errors() {
+        let state = Arc::new(Mutex::new(Fake { fail: true, ..Fake::default() }));
+        let tasks = Tasks::start(&state, fast());
+        wait_for(&state, "repeated refreshes and sweeps despite errors", |f| f.refreshes >= 3 && f.sweeps >= 3).await;
+        drop(tasks);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (r, s) = {
+            let f = lock(&state);
+            (f.refreshes, f.sweeps)
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let f = lock(&state);
+        assert_eq!((f.refreshes, f.sweeps), (r, s), "dropping the tasks stops every loop");
+    }
+}
