@@ -63,6 +63,59 @@ pub const DIR_FORWARD: u8 = 0;
 pub const DIR_REPLY: u8 = 1;
 
 /// Indexes into the per-CPU global counter array.
+/// The datapath's BPF map names, defined once: `lb-ebpf` declares each map
+/// under its name here (checked when it compiles), and userspace finds the
+/// maps by these names.
+pub mod maps {
+    pub const VIPS: &str = "VIPS";
+    pub const VIP_ADDRS: &str = "VIP_ADDRS";
+    pub const ADDR_FILTER: &str = "ADDR_FILTER";
+    pub const BACKENDS: &str = "BACKENDS";
+    pub const SELECT: &str = "SELECT";
+    pub const SEQ: &str = "SEQ";
+    pub const FLOWS: &str = "FLOWS";
+    pub const BACKEND_STATS: &str = "BACKEND_STATS";
+    pub const COUNTERS: &str = "COUNTERS";
+    pub const CONNS: &str = "CONNS";
+    pub const EXPIRED: &str = "EXPIRED";
+    pub const NETDEVS: &str = "NETDEVS";
+    pub const NETDEV_GEN: &str = "NETDEV_GEN";
+
+    /// Every map of the datapath; all of them live in bpffs under the pin
+    /// path (aya-log's ring buffer and the read-only globals do not).
+    pub const ALL: [&str; 13] = [
+        VIPS,
+        VIP_ADDRS,
+        ADDR_FILTER,
+        BACKENDS,
+        SELECT,
+        SEQ,
+        FLOWS,
+        BACKEND_STATS,
+        COUNTERS,
+        CONNS,
+        EXPIRED,
+        NETDEVS,
+        NETDEV_GEN,
+    ];
+
+    /// `a == b`, usable in a constant (the datapath's compile-time check).
+    pub const fn same(a: &str, b: &str) -> bool {
+        let (a, b) = (a.as_bytes(), b.as_bytes());
+        if a.len() != b.len() {
+            return false;
+        }
+        let mut i = 0;
+        while i < a.len() {
+            if a[i] != b[i] {
+                return false;
+            }
+            i += 1;
+        }
+        true
+    }
+}
+
 pub mod counter {
     /// Packet to a VIP address that could not be parsed (truncated header,
     /// bad IHL, total length beyond the frame): dropped.

@@ -1,6 +1,10 @@
 //! Every map the datapath reads or writes. Userspace (lb-userspace's
 //! `dataplane` module) is the only writer of the configuration maps; the
 //! datapath writes the flow table and the counters.
+//!
+//! Each map is named after its static, and that name must be the one
+//! `lb_common::maps` gives userspace: the checks at the end of this file
+//! fail the build otherwise.
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
@@ -75,3 +79,20 @@ pub static NETDEVS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_NETDEVS, 0
 /// cached in flow entries under an older generation are looked up again.
 #[map]
 pub static NETDEV_GEN: Array<u32> = Array::with_max_entries(1, 0);
+
+// Every map's name is the one userspace looks up (lb_common::maps).
+const _: () = assert!(lb_common::maps::same(lb_common::maps::VIPS, stringify!(VIPS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::VIP_ADDRS, stringify!(VIP_ADDRS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKENDS, stringify!(BACKENDS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::SELECT, stringify!(SELECT)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::SEQ, stringify!(SEQ)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS, stringify!(FLOWS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::ADDR_FILTER, stringify!(ADDR_FILTER)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKEND_STATS, stringify!(BACKEND_STATS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::COUNTERS, stringify!(COUNTERS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::CONNS, stringify!(CONNS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::EXPIRED, stringify!(EXPIRED)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::NETDEVS, stringify!(NETDEVS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::NETDEV_GEN, stringify!(NETDEV_GEN)));
+// ... and userspace knows every map.
+const _: () = assert!(lb_common::maps::ALL.len() == 13);

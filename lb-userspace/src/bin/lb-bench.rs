@@ -42,7 +42,7 @@ use std::{
     collections::BTreeMap,
     fmt::Write as _,
     net::{Ipv4Addr, Ipv6Addr},
-    os::fd::{AsFd as _, AsRawFd as _},
+    os::fd::AsRawFd as _,
     path::{Path, PathBuf},
     process::Command,
     sync::atomic::{AtomicBool, Ordering},
@@ -735,9 +735,7 @@ impl Bench {
 
     /// Empty the flow table (BPF_MAP_LOOKUP_AND_DELETE_BATCH).
     fn flush_flows(&mut self) -> anyhow::Result<u64> {
-        let map = self.dp.ebpf_mut().map("FLOWS").ok_or_else(|| anyhow!("FLOWS map"))?;
-        let aya::maps::Map::LruHashMap(data) = map else { bail!("FLOWS is not an LRU hash map") };
-        let fd = data.fd().as_fd().as_raw_fd();
+        let fd = self.dp.flow_table_fd().as_raw_fd();
         flush_hash_map(fd, size_of::<lb_common::FlowKey>(), size_of::<lb_common::Flow>())
     }
 

@@ -1,0 +1,265 @@
+//! Attaching the program to the interfaces (each in the XDP mode its
+//! devices allow, or adopting a pinned link), keeping the NETDEVS map and
+//! the path report in step with the devices, detaching and the clean stop.
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
+
+use aya::programs::{
+    ProgramError, Xdp, XdpMode as AyaXdpMode,
+    links::{FdLink, PinnedLink},
+    xdp::{XdpLink, XdpLinkId},
+};
+use lb_common::maps as names;
+use tracing::{info, warn};
+
+use super::{Attachment, Dataplane, DataplaneError, PROGRAM, map_err, pin::saved_mode};
+use crate::{
+    config::XdpMode,
+    netdev,
+    paths::{self, Mode, PathReport},
+};
+
+pub(super) enum AttachedLink {
+    /// Pinned in bpffs: survives us; detached only by unpinning.
+    Pinned { fd: FdLink, path: PathBuf },
+    /// Owned by the program object (unpinned data planes, for tests).
+    Owned(XdpLinkId),
+}
+
+pub(super) struct Attached {
+    pub(super) attachment: Attachment,
+    link: AttachedLink,
+}
+
+impl Dataplane {
+    /// Attach to every interface, each in the mode [`paths::choose_mode`]
+    /// picks from what the devices can do (`auto`), or as forced. Where a
+    /// pinned link from a previous lbd exists, the program is swapped in
+    /// atomically (link update) instead, keeping its mode. The NETDEVS map
+    /// is filled first, so the first packet already knows its paths. On
+    /// error, interfaces attached here are detached again.
+    pub fn attach(&mut self, interfaces: &[String], requested: XdpMode) -> Result<(), DataplaneError> {
+        let links_dir = self.pin.as_ref().map(|p| p.join("links"));
+        if let Some(d) = &links_dir {
+            std::fs::create_dir_all(d).map_err(|source| DataplaneError::Pin { path: d.clone(), source })?;
+            // Interfaces no longer configured: unpinning detaches them.
+            if let Ok(rd) = std::fs::read_dir(d) {
+                for e in rd.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let iface = name.strip_suffix(".mode").unwrap_or(&name);
+                    if !interfaces.iter().any(|i| i == iface) {
+                        let _ = std::fs::remove_file(e.path());
+                        if !name.ends_with(".mode") {
+                            info!(interface = %iface, "detached (no longer configured)");
+                        }
+                    }
+                }
+            }
+        }
+        let links = netdev::links()?;
+        let find = |name: &str| {
+            links.iter().find(|l| l.name == name).ok_or_else(|| DataplaneError::NoInterface(name.to_owned()))
+        };
+        let mut plan: Vec<(String, Mode, String)> = Vec::new();
+        for iface in interfaces {
+            let egresses: Vec<&netdev::Link> =
+                paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
+            let (mut mode, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
+            // A pinned link is adopted in the mode it has: plan with that one.
+            if let Some((saved, _)) = saved_mode(links_dir.as_deref(), iface) {
+                mode = saved;
+            }
+            if requested == XdpMode::Native {
+                for c in paths::native_caveats(&egresses) {
+                    warn!(interface = %iface, "xdp_mode native: {c}");
+                }
+            }
+            plan.push((iface.clone(), mode, reason));
+        }
+        let planned: BTreeMap<String, Mode> = plan.iter().map(|(i, m, _)| (i.clone(), *m)).collect();
+        self.write_netdevs(&paths::netdev_flags(&links, &planned))?;
+        let mut done: Vec<Attached> = Vec::new();
+        let mut result = Ok(());
+        for (iface, mode, reason) in plan {
+            match self.attach_one(&iface, mode, requested, reason, links_dir.as_deref()) {
+                Ok(a) => done.push(a),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        if result.is_err() {
+            for a in done.drain(..) {
+                self.detach_one(a);
+            }
+        }
+        self.attached.extend(done);
+        result?;
+        self.refresh_paths().map(drop)
+    }
+
+    fn attach_one(
+        &mut self,
+        iface: &str,
+        mode: Mode,
+        requested: XdpMode,
+        reason: String,
+        links_dir: Option<&Path>,
+    ) -> Result<Attached, DataplaneError> {
+        let prog: &mut Xdp = self.ebpf.program_mut(PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
+        let pin_path = links_dir.map(|d| d.join(iface));
+        if let Some(path) = pin_path.as_ref().filter(|p| p.exists()) {
+            // Adopt: replace the program behind the existing link.
+            let link_err = |source| DataplaneError::Link { path: path.clone(), source };
+            let pinned = PinnedLink::from_pin(path).map_err(link_err)?;
+            let xdp = XdpLink::try_from(FdLink::from(pinned)).map_err(link_err)?;
+            let id = prog.attach_to_link(xdp)?;
+            let fd = FdLink::try_from(prog.take_link(id)?).map_err(link_err)?;
+            let (mode, reason) = saved_mode(links_dir, iface).unwrap_or((Mode::Native, String::new()));
+            info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
+            return Ok(Attached {
+                attachment: Attachment { interface: iface.to_owned(), mode, reason },
+                link: AttachedLink::Pinned { fd, path: path.clone() },
+            });
+        }
+        let try_mode = |prog: &mut Xdp, m: Mode| {
+            let aya_mode = match m {
+                Mode::Native => AyaXdpMode::Driver,
+                Mode::Generic => AyaXdpMode::Skb,
+            };
+            prog.attach(iface, aya_mode).map_err(|source| DataplaneError::Attach {
+                iface: iface.to_owned(),
+                mode: m.name(),
+                source,
+            })
+        };
+        let (id, mode, reason) = match (mode, requested) {
+            (Mode::Native, XdpMode::Auto) => match try_mode(prog, Mode::Native) {
+                Ok(id) => (id, Mode::Native, reason),
+                Err(e) => {
+                    warn!(interface = %iface, error = %e, "native XDP attach failed; falling back to generic mode");
+                    (try_mode(prog, Mode::Generic)?, Mode::Generic, format!("auto: native attach failed ({e})"))
+                }
+            },
+            (m, _) => (try_mode(prog, m)?, m, reason),
+        };
+        info!(interface = %iface, mode = mode.name(), reason = %reason, "XDP attached");
+        let attachment = Attachment { interface: iface.to_owned(), mode, reason: reason.clone() };
+        let Some(path) = pin_path else {
+            return Ok(Attached { attachment, link: AttachedLink::Owned(id) });
+        };
+        let link_err = |source| DataplaneError::Link { path: path.clone(), source };
+        let fd = FdLink::try_from(prog.take_link(id)?).map_err(link_err)?;
+        let pinned = fd
+            .pin(&path)
+            .map_err(|e| DataplaneError::Pin { path: path.clone(), source: std::io::Error::other(e.to_string()) })?;
+        let _ = std::fs::write(path.with_extension("mode"), format!("{}\n{reason}\n", mode.name()));
+        Ok(Attached { attachment, link: AttachedLink::Pinned { fd: FdLink::from(pinned), path } })
+    }
+
+    /// Re-read the network devices and bring NETDEVS (which egress takes
+    /// which path) up to date: at attach, and periodically, since a
+    /// device's abilities change at run time (a veth peer's GRO or XDP, a
+    /// bridge port added, a link going down). Every path that changes is
+    /// logged, one line per ingress and egress. Returns whether anything
+    /// changed.
+    pub fn refresh_paths(&mut self) -> Result<bool, DataplaneError> {
+        let links = netdev::links()?;
+        let modes: BTreeMap<String, Mode> =
+            self.attached.iter().map(|a| (a.attachment.interface.clone(), a.attachment.mode)).collect();
+        self.write_netdevs(&paths::netdev_flags(&links, &modes))?;
+        let rows = paths::report(&links, &modes);
+        let mut changed = false;
+        for r in &rows {
+            if self.paths.iter().any(|old| old == r) {
+                continue;
+            }
+            changed = true;
+            let path = r.path.describe();
+            match r.path {
+                paths::Path::XdpRedirect => {
+                    info!(ingress = %r.ingress, mode = r.mode.name(), egress = %r.egress, path, reason = %r.reason, "forwarding path")
+                }
+                paths::Path::Kernel => {
+                    warn!(ingress = %r.ingress, mode = r.mode.name(), egress = %r.egress, path, reason = %r.reason, "forwarding path")
+                }
+            }
+        }
+        self.paths = rows;
+        Ok(changed)
+    }
+
+    /// The current path report (see [`refresh_paths`](Self::refresh_paths)).
+    pub fn paths(&self) -> &[PathReport] {
+        &self.paths
+    }
+
+    /// Make NETDEVS hold exactly `flags` (ifindex -> `NETDEV_F_*`).
+    pub fn write_netdevs(&mut self, flags: &BTreeMap<u32, u32>) -> Result<(), DataplaneError> {
+        if self.netdevs_written && &self.netdevs == flags {
+            return Ok(());
+        }
+        let map = &mut self.maps.netdevs;
+        let have: Vec<u32> = map.keys().filter_map(Result::ok).collect();
+        for (&i, &f) in flags {
+            map.insert(i, f, 0).map_err(map_err(names::NETDEVS))?;
+        }
+        for i in have {
+            if !flags.contains_key(&i) {
+                map.remove(&i).map_err(map_err(names::NETDEVS))?;
+            }
+        }
+        // Every cached next hop was checked against the old contents.
+        let generation = &mut self.maps.netdev_gen;
+        let g = generation.get(&0, 0).map_err(map_err(names::NETDEV_GEN))?;
+        generation.set(0, g.wrapping_add(1), 0).map_err(map_err(names::NETDEV_GEN))?;
+        self.netdevs = flags.clone();
+        self.netdevs_written = true;
+        Ok(())
+    }
+
+    fn detach_one(&mut self, a: Attached) {
+        match a.link {
+            AttachedLink::Pinned { fd, path } => {
+                // Dropping the last reference (pin file and our fd) detaches.
+                if let Err(e) = std::fs::remove_file(&path) {
+                    warn!(interface = %a.attachment.interface, error = %e, "unpinning the XDP link");
+                }
+                let _ = std::fs::remove_file(path.with_extension("mode"));
+                drop(fd);
+            }
+            AttachedLink::Owned(id) => {
+                if let Some(prog) = self.ebpf.program_mut(PROGRAM).and_then(|p| <&mut Xdp>::try_from(p).ok())
+                    && let Err(e) = prog.detach(id)
+                {
+                    warn!(interface = %a.attachment.interface, error = %e, "XDP detach failed");
+                }
+            }
+        }
+        info!(interface = %a.attachment.interface, "XDP detached");
+    }
+
+    /// Detach from every interface and unpin everything: the clean stop.
+    /// The datapath is gone afterwards.
+    pub fn shutdown(&mut self) {
+        for a in std::mem::take(&mut self.attached) {
+            self.detach_one(a);
+        }
+        if let Some(pin) = &self.pin {
+            for name in names::ALL {
+                let _ = std::fs::remove_file(pin.join("maps").join(name));
+            }
+            for d in [pin.join("maps"), pin.join("links"), pin.clone()] {
+                if let Err(e) = std::fs::remove_dir(&d)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    warn!(path = %d.display(), error = %e, "removing pin directory");
+                }
+            }
+            info!(path = %pin.display(), "unpinned the datapath");
+        }
+    }
+}

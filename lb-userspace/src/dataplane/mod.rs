@@ -1,0 +1,360 @@
+//! The one module that touches BPF maps: loads the XDP program, attaches it,
+//! turns the desired pool into map contents and reads the counters back.
+//!
+//! A service's change goes live atomically: its new selection table is
+//! written into a free region of the SELECT array while the old one keeps
+//! serving, then the service's VIP entry (a hash-map value, replaced whole by
+//! the kernel) is pointed at the new region. The old region is reused only
+//! after a grace period, long after any packet that read the old entry is done.
+//!
+//! The datapath outlives lbd: maps and XDP links are pinned under the
+//! configured `pin_path`. A new lbd adopts what it finds there (the flow
+//! table, counters, backend ids and tables) and swaps in its own program
+//! with a link update, so restarts and upgrades never stop forwarding. Only
+//! a clean shutdown ([`Dataplane::shutdown`]) detaches and unpins.
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    net::Ipv4Addr,
+    os::fd::{AsFd as _, BorrowedFd},
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{IterableMap as _, MapError},
+    programs::{ProgramError, Xdp, links::LinkError},
+    util::nr_cpus,
+};
+use lb_common::{BackendStats, MAX_BACKENDS, MAX_SERVICES, VipKey, counter, maps as names};
+use tracing::{info, warn};
+
+use crate::{
+    config::{BackendConfig, Config, ServiceConfig},
+    paths::{Mode, PathReport},
+};
+
+mod alloc;
+mod attach;
+mod maps;
+mod pin;
+mod program;
+mod sweep;
+
+use alloc::{Ids, Regions};
+use attach::Attached;
+use maps::{Maps, map_err};
+pub use sweep::{CLOSED_LINGER, SweepReport, monotonic_coarse_secs};
+
+/// The XDP program, built by build.rs and embedded in the binary.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-xdp"));
+
+/// Name of the XDP entry point in the object.
+pub const PROGRAM: &str = "lb_xdp";
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    #[error("loading the XDP program into the kernel: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("XDP program: {0}")]
+    Program(#[from] ProgramError),
+    #[error("BPF map {map}: {source}")]
+    Map { map: &'static str, source: MapError },
+    #[error("attaching XDP to {iface} in {mode} mode: {source}")]
+    Attach { iface: String, mode: &'static str, source: ProgramError },
+    #[error("the selection-table array ({capacity} entries) has no free run of {need} entries for service {service}")]
+    TableSpace { service: String, need: u32, capacity: u32 },
+    #[error("no free {what} id left")]
+    Ids { what: &'static str },
+    #[error("reading CPU count: {0}")]
+    Cpus(std::io::Error),
+    #[error("{0}")]
+    Bpffs(String),
+    #[error("pinning {path}: {source}")]
+    Pin { path: PathBuf, source: std::io::Error },
+    #[error("XDP link {path}: {source}")]
+    Link { path: PathBuf, source: LinkError },
+    #[error("reading the network devices: {0}")]
+    Netdev(#[from] crate::netdev::NetdevError),
+    #[error("interface {0} does not exist")]
+    NoInterface(String),
+}
+
+/// What the agent decided for a backend on top of its configuration:
+/// the weight the schedulers use (health, drain and slow start applied)
+/// and whether it is down (its pinned flows are re-dispatched).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackendRuntime {
+    pub weight: u32,
+    pub down: bool,
+}
+
+impl BackendRuntime {
+    /// Configuration only: drained backends weigh 0, nothing is down.
+    pub fn admin(b: &BackendConfig) -> Self {
+        Self { weight: b.admin_weight(), down: false }
+    }
+}
+
+/// A service found in adopted maps: its id, table region and backend ids.
+#[derive(Clone, Debug)]
+struct Adopted {
+    service_id: u32,
+    region: Option<(u32, u32)>,
+    backends: Vec<(Ipv4Addr, u16, u32)>,
+}
+
+/// Where XDP is attached and how.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct Attachment {
+    pub interface: String,
+    pub mode: Mode,
+    /// Why this mode (what `xdp_mode` asked, what `auto` found).
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// One backend as programmed into the maps.
+#[derive(Clone, Debug)]
+pub struct AppliedBackend {
+    pub id: u32,
+    pub config: BackendConfig,
+    pub runtime: BackendRuntime,
+}
+
+/// One service as programmed into the maps.
+#[derive(Clone, Debug)]
+pub struct AppliedService {
+    pub id: u32,
+    pub config: ServiceConfig,
+    pub backends: Vec<AppliedBackend>,
+    key: VipKey,
+    region: Option<(u32, u32)>,
+    table: Vec<u32>,
+}
+
+pub struct Dataplane {
+    ebpf: Ebpf,
+    /// Every map, taken out of `ebpf` at load.
+    maps: Maps,
+    attached: Vec<Attached>,
+    /// bpffs directory of this datapath; None for a private, unpinned one.
+    pin: Option<PathBuf>,
+    /// Services found in adopted maps, not yet claimed by the config.
+    adopted: HashMap<VipKey, Adopted>,
+    services: BTreeMap<String, AppliedService>,
+    service_ids: Ids,
+    backend_ids: Ids,
+    regions: Regions,
+    table_capacity: u32,
+    ncpus: usize,
+    /// Every backend address programmed in this datapath's life (replies
+    /// of flows to a removed backend still need the datapath).
+    known_backends: HashSet<u32>,
+    /// What ADDR_FILTER holds, word by word.
+    filter: Vec<u64>,
+    filter_written: bool,
+    /// What NETDEVS holds, and the path report derived with it.
+    netdevs: BTreeMap<u32, u32>,
+    netdevs_written: bool,
+    paths: Vec<PathReport>,
+}
+
+impl Dataplane {
+    /// Load the program with its maps pinned under `config.pin_path`,
+    /// adopting maps already pinned there (a previous lbd's datapath).
+    /// Nothing is attached yet.
+    pub fn load(config: &Config) -> Result<Self, DataplaneError> {
+        Self::load_inner(config, Some(&config.pin_path))
+    }
+
+    /// Load a private datapath whose maps and links vanish with it (tests).
+    pub fn load_unpinned(config: &Config) -> Result<Self, DataplaneError> {
+        Self::load_inner(config, None)
+    }
+
+    /// True when a datapath is pinned at `pin` (a previous lbd left it).
+    pub fn pinned_at(pin: &Path) -> bool {
+        pin.join("maps").join("FLOWS").exists()
+    }
+
+    fn load_inner(config: &Config, pin: Option<&Path>) -> Result<Self, DataplaneError> {
+        // Kernel-side log statements exist only on error paths; keep them at
+        // warn and above unless asked (level numbers follow aya-log-common).
+        let level: u8 = if tracing::enabled!(tracing::Level::DEBUG) { 4 } else { 2 };
+        let mut loader = EbpfLoader::new();
+        loader
+            .map_max_entries("FLOWS", config.conntrack_max.saturating_mul(2))
+            .map_max_entries("SELECT", config.table_capacity)
+            .override_global("AYA_LOG_LEVEL", &level, false);
+        let mut adopting = false;
+        let maps_dir = pin.map(|p| p.join("maps"));
+        if let (Some(pin), Some(maps_dir)) = (pin, &maps_dir) {
+            pin::ensure_bpffs(pin)?;
+            adopting = Self::pinned_at(pin);
+            std::fs::create_dir_all(maps_dir)
+                .map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
+            // A global-counter map pinned by an older version has fewer
+            // slots than this program counts into: replace it (those
+            // counters restart from 0; flows, tables and per-backend
+            // counters are kept).
+            let counters = maps_dir.join("COUNTERS");
+            if let Ok(info) = aya::maps::MapInfo::from_pin(&counters)
+                && info.max_entries() < counter::COUNT
+            {
+                warn!(
+                    pinned = info.max_entries(),
+                    needed = counter::COUNT,
+                    "the pinned global-counter map predates this version: replaced, its counters restart from 0"
+                );
+                let _ = std::fs::remove_file(&counters);
+            }
+            for name in names::ALL {
+                loader.map_pin_path(name, maps_dir.join(name));
+            }
+        }
+        let mut ebpf = loader.load(EBPF_OBJECT)?;
+        let prog: &mut Xdp = ebpf.program_mut(PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
+        prog.load()?;
+        let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
+        let maps = Maps::take(&mut ebpf)?;
+        let mut dp = Self {
+            ebpf,
+            maps,
+            attached: Vec::new(),
+            pin: pin.map(Path::to_path_buf),
+            adopted: HashMap::new(),
+            services: BTreeMap::new(),
+            service_ids: Ids::new(MAX_SERVICES),
+            backend_ids: Ids::new(MAX_BACKENDS),
+            regions: Regions::new(config.table_capacity),
+            table_capacity: config.table_capacity,
+            ncpus,
+            known_backends: HashSet::new(),
+            filter: vec![0; (lb_common::ADDR_FILTER_BITS / 64) as usize],
+            filter_written: false,
+            netdevs: BTreeMap::new(),
+            netdevs_written: false,
+            paths: Vec::new(),
+        };
+        if adopting {
+            dp.adopt()?;
+        }
+        Ok(dp)
+    }
+
+    /// Rebuild what the pinned maps already hold: services by VIP key with
+    /// their ids and table regions, backends with their ids, so that the
+    /// first `apply` keeps ids (and so counters) and frees nothing in use.
+    fn adopt(&mut self) -> Result<(), DataplaneError> {
+        let mut found: HashMap<VipKey, Adopted> = HashMap::new();
+        {
+            let vips = &self.maps.vips;
+            for item in vips.iter() {
+                let (k, v) = item.map_err(map_err(names::VIPS))?;
+                let region = (v.table_len > 0).then_some((v.table_off, v.table_len));
+                found.insert(k, Adopted { service_id: v.service_id, region, backends: Vec::new() });
+            }
+        }
+        let by_service: HashMap<u32, VipKey> = found.iter().map(|(k, a)| (a.service_id, *k)).collect();
+        {
+            let arr = &self.maps.backends;
+            for id in 1..MAX_BACKENDS {
+                let b = arr.get(&id, 0).map_err(map_err(names::BACKENDS))?;
+                if b.addr == 0 {
+                    continue;
+                }
+                self.known_backends.insert(b.addr);
+                if let Some(key) = by_service.get(&b.service_id) {
+                    let a = found.get_mut(key).expect("indexed above");
+                    a.backends.push((Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port), id));
+                }
+            }
+        }
+        for a in found.values() {
+            self.service_ids.reserve(a.service_id);
+            if let Some((o, l)) = a.region {
+                self.regions.reserve(o, l);
+            }
+            for &(_, _, id) in &a.backends {
+                self.backend_ids.reserve(id);
+            }
+        }
+        info!(services = found.len(), "adopted the pinned datapath (flow table and counters kept)");
+        self.adopted = found;
+        Ok(())
+    }
+
+    /// The loaded object, for callers that need a map or the program
+    /// (the log reader, tests running BPF_PROG_TEST_RUN).
+    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
+    }
+
+    pub fn program(&self) -> &Xdp {
+        self.ebpf
+            .program(PROGRAM)
+            .and_then(|p| <&Xdp>::try_from(p).ok())
+            .expect("the XDP program was loaded in Dataplane::load")
+    }
+
+    /// The XDP program's kernel id (changes when a new program is swapped in).
+    pub fn program_id(&self) -> Option<u32> {
+        self.program().info().ok().map(|i| i.id())
+    }
+
+    pub fn attachments(&self) -> Vec<Attachment> {
+        self.attached.iter().map(|a| a.attachment.clone()).collect()
+    }
+
+    pub fn services(&self) -> impl Iterator<Item = &AppliedService> {
+        self.services.values()
+    }
+
+    /// Per-backend counters summed over CPUs.
+    pub fn backend_stats(&self, id: u32) -> Result<BackendStats, DataplaneError> {
+        let stats = &self.maps.backend_stats;
+        let mut total = BackendStats::default();
+        for v in stats.get(&id, 0).map_err(map_err(names::BACKEND_STATS))?.iter() {
+            total.add(v);
+        }
+        Ok(total)
+    }
+
+    /// Global counters (`lb_common::counter`) by name, summed over CPUs.
+    pub fn counters(&self) -> Result<BTreeMap<String, u64>, DataplaneError> {
+        let c = &self.maps.counters;
+        let mut out = BTreeMap::new();
+        for (i, name) in counter::NAMES.iter().enumerate() {
+            let v: u64 = c.get(&(i as u32), 0).map_err(map_err(names::COUNTERS))?.iter().sum();
+            out.insert((*name).to_owned(), v);
+        }
+        Ok(out)
+    }
+
+    /// The flow table's file descriptor (the benchmark empties it with a
+    /// batch operation aya does not offer).
+    pub fn flow_table_fd(&self) -> BorrowedFd<'_> {
+        self.maps.flows.map().fd().as_fd()
+    }
+
+    /// Active flows of a backend: opened - closed - expired.
+    pub fn active_flows(&self, id: u32) -> Result<u64, DataplaneError> {
+        let conns = &self.maps.conns;
+        let expired = &self.maps.expired;
+        let c = conns.get(&id, 0).map_err(map_err(names::CONNS))?;
+        let e = expired.get(&id, 0).map_err(map_err(names::EXPIRED))?;
+        Ok(c.opened.saturating_sub(c.closed).saturating_sub(e))
+    }
+}
+
+impl Drop for Dataplane {
+    /// A pinned datapath stays in place (lbd stopping without `shutdown`,
+    /// e.g. to restart); an unpinned one goes with its program object.
+    fn drop(&mut self) {}
+}
+
+/// A backend's identity for Maglev: its address and port, so the same
+/// backend gets the same permutation on every agent and every restart.
+pub fn backend_key(addr: Ipv4Addr, port: u16) -> u64 {
+    (u64::from(u32::from(addr)) << 16) | u64::from(port)
+}

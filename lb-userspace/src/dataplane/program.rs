@@ -1,0 +1,291 @@
+//! Turning the desired pool into map contents: services (VIP entries and
+//! their selection tables, flipped atomically), backends, the address
+//! filter and the VIP address set.
+use std::collections::HashSet;
+
+use aya::maps::PerCpuValues;
+use lb_common::{BACKEND_F_DOWN, Backend, BackendStats, Conns, SVC_F_NO_BACKEND, Service, VipKey, maps as names};
+use tracing::info;
+
+use super::{AppliedBackend, AppliedService, BackendRuntime, Dataplane, DataplaneError, backend_key, map_err};
+use crate::{
+    config::{BackendConfig, ServiceConfig},
+    sched::Member,
+};
+
+impl Dataplane {
+    /// Make the maps carry exactly `services`. Services are matched by
+    /// name, backends by address and port: unchanged parts keep their ids,
+    /// their counters and their table region.
+    ///
+    /// `runtime` gives each backend's effective weight and down state
+    /// (health, drain, slow start: the agent's business).
+    pub fn apply(
+        &mut self,
+        services: &[ServiceConfig],
+        runtime: &dyn Fn(&ServiceConfig, &BackendConfig) -> BackendRuntime,
+    ) -> Result<(), DataplaneError> {
+        let wanted: HashSet<&str> = services.iter().map(|s| s.name.as_str()).collect();
+        let gone: Vec<String> = self.services.keys().filter(|n| !wanted.contains(n.as_str())).cloned().collect();
+        for name in gone {
+            self.remove_service(&name)?;
+        }
+        // New addresses enter the filter before anything can send to them.
+        let mut addrs: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
+        for s in services {
+            addrs.insert(u32::from(s.vip).to_be());
+            for b in &s.backends {
+                self.known_backends.insert(u32::from(b.address).to_be());
+            }
+        }
+        addrs.extend(self.known_backends.iter().copied());
+        self.write_filter(&addrs)?;
+        for s in services {
+            self.apply_service(s, runtime)?;
+        }
+        // Adopted services the config no longer has.
+        for (key, a) in std::mem::take(&mut self.adopted) {
+            let vips = &mut self.maps.vips;
+            let _ = vips.remove(&key);
+            if let Some((o, l)) = a.region {
+                self.regions.free(o, l);
+            }
+            for (_, _, id) in a.backends {
+                self.backend_ids.release(id);
+            }
+            self.service_ids.release(a.service_id);
+        }
+        self.sync_vip_addrs()
+    }
+
+    /// [`apply`](Self::apply) with configuration-only weights.
+    pub fn apply_admin(&mut self, services: &[ServiceConfig]) -> Result<(), DataplaneError> {
+        self.apply(services, &|_, b| BackendRuntime::admin(b))
+    }
+
+    fn apply_service(
+        &mut self,
+        cfg: &ServiceConfig,
+        runtime: &dyn Fn(&ServiceConfig, &BackendConfig) -> BackendRuntime,
+    ) -> Result<(), DataplaneError> {
+        let key =
+            VipKey { addr: u32::from(cfg.vip).to_be(), port: cfg.port.to_be(), proto: cfg.protocol.number(), _pad: 0 };
+        let mut prev = self.services.get(&cfg.name).cloned();
+        if prev.is_none()
+            && let Some(a) = self.adopted.remove(&key)
+        {
+            // A service the previous lbd programmed: keep its ids; its table
+            // is rebuilt (same content for the same pool) and flipped.
+            prev = Some(AppliedService {
+                id: a.service_id,
+                config: cfg.clone(),
+                backends: a
+                    .backends
+                    .iter()
+                    .map(|&(address, port, id)| AppliedBackend {
+                        id,
+                        config: BackendConfig { address, port, weight: 0, drain: false },
+                        runtime: BackendRuntime { weight: u32::MAX, down: false },
+                    })
+                    .collect(),
+                key,
+                region: a.region,
+                table: Vec::new(),
+            });
+        }
+        let id = match &prev {
+            Some(p) => p.id,
+            None => self.service_ids.alloc().ok_or(DataplaneError::Ids { what: "service" })?,
+        };
+
+        // Backend ids: keep the ids of backends that stay.
+        let mut backends = Vec::with_capacity(cfg.backends.len());
+        let mut fresh = Vec::new();
+        let mut changed = Vec::new();
+        for b in &cfg.backends {
+            let existing = prev
+                .as_ref()
+                .and_then(|p| p.backends.iter().find(|o| o.config.address == b.address && o.config.port == b.port));
+            let rt = runtime(cfg, b);
+            let bid = match existing {
+                Some(o) => {
+                    if o.runtime != rt {
+                        changed.push(o.id);
+                    }
+                    if o.config.weight != b.weight && o.runtime.weight != u32::MAX {
+                        info!(service = %cfg.name, backend = %format!("{}:{}", b.address, b.port),
+                              from = o.config.weight, to = b.weight, "weight changed");
+                    }
+                    o.id
+                }
+                None => {
+                    let bid = match self.backend_ids.alloc() {
+                        Some(bid) => bid,
+                        None => {
+                            for &f in &fresh {
+                                self.backend_ids.release(f);
+                            }
+                            return Err(DataplaneError::Ids { what: "backend" });
+                        }
+                    };
+                    fresh.push(bid);
+                    bid
+                }
+            };
+            backends.push(AppliedBackend { id: bid, config: b.clone(), runtime: rt });
+        }
+        if !fresh.is_empty() {
+            // Counters of a fresh id start from zero (the id may have served
+            // a backend removed long ago).
+            let conns = &mut self.maps.conns;
+            for &bid in &fresh {
+                conns.set(bid, Conns::default(), 0).map_err(map_err(names::CONNS))?;
+            }
+            let expired = &mut self.maps.expired;
+            for &bid in &fresh {
+                expired.set(bid, 0, 0).map_err(map_err(names::EXPIRED))?;
+            }
+        }
+        {
+            let arr = &mut self.maps.backends;
+            for b in backends.iter().filter(|b| fresh.contains(&b.id) || changed.contains(&b.id)) {
+                let v = Backend {
+                    addr: u32::from(b.config.address).to_be(),
+                    port: b.config.port.to_be(),
+                    _pad: 0,
+                    service_id: id,
+                    flags: if b.runtime.down { BACKEND_F_DOWN } else { 0 },
+                    weight: b.runtime.weight,
+                    _pad2: 0,
+                };
+                arr.set(b.id, v, 0).map_err(map_err(names::BACKENDS))?;
+            }
+        }
+        if !fresh.is_empty() {
+            let stats = &mut self.maps.backend_stats;
+            for &bid in &fresh {
+                let zero =
+                    PerCpuValues::try_from(vec![BackendStats::default(); self.ncpus]).expect("one value per CPU");
+                stats.set(bid, zero, 0).map_err(map_err(names::BACKEND_STATS))?;
+            }
+        }
+
+        let members: Vec<Member> = backends
+            .iter()
+            .map(|b| Member { id: b.id, key: backend_key(b.config.address, b.config.port), weight: b.runtime.weight })
+            .collect();
+        let scheduler = cfg.scheduler.datapath_id();
+        let table = cfg.scheduler.build(&members, cfg.table_size);
+        let flags = if table.iter().all(|&b| b == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
+        let region = match &prev {
+            Some(p) if p.table == table => p.region,
+            _ if table.is_empty() => None,
+            _ => {
+                let len = table.len() as u32;
+                let off = self.regions.alloc(len).ok_or_else(|| DataplaneError::TableSpace {
+                    service: cfg.name.clone(),
+                    need: len,
+                    capacity: self.table_capacity,
+                })?;
+                let sel = &mut self.maps.select;
+                for (i, &b) in table.iter().enumerate() {
+                    sel.set(off + i as u32, b, 0).map_err(map_err(names::SELECT))?;
+                }
+                Some((off, len))
+            }
+        };
+        let value = Service {
+            service_id: id,
+            scheduler,
+            table_off: region.map_or(0, |r| r.0),
+            table_len: region.map_or(0, |r| r.1),
+            flags,
+            _pad: 0,
+        };
+        {
+            let vips = &mut self.maps.vips;
+            // The flip: one whole-value replace.
+            vips.insert(key, value, 0).map_err(map_err(names::VIPS))?;
+            if let Some(p) = &prev
+                && p.key != key
+            {
+                vips.remove(&p.key).map_err(map_err(names::VIPS))?;
+            }
+        }
+        if let Some(p) = &prev {
+            if p.region != region
+                && let Some((o, l)) = p.region
+            {
+                self.regions.free(o, l);
+            }
+            for ob in &p.backends {
+                if !backends.iter().any(|b| b.id == ob.id) {
+                    self.backend_ids.release(ob.id);
+                }
+            }
+        }
+        if prev.as_ref().map(|p| &p.config) != Some(cfg) {
+            info!(service = %cfg.name, vip = %cfg.vip, port = cfg.port, protocol = %cfg.protocol,
+                  scheduler = %cfg.scheduler, backends = cfg.backends.len(), "service applied");
+        }
+        self.services
+            .insert(cfg.name.clone(), AppliedService { id, config: cfg.clone(), backends, key, region, table });
+        Ok(())
+    }
+
+    fn remove_service(&mut self, name: &str) -> Result<(), DataplaneError> {
+        let Some(s) = self.services.remove(name) else { return Ok(()) };
+        let vips = &mut self.maps.vips;
+        vips.remove(&s.key).map_err(map_err(names::VIPS))?;
+        if let Some((o, l)) = s.region {
+            self.regions.free(o, l);
+        }
+        for b in &s.backends {
+            self.backend_ids.release(b.id);
+        }
+        self.service_ids.release(s.id);
+        info!(service = %name, "service removed");
+        Ok(())
+    }
+
+    /// Make ADDR_FILTER hold exactly `addrs` (network order), writing only
+    /// the words that change.
+    fn write_filter(&mut self, addrs: &HashSet<u32>) -> Result<(), DataplaneError> {
+        let mut words = vec![0u64; self.filter.len()];
+        for &a in addrs {
+            let bit = lb_common::addr_filter_bit(a);
+            words[(bit / 64) as usize] |= 1u64 << (bit % 64);
+        }
+        let arr = &mut self.maps.addr_filter;
+        for (i, (&new, old)) in words.iter().zip(self.filter.iter_mut()).enumerate() {
+            // The first write after (re)loading goes out whole: an adopted
+            // map may hold bits this process has not recorded.
+            if new != *old || !self.filter_written {
+                arr.set(i as u32, new, 0).map_err(map_err(names::ADDR_FILTER))?;
+                *old = new;
+            }
+        }
+        self.filter_written = true;
+        Ok(())
+    }
+
+    fn sync_vip_addrs(&mut self) -> Result<(), DataplaneError> {
+        let mut all: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
+        all.extend(self.known_backends.iter().copied());
+        self.write_filter(&all)?;
+        let want: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
+        let addrs = &mut self.maps.vip_addrs;
+        let have: Vec<u32> = addrs.keys().filter_map(Result::ok).collect();
+        for a in &have {
+            if !want.contains(a) {
+                addrs.remove(a).map_err(map_err(names::VIP_ADDRS))?;
+            }
+        }
+        for a in want {
+            if !have.contains(&a) {
+                addrs.insert(a, 1, 0).map_err(map_err(names::VIP_ADDRS))?;
+            }
+        }
+        Ok(())
+    }
+}

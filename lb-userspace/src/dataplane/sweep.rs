@@ -1,0 +1,97 @@
+//! Expiring idle flows from the flow table (the datapath only sees FIN and
+//! RST), and the datapath's idle clock.
+use std::collections::HashMap;
+
+use lb_common::{DIR_FORWARD, FlowKey, PROTO_TCP, flow_closed, maps as names};
+
+use super::{Dataplane, DataplaneError, map_err};
+
+impl Dataplane {
+    /// Expire idle flows: an open flow silent for longer than its
+    /// protocol's idle timeout is removed (both entries) and counted as
+    /// expired for its backend; a closed TCP flow is removed after
+    /// `CLOSED_LINGER` seconds. `now` is in seconds of CLOCK_MONOTONIC_COARSE
+    /// (see [`monotonic_coarse_secs`]).
+    pub fn sweep(&mut self, now: u64, tcp_idle: u64, udp_idle: u64) -> Result<SweepReport, DataplaneError> {
+        let mut report = SweepReport::default();
+        let mut doomed: Vec<(FlowKey, FlowKey, Option<u32>)> = Vec::new();
+        {
+            let flows = &self.maps.flows;
+            for item in flows.iter() {
+                // Entries can vanish while we walk (LRU eviction): skip errors.
+                let Ok((k, f)) = item else { continue };
+                report.entries += 1;
+                if f.dir != DIR_FORWARD {
+                    continue;
+                }
+                report.scanned += 1;
+                let idle = now.saturating_sub(f.last_seen);
+                let reply = FlowKey {
+                    src_addr: f.nat_addr,
+                    dst_addr: k.src_addr,
+                    src_port: f.nat_port,
+                    dst_port: k.src_port,
+                    proto: k.proto,
+                    _pad: [0; 3],
+                };
+                let closed = k.proto == PROTO_TCP && flow_closed(f.state);
+                if closed {
+                    if idle > CLOSED_LINGER {
+                        doomed.push((k, reply, None));
+                    }
+                } else {
+                    let limit = if k.proto == PROTO_TCP { tcp_idle } else { udp_idle };
+                    if idle > limit {
+                        doomed.push((k, reply, Some(f.backend_id)));
+                    }
+                }
+            }
+        }
+        let mut expired_by: HashMap<u32, u64> = HashMap::new();
+        {
+            let flows = &mut self.maps.flows;
+            for (k, reply, backend) in doomed {
+                // Removing the forward entry first: if a packet raced us and
+                // the entry is gone already, nothing is counted twice.
+                if flows.remove(&k).is_ok() {
+                    let _ = flows.remove(&reply);
+                    report.removed += 1;
+                    if let Some(b) = backend {
+                        *expired_by.entry(b).or_default() += 1;
+                        report.expired += 1;
+                    }
+                }
+            }
+        }
+        if !expired_by.is_empty() {
+            let expired = &mut self.maps.expired;
+            for (b, n) in expired_by {
+                let cur = expired.get(&b, 0).map_err(map_err(names::EXPIRED))?;
+                expired.set(b, cur + n, 0).map_err(map_err(names::EXPIRED))?;
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// Seconds a closed TCP flow's entries stay (late retransmissions, the
+/// final ACK) before the sweeper removes them.
+pub const CLOSED_LINGER: u64 = 60;
+
+/// What one sweep did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Entries in the flow table (both directions).
+    pub entries: u64,
+    /// Forward entries looked at.
+    pub scanned: u64,
+    pub removed: u64,
+    pub expired: u64,
+}
+
+/// The datapath's idle clock: CLOCK_MONOTONIC_COARSE in whole seconds
+/// (what `bpf_ktime_get_coarse_ns` reads).
+pub fn monotonic_coarse_secs() -> u64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+    u64::try_from(ts.tv_sec).unwrap_or(0)
+}
