@@ -1,7 +1,7 @@
 //! Builds the XDP program (`lb-ebpf`) for `bpfel-unknown-none` with the
 //! nightly toolchain and bpf-linker, and leaves the objects (every bin of
-//! lb-ebpf) in OUT_DIR, where `dataplane.rs` embeds `lb-xdp` (and `lb-bench`
-//! the benchmark programs).
+//! lb-ebpf) in OUT_DIR, where `dataplane.rs` embeds `lb-xdp` and the
+//! benchmark programs `bench-floor` (used by the `lb-bench` crate).
 //!
 //! This does what `aya_build::build_ebpf` does, plus `-C target-cpu=v3`:
 //! aya-build sets the BPF rustflags itself and offers no way to add one, and

@@ -1,16 +1,17 @@
 //! Packet fixtures through BPF_PROG_TEST_RUN: the real XDP program, loaded
-//! and programmed by the real `Dataplane`, fed hand-built frames; the action
-//! and the output frame are compared byte for byte with frames built from
-//! scratch (so incremental checksum updates are checked against full
-//! recomputation).
+//! and programmed by the real `Dataplane`, fed frames built from scratch; the
+//! action and the output frame are compared byte for byte with frames built
+//! from scratch, so the program's incremental checksum updates are checked
+//! against a full recomputation. Frames are built, parsed and their
+//! checksums computed and verified by `lb-testkit` (the `etherparse` crate),
+//! not by code of ours; network namespaces entered with `nix`.
 //!
 //! Each test runs in a thread that has entered its own network namespace
 //! with two interfaces, routes and static neighbours, so bpf_fib_lookup
 //! answers as it would on a gateway. Namespaces are removed on drop.
 //! Needs root.
 use std::{
-    net::Ipv4Addr,
-    os::fd::AsRawFd as _,
+    net::{Ipv4Addr, Ipv6Addr},
     path::PathBuf,
     process::Command,
     sync::atomic::{AtomicU32, Ordering},
@@ -18,6 +19,13 @@ use std::{
 
 use aya::programs::{TestRun as _, TestRunOptions};
 use lb_common::{NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE};
+use lb_testkit::{
+    Frame, L4Checksum,
+    frame::{
+        ETH_LEN, IPV4_LEN, arp_request, icmp_echo, ipv6_tcp,
+        tcp::{ACK, FIN, PSH, SYN},
+    },
+};
 use lb_userspace::{
     config::{BackendConfig, Config, Protocol, ServiceConfig, XdpMode},
     dataplane::Dataplane,
@@ -89,9 +97,8 @@ impl Netns {
         let path = PathBuf::from("/run/netns").join(&self.name);
         std::thread::spawn(move || {
             let file = std::fs::File::open(&path).expect("open netns");
-            // SAFETY: setns on this thread only, with a valid netns fd.
-            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+            // Moves this thread only.
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
             f()
         })
         .join()
@@ -106,165 +113,33 @@ impl Drop for Netns {
 }
 
 fn ifindex(name: &str) -> u32 {
-    let c = std::ffi::CString::new(name).unwrap();
-    // SAFETY: valid C string.
-    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    assert_ne!(i, 0, "interface {name} not found");
-    i
+    nix::net::if_::if_nametoindex(name).unwrap_or_else(|e| panic!("interface {name}: {e}"))
 }
 
 // ---------------------------------------------------------------- packets
 
-fn checksum(data: &[u8]) -> u16 {
-    let mut sum = 0u32;
-    for chunk in data.chunks(2) {
-        let word = if chunk.len() == 2 { u16::from_be_bytes([chunk[0], chunk[1]]) } else { u16::from(chunk[0]) << 8 };
-        sum += u32::from(word);
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
+/// A TCP segment from the client side: `Frame::tcp` addressed to the gateway.
+fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Frame {
+    Frame::tcp(src, sport, dst, dport, flags).macs(GW_A_MAC, CLIENT_MAC)
 }
 
-fn pseudo(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> Vec<u8> {
-    let mut p = Vec::new();
-    p.extend(src.octets());
-    p.extend(dst.octets());
-    p.extend([0, proto]);
-    p.extend((l4.len() as u16).to_be_bytes());
-    p.extend(l4);
-    p
+/// A UDP datagram from the client side.
+fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Frame {
+    Frame::udp(src, sport, dst, dport).macs(GW_A_MAC, CLIENT_MAC)
 }
 
-#[derive(Clone)]
-struct Pkt {
-    dmac: [u8; 6],
-    smac: [u8; 6],
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
-    sport: u16,
-    dport: u16,
-    proto: u8,
-    ttl: u8,
-    tcp_flags: u8,
-    ip_options: Vec<u8>,
-    payload: Vec<u8>,
-    /// UDP only: send without checksum (0).
-    udp_no_csum: bool,
-    /// Leave the L4 checksum unfinished, as a local sender with checksum
-    /// offload does (CHECKSUM_PARTIAL): the field holds the folded
-    /// pseudo-header sum.
-    partial: bool,
-}
-
-const SYN: u8 = 0x02;
-const ACK: u8 = 0x10;
-const FIN: u8 = 0x01;
-
-impl Pkt {
-    fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Self {
-        Self {
-            dmac: GW_A_MAC,
-            smac: CLIENT_MAC,
-            src,
-            dst,
-            sport,
-            dport,
-            proto: 6,
-            ttl: 64,
-            tcp_flags: flags,
-            ip_options: Vec::new(),
-            payload: b"GET / HTTP/1.1\r\n\r\n".to_vec(),
-            udp_no_csum: false,
-            partial: false,
-        }
-    }
-
-    fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Self {
-        Self { proto: 17, tcp_flags: 0, payload: b"query".to_vec(), ..Self::tcp(src, sport, dst, dport, 0) }
-    }
-
-    fn l4(&self) -> Vec<u8> {
-        let mut l4 = Vec::new();
-        l4.extend(self.sport.to_be_bytes());
-        l4.extend(self.dport.to_be_bytes());
-        if self.proto == 6 {
-            l4.extend(1000u32.to_be_bytes()); // seq
-            l4.extend(0u32.to_be_bytes()); // ack
-            l4.extend([5 << 4, self.tcp_flags]);
-            l4.extend(64240u16.to_be_bytes());
-            l4.extend([0, 0, 0, 0]); // checksum, urgent
-            l4.extend(&self.payload);
-            let c = if self.partial { self.seed(l4.len()) } else { checksum(&pseudo(self.src, self.dst, 6, &l4)) };
-            l4[16..18].copy_from_slice(&c.to_be_bytes());
-        } else {
-            l4.extend((8 + self.payload.len() as u16).to_be_bytes());
-            l4.extend([0, 0]);
-            l4.extend(&self.payload);
-            if self.partial {
-                let c = self.seed(l4.len());
-                l4[6..8].copy_from_slice(&c.to_be_bytes());
-            } else if !self.udp_no_csum {
-                let mut c = checksum(&pseudo(self.src, self.dst, 17, &l4));
-                if c == 0 {
-                    c = 0xffff;
-                }
-                l4[6..8].copy_from_slice(&c.to_be_bytes());
-            }
-        }
-        l4
-    }
-
-    /// The unfinished checksum a sender with offload writes: the folded
-    /// sum of the pseudo-header alone, not complemented.
-    fn seed(&self, l4_len: usize) -> u16 {
-        !checksum(
-            &pseudo(self.src, self.dst, self.proto, &[])[..10]
-                .iter()
-                .copied()
-                .chain((l4_len as u16).to_be_bytes())
-                .collect::<Vec<u8>>(),
-        )
-    }
-
-    fn frame(&self) -> Vec<u8> {
-        let l4 = self.l4();
-        let ihl = 20 + self.ip_options.len();
-        assert_eq!(ihl % 4, 0);
-        let mut ip = vec![0x40 | (ihl / 4) as u8, 0];
-        ip.extend(((ihl + l4.len()) as u16).to_be_bytes());
-        ip.extend([0x12, 0x34, 0x40, 0x00]); // id, DF
-        ip.extend([self.ttl, self.proto, 0, 0]);
-        ip.extend(self.src.octets());
-        ip.extend(self.dst.octets());
-        ip.extend(&self.ip_options);
-        let c = checksum(&ip);
-        ip[10..12].copy_from_slice(&c.to_be_bytes());
-        let mut f = Vec::new();
-        f.extend(self.dmac);
-        f.extend(self.smac);
-        f.extend(0x0800u16.to_be_bytes());
-        f.extend(ip);
-        f.extend(l4);
-        f
-    }
-}
-
-/// IPv4 header checksum and L4 checksum of `frame` both verify.
+/// The frame parses (etherparse), its IPv4 header checksum verifies and its
+/// L4 checksum is finished and verifies (or, UDP only, absent).
 fn assert_checksums_valid(frame: &[u8]) {
-    let ihl = usize::from(frame[14] & 0x0f) * 4;
-    let ip = &frame[14..14 + ihl];
-    assert_eq!(checksum(ip), 0, "IPv4 header checksum invalid");
-    let tot = usize::from(u16::from_be_bytes([frame[16], frame[17]]));
-    let l4 = &frame[14 + ihl..14 + tot];
-    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
-    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
-    let proto = ip[9];
-    if proto == 17 && l4[6..8] == [0, 0] {
-        return; // no UDP checksum
-    }
-    assert_eq!(checksum(&pseudo(src, dst, proto, l4)), 0, "L4 checksum invalid");
+    let f = Frame::parse(frame).unwrap_or_else(|e| panic!("{e}: {frame:02x?}"));
+    // The parser takes a 0 for "no checksum" only in UDP.
+    assert_ne!(f.l4_checksum, L4Checksum::Partial, "L4 checksum not finished: {frame:02x?}");
+}
+
+/// The destination of an output frame, which must parse with valid checksums.
+fn dst_of(frame: &[u8]) -> Ipv4Addr {
+    assert_checksums_valid(frame);
+    Frame::parse(frame).expect("parse").dst
 }
 
 // ---------------------------------------------------------------- harness
@@ -352,6 +227,16 @@ impl Fixture {
         (res.return_value, out)
     }
 
+    /// Run a client frame to the VIP; returns the backend it was rewritten
+    /// to. Only BACKEND has a neighbour entry: a frame to it is redirected,
+    /// one to another backend goes to the kernel (FIB fallback).
+    fn forward(&self, frame: &[u8]) -> Ipv4Addr {
+        let (action, out) = self.run(frame, self.if_a);
+        let dst = dst_of(&out);
+        assert_eq!(action, if dst == BACKEND { XDP_REDIRECT } else { XDP_PASS }, "to {dst}");
+        dst
+    }
+
     fn counter(&self, name: &str) -> u64 {
         self.dp.counters().unwrap()[name]
     }
@@ -374,19 +259,19 @@ fn in_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
 fn syn_to_vip_is_rewritten_to_the_backend_and_redirected() {
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
-        let syn = Pkt::tcp(CLIENT, 40000, VIP, 80, SYN);
-        let (action, out) = fx.run(&syn.frame(), fx.if_a);
+        let syn = tcp(CLIENT, 40000, VIP, 80, SYN);
+        let (action, out) = fx.run(&syn.bytes(), fx.if_a);
         assert_eq!(action, XDP_REDIRECT);
-        let expected = Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..syn.clone() };
-        assert_eq!(out, expected.frame(), "rewritten SYN differs from the expected bytes");
+        let expected = Frame { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..syn.clone() };
+        assert_eq!(out, expected.bytes(), "rewritten SYN differs from the expected bytes");
         assert_checksums_valid(&out);
         assert_eq!(fx.new_flows("web", BACKEND), 1);
 
         // The rest of the flow takes the same path without a new schedule.
-        let ack = Pkt { tcp_flags: ACK, ..syn.clone() };
-        let (action, out) = fx.run(&ack.frame(), fx.if_a);
+        let ack = Frame { tcp_flags: ACK, ..syn.clone() };
+        let (action, out) = fx.run(&ack.bytes(), fx.if_a);
         assert_eq!(action, XDP_REDIRECT);
-        assert_eq!(out, Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..ack }.frame());
+        assert_eq!(out, Frame { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..ack }.bytes());
         assert_eq!(fx.new_flows("web", BACKEND), 1);
         assert_eq!(fx.counter("xdp_redirect"), 2);
         assert_eq!(fx.counter("kernel_egress") + fx.counter("fib_fallback") + fx.counter("csum_partial"), 0);
@@ -395,8 +280,8 @@ fn syn_to_vip_is_rewritten_to_the_backend_and_redirected() {
 
 /// The packet `p` as the datapath should leave it for the kernel: rewritten
 /// to the backend, TTL and MACs as they came.
-fn to_backend_unrouted(p: &Pkt) -> Pkt {
-    Pkt { dst: BACKEND, dport: 8080, ..p.clone() }
+fn to_backend_unrouted(p: &Frame) -> Frame {
+    Frame { dst: BACKEND, dport: 8080, ..p.clone() }
 }
 
 #[test]
@@ -406,37 +291,37 @@ fn an_egress_that_cannot_take_native_redirects_gets_the_kernel_path() {
         // gwb transmits only redirects from generic XDP (a bridge, or a
         // veth whose peer has neither XDP nor GRO); gwa runs natively.
         fx.netdevs(0, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC);
-        let syn = Pkt::tcp(CLIENT, 41000, VIP, 80, SYN);
-        let (action, out) = fx.run(&syn.frame(), fx.if_a);
+        let syn = tcp(CLIENT, 41000, VIP, 80, SYN);
+        let (action, out) = fx.run(&syn.bytes(), fx.if_a);
         assert_eq!(action, XDP_PASS, "a native redirect into gwb would be dropped by the kernel");
         // Rewritten, but TTL and MACs untouched: the kernel forwards it and
         // decrements the TTL once.
-        assert_eq!(out, to_backend_unrouted(&syn).frame());
+        assert_eq!(out, to_backend_unrouted(&syn).bytes());
         assert_checksums_valid(&out);
         assert_eq!(fx.counter("kernel_egress"), 1);
         assert_eq!(fx.counter("xdp_redirect"), 0);
         // Not cached: the next packet asks again, and goes the same way.
-        let ack = Pkt { tcp_flags: ACK, ..syn.clone() };
-        assert_eq!(fx.run(&ack.frame(), fx.if_a).0, XDP_PASS);
+        let ack = Frame { tcp_flags: ACK, ..syn.clone() };
+        assert_eq!(fx.run(&ack.bytes(), fx.if_a).0, XDP_PASS);
         assert_eq!(fx.counter("kernel_egress"), 2);
 
         // With the program in generic mode on gwa, the same egress works.
         fx.netdevs(NETDEV_F_GENERIC, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC);
-        let (action, out) = fx.run(&ack.frame(), fx.if_a);
+        let (action, out) = fx.run(&ack.bytes(), fx.if_a);
         assert_eq!(action, XDP_REDIRECT);
         assert_eq!(
             out,
-            Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..ack.clone() }.frame()
+            Frame { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..ack.clone() }.bytes()
         );
         assert_eq!(fx.counter("xdp_redirect"), 1);
 
         // A device lbd knows nothing about (or one that is down / not
         // Ethernet) takes no redirect at all.
         fx.netdevs(NETDEV_F_GENERIC, XMIT_ALL, 0, 0);
-        let other = Pkt::tcp(CLIENT, 41001, VIP, 80, SYN);
-        let (action, out) = fx.run(&other.frame(), fx.if_a);
+        let other = tcp(CLIENT, 41001, VIP, 80, SYN);
+        let (action, out) = fx.run(&other.bytes(), fx.if_a);
         assert_eq!(action, XDP_PASS);
-        assert_eq!(out, to_backend_unrouted(&other).frame());
+        assert_eq!(out, to_backend_unrouted(&other).bytes());
         assert_eq!(fx.counter("kernel_egress"), 3);
     });
 }
@@ -447,19 +332,19 @@ fn a_device_change_makes_cached_next_hops_stale_at_once() {
         let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
         // The flow's next hop is cached (for a second) while gwb takes
         // native redirects...
-        let syn = Pkt::tcp(CLIENT, 40999, VIP, 80, SYN);
-        assert_eq!(fx.run(&syn.frame(), fx.if_a).0, XDP_REDIRECT);
+        let syn = tcp(CLIENT, 40999, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
         // ...then gwb loses that (a veth whose peer's GRO went off): the
         // very next packet of the flow must not be redirected into it.
         fx.netdevs(0, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC);
-        let ack = Pkt { tcp_flags: ACK, ..syn.clone() };
-        let (action, out) = fx.run(&ack.frame(), fx.if_a);
+        let ack = Frame { tcp_flags: ACK, ..syn.clone() };
+        let (action, out) = fx.run(&ack.bytes(), fx.if_a);
         assert_eq!(action, XDP_PASS, "a cached next hop outlived the device change");
-        assert_eq!(out, to_backend_unrouted(&ack).frame());
+        assert_eq!(out, to_backend_unrouted(&ack).bytes());
         assert_eq!((fx.counter("xdp_redirect"), fx.counter("kernel_egress")), (1, 1));
         // And back: redirected again.
         fx.netdevs(0, XMIT_ALL, 0, XMIT_ALL);
-        assert_eq!(fx.run(&ack.frame(), fx.if_a).0, XDP_REDIRECT);
+        assert_eq!(fx.run(&ack.bytes(), fx.if_a).0, XDP_REDIRECT);
     });
 }
 
@@ -477,51 +362,51 @@ fn unfinished_checksums_are_finished_for_native_redirects_and_kept_unfinished_ot
         let mut partial = 0;
         for (i, &n) in sizes.iter().enumerate() {
             let payload: Vec<u8> = (0..n).map(|b| (b * 7 + i) as u8).collect();
-            for udp in [false, true] {
+            for is_udp in [false, true] {
                 port += 1;
-                let base = if udp { Pkt::udp(CLIENT, port, VIP, 53) } else { Pkt::tcp(CLIENT, port, VIP, 80, SYN) };
-                let p = Pkt { payload: payload.clone(), partial: true, ..base };
-                let (dport, proto) = if udp { (5353, "udp") } else { (8080, "tcp") };
+                let base = if is_udp { udp(CLIENT, port, VIP, 53) } else { tcp(CLIENT, port, VIP, 80, SYN) };
+                let p = Frame { payload: payload.clone(), l4_checksum: L4Checksum::Partial, ..base };
+                let (dport, proto) = if is_udp { (5353, "udp") } else { (8080, "tcp") };
 
                 // Native ingress, capable egress: leaves as an XDP frame, which
                 // carries no "finish me" mark, so it must be finished here.
                 fx.netdevs(0, XMIT_ALL, 0, XMIT_ALL);
-                let (action, out) = fx.run(&p.frame(), fx.if_a);
+                let (action, out) = fx.run(&p.bytes(), fx.if_a);
                 assert_eq!(action, XDP_REDIRECT, "{proto} payload {n}");
-                let done = Pkt {
+                let done = Frame {
                     dst: BACKEND,
                     dport,
                     ttl: 63,
                     dmac: BACKEND_MAC,
                     smac: GW_B_MAC,
-                    partial: false,
+                    l4_checksum: L4Checksum::Full,
                     ..p.clone()
                 };
-                assert_eq!(out, done.frame(), "{proto} payload {n}: not finished correctly");
+                assert_eq!(out, done.bytes(), "{proto} payload {n}: not finished correctly");
                 assert_checksums_valid(&out);
                 partial += 1;
 
                 // Generic ingress: the skb keeps its mark, and the device
                 // (or the kernel) finishes it: it stays unfinished, for the
                 // rewritten addresses.
-                let next = Pkt { sport: p.sport + 10_000, ..p.clone() };
+                let next = Frame { sport: p.sport + 10_000, ..p.clone() };
                 fx.netdevs(NETDEV_F_GENERIC, XMIT_ALL, 0, XMIT_ALL);
-                let (action, out) = fx.run(&next.frame(), fx.if_a);
+                let (action, out) = fx.run(&next.bytes(), fx.if_a);
                 assert_eq!(action, XDP_REDIRECT, "{proto} payload {n}");
-                let kept = Pkt { dst: BACKEND, dport, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..next.clone() };
+                let kept = Frame { dst: BACKEND, dport, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..next.clone() };
                 assert_eq!(
                     out,
-                    kept.frame(),
+                    kept.bytes(),
                     "{proto} payload {n}: unfinished checksum not kept for the new addresses"
                 );
                 partial += 1;
 
                 // Native ingress, kernel path: the skb keeps its mark too.
-                let third = Pkt { sport: p.sport + 20_000, ..p.clone() };
+                let third = Frame { sport: p.sport + 20_000, ..p.clone() };
                 fx.netdevs(0, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC);
-                let (action, out) = fx.run(&third.frame(), fx.if_a);
+                let (action, out) = fx.run(&third.bytes(), fx.if_a);
                 assert_eq!(action, XDP_PASS, "{proto} payload {n}");
-                assert_eq!(out, Pkt { dst: BACKEND, dport, ..third.clone() }.frame(), "{proto} payload {n}");
+                assert_eq!(out, Frame { dst: BACKEND, dport, ..third.clone() }.bytes(), "{proto} payload {n}");
                 partial += 1;
             }
         }
@@ -536,19 +421,20 @@ fn a_finished_checksum_that_looks_unfinished_is_left_finished() {
         // Choose the last two payload bytes so that the finished checksum
         // equals the pseudo-header sum (what an unfinished one holds): one
         // packet in 65,536 does so by chance.
-        let mut p = Pkt { payload: vec![0x55; 100], ..Pkt::tcp(CLIENT, 43000, VIP, 80, ACK | 0x08) };
-        let seed = p.seed(20 + p.payload.len());
+        let mut p = Frame { payload: vec![0x55; 100], ..tcp(CLIENT, 43000, VIP, 80, ACK | PSH) };
+        let seed = p.l4_seed();
         let found = (0..=u16::MAX).find(|&w| {
             p.payload[98..100].copy_from_slice(&w.to_be_bytes());
-            let f = p.frame();
-            u16::from_be_bytes([f[14 + 20 + 16], f[14 + 20 + 17]]) == seed
+            p.full_l4_checksum() == seed
         });
         assert!(found.is_some(), "no payload word gives the colliding checksum");
-        assert_checksums_valid(&p.frame());
+        assert_checksums_valid(&p.bytes());
+        // The parser takes it for finished too (it checks the full sum first).
+        assert_eq!(Frame::parse(&p.bytes()).unwrap().l4_checksum, L4Checksum::Full);
         // Not a new flow (ACK without SYN is still scheduled, as a mid-flow packet).
-        let (action, out) = fx.run(&p.frame(), fx.if_a);
+        let (action, out) = fx.run(&p.bytes(), fx.if_a);
         assert_eq!(action, XDP_REDIRECT);
-        assert_eq!(out, Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..p }.frame());
+        assert_eq!(out, Frame { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..p }.bytes());
         assert_checksums_valid(&out);
         assert_eq!(fx.counter("csum_partial"), 0);
     });
@@ -558,13 +444,13 @@ fn a_finished_checksum_that_looks_unfinished_is_left_finished() {
 fn reply_from_backend_is_rewritten_back_to_the_vip() {
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
-        let (action, _) = fx.run(&Pkt::tcp(CLIENT, 40001, VIP, 80, SYN).frame(), fx.if_a);
+        let (action, _) = fx.run(&tcp(CLIENT, 40001, VIP, 80, SYN).bytes(), fx.if_a);
         assert_eq!(action, XDP_REDIRECT);
-        let synack = Pkt { dmac: GW_B_MAC, smac: BACKEND_MAC, ..Pkt::tcp(BACKEND, 8080, CLIENT, 40001, SYN | ACK) };
-        let (action, out) = fx.run(&synack.frame(), fx.if_b);
+        let synack = Frame { dmac: GW_B_MAC, smac: BACKEND_MAC, ..tcp(BACKEND, 8080, CLIENT, 40001, SYN | ACK) };
+        let (action, out) = fx.run(&synack.bytes(), fx.if_b);
         assert_eq!(action, XDP_REDIRECT);
-        let expected = Pkt { src: VIP, sport: 80, ttl: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..synack };
-        assert_eq!(out, expected.frame(), "rewritten reply differs from the expected bytes");
+        let expected = Frame { src: VIP, sport: 80, ttl: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..synack };
+        assert_eq!(out, expected.bytes(), "rewritten reply differs from the expected bytes");
         assert_checksums_valid(&out);
     });
 }
@@ -575,31 +461,18 @@ fn packets_not_for_a_vip_pass_unchanged() {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
         let mut frames = vec![
             // Other address, other port on the VIP, other protocol on the VIP port.
-            Pkt::tcp(CLIENT, 40000, Ipv4Addr::new(10, 10, 0, 7), 80, SYN).frame(),
-            Pkt::tcp(CLIENT, 40000, VIP, 81, SYN).frame(),
-            Pkt::udp(CLIENT, 40000, VIP, 80).frame(),
+            tcp(CLIENT, 40000, Ipv4Addr::new(10, 10, 0, 7), 80, SYN).bytes(),
+            tcp(CLIENT, 40000, VIP, 81, SYN).bytes(),
+            udp(CLIENT, 40000, VIP, 80).bytes(),
         ];
         // ARP request for the VIP.
-        let mut arp = vec![0xff; 6];
-        arp.extend(CLIENT_MAC);
-        arp.extend([0x08, 0x06, 0, 1, 0x08, 0, 6, 4, 0, 1]);
-        arp.extend(CLIENT_MAC);
-        arp.extend(CLIENT.octets());
-        arp.extend([0; 6]);
-        arp.extend(VIP.octets());
-        frames.push(arp);
+        frames.push(arp_request(CLIENT_MAC, CLIENT, VIP));
         // IPv6 TCP SYN.
-        let mut v6 = GW_A_MAC.to_vec();
-        v6.extend(CLIENT_MAC);
-        v6.extend([0x86, 0xdd, 0x60, 0, 0, 0, 0, 20, 6, 64]);
-        v6.extend([0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
-        v6.extend([0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x64]);
-        v6.extend([0x9c, 0x40, 0, 80, 0, 0, 0, 1, 0, 0, 0, 0, 0x50, SYN, 0xfa, 0xf0, 0, 0, 0, 0]);
-        frames.push(v6);
+        let (v6_client, v6_vip) =
+            (Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1), Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x64));
+        frames.push(ipv6_tcp((GW_A_MAC, CLIENT_MAC), (v6_client, 40000), (v6_vip, 80), SYN, &[]));
         // ICMP echo to the VIP.
-        let mut icmp = Pkt::tcp(CLIENT, 0, VIP, 0, 0).frame();
-        icmp[14 + 9] = 1;
-        frames.push(icmp);
+        frames.push(icmp_echo(GW_A_MAC, CLIENT_MAC, CLIENT, VIP));
         for f in frames {
             let (action, out) = fx.run(&f, fx.if_a);
             assert_eq!(action, XDP_PASS, "frame {f:02x?}");
@@ -614,38 +487,30 @@ fn packets_not_for_a_vip_pass_unchanged() {
 fn truncated_or_broken_packets_to_a_vip_are_dropped_and_counted() {
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
-        let full = Pkt::tcp(CLIENT, 40000, VIP, 80, SYN).frame();
+        let full = tcp(CLIENT, 40000, VIP, 80, SYN).bytes();
         // Cut inside the TCP header; the IP total length still claims the whole packet.
-        let truncated = full[..14 + 20 + 10].to_vec();
+        let truncated = full[..ETH_LEN + IPV4_LEN + 10].to_vec();
         // Whole frame, but the IP header claims more than is there.
         let mut long = full.clone();
-        let claimed = (full.len() - 14 + 40) as u16;
-        long[16..18].copy_from_slice(&claimed.to_be_bytes());
+        let claimed = (full.len() - ETH_LEN + 40) as u16;
+        long[ETH_LEN + 2..ETH_LEN + 4].copy_from_slice(&claimed.to_be_bytes());
         // IHL below 5.
         let mut bad_ihl = full.clone();
-        bad_ihl[14] = 0x44;
+        bad_ihl[ETH_LEN] = 0x44;
         for (i, f) in [truncated, long, bad_ihl].into_iter().enumerate() {
             let (action, _) = fx.run(&f, fx.if_a);
             assert_eq!(action, XDP_DROP, "broken frame {i} must be dropped");
             assert_eq!(fx.counter("malformed"), i as u64 + 1);
         }
         // A fragment of a packet to the VIP has no ports: dropped, counted apart.
-        let mut frag = full.clone();
-        frag[20] = 0x20; // MF
-        let c = checksum(&{
-            let mut h = frag[14..34].to_vec();
-            h[10] = 0;
-            h[11] = 0;
-            h
-        });
-        frag[24..26].copy_from_slice(&c.to_be_bytes());
+        let frag = Frame { dont_fragment: false, more_fragments: true, ..tcp(CLIENT, 40000, VIP, 80, SYN) }.bytes();
         assert_eq!(fx.run(&frag, fx.if_a).0, XDP_DROP);
         assert_eq!(fx.counter("fragment"), 1);
         // Nothing was scheduled or forwarded.
         assert_eq!(fx.new_flows("web", BACKEND), 0);
         // The same truncation to a non-VIP address is the kernel's business.
-        let mut other = Pkt::tcp(CLIENT, 40000, Ipv4Addr::new(10, 10, 0, 7), 80, SYN).frame();
-        other.truncate(14 + 20 + 10);
+        let mut other = tcp(CLIENT, 40000, Ipv4Addr::new(10, 10, 0, 7), 80, SYN).bytes();
+        other.truncate(ETH_LEN + IPV4_LEN + 10);
         assert_eq!(fx.run(&other, fx.if_a).0, XDP_PASS);
         assert_eq!(fx.counter("malformed"), 3);
     });
@@ -660,38 +525,39 @@ fn ip_options_udp_and_unresolved_next_hop() {
             service("cold", 81, Protocol::Tcp, &[(BACKEND_UNRESOLVED, 8080)]),
         ]);
         // IPv4 header with options (IHL 6: one NOP x3 + EOL word).
-        let opt = Pkt { ip_options: vec![1, 1, 1, 0], ..Pkt::tcp(CLIENT, 40002, VIP, 80, SYN) };
-        let (action, out) = fx.run(&opt.frame(), fx.if_a);
+        let opt = Frame { ip_options: vec![1, 1, 1, 0], ..tcp(CLIENT, 40002, VIP, 80, SYN) };
+        let (action, out) = fx.run(&opt.bytes(), fx.if_a);
         assert_eq!(action, XDP_REDIRECT);
-        assert_eq!(out, Pkt { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..opt }.frame());
+        assert_eq!(out, Frame { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..opt }.bytes());
         assert_checksums_valid(&out);
 
         // UDP with a checksum and without one.
         for no_csum in [false, true] {
-            let q = Pkt { udp_no_csum: no_csum, ..Pkt::udp(CLIENT, 5000 + u16::from(no_csum), VIP, 53) };
-            let (action, out) = fx.run(&q.frame(), fx.if_a);
+            let csum = if no_csum { L4Checksum::None } else { L4Checksum::Full };
+            let q = Frame { l4_checksum: csum, ..udp(CLIENT, 5000 + u16::from(no_csum), VIP, 53) };
+            let (action, out) = fx.run(&q.bytes(), fx.if_a);
             assert_eq!(action, XDP_REDIRECT);
-            let expected = Pkt { dst: BACKEND, dport: 5353, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..q };
-            assert_eq!(out, expected.frame());
+            let expected = Frame { dst: BACKEND, dport: 5353, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..q };
+            assert_eq!(out, expected.bytes());
             assert_checksums_valid(&out);
             // Reply back through the VIP.
-            let r = Pkt {
+            let r = Frame {
                 dmac: GW_B_MAC,
                 smac: BACKEND_MAC,
-                udp_no_csum: no_csum,
-                ..Pkt::udp(BACKEND, 5353, CLIENT, 5000 + u16::from(no_csum))
+                l4_checksum: csum,
+                ..udp(BACKEND, 5353, CLIENT, 5000 + u16::from(no_csum))
             };
-            let (action, out) = fx.run(&r.frame(), fx.if_b);
+            let (action, out) = fx.run(&r.bytes(), fx.if_b);
             assert_eq!(action, XDP_REDIRECT);
-            assert_eq!(out, Pkt { src: VIP, sport: 53, ttl: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..r }.frame());
+            assert_eq!(out, Frame { src: VIP, sport: 53, ttl: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..r }.bytes());
         }
 
         // No neighbour entry for the backend: rewritten, handed to the kernel
         // (TTL and MACs untouched: the kernel forwards and decrements).
-        let cold = Pkt::tcp(CLIENT, 40003, VIP, 81, SYN);
-        let (action, out) = fx.run(&cold.frame(), fx.if_a);
+        let cold = tcp(CLIENT, 40003, VIP, 81, SYN);
+        let (action, out) = fx.run(&cold.bytes(), fx.if_a);
         assert_eq!(action, XDP_PASS);
-        assert_eq!(out, Pkt { dst: BACKEND_UNRESOLVED, dport: 8080, ..cold }.frame());
+        assert_eq!(out, Frame { dst: BACKEND_UNRESOLVED, dport: 8080, ..cold }.bytes());
         assert_checksums_valid(&out);
         assert_eq!(fx.counter("fib_fallback"), 1);
         assert_eq!(fx.new_flows("cold", BACKEND_UNRESOLVED), 1);
@@ -702,7 +568,7 @@ fn ip_options_udp_and_unresolved_next_hop() {
 fn expiring_ttl_goes_to_the_kernel_untouched() {
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
-        let f = Pkt { ttl: 1, ..Pkt::tcp(CLIENT, 40004, VIP, 80, SYN) }.frame();
+        let f = Frame { ttl: 1, ..tcp(CLIENT, 40004, VIP, 80, SYN) }.bytes();
         let (action, out) = fx.run(&f, fx.if_a);
         assert_eq!(action, XDP_PASS);
         assert_eq!(out, f);
@@ -714,9 +580,8 @@ fn expiring_ttl_goes_to_the_kernel_untouched() {
 fn a_new_syn_on_a_closed_flow_is_a_new_connection() {
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
-        let c = |flags| Pkt::tcp(CLIENT, 40005, VIP, 80, flags).frame();
-        let b =
-            |flags| Pkt { dmac: GW_B_MAC, smac: BACKEND_MAC, ..Pkt::tcp(BACKEND, 8080, CLIENT, 40005, flags) }.frame();
+        let c = |flags| tcp(CLIENT, 40005, VIP, 80, flags).bytes();
+        let b = |flags| Frame { dmac: GW_B_MAC, smac: BACKEND_MAC, ..tcp(BACKEND, 8080, CLIENT, 40005, flags) }.bytes();
         assert_eq!(fx.run(&c(SYN), fx.if_a).0, XDP_REDIRECT);
         // A retransmitted SYN of an open flow is the same connection.
         assert_eq!(fx.run(&c(SYN), fx.if_a).0, XDP_REDIRECT);
@@ -735,7 +600,7 @@ fn a_new_syn_on_a_closed_flow_is_a_new_connection() {
 fn a_service_without_backends_drops_new_flows_and_counts_them() {
     in_netns(|| {
         let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[])]);
-        let f = Pkt::tcp(CLIENT, 40006, VIP, 80, SYN).frame();
+        let f = tcp(CLIENT, 40006, VIP, 80, SYN).bytes();
         assert_eq!(fx.run(&f, fx.if_a).0, XDP_DROP);
         assert_eq!(fx.counter("no_backend"), 1);
         // All weights zero: the same.
@@ -754,12 +619,10 @@ fn every_flow_sticks_to_one_backend_and_flows_spread_over_all() {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &backends)]);
         let mut seen = std::collections::HashMap::new();
         for port in 20000..20300u16 {
-            let f = Pkt::tcp(CLIENT, port, VIP, 80, SYN).frame();
-            let (_, first) = fx.run(&f, fx.if_a);
-            let dst = Ipv4Addr::new(first[30], first[31], first[32], first[33]);
+            let f = tcp(CLIENT, port, VIP, 80, SYN).bytes();
+            let dst = fx.forward(&f);
             for _ in 0..3 {
-                let (_, again) = fx.run(&Pkt::tcp(CLIENT, port, VIP, 80, ACK).frame(), fx.if_a);
-                assert_eq!(Ipv4Addr::new(again[30], again[31], again[32], again[33]), dst);
+                assert_eq!(fx.forward(&tcp(CLIENT, port, VIP, 80, ACK).bytes()), dst);
             }
             *seen.entry(dst).or_insert(0u32) += 1;
         }
@@ -775,11 +638,8 @@ fn round_robin_and_wrr_follow_their_sequence_exactly() {
     in_netns(|| {
         let b: Vec<(Ipv4Addr, u16)> = (11..14).map(|i| (Ipv4Addr::new(10, 20, 0, i), 8080)).collect();
         let mut fx = Fixture::new(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &b)]);
-        let dst_of = |fx: &Fixture, port: u16| {
-            let (_, out) = fx.run(&Pkt::tcp(CLIENT, port, VIP, 80, SYN).frame(), fx.if_a);
-            out[33]
-        };
-        let seq: Vec<u8> = (0..9).map(|i| dst_of(&fx, 30000 + i)).collect();
+        let last_octet = |fx: &Fixture, port: u16| fx.forward(&tcp(CLIENT, port, VIP, 80, SYN).bytes()).octets()[3];
+        let seq: Vec<u8> = (0..9).map(|i| last_octet(&fx, 30000 + i)).collect();
         // Round robin: a rotation of 11, 12, 13 repeated.
         for w in seq.windows(3) {
             let mut s = w.to_vec();
@@ -791,7 +651,7 @@ fn round_robin_and_wrr_follow_their_sequence_exactly() {
         let mut s = service_with("web", 80, Protocol::Tcp, Scheduler::Wrr, &b);
         s.backends[0].weight = 5;
         fx.dp.apply_admin(&[s]).unwrap();
-        let seq: Vec<u8> = (0..14).map(|i| dst_of(&fx, 31000 + i)).collect();
+        let seq: Vec<u8> = (0..14).map(|i| last_octet(&fx, 31000 + i)).collect();
         let cycle = [11, 11, 12, 11, 13, 11, 11];
         let start = (0..7)
             .find(|&r| (0..14).all(|i| seq[i] == cycle[(i + r) % 7]))

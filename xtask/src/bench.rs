@@ -2,7 +2,8 @@
 //! side by side in one run, written to `target/bench/report.md` (tables and
 //! SVG charts) with the raw numbers in `target/bench/results.json`.
 //!
-//! - packet: per-packet cost through BPF_PROG_TEST_RUN (`lb-bench packet`).
+//! - packet: per-packet cost through BPF_PROG_TEST_RUN (`lb-bench packet`,
+//!   the `lb-bench` crate).
 //! - e2e: the lab's backends behind nothing (direct), our balancer, HAProxy
 //!   (mode tcp) and nginx (stream), round robin and a hash method each,
 //!   under wrk: a new connection per request at concurrency 10, and
@@ -89,7 +90,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<()> {
 
 fn packet(full: bool) -> anyhow::Result<Value> {
     println!("== per-packet cost (BPF_PROG_TEST_RUN) ==");
-    run(cargo().args(["build", "--release", "-p", "lb-userspace", "--bin", "lb-bench"]))?;
+    run(cargo().args(["build", "--release", "-p", "lb-bench", "--bin", "lb-bench"]))?;
     let exe = workspace_root().join("target/release/lb-bench");
     let json_path = out_dir().join("packet.json");
     let (rounds, repeat) = if full { ("15", "5000000") } else { ("7", "1000000") };

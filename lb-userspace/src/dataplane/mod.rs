@@ -48,6 +48,11 @@ pub use sweep::{CLOSED_LINGER, SweepReport, monotonic_coarse_secs};
 /// The XDP program, built by build.rs and embedded in the binary.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-xdp"));
 
+/// The benchmark programs (floor_pass, floor_tx, bench_harness), built by
+/// build.rs next to the XDP program, for `lb-bench` (its own crate). Only a
+/// binary that names it carries it: lbd and lbctl do not.
+pub static BENCH_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/bench-floor"));
+
 /// Name of the XDP entry point in the object.
 pub const PROGRAM: &str = "lb_xdp";
 

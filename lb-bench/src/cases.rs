@@ -1,0 +1,280 @@
+//! What is measured: the addresses of the benchmark's little network, the
+//! services programmed into the datapath (one VIP port per scheduler), and
+//! the cases, each a frame, a program, a way to run it and the result it
+//! must give. Frames are built by `lb-testkit` (headers and checksums by the
+//! `etherparse` crate).
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use lb_testkit::{
+    Frame,
+    frame::{
+        ipv6_tcp,
+        tcp::{ACK, SYN},
+    },
+};
+use lb_userspace::{
+    config::{BackendConfig, Protocol, ServiceConfig},
+    sched::Scheduler,
+};
+
+pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
+pub const XDP_REDIRECT: u32 = 4;
+
+/// Harness modes (`bench-floor.rs`).
+pub const MODE_RESTORE: u32 = 0;
+pub const MODE_NEW_TCP: u32 = 1;
+/// Largest frame the harness restores.
+pub const FRAME_MAX: usize = 128;
+/// Every test frame is this long (payload padded): whole 8-byte words, so
+/// the harness restores each with the same word stores and its cost,
+/// measured once, is the same for every case.
+pub const FRAME_LEN: usize = 96;
+
+pub const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x01, 0x01];
+pub const GW_A_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xaa, 0x01];
+pub const GW_B_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xbb, 0x01];
+pub const VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 100);
+pub const NON_VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 7);
+pub const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 1, 1);
+/// New flows: the harness adds (n >> 16) to this address, port = n & 0xffff.
+pub const NEW_FLOW_BASE: Ipv4Addr = Ipv4Addr::new(10, 10, 64, 1);
+pub const BACKEND_PORT: u16 = 8080;
+pub const BACKENDS: [Ipv4Addr; 3] =
+    [Ipv4Addr::new(10, 20, 0, 11), Ipv4Addr::new(10, 20, 0, 12), Ipv4Addr::new(10, 20, 0, 13)];
+pub const CONNTRACK_MAX: u32 = 4 << 20;
+
+pub fn backend_mac(addr: Ipv4Addr) -> [u8; 6] {
+    [0x02, 0, 0, 0, 0x02, addr.octets()[3]]
+}
+
+/// Katran's XDP balancer on this kernel, same method (from the issue).
+pub mod katran {
+    pub const ESTABLISHED: f64 = 58.5;
+    pub const NEW_FLOW: f64 = 160.0;
+    pub const NON_VIP: f64 = 26.5;
+    pub const FLOOR_TX: f64 = 6.0;
+    pub const TEXT: &str = "Katran's XDP balancer (IPIP encapsulation, no FIB lookup) on this kernel, same method: \
+established flow about 55-62 ns, new flow with LRU insert about 160 ns, non-VIP packet 26-27 ns; floor XDP_TX about 6 ns.";
+}
+
+/// An HTTP-ish payload of `n` bytes.
+pub fn payload(n: usize) -> Vec<u8> {
+    let mut p = b"GET / HTTP/1.1\r\nHost: bench\r\n\r\n".to_vec();
+    p.resize(n, b'x');
+    p
+}
+
+/// A TCP segment from the client, FRAME_LEN bytes (an ACK acknowledges 5000).
+pub fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Frame {
+    Frame {
+        ack_number: if flags & ACK != 0 { 5000 } else { 0 },
+        payload: payload(FRAME_LEN - 54),
+        ..Frame::tcp(src, sport, dst, dport, flags).macs(GW_A_MAC, CLIENT_MAC)
+    }
+}
+
+/// A UDP datagram from the client, FRAME_LEN bytes.
+pub fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Frame {
+    Frame { payload: payload(FRAME_LEN - 42), ..Frame::udp(src, sport, dst, dport).macs(GW_A_MAC, CLIENT_MAC) }
+}
+
+// ------------------------------------------------------------------ cases
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prog {
+    Lb,
+    FloorPass,
+    FloorTx,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// BPF_PROG_TEST_RUN on the program itself.
+    Direct,
+    /// Through the harness in this mode (restore / new flow).
+    Harness(u32),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// XDP_REDIRECT to one of the backends.
+    Redirect,
+    /// XDP_PASS, frame untouched.
+    Pass,
+    /// XDP_TX with the MAC addresses swapped.
+    Tx,
+}
+
+/// One thing timed every round.
+pub struct Item {
+    pub key: &'static str,
+    pub label: String,
+    pub path: &'static str,
+    pub prog: Prog,
+    pub via: Via,
+    pub frame: Vec<u8>,
+    pub expect: Expect,
+    /// Service whose counters must move (VIP cases).
+    pub service: Option<&'static str>,
+    pub katran: Option<f64>,
+}
+
+pub fn services() -> Vec<ServiceConfig> {
+    let svc = |name: &str, port: u16, protocol: Protocol, scheduler: Scheduler| ServiceConfig {
+        name: name.into(),
+        vip: VIP,
+        port,
+        protocol,
+        scheduler,
+        table_size: 65537,
+        health: Default::default(),
+        slow_start: None,
+        backends: BACKENDS
+            .iter()
+            .map(|&address| BackendConfig { address, port: BACKEND_PORT, weight: 1, drain: false })
+            .collect(),
+    };
+    vec![
+        svc("maglev", 80, Protocol::Tcp, Scheduler::Maglev),
+        svc("wrr", 81, Protocol::Tcp, Scheduler::Wrr),
+        svc("rr", 82, Protocol::Tcp, Scheduler::Rr),
+        svc("source-hash", 83, Protocol::Tcp, Scheduler::SourceHash),
+        svc("least-conn", 84, Protocol::Tcp, Scheduler::LeastConn),
+        svc("dns", 53, Protocol::Udp, Scheduler::Maglev),
+    ]
+}
+
+pub fn items() -> Vec<Item> {
+    let est = tcp(CLIENT, 40000, VIP, 80, ACK).bytes();
+    let mut v = vec![
+        Item {
+            key: "floor_pass",
+            label: "floor: XDP_PASS".into(),
+            path: "return XDP_PASS",
+            prog: Prog::FloorPass,
+            via: Via::Direct,
+            frame: est.clone(),
+            expect: Expect::Pass,
+            service: None,
+            katran: None,
+        },
+        Item {
+            key: "floor_tx",
+            label: "floor: swap MACs, XDP_TX".into(),
+            path: "swap MACs, XDP_TX",
+            prog: Prog::FloorTx,
+            via: Via::Direct,
+            frame: est.clone(),
+            expect: Expect::Tx,
+            service: None,
+            katran: Some(katran::FLOOR_TX),
+        },
+        Item {
+            key: "harness_restore",
+            label: "harness (restore) -> floor_pass".into(),
+            path: "",
+            prog: Prog::FloorPass,
+            via: Via::Harness(MODE_RESTORE),
+            frame: est.clone(),
+            expect: Expect::Pass,
+            service: None,
+            katran: None,
+        },
+        Item {
+            key: "harness_tx",
+            label: "harness (restore) -> floor_tx".into(),
+            path: "",
+            prog: Prog::FloorTx,
+            via: Via::Harness(MODE_RESTORE),
+            frame: est.clone(),
+            expect: Expect::Tx,
+            service: None,
+            katran: None,
+        },
+        Item {
+            key: "harness_new",
+            label: "harness (new flow) -> floor_pass".into(),
+            path: "",
+            prog: Prog::FloorPass,
+            via: Via::Harness(MODE_NEW_TCP),
+            frame: tcp(NEW_FLOW_BASE, 1, VIP, 80, SYN).bytes(),
+            expect: Expect::Pass,
+            service: None,
+            katran: None,
+        },
+        Item {
+            key: "tcp_established",
+            label: "TCP established flow (maglev)".into(),
+            path: "flow hit, NAT, FIB, REDIRECT",
+            prog: Prog::Lb,
+            via: Via::Harness(MODE_RESTORE),
+            frame: est,
+            expect: Expect::Redirect,
+            service: Some("maglev"),
+            katran: Some(katran::ESTABLISHED),
+        },
+    ];
+    for (key, name, port) in [
+        ("new_maglev", "maglev", 80),
+        ("new_wrr", "wrr", 81),
+        ("new_rr", "rr", 82),
+        ("new_source_hash", "source-hash", 83),
+        ("new_least_conn", "least-conn", 84),
+    ] {
+        v.push(Item {
+            key,
+            label: format!("TCP new flow, {name}"),
+            path: "flow miss, VIP, pick, 2 inserts, NAT, FIB, REDIRECT",
+            prog: Prog::Lb,
+            via: Via::Harness(MODE_NEW_TCP),
+            frame: tcp(NEW_FLOW_BASE, 1, VIP, port, SYN).bytes(),
+            expect: Expect::Redirect,
+            service: Some(name),
+            katran: Some(katran::NEW_FLOW),
+        });
+    }
+    v.push(Item {
+        key: "udp_established",
+        label: "UDP established flow (maglev)".into(),
+        path: "flow hit, NAT, FIB, REDIRECT",
+        prog: Prog::Lb,
+        via: Via::Harness(MODE_RESTORE),
+        frame: udp(CLIENT, 5353, VIP, 53).bytes(),
+        expect: Expect::Redirect,
+        service: Some("dns"),
+        katran: Some(katran::ESTABLISHED),
+    });
+    v.push(Item {
+        key: "ipv6",
+        label: "IPv6 TCP packet".into(),
+        path: "not IPv4: PASS",
+        prog: Prog::Lb,
+        via: Via::Harness(MODE_RESTORE),
+        frame: ipv6_tcp(
+            (GW_A_MAC, CLIENT_MAC),
+            (Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1), 40000),
+            (Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x64), 80),
+            ACK,
+            &payload(FRAME_LEN - 74),
+        ),
+        expect: Expect::Pass,
+        service: None,
+        katran: None,
+    });
+    v.push(Item {
+        key: "non_vip",
+        label: "IPv4 TCP, not a VIP".into(),
+        path: "flow miss, VIP miss: PASS",
+        prog: Prog::Lb,
+        via: Via::Harness(MODE_RESTORE),
+        frame: tcp(CLIENT, 40000, NON_VIP, 80, ACK).bytes(),
+        expect: Expect::Pass,
+        service: None,
+        katran: Some(katran::NON_VIP),
+    });
+    for i in &v {
+        assert_eq!(i.frame.len(), FRAME_LEN, "{}: frame length", i.key);
+    }
+    v
+}

@@ -1,0 +1,238 @@
+//! `lb-bench packet`: what one packet costs in the XDP program, measured
+//! with BPF_PROG_TEST_RUN and a large repeat count.
+//!
+//! Method (run as root):
+//!
+//! - A private network namespace (`lbbench-<pid>`, deleted on exit, also on
+//!   panic) with a veth pair `gwa`/`gwb`, routes and static neighbours for
+//!   the client and three backends, so that `bpf_fib_lookup` succeeds and a
+//!   VIP packet takes the full path up to XDP_REDIRECT. The measuring thread
+//!   enters it and is pinned to one CPU.
+//! - The datapath is loaded as lbd loads it (`Dataplane::load_unpinned`,
+//!   flow table for 4M connections) with one VIP port per scheduler.
+//! - With `repeat N` the kernel runs all N repeats on one buffer without
+//!   restoring it: a rewriting program would see its own output from the
+//!   second repeat on. So every case runs through `bench_harness` (lb-ebpf
+//!   `src/bin/bench-floor.rs`), which copies the original frame back,
+//!   optionally makes it a new flow (fresh source address and port), and
+//!   tail-calls the program under test. The harness's own cost is measured
+//!   the same way with `floor_pass` behind it and subtracted:
+//!   `cost = t(harness -> program) - (t(harness -> floor_pass) - t(floor_pass))`,
+//!   i.e. what a direct run of the program on a fresh packet costs, the
+//!   test loop's own overhead included (as in the floors).
+//! - Before timing, every case is run once and its return value and output
+//!   frame are checked byte for byte; after timing, the last repeat's
+//!   output is checked again and the datapath's counters must show that
+//!   every repeat took the intended path (N new flows, or none; N packets
+//!   forwarded; no drop or FIB fallback).
+//! - Rounds are interleaved (round 1 of every case, then round 2, ...);
+//!   median and min-max over rounds are reported. One discarded warm-up
+//!   round comes first. The flow table is emptied before every run of the
+//!   datapath, so new flows always insert into a table with room.
+//! - Time per packet is the kernel's own figure: the mean per repeat over
+//!   the timed loop, which excludes the syscall's setup (with `repeat > 1`
+//!   the kernel installs the program in the XDP dispatcher and removes it
+//!   afterwards, two RCU grace periods, ~15 ms on this kind of VM: wall
+//!   time would carry 15 ns per packet of it at a million repeats). The
+//!   kernel truncates the mean to whole ns; we use it + 0.5 ns.
+//! - `kernel.bpf_stats_enabled` makes every run read the clock twice (tens
+//!   of ns in a VM): lb-bench turns it off for its run and restores it
+//!   afterwards, unless `--keep-bpf-stats`.
+//!
+//! Modules: `netns` (the namespace, the thread's place in it), `cases` (what
+//! is measured; frames from `lb-testkit`), `measure` (runs and checks),
+//! `report` (figures, table, JSON). Signals are caught with `signal-hook`.
+//! The benchmark programs come from lb-userspace's build script
+//! (`lb_userspace::dataplane::BENCH_OBJECT`).
+mod cases;
+mod measure;
+mod netns;
+mod report;
+
+use std::{
+    path::PathBuf,
+    sync::{Arc, atomic::AtomicBool},
+};
+
+use anyhow::{Context as _, ensure};
+use clap::{Args, Parser, Subcommand};
+use serde_json::Value;
+
+use crate::{
+    cases::{CONNTRACK_MAX, Prog, items},
+    measure::{Bench, Sample},
+    netns::{Netns, enter_netns, pin_thread},
+    report::{HostInfo, read_trim, report},
+};
+
+#[derive(Parser)]
+#[command(name = "lb-bench", about = "Benchmarks of the load balancer's datapath")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Per-packet cost of the XDP program through BPF_PROG_TEST_RUN (needs root).
+    Packet(PacketArgs),
+}
+
+#[derive(Args, Clone)]
+pub struct PacketArgs {
+    /// Measured rounds (interleaved across cases; median and min-max reported).
+    #[arg(long, default_value_t = 7)]
+    pub rounds: u32,
+    /// Repeats per BPF_PROG_TEST_RUN call.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub repeat: u32,
+    /// Write every round of every case, medians and ratios to this file.
+    #[arg(long, value_name = "OUT.json")]
+    pub json: Option<PathBuf>,
+    /// CPU to pin the measuring thread to (default: the last one allowed).
+    #[arg(long)]
+    pub cpu: Option<usize>,
+    /// Leave kernel.bpf_stats_enabled as it is (by default it is turned off
+    /// for the run: with it every run reads the clock twice more).
+    #[arg(long)]
+    pub keep_bpf_stats: bool,
+    /// Measure only these cases (comma-separated keys, e.g.
+    /// `tcp_established,non_vip`); the floors and the harness are always
+    /// measured. Keys: tcp_established, new_maglev, new_wrr, new_rr,
+    /// new_source_hash, new_least_conn, udp_established, ipv6, non_vip.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Flow table size in connections (two entries each). Default 4M, or
+    /// more when --repeat needs it: a new-flow run must never evict.
+    #[arg(long)]
+    pub conntrack_max: Option<u32>,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Packet(args) => packet(args),
+    };
+    if let Err(e) = result {
+        eprintln!("lb-bench: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+/// Restores kernel.bpf_stats_enabled on drop.
+struct StatsOff {
+    old: String,
+}
+
+impl Drop for StatsOff {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(BPF_STATS_SYSCTL, &self.old) {
+            eprintln!("lb-bench: restoring kernel.bpf_stats_enabled={}: {e}", self.old);
+        }
+    }
+}
+
+/// Flow table size: 4M connections, more when one run makes more new flows
+/// (each takes two entries), so that no insert ever evicts.
+fn conntrack_max(args: &PacketArgs) -> anyhow::Result<u32> {
+    let need = args.repeat + 16;
+    match args.conntrack_max {
+        Some(n) => {
+            ensure!(n >= need, "--conntrack-max {n}: a run of {} new flows needs at least {need}", args.repeat);
+            Ok(n)
+        }
+        None => Ok(CONNTRACK_MAX.max((args.repeat + 1024).next_power_of_two())),
+    }
+}
+
+fn packet(args: PacketArgs) -> anyhow::Result<()> {
+    ensure!(lb_userspace::is_root(), "lb-bench packet needs root (BPF programs, network namespaces)");
+    ensure!(args.rounds >= 1, "--rounds must be at least 1");
+    ensure!((1..=1 << 25).contains(&args.repeat), "--repeat must be between 1 and 2^25");
+    conntrack_max(&args)?;
+    // The first SIGINT/SIGTERM asks the measuring thread to stop between
+    // runs (the namespace and the sysctl are then restored); a second one
+    // ends the process at once.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_conditional_default(sig, Arc::clone(&stop))
+            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&stop)))
+            .context("installing the signal handlers")?;
+    }
+    let stats_before = read_trim(BPF_STATS_SYSCTL);
+    let _stats_guard = if stats_before != "0" && !args.keep_bpf_stats {
+        std::fs::write(BPF_STATS_SYSCTL, "0").context("turning kernel.bpf_stats_enabled off")?;
+        eprintln!("kernel.bpf_stats_enabled was {stats_before}: off for this run, restored afterwards");
+        Some(StatsOff { old: stats_before.clone() })
+    } else {
+        None
+    };
+    let host = HostInfo {
+        bpf_stats_before: stats_before,
+        bpf_stats_during: read_trim(BPF_STATS_SYSCTL),
+        bpf_jit_enable: read_trim("/proc/sys/net/core/bpf_jit_enable"),
+    };
+    if host.bpf_stats_during != "0" {
+        eprintln!(
+            "warning: kernel.bpf_stats_enabled={}: every run also pays for reading the clock twice",
+            host.bpf_stats_during
+        );
+    }
+    let ns = Netns::create().context("creating the network namespace")?;
+    let name = ns.name.clone();
+    let a = args.clone();
+    let worker = std::thread::Builder::new()
+        .name("lb-bench".into())
+        .spawn(move || -> anyhow::Result<Value> { measure_all(&name, &a, &host, stop) })?;
+    let result = worker.join();
+    drop(ns);
+    let report = match result {
+        Ok(r) => r?,
+        Err(p) => std::panic::resume_unwind(p),
+    };
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("raw numbers: {}", path.display());
+    }
+    Ok(())
+}
+
+/// The measuring thread: enters the namespace, pins itself, runs every round.
+fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> anyhow::Result<Value> {
+    enter_netns(ns_name)?;
+    let cpu = pin_thread(args.cpu)?;
+    let mut b = Bench::new(cpu, conntrack_max(args)?, stop)?;
+    b.self_test()?;
+    let mut items = items();
+    if !args.only.is_empty() {
+        for k in &args.only {
+            ensure!(items.iter().any(|i| i.prog == Prog::Lb && i.key == k), "--only: no case {k}");
+        }
+        items.retain(|i| i.prog != Prog::Lb || args.only.iter().any(|k| k == i.key));
+    }
+    eprintln!(
+        "lb-bench packet: {} cases, {} rounds (+1 warm-up) of {} repeats, pinned to CPU {cpu}",
+        items.len(),
+        args.rounds,
+        args.repeat
+    );
+    let warm = (args.repeat / 10).max(1000).min(args.repeat);
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); items.len()];
+    for round in 0..=args.rounds {
+        let repeat = if round == 0 { warm } else { args.repeat };
+        for (i, item) in items.iter().enumerate() {
+            let s = b.measure(item, repeat).with_context(|| format!("round {round}, {}", item.label))?;
+            if round > 0 {
+                samples[i].push(s);
+            }
+        }
+        if round > 0 {
+            eprint!("\rround {round}/{} done", args.rounds);
+        }
+    }
+    eprintln!();
+    Ok(report(&items, &samples, args, cpu, host, b.conntrack_max))
+}

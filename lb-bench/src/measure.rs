@@ -1,0 +1,432 @@
+//! The measurement: the datapath loaded as lbd loads it, the benchmark
+//! programs (`bench-floor`, embedded by lb-userspace's build script) beside
+//! it, and one checked BPF_PROG_TEST_RUN per case and round. aya runs the
+//! programs and reads the maps; every output frame is parsed and its
+//! checksums verified by `lb-testkit` (the `etherparse` crate) and compared
+//! byte for byte with a frame built from scratch. The flow table is emptied
+//! with BPF_MAP_LOOKUP_AND_DELETE_BATCH through `libc::syscall` (aya 0.14
+//! has no batch operations, and deleting 2M entries one by one would take
+//! longer than the measurement).
+use std::{
+    collections::BTreeMap,
+    net::Ipv4Addr,
+    os::fd::AsRawFd as _,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Instant,
+};
+
+use anyhow::{Context as _, anyhow, bail, ensure};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, MapData, PerCpuArray, ProgramArray},
+    programs::{ProgramFd, TestRun as _, TestRunOptions, Xdp},
+};
+use lb_testkit::Frame;
+use lb_userspace::{
+    config::{Config, XdpMode},
+    dataplane::{BENCH_OBJECT, Dataplane},
+};
+
+use crate::{
+    cases::{
+        BACKEND_PORT, BACKENDS, CLIENT, Expect, FRAME_MAX, GW_B_MAC, Item, MODE_NEW_TCP, MODE_RESTORE, Prog, VIP, Via,
+        XDP_PASS, XDP_REDIRECT, XDP_TX, backend_mac, payload, services, tcp, udp,
+    },
+    netns::ifindex,
+};
+
+/// One timed run.
+#[derive(Clone, Copy, Debug)]
+pub struct Sample {
+    /// The kernel's mean time per repeat, truncated to whole ns.
+    pub kernel_ns: u32,
+    /// The figure used: `kernel_ns + 0.5`, the middle of the interval the
+    /// truncated mean stands for (so that it is not biased low).
+    pub ns: f64,
+    /// Wall time of the whole syscall, ms (for information: it includes the
+    /// kernel's setup, two XDP dispatcher updates with RCU grace periods).
+    pub wall_ms: f64,
+}
+
+struct RunOut {
+    retval: u32,
+    out: Vec<u8>,
+    sample: Sample,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct HarnessConfig {
+    len: u32,
+    mode: u32,
+}
+// SAFETY: repr(C), two u32, no padding.
+unsafe impl aya::Pod for HarnessConfig {}
+
+pub struct Bench {
+    dp: Dataplane,
+    bench: Ebpf,
+    lb_fd: ProgramFd,
+    pass_fd: ProgramFd,
+    tx_fd: ProgramFd,
+    /// What PROG_ARRAY slot 0 holds now.
+    slot: Option<Prog>,
+    if_a: u32,
+    cpu: usize,
+    pub conntrack_max: u32,
+    /// Set by SIGINT/SIGTERM: stop between runs, clean up (namespace, sysctl).
+    stop: Arc<AtomicBool>,
+}
+
+fn xdp<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a Xdp> {
+    let p = ebpf.program(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?;
+    Ok(<&Xdp>::try_from(p)?)
+}
+
+impl Bench {
+    pub fn new(cpu: usize, conntrack_max: u32, stop: Arc<AtomicBool>) -> anyhow::Result<Self> {
+        let cfg = Config {
+            interfaces: vec![],
+            xdp_mode: XdpMode::Auto,
+            control_socket: "/nonexistent".into(),
+            pin_path: "/nonexistent".into(),
+            conntrack_max,
+            table_capacity: 1 << 20,
+            tcp_idle_timeout: 900,
+            udp_idle_timeout: 300,
+            metrics_listen: "127.0.0.1:9464".parse()?,
+            services: services(),
+        };
+        let mut dp = Dataplane::load_unpinned(&cfg).context("loading the datapath")?;
+        dp.apply_admin(&cfg.services).context("programming the services")?;
+        // Both veths take native redirects (what lbd writes for a gateway
+        // whose veth peers have GRO on), so the measured path is the fast one.
+        let xmit = lb_common::NETDEV_F_XMIT_GENERIC | lb_common::NETDEV_F_XMIT_NATIVE;
+        dp.write_netdevs(&[(ifindex("gwa")?, xmit), (ifindex("gwb")?, xmit)].into_iter().collect())
+            .context("describing the devices")?;
+        let mut bench = EbpfLoader::new().load(BENCH_OBJECT).context("loading the benchmark programs")?;
+        for name in ["floor_pass", "floor_tx", "bench_harness"] {
+            let p: &mut Xdp =
+                bench.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?;
+            p.load().with_context(|| format!("loading {name}"))?;
+        }
+        let lb_fd = dp.program().fd()?.try_clone()?;
+        let pass_fd = xdp(&bench, "floor_pass")?.fd()?.try_clone()?;
+        let tx_fd = xdp(&bench, "floor_tx")?.fd()?.try_clone()?;
+        Ok(Self { dp, bench, lb_fd, pass_fd, tx_fd, slot: None, if_a: ifindex("gwa")?, cpu, conntrack_max, stop })
+    }
+
+    fn set_slot(&mut self, prog: Prog) -> anyhow::Result<()> {
+        if self.slot == Some(prog) {
+            return Ok(());
+        }
+        let fd = match prog {
+            Prog::Lb => &self.lb_fd,
+            Prog::FloorPass => &self.pass_fd,
+            Prog::FloorTx => &self.tx_fd,
+        };
+        let mut arr = ProgramArray::try_from(self.bench.map_mut("PROG_ARRAY").ok_or_else(|| anyhow!("PROG_ARRAY"))?)?;
+        arr.set(0, fd, 0)?;
+        self.slot = Some(prog);
+        Ok(())
+    }
+
+    fn set_frame(&mut self, frame: &[u8], mode: u32) -> anyhow::Result<()> {
+        ensure!(!frame.is_empty() && frame.len() <= FRAME_MAX, "frame of {} bytes", frame.len());
+        let mut words = [0u64; FRAME_MAX / 8];
+        let mut padded = [0u8; FRAME_MAX];
+        padded[..frame.len()].copy_from_slice(frame);
+        for (i, w) in words.iter_mut().enumerate() {
+            *w = u64::from_ne_bytes(padded[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        }
+        let mut f: Array<&mut MapData, [u64; FRAME_MAX / 8]> =
+            Array::try_from(self.bench.map_mut("FRAME").ok_or_else(|| anyhow!("FRAME"))?)?;
+        f.set(0, words, 0)?;
+        let mut c: Array<&mut MapData, HarnessConfig> =
+            Array::try_from(self.bench.map_mut("CONFIG").ok_or_else(|| anyhow!("CONFIG"))?)?;
+        c.set(0, HarnessConfig { len: frame.len() as u32, mode }, 0)?;
+        Ok(())
+    }
+
+    /// The harness's new-flow counter on our CPU.
+    fn new_flow_counter(&self) -> anyhow::Result<u64> {
+        let m: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(self.bench.map("COUNTER").ok_or_else(|| anyhow!("COUNTER"))?)?;
+        let v = m.get(&0, 0)?;
+        v.get(self.cpu).copied().ok_or_else(|| anyhow!("no COUNTER value for CPU {}", self.cpu))
+    }
+
+    /// Empty the flow table (BPF_MAP_LOOKUP_AND_DELETE_BATCH).
+    fn flush_flows(&mut self) -> anyhow::Result<u64> {
+        let fd = self.dp.flow_table_fd().as_raw_fd();
+        flush_hash_map(fd, size_of::<lb_common::FlowKey>(), size_of::<lb_common::Flow>())
+    }
+
+    /// One BPF_PROG_TEST_RUN of `item` with `repeat` repeats.
+    fn run(&mut self, item: &Item, repeat: u32) -> anyhow::Result<RunOut> {
+        let prog: &Xdp = match item.via {
+            Via::Direct => match item.prog {
+                Prog::FloorPass => xdp(&self.bench, "floor_pass")?,
+                Prog::FloorTx => xdp(&self.bench, "floor_tx")?,
+                Prog::Lb => self.dp.program(),
+            },
+            Via::Harness(mode) => {
+                self.set_slot(item.prog)?;
+                self.set_frame(&item.frame, mode)?;
+                xdp(&self.bench, "bench_harness")?
+            }
+        };
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(item.frame.len() as u32).to_ne_bytes()); // data_end
+        ctx[12..16].copy_from_slice(&self.if_a.to_ne_bytes()); // ingress_ifindex
+        let mut out = vec![0u8; item.frame.len() + 256];
+        ensure!(!self.stop.load(Ordering::Relaxed), "interrupted");
+        let t0 = Instant::now();
+        let res = prog
+            .test_run(TestRunOptions {
+                data_in: Some(&item.frame),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                repeat,
+                ..TestRunOptions::new()
+            })
+            .with_context(|| format!("BPF_PROG_TEST_RUN of {}", item.key))?;
+        let wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+        out.truncate(res.data_size_out as usize);
+        // The kernel divides its total by the repeat count and truncates
+        // (net/bpf/test_run.c, bpf_test_timer_continue): `duration` is
+        // already the mean per repeat, in whole ns.
+        let kernel_ns = res.duration.as_nanos() as u32;
+        let sample = Sample { kernel_ns, ns: f64::from(kernel_ns) + 0.5, wall_ms };
+        Ok(RunOut { retval: res.return_value, out, sample })
+    }
+
+    fn service_counters(&self, service: &str) -> anyhow::Result<(u64, u64)> {
+        let s = self
+            .dp
+            .services()
+            .find(|s| s.config.name == service)
+            .ok_or_else(|| anyhow!("service {service} not applied"))?;
+        let (mut new_flows, mut packets) = (0, 0);
+        for b in &s.backends {
+            let st = self.dp.backend_stats(b.id)?;
+            new_flows += st.new_flows;
+            packets += st.packets_in;
+        }
+        Ok((new_flows, packets))
+    }
+
+    /// Check one run's return value and output frame. For a new flow, the
+    /// harness gave the last repeat the source derived from `counter_last`.
+    fn check_output(&self, item: &Item, r: &RunOut, repeat: u32, counter_last: Option<u64>) -> anyhow::Result<()> {
+        let what = &item.label;
+        // The frame the program under test saw: for a new flow the harness
+        // gave it the source derived from its counter (built here from
+        // scratch, so the harness's incremental checksums are checked too).
+        let seen = if item.via == Via::Harness(MODE_NEW_TCP) {
+            let n = counter_last.ok_or_else(|| anyhow!("{what}: no harness counter"))?;
+            let orig = Frame::parse(&item.frame).with_context(|| format!("{what}: the case's frame"))?;
+            Frame { src: Ipv4Addr::from(u32::from(orig.src).wrapping_add((n >> 16) as u32)), sport: n as u16, ..orig }
+                .bytes()
+        } else {
+            item.frame.clone()
+        };
+        ensure!(r.out.len() == seen.len(), "{what}: output length {} != {}", r.out.len(), seen.len());
+        match item.expect {
+            Expect::Pass => {
+                ensure!(r.retval == XDP_PASS, "{what}: returned {} instead of XDP_PASS (2)", r.retval);
+                ensure!(
+                    r.out == seen,
+                    "{what}: a passed frame must be untouched\n in  {seen:02x?}\n out {:02x?}",
+                    r.out
+                );
+            }
+            Expect::Tx => {
+                ensure!(r.retval == XDP_TX, "{what}: returned {} instead of XDP_TX (3)", r.retval);
+                let mut want = seen.clone();
+                // Run directly (no harness), repeats swap back and forth.
+                if item.via != Via::Direct || repeat % 2 == 1 {
+                    want[..6].copy_from_slice(&seen[6..12]);
+                    want[6..12].copy_from_slice(&seen[..6]);
+                }
+                ensure!(r.out == want, "{what}: MACs not swapped\n out {:02x?}", r.out);
+            }
+            Expect::Redirect => {
+                ensure!(
+                    r.retval == XDP_REDIRECT,
+                    "{what}: returned {} instead of XDP_REDIRECT (4): the measured path is not the forwarding path",
+                    r.retval
+                );
+                // Parsed, both checksums verified (etherparse).
+                let got = Frame::parse(&r.out).with_context(|| format!("{what}: output {:02x?}", r.out))?;
+                let (dst, dport) = (got.dst, got.dport);
+                ensure!(BACKENDS.contains(&dst), "{what}: destination {dst} is not a backend");
+                ensure!(dport == BACKEND_PORT, "{what}: destination port {dport}, expected {BACKEND_PORT}");
+                let orig = Frame::parse(&seen).with_context(|| format!("{what}: the frame the program saw"))?;
+                let want = Frame {
+                    dmac: backend_mac(dst),
+                    smac: GW_B_MAC,
+                    dst,
+                    dport: BACKEND_PORT,
+                    ttl: orig.ttl - 1,
+                    ..orig
+                }
+                .bytes();
+                ensure!(
+                    r.out == want,
+                    "{what}: output differs from the expected frame (checksums recomputed from scratch)\n want {want:02x?}\n out  {:02x?}",
+                    r.out
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The harness restores what FRAME holds whatever the packet held, by
+    /// words and (for other lengths) by the helper.
+    pub fn self_test(&mut self) -> anyhow::Result<()> {
+        let frames = [
+            tcp(CLIENT, 40000, VIP, 80, lb_testkit::frame::tcp::ACK).bytes(),
+            Frame { payload: payload(17), ..udp(CLIENT, 5353, VIP, 53) }.bytes(),
+        ];
+        self.set_slot(Prog::FloorPass)?;
+        for f in frames {
+            self.set_frame(&f, MODE_RESTORE)?;
+            let garbage = vec![0xa5u8; f.len()];
+            let mut ctx = [0u8; 24];
+            ctx[4..8].copy_from_slice(&(f.len() as u32).to_ne_bytes());
+            ctx[12..16].copy_from_slice(&self.if_a.to_ne_bytes());
+            let mut out = vec![0u8; f.len() + 256];
+            let res = xdp(&self.bench, "bench_harness")?.test_run(TestRunOptions {
+                data_in: Some(&garbage),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                ..TestRunOptions::new()
+            })?;
+            out.truncate(res.data_size_out as usize);
+            ensure!(
+                res.return_value == XDP_PASS,
+                "harness self-test ({} bytes): returned {}",
+                f.len(),
+                res.return_value
+            );
+            ensure!(
+                out == f,
+                "harness self-test ({} bytes): frame not restored\n want {f:02x?}\n out  {out:02x?}",
+                f.len()
+            );
+        }
+        Ok(())
+    }
+
+    /// Run `item` once (checked), then time it with `repeat` repeats and
+    /// check that every repeat took the intended path.
+    pub fn measure(&mut self, item: &Item, repeat: u32) -> anyhow::Result<Sample> {
+        let is_lb = item.prog == Prog::Lb;
+        if is_lb {
+            self.flush_flows()?;
+        }
+        let new_flow = item.via == Via::Harness(MODE_NEW_TCP);
+        // Checked single run (inserts the flow of an established case).
+        let c0 = self.new_flow_counter()?;
+        let once = self.run(item, 1)?;
+        let c1 = self.new_flow_counter()?;
+        if new_flow {
+            ensure!(c1 == c0 + 1, "{}: harness counter moved by {} in one run", item.label, c1 - c0);
+        }
+        self.check_output(item, &once, 1, c1.checked_sub(1))?;
+
+        let stats0 = match item.service {
+            Some(s) => Some(self.service_counters(s)?),
+            None => None,
+        };
+        let global0 = self.dp.counters()?;
+        let timed = self.run(item, repeat)?;
+        let c2 = self.new_flow_counter()?;
+        if new_flow {
+            ensure!(c2 == c1 + u64::from(repeat), "{}: harness counter moved by {}, not {repeat}", item.label, c2 - c1);
+        }
+        self.check_output(item, &timed, repeat, c2.checked_sub(1))
+            .with_context(|| format!("{}: output of the timed run (last repeat)", item.label))?;
+        let global1 = self.dp.counters()?;
+        let mut moved: BTreeMap<&String, u64> =
+            global1.iter().filter(|&(k, v)| global0.get(k) != Some(v)).map(|(k, v)| (k, v - global0[k])).collect();
+        // A forwarded packet counts one XDP redirect; nothing else may move
+        // (a drop, a kernel-path hand-over: not the path meant to be timed).
+        let redirected = moved.remove(&"xdp_redirect".to_owned()).unwrap_or(0);
+        if matches!(item.expect, Expect::Redirect) {
+            ensure!(
+                redirected == u64::from(repeat),
+                "{}: {redirected} XDP redirects counted for {repeat} repeats",
+                item.label
+            );
+        } else {
+            ensure!(redirected == 0, "{}: {redirected} XDP redirects counted", item.label);
+        }
+        ensure!(moved.is_empty(), "{}: datapath counters moved during the timed run: {moved:?}", item.label);
+        if let (Some(s), Some((nf0, p0))) = (item.service, stats0) {
+            let (nf1, p1) = self.service_counters(s)?;
+            let want_new = if new_flow { u64::from(repeat) } else { 0 };
+            ensure!(
+                nf1 - nf0 == want_new,
+                "{}: {} new flows in {repeat} repeats, expected {want_new}",
+                item.label,
+                nf1 - nf0
+            );
+            ensure!(p1 - p0 == u64::from(repeat), "{}: {} packets forwarded in {repeat} repeats", item.label, p1 - p0);
+        }
+        Ok(timed.sample)
+    }
+}
+
+/// Delete every entry of a hash map with BPF_MAP_LOOKUP_AND_DELETE_BATCH.
+fn flush_hash_map(fd: i32, key_size: usize, value_size: usize) -> anyhow::Result<u64> {
+    /// The `batch` member of `union bpf_attr`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    const BPF_MAP_LOOKUP_AND_DELETE_BATCH: libc::c_long = 25;
+    const CHUNK: usize = 1 << 14;
+    let mut keys = vec![0u8; CHUNK * key_size];
+    let mut values = vec![0u8; CHUNK * value_size];
+    let (mut token_in, mut token_out) = (0u64, 0u64);
+    let mut first = true;
+    let mut total = 0u64;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { &raw const token_in as u64 },
+            out_batch: &raw mut token_out as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd as u32,
+            ..Default::default()
+        };
+        // SAFETY: a valid attr for this command; every buffer outlives the call.
+        let rc = unsafe {
+            libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_AND_DELETE_BATCH, &raw mut attr, size_of::<BatchAttr>())
+        };
+        let err = std::io::Error::last_os_error();
+        total += u64::from(attr.count);
+        if rc != 0 {
+            if err.raw_os_error() == Some(libc::ENOENT) {
+                return Ok(total);
+            }
+            bail!("emptying the flow table: {err}");
+        }
+        first = false;
+        token_in = token_out;
+    }
+}

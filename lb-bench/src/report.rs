@@ -1,0 +1,269 @@
+//! The report: per case the median and min-max over rounds, the harness's
+//! own cost subtracted, ratios to the XDP_TX floor and to Katran's figures;
+//! printed as a table and returned as JSON for `cargo xtask bench`. `nix`
+//! reads uname(2) for the kernel release.
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+use crate::{
+    PacketArgs,
+    cases::{Item, MODE_NEW_TCP, Prog, Via, katran},
+    measure::Sample,
+};
+
+/// What the report says about the machine, read by the main thread (the
+/// measuring thread sits in a namespace without the net.core sysctls).
+pub struct HostInfo {
+    pub bpf_stats_before: String,
+    pub bpf_stats_during: String,
+    pub bpf_jit_enable: String,
+}
+
+pub fn report(
+    items: &[Item],
+    samples: &[Vec<Sample>],
+    args: &PacketArgs,
+    cpu: usize,
+    host: &HostInfo,
+    conntrack_max: u32,
+) -> Value {
+    let stats_during = &host.bpf_stats_during;
+    let rounds = samples[0].len();
+    let raw = |key: &str| -> Vec<f64> {
+        let i = items.iter().position(|i| i.key == key).expect("the floors and the harness are always measured");
+        samples[i].iter().map(|s| s.ns).collect()
+    };
+    let diff = |a: &[f64], b: &[f64]| -> Vec<f64> { a.iter().zip(b).map(|(x, y)| x - y).collect() };
+    let floor_pass = raw("floor_pass");
+    let floor_tx = raw("floor_tx");
+    // The harness's own cost, per round and mode (same-round differences).
+    let h_restore = diff(&raw("harness_restore"), &floor_pass);
+    let h_new = diff(&raw("harness_new"), &floor_pass);
+    let tx_via_harness = diff(&raw("harness_tx"), &h_restore);
+    let tx_med = median(&floor_tx);
+
+    let summary = |v: &[f64]| json!({"median_ns": round2(median(v)), "min_ns": round2(min(v)), "max_ns": round2(max(v)), "rounds_ns": v.iter().map(|x| round2(*x)).collect::<Vec<_>>()});
+
+    let mut cases = Vec::new();
+    let mut table = String::new();
+    let _ = writeln!(
+        table,
+        "{:<30} {:<51} {:>9} {:>13} {:>10} {:>7} {:>8} {:>13}",
+        "case", "path", "median ns", "min-max ns", "x floor_tx", "Katran", "x Katran", "x K in floors"
+    );
+    let mut targets = Vec::new();
+    let mut row = |label: &str, path: &str, v: &[f64], kat: Option<f64>, key: &str, cases: &mut Vec<Value>| {
+        let med = median(v);
+        let ratio_tx = med / tx_med;
+        let ratio_k = kat.map(|k| med / k);
+        // Both in units of their own XDP_TX floor: machine speed cancels.
+        let ratio_k_floors = kat.map(|k| ratio_tx / (k / katran::FLOOR_TX));
+        let _ = writeln!(
+            table,
+            "{:<30} {:<51} {:>9.1} {:>13} {:>10.1} {:>7} {:>8} {:>13}",
+            label,
+            path,
+            med,
+            format!("{:.1}-{:.1}", min(v), max(v)),
+            ratio_tx,
+            kat.map_or("-".into(), |k| format!("{k:.1}")),
+            ratio_k.map_or("-".into(), |r| format!("{r:.2}")),
+            ratio_k_floors.map_or("-".into(), |r| format!("{r:.2}")),
+        );
+        let mut c = summary(v);
+        c["key"] = json!(key);
+        c["name"] = json!(label);
+        c["path"] = json!(path);
+        c["ratio_to_floor_tx"] = json!(round2(ratio_tx));
+        c["katran_ns"] = json!(kat);
+        c["ratio_to_katran"] = json!(ratio_k.map(round2));
+        c["ratio_to_katran_in_floors"] = json!(ratio_k_floors.map(round2));
+        cases.push(c);
+        med
+    };
+    for (i, item) in items.iter().enumerate() {
+        let Via::Harness(mode) = item.via else { continue };
+        if item.prog != Prog::Lb {
+            continue;
+        }
+        let h = if mode == MODE_NEW_TCP { &h_new } else { &h_restore };
+        let v = diff(&samples[i].iter().map(|s| s.ns).collect::<Vec<_>>(), h);
+        let med = row(&item.label, item.path, &v, item.katran, item.key, &mut cases);
+        match item.key {
+            "tcp_established" => targets.push(format!(
+                "established flow: {med:.1} ns = {:.2}x Katran's {:.1} ns (target at most 1.0x, aim 0.7x): {}",
+                med / katran::ESTABLISHED,
+                katran::ESTABLISHED,
+                verdict(med / katran::ESTABLISHED, 1.0, 0.7)
+            )),
+            k if k.starts_with("new_") => targets.push(format!(
+                "{}: {med:.1} ns = {:.2}x Katran's {:.0} ns (target at most 1.0x, aim 0.7x): {}",
+                item.label,
+                med / katran::NEW_FLOW,
+                katran::NEW_FLOW,
+                verdict(med / katran::NEW_FLOW, 1.0, 0.7)
+            )),
+            "non_vip" => targets.push(format!(
+                "non-VIP packet: {med:.1} ns (target at most 15 ns): {}",
+                if med <= 15.0 { "met" } else { "missed" }
+            )),
+            _ => {}
+        }
+    }
+    row("floor: return XDP_PASS", "direct", &floor_pass, None, "floor_pass", &mut cases);
+    row("floor: swap MACs, XDP_TX", "direct", &floor_tx, Some(katran::FLOOR_TX), "floor_tx", &mut cases);
+    row(
+        "floor: XDP_TX via harness",
+        "harness -> floor_tx, minus harness cost (a check)",
+        &tx_via_harness,
+        None,
+        "floor_tx_via_harness",
+        &mut cases,
+    );
+
+    let (release, uname) = kernel_release();
+    let model = cpu_model();
+    println!();
+    println!(
+        "Per-packet cost through BPF_PROG_TEST_RUN: {} rounds x {} repeats, CPU {cpu} ({model}), kernel {release}",
+        rounds, args.repeat
+    );
+    println!(
+        "Each case: harness -> program, minus the harness's own cost (harness -> floor_pass, minus floor_pass).\n"
+    );
+    print!("{table}");
+    println!(
+        "\nharness cost: restore {:.1} ns (min-max {:.1}-{:.1}), restore + new flow {:.1} ns ({:.1}-{:.1})",
+        median(&h_restore),
+        min(&h_restore),
+        max(&h_restore),
+        median(&h_new),
+        min(&h_new),
+        max(&h_new)
+    );
+    println!(
+        "timing: the kernel's mean per repeat (whole ns, truncated) + 0.5 ns; kernel.bpf_stats_enabled during the run: {stats_during}"
+    );
+    println!(
+        "x K in floors: (median / our floor_tx) / (Katran / Katran's floor_tx 6 ns), each in units of its own XDP_TX floor"
+    );
+    println!("\nReference: {}", katran::TEXT);
+    println!("Targets (read, not asserted):");
+    for t in &targets {
+        println!("  - {t}");
+    }
+
+    let raw_rounds: Vec<Value> = items
+        .iter()
+        .zip(samples)
+        .map(|(item, s)| {
+            json!({
+                "key": item.key,
+                "name": item.label,
+                "via": match item.via { Via::Direct => "direct".to_owned(), Via::Harness(m) => format!("harness mode {m}") },
+                "rounds": s.iter().map(|s| json!({
+                    "ns": round2(s.ns),
+                    "kernel_ns": s.kernel_ns,
+                    "syscall_wall_ms": round2(s.wall_ms),
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({
+        "benchmark": "packet",
+        "method": "BPF_PROG_TEST_RUN with a large repeat count, thread pinned to one CPU, rounds interleaved; \
+    every repeat sees the original frame (bench_harness restores it and tail-calls the program under test); \
+    case cost = t(harness -> program) - (t(harness -> floor_pass) - t(floor_pass)); new flows get a fresh source \
+    address and port per repeat (checksums updated incrementally); flow table emptied before each datapath run; \
+    return value and output checked before and after timing, counters show every repeat took the intended path.",
+        "rounds": rounds,
+        "repeat": args.repeat,
+        "cpu": cpu,
+        "cpu_model": model,
+        "cpus_online": read_trim("/sys/devices/system/cpu/online"),
+        "kernel": release,
+        "uname": uname,
+        "bpf_stats_enabled_before": host.bpf_stats_before,
+        "bpf_stats_enabled_during": stats_during,
+        "bpf_jit_enable": host.bpf_jit_enable,
+        "conntrack_max": conntrack_max,
+        "timing": "ns = the kernel's mean per repeat (BPF_PROG_TEST_RUN duration, truncated to whole ns) + 0.5",
+        "cases": cases,
+        "harness": {
+            "restore": summary(&h_restore),
+            "restore_new_flow": summary(&h_new),
+        },
+        "reference": {
+            "text": katran::TEXT,
+            "katran_established_ns": katran::ESTABLISHED,
+            "katran_new_flow_ns": katran::NEW_FLOW,
+            "katran_non_vip_ns": katran::NON_VIP,
+            "katran_floor_tx_ns": katran::FLOOR_TX,
+        },
+        "targets": targets,
+        "raw": raw_rounds,
+    })
+}
+
+fn verdict(ratio: f64, limit: f64, aim: f64) -> &'static str {
+    if ratio <= aim {
+        "met, within the aim"
+    } else if ratio <= limit {
+        "met"
+    } else {
+        "missed"
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+fn min(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
+}
+
+fn max(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+fn kernel_release() -> (String, String) {
+    match nix::sys::utsname::uname() {
+        Ok(u) => {
+            let s = |f: &std::ffi::OsStr| f.to_string_lossy().into_owned();
+            let full = format!("{} {} {} {}", s(u.sysname()), s(u.release()), s(u.version()), s(u.machine()));
+            (s(u.release()), full)
+        }
+        Err(_) => ("?".into(), "?".into()),
+    }
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| "?".into())
+}
+
+pub fn read_trim(path: &str) -> String {
+    std::fs::read_to_string(path).map(|s| s.trim().to_owned()).unwrap_or_else(|_| "?".into())
+}

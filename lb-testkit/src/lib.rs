@@ -1,0 +1,10 @@
+//! Test frames for the load balancer's datapath, shared by the packet
+//! fixtures (`tests/tests/datapath.rs`) and the benchmark (`lb-bench`).
+//!
+//! [`frame`] builds Ethernet + IPv4 + TCP/UDP frames from scratch and parses
+//! them back. Headers are written and checksums computed and verified by the
+//! `etherparse` crate, not by code of ours, so a datapath output that matches
+//! a frame built here has checksums a second implementation agrees with.
+pub mod frame;
+
+pub use frame::{Frame, L4Checksum, ParseError, Proto};
