@@ -1,0 +1,299 @@
+//! Tests of the device reader: encoded answers, and the kernel's own.
+use std::{os::fd::AsRawFd as _, process::Command};
+
+use super::{netlink::*, *};
+
+fn ifinfo(link_type: u16, ifindex: u32, flags: u32) -> Vec<u8> {
+    let mut b = vec![0u8; IFINFOMSG_LEN];
+    b[2..4].copy_from_slice(&link_type.to_ne_bytes());
+    b[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+    b[8..12].copy_from_slice(&flags.to_ne_bytes());
+    b
+}
+
+#[test]
+fn link_attributes_parse_with_padding_and_nesting() {
+    let mut body = ifinfo(1, 7, IFF_UP | 0x40);
+    body.extend(attr(IFLA_IFNAME, b"veth0\0")); // 6 bytes: padded to 8
+    body.extend(attr(IFLA_MASTER, &3u32.to_ne_bytes()));
+    body.extend(attr(99, b"ignored"));
+    // IFLA_LINKINFO carries NLA_F_NESTED; IFLA_INFO_DATA comes along.
+    let mut info = attr(IFLA_INFO_KIND, b"veth\0");
+    info.extend(attr(2 | 0x8000, &attr(1, &[0; 4])));
+    body.extend(attr(IFLA_LINKINFO | 0x8000, &info));
+    assert_eq!(
+        parse_link(&body).unwrap(),
+        Link {
+            ifindex: 7,
+            name: "veth0".into(),
+            kind: Some("veth".into()),
+            link_type: 1,
+            master: Some(3),
+            up: true,
+            xdp_features: None
+        }
+    );
+    // A physical NIC: no linkinfo, no master, down.
+    let mut nic = ifinfo(1, 2, 0);
+    nic.extend(attr(IFLA_IFNAME, b"eth0\0"));
+    let l = parse_link(&nic).unwrap();
+    assert_eq!((l.kind.as_deref(), l.master, l.up), (None, None, false));
+    assert!(l.is_ethernet() && !l.native_xdp() && !l.native_xmit());
+}
+
+#[test]
+fn malformed_links_are_refused_not_read() {
+    // An attribute length past the end.
+    let mut bad = ifinfo(1, 1, 0);
+    bad.extend([200, 0, 3, 0, b'x', 0, 0, 0]);
+    assert!(parse_link(&bad).is_none());
+    // A nested attribute length past the end of its parent.
+    let mut bad = ifinfo(1, 1, 0);
+    bad.extend(attr(IFLA_IFNAME, b"a\0"));
+    bad.extend(attr(IFLA_LINKINFO, &[40, 0, 1, 0, b'v', 0, 0, 0]));
+    assert!(parse_link(&bad).is_none());
+    // A short IFLA_MASTER, no name, a short ifinfomsg.
+    let mut bad = ifinfo(1, 1, 0);
+    bad.extend(attr(IFLA_IFNAME, b"a\0"));
+    bad.extend(attr(IFLA_MASTER, &[1, 0]));
+    assert!(parse_link(&bad).is_none());
+    assert!(parse_link(&ifinfo(1, 1, 0)).is_none());
+    assert!(parse_link(&[0; 8]).is_none());
+}
+
+#[test]
+fn genl_answers_parse() {
+    let mut fam = vec![1, 2, 0, 0];
+    fam.extend(attr(CTRL_ATTR_FAMILY_NAME, b"netdev\0"));
+    fam.extend(attr(CTRL_ATTR_FAMILY_ID, &0x1au16.to_ne_bytes()));
+    assert_eq!(parse_family_id(&fam), Some(0x1a));
+    assert_eq!(parse_family_id(&[1, 2, 0, 0]), None);
+
+    // As the kernel sends it: ifindex, a PAD attribute aligning the u64,
+    // the u64, then attributes this module does not know.
+    let mut dev = vec![NETDEV_CMD_DEV_GET, 1, 0, 0];
+    dev.extend(attr(NETDEV_A_DEV_IFINDEX, &4u32.to_ne_bytes()));
+    dev.extend(attr(2, &[]));
+    let f = XDP_ACT_BASIC | XDP_ACT_REDIRECT | XDP_ACT_NDO_XMIT | XDP_ACT_RX_SG;
+    dev.extend(attr(NETDEV_A_DEV_XDP_FEATURES, &f.to_ne_bytes()));
+    dev.extend(attr(4, &0u32.to_ne_bytes()));
+    assert_eq!(parse_dev(&dev), Some((4, Some(f))));
+    let l = Link {
+        ifindex: 4,
+        name: "v".into(),
+        kind: Some("veth".into()),
+        link_type: 1,
+        master: None,
+        up: true,
+        xdp_features: Some(f),
+    };
+    assert!(l.native_xdp() && l.native_xmit());
+    let l = Link { xdp_features: Some(XDP_ACT_BASIC | XDP_ACT_REDIRECT), ..l };
+    assert!(l.native_xdp() && !l.native_xmit());
+    // No features reported; no ifindex; a 3-byte u64.
+    let mut dev = vec![NETDEV_CMD_DEV_GET, 1, 0, 0];
+    dev.extend(attr(NETDEV_A_DEV_IFINDEX, &9u32.to_ne_bytes()));
+    assert_eq!(parse_dev(&dev), Some((9, None)));
+    assert_eq!(parse_dev(&[NETDEV_CMD_DEV_GET, 1, 0, 0]), None);
+    dev.extend(attr(NETDEV_A_DEV_XDP_FEATURES, &[1, 2, 3]));
+    assert_eq!(parse_dev(&dev), None);
+}
+
+fn done(seq: u32, flags: u16, errno: i32, tlvs: &[u8]) -> Vec<u8> {
+    let mut p = (-errno).to_ne_bytes().to_vec();
+    p.extend(tlvs);
+    message(NLMSG_DONE, flags, seq, &p)
+}
+
+#[test]
+fn a_dump_spans_datagrams_and_ends_at_done() {
+    let mut c = Collector::new("test dump", 7);
+    let mut d1 = message(RTM_NEWLINK, 2, 7, b"one\0");
+    d1.extend(message(RTM_NEWLINK, 2, 6, b"stale")); // another request's
+    d1.extend(message(NLMSG_NOOP, 0, 7, &[]));
+    d1.extend(message(RTM_NEWLINK, 2, 7, b"two\0"));
+    assert!(!c.take(&d1).unwrap());
+    let mut d2 = message(RTM_NEWLINK, 2, 7, b"three"); // 5 bytes: padded
+    d2.extend(done(7, 2, 0, &[]));
+    assert!(c.take(&d2).unwrap());
+    let bodies: Vec<&[u8]> = c.messages.iter().map(|(_, b)| &b[..]).collect();
+    assert_eq!(bodies, [&b"one\0"[..], b"two\0", b"three"]);
+    assert!(!c.interrupted);
+
+    // NLM_F_DUMP_INTR on any part marks the whole answer.
+    let mut c = Collector::new("test dump", 1);
+    assert!(!c.take(&message(RTM_NEWLINK, 2 | NLM_F_DUMP_INTR, 1, b"x\0\0\0")).unwrap());
+    assert!(c.take(&done(1, 2, 0, &[])).unwrap());
+    assert!(c.interrupted);
+
+    // A single request ends at its (capped) acknowledgement.
+    let mut c = Collector::new("test get", 3);
+    let mut d = message(0x1a, 0, 3, &[1, 2, 0, 0]);
+    let mut ack = 0i32.to_ne_bytes().to_vec();
+    ack.extend(message(0x1a, NLM_F_REQUEST | NLM_F_ACK, 3, &[])[..NLMSG_HDRLEN].iter());
+    d.extend(message(NLMSG_ERROR, NLM_F_CAPPED, 3, &ack));
+    assert!(c.take(&d).unwrap());
+    assert_eq!(c.messages.len(), 1);
+}
+
+#[test]
+fn kernel_errors_name_the_request_errno_and_message() {
+    // NLMSG_ERROR, not capped: the request is echoed, then the TLVs.
+    let request = message(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, 4, b"netdev\0");
+    let mut p = (-libc::ENOENT).to_ne_bytes().to_vec();
+    p.extend(&request[..NLMSG_HDRLEN + 7]);
+    p.resize(align4(p.len()), 0);
+    p.extend(attr(NLMSGERR_ATTR_MSG, b"no such family\0"));
+    let mut c = Collector::new("family lookup", 4);
+    let e = c.take(&message(NLMSG_ERROR, NLM_F_ACK_TLVS, 4, &p)).unwrap_err();
+    assert!(
+        matches!(&e, NetdevError::Kernel { what: "family lookup", errno: libc::ENOENT, message: Some(m) } if m == "no such family"),
+        "{e:?}"
+    );
+    let text = e.to_string();
+    assert!(
+        text.contains("family lookup") && text.contains("No such file") && text.contains("no such family"),
+        "{text}"
+    );
+
+    // NLMSG_ERROR, capped, no TLVs.
+    let mut p = (-libc::EPERM).to_ne_bytes().to_vec();
+    p.extend(&request[..NLMSG_HDRLEN]);
+    let e = Collector::new("dump", 4).take(&message(NLMSG_ERROR, NLM_F_CAPPED, 4, &p)).unwrap_err();
+    assert!(matches!(e, NetdevError::Kernel { errno: libc::EPERM, message: None, .. }), "{e:?}");
+
+    // A dump that fails part-way says so in NLMSG_DONE.
+    let mut c = Collector::new("dump", 9);
+    assert!(!c.take(&message(RTM_NEWLINK, 2, 9, b"x\0\0\0")).unwrap());
+    let tlvs = attr(NLMSGERR_ATTR_MSG, b"dump failed\0");
+    let e = c.take(&done(9, 2 | NLM_F_ACK_TLVS, libc::EMSGSIZE, &tlvs)).unwrap_err();
+    assert!(
+        matches!(&e, NetdevError::Kernel { errno: libc::EMSGSIZE, message: Some(m), .. } if m == "dump failed"),
+        "{e:?}"
+    );
+
+    // Broken framing.
+    let mut d = message(RTM_NEWLINK, 2, 1, b"abcd");
+    d[0] = 200;
+    assert!(matches!(Collector::new("dump", 1).take(&d), Err(NetdevError::Malformed { .. })));
+    assert!(matches!(Collector::new("dump", 1).take(&[1, 2, 3]), Err(NetdevError::Malformed { .. })));
+    let short_error = message(NLMSG_ERROR, 0, 1, &[0, 0]);
+    assert!(matches!(Collector::new("get", 1).take(&short_error), Err(NetdevError::Malformed { .. })));
+}
+
+#[test]
+fn the_kernel_answers_lookups_and_refusals() {
+    let mut sock = Socket::open(libc::NETLINK_GENERIC, "generic").unwrap();
+    assert_eq!(family_id(&mut sock, "lbt-nofamily").unwrap(), None);
+    let netdev = family_id(&mut sock, "netdev").unwrap().expect("kernel 6.3+ has the netdev family");
+    assert_eq!(family_id(&mut sock, "nlctrl").unwrap(), Some(GENL_ID_CTRL));
+    // A device that does not exist: an NLMSG_ERROR echoing the request.
+    let mut req = vec![NETDEV_CMD_DEV_GET, 1, 0, 0];
+    req.extend(attr(NETDEV_A_DEV_IFINDEX, &0x7fff_fff0u32.to_ne_bytes()));
+    let e = sock.request("NETDEV_CMD_DEV_GET", netdev, false, &req).err().unwrap();
+    assert!(matches!(e, NetdevError::Kernel { what: "NETDEV_CMD_DEV_GET", errno: libc::ENODEV, .. }), "{e:?}");
+    // The same socket carries on after the refusal.
+    let one = sock.request("NETDEV_CMD_DEV_GET", netdev, false, &[NETDEV_CMD_DEV_GET, 1, 0, 0]);
+    assert!(matches!(one, Err(NetdevError::Kernel { .. })), "no ifindex given: refused");
+    let all = sock.dump("NETDEV_CMD_DEV_GET dump", netdev, &[NETDEV_CMD_DEV_GET, 1, 0, 0]).unwrap();
+    assert!(all.iter().any(|(_, b)| parse_dev(b).is_some_and(|(i, _)| i == 1)), "lo is listed");
+    // rtnetlink in this namespace: lo, and ifindex order.
+    let ls = links().unwrap();
+    assert!(ls.iter().any(|l| l.ifindex == 1 && l.name == "lo"), "{ls:?}");
+    assert!(ls.windows(2).all(|w| w[0].ifindex < w[1].ifindex));
+}
+
+/// A throwaway network namespace, deleted when dropped (also on panic).
+struct Ns(String);
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+impl Ns {
+    fn new() -> Self {
+        let ns = Ns(format!("lbt-netdev-{}", std::process::id()));
+        let _ = Command::new("ip").args(["netns", "del", &ns.0]).output();
+        let out = Command::new("ip").args(["netns", "add", &ns.0]).output().unwrap();
+        assert!(out.status.success(), "ip netns add {}: {}", ns.0, String::from_utf8_lossy(&out.stderr));
+        ns
+    }
+
+    fn run(&self, cmd: &[&str]) {
+        let out = Command::new("ip").args(["netns", "exec", &self.0]).args(cmd).output().unwrap();
+        assert!(out.status.success(), "{cmd:?} in {}: {}", self.0, String::from_utf8_lossy(&out.stderr));
+    }
+
+    fn ip(&self, args: &str) {
+        let mut cmd = vec!["ip"];
+        cmd.extend(args.split(' '));
+        self.run(&cmd);
+    }
+
+    /// Run `f` in a fresh thread that has entered the namespace.
+    fn within<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.0);
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path).unwrap();
+            // SAFETY: setns(2) with a valid namespace fd; it moves only
+            // this thread, which ends after `f`.
+            let r = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(r, 0, "setns {path}: {}", io::Error::last_os_error());
+            f()
+        })
+        .join()
+        .unwrap()
+    }
+
+    fn links(&self) -> Vec<Link> {
+        self.within(|| links().unwrap())
+    }
+}
+
+fn get(ls: &[Link], name: &str) -> Link {
+    ls.iter().find(|l| l.name == name).cloned().unwrap_or_else(|| panic!("no {name} in {ls:?}"))
+}
+
+#[test]
+fn kinds_and_native_redirect_targets_as_the_kernel_reports_them() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root (it creates a network namespace)");
+    let ns = Ns::new();
+    ns.ip("link add va type veth peer name vb");
+    ns.ip("link add br0 type bridge");
+    ns.ip("link set va up");
+    ns.ip("link set vb up");
+    ns.ip("link set br0 up");
+    // Default veths have GRO off; make sure of it on the peer.
+    ns.run(&["ethtool", "-K", "vb", "gro", "off"]);
+
+    let ls = ns.links();
+    assert!(ls.windows(2).all(|w| w[0].ifindex < w[1].ifindex), "by ifindex: {ls:?}");
+    let (lo, va, br) = (get(&ls, "lo"), get(&ls, "va"), get(&ls, "br0"));
+    assert_eq!((lo.link_type, lo.kind.as_deref(), lo.up), (772, None, false));
+    assert!(!lo.is_ethernet());
+    assert_eq!(va.kind.as_deref(), Some("veth"));
+    assert_eq!(br.kind.as_deref(), Some("bridge"));
+    assert!(va.is_ethernet() && br.is_ethernet() && va.up && br.up);
+    let veth_least = XDP_ACT_BASIC | XDP_ACT_REDIRECT | XDP_ACT_RX_SG;
+    let f = va.xdp_features.expect("this kernel has the netdev family");
+    assert_eq!(f & veth_least, veth_least, "{va:?}");
+    assert!(va.native_xdp());
+    assert!(!va.native_xmit(), "a veth whose peer has neither XDP nor GRO: {va:?}");
+    assert!(!br.native_xmit() && !br.native_xdp(), "{br:?}");
+    assert_eq!(va.master, None);
+
+    // GRO on the peer makes the veth a native redirect target.
+    ns.run(&["ethtool", "-K", "vb", "gro", "on"]);
+    let va = ns.within(|| link_by_name("va").unwrap().unwrap());
+    assert!(va.native_xmit(), "{va:?}");
+    assert!(ns.within(|| link_by_name("nonexistent0").unwrap()).is_none());
+
+    // A bridge port names its bridge.
+    ns.ip("link set vb master br0");
+    let ls = ns.links();
+    assert_eq!(get(&ls, "vb").master, Some(get(&ls, "br0").ifindex));
+    assert!(!get(&ls, "br0").native_xmit());
+}
