@@ -17,56 +17,56 @@ use lb_userspace::{
     sched::Scheduler,
 };
 
-pub const XDP_PASS: u32 = 2;
-pub const XDP_TX: u32 = 3;
-pub const XDP_REDIRECT: u32 = 4;
+pub(crate) const XDP_PASS: u32 = 2;
+pub(crate) const XDP_TX: u32 = 3;
+pub(crate) const XDP_REDIRECT: u32 = 4;
 
 /// Harness modes (`bench-floor.rs`).
-pub const MODE_RESTORE: u32 = 0;
-pub const MODE_NEW_TCP: u32 = 1;
+pub(crate) const MODE_RESTORE: u32 = 0;
+pub(crate) const MODE_NEW_TCP: u32 = 1;
 /// Largest frame the harness restores.
-pub const FRAME_MAX: usize = 128;
+pub(crate) const FRAME_MAX: usize = 128;
 /// Every test frame is this long (payload padded): whole 8-byte words, so
 /// the harness restores each with the same word stores and its cost,
 /// measured once, is the same for every case.
-pub const FRAME_LEN: usize = 96;
+pub(crate) const FRAME_LEN: usize = 96;
 
-pub const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x01, 0x01];
-pub const GW_A_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xaa, 0x01];
-pub const GW_B_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xbb, 0x01];
-pub const VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 100);
-pub const NON_VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 7);
-pub const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 1, 1);
+pub(crate) const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x01, 0x01];
+pub(crate) const GW_A_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xaa, 0x01];
+pub(crate) const GW_B_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xbb, 0x01];
+pub(crate) const VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 100);
+pub(crate) const NON_VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 7);
+pub(crate) const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 1, 1);
 /// New flows: the harness adds (n >> 16) to this address, port = n & 0xffff.
-pub const NEW_FLOW_BASE: Ipv4Addr = Ipv4Addr::new(10, 10, 64, 1);
-pub const BACKEND_PORT: u16 = 8080;
-pub const BACKENDS: [Ipv4Addr; 3] =
+pub(crate) const NEW_FLOW_BASE: Ipv4Addr = Ipv4Addr::new(10, 10, 64, 1);
+pub(crate) const BACKEND_PORT: u16 = 8080;
+pub(crate) const BACKENDS: [Ipv4Addr; 3] =
     [Ipv4Addr::new(10, 20, 0, 11), Ipv4Addr::new(10, 20, 0, 12), Ipv4Addr::new(10, 20, 0, 13)];
-pub const CONNTRACK_MAX: u32 = 4 << 20;
+pub(crate) const CONNTRACK_MAX: u32 = 4 << 20;
 
-pub fn backend_mac(addr: Ipv4Addr) -> [u8; 6] {
+pub(crate) fn backend_mac(addr: Ipv4Addr) -> [u8; 6] {
     [0x02, 0, 0, 0, 0x02, addr.octets()[3]]
 }
 
 /// Katran's XDP balancer on this kernel, same method (from the issue).
-pub mod katran {
-    pub const ESTABLISHED: f64 = 58.5;
-    pub const NEW_FLOW: f64 = 160.0;
-    pub const NON_VIP: f64 = 26.5;
-    pub const FLOOR_TX: f64 = 6.0;
-    pub const TEXT: &str = "Katran's XDP balancer (IPIP encapsulation, no FIB lookup) on this kernel, same method: \
+pub(crate) mod katran {
+    pub(crate) const ESTABLISHED: f64 = 58.5;
+    pub(crate) const NEW_FLOW: f64 = 160.0;
+    pub(crate) const NON_VIP: f64 = 26.5;
+    pub(crate) const FLOOR_TX: f64 = 6.0;
+    pub(crate) const TEXT: &str = "Katran's XDP balancer (IPIP encapsulation, no FIB lookup) on this kernel, same method: \
 established flow about 55-62 ns, new flow with LRU insert about 160 ns, non-VIP packet 26-27 ns; floor XDP_TX about 6 ns.";
 }
 
 /// An HTTP-ish payload of `n` bytes.
-pub fn payload(n: usize) -> Vec<u8> {
+pub(crate) fn payload(n: usize) -> Vec<u8> {
     let mut p = b"GET / HTTP/1.1\r\nHost: bench\r\n\r\n".to_vec();
     p.resize(n, b'x');
     p
 }
 
 /// A TCP segment from the client, FRAME_LEN bytes (an ACK acknowledges 5000).
-pub fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Frame {
+pub(crate) fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Frame {
     Frame {
         ack_number: if flags & ACK != 0 { 5000 } else { 0 },
         payload: payload(FRAME_LEN - 54),
@@ -75,21 +75,21 @@ pub fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> F
 }
 
 /// A UDP datagram from the client, FRAME_LEN bytes.
-pub fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Frame {
+pub(crate) fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Frame {
     Frame { payload: payload(FRAME_LEN - 42), ..Frame::udp(src, sport, dst, dport).macs(GW_A_MAC, CLIENT_MAC) }
 }
 
 // ------------------------------------------------------------------ cases
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Prog {
+pub(crate) enum Prog {
     Lb,
     FloorPass,
     FloorTx,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Via {
+pub(crate) enum Via {
     /// BPF_PROG_TEST_RUN on the program itself.
     Direct,
     /// Through the harness in this mode (restore / new flow).
@@ -97,7 +97,7 @@ pub enum Via {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Expect {
+pub(crate) enum Expect {
     /// XDP_REDIRECT to one of the backends.
     Redirect,
     /// XDP_PASS, frame untouched.
@@ -107,7 +107,7 @@ pub enum Expect {
 }
 
 /// One thing timed every round.
-pub struct Item {
+pub(crate) struct Item {
     pub key: &'static str,
     pub label: String,
     pub path: &'static str,
@@ -120,7 +120,7 @@ pub struct Item {
     pub katran: Option<f64>,
 }
 
-pub fn services() -> Vec<ServiceConfig> {
+pub(crate) fn services() -> Vec<ServiceConfig> {
     let svc = |name: &str, port: u16, protocol: Protocol, scheduler: Scheduler| ServiceConfig {
         name: name.into(),
         vip: VIP,
@@ -145,7 +145,7 @@ pub fn services() -> Vec<ServiceConfig> {
     ]
 }
 
-pub fn items() -> Vec<Item> {
+pub(crate) fn items() -> Vec<Item> {
     let est = tcp(CLIENT, 40000, VIP, 80, ACK).bytes();
     let mut v = vec![
         Item {

@@ -40,7 +40,7 @@ use crate::{
 
 /// One timed run.
 #[derive(Clone, Copy, Debug)]
-pub struct Sample {
+pub(crate) struct Sample {
     /// The kernel's mean time per repeat, truncated to whole ns.
     pub kernel_ns: u32,
     /// The figure used: `kernel_ns + 0.5`, the middle of the interval the
@@ -66,7 +66,7 @@ struct HarnessConfig {
 // SAFETY: repr(C), two u32, no padding.
 unsafe impl aya::Pod for HarnessConfig {}
 
-pub struct Bench {
+pub(crate) struct Bench {
     dp: Dataplane,
     bench: Ebpf,
     lb_fd: ProgramFd,
@@ -87,7 +87,7 @@ fn xdp<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a Xdp> {
 }
 
 impl Bench {
-    pub fn new(cpu: usize, conntrack_max: u32, stop: Arc<AtomicBool>) -> anyhow::Result<Self> {
+    pub(crate) fn new(cpu: usize, conntrack_max: u32, stop: Arc<AtomicBool>) -> anyhow::Result<Self> {
         let cfg = Config {
             interfaces: vec![],
             xdp_mode: XdpMode::Auto,
@@ -287,7 +287,7 @@ impl Bench {
 
     /// The harness restores what FRAME holds whatever the packet held, by
     /// words and (for other lengths) by the helper.
-    pub fn self_test(&mut self) -> anyhow::Result<()> {
+    pub(crate) fn self_test(&mut self) -> anyhow::Result<()> {
         let frames = [
             tcp(CLIENT, 40000, VIP, 80, lb_testkit::frame::tcp::ACK).bytes(),
             Frame { payload: payload(17), ..udp(CLIENT, 5353, VIP, 53) }.bytes(),
@@ -324,7 +324,7 @@ impl Bench {
 
     /// Run `item` once (checked), then time it with `repeat` repeats and
     /// check that every repeat took the intended path.
-    pub fn measure(&mut self, item: &Item, repeat: u32) -> anyhow::Result<Sample> {
+    pub(crate) fn measure(&mut self, item: &Item, repeat: u32) -> anyhow::Result<Sample> {
         let is_lb = item.prog == Prog::Lb;
         if is_lb {
             self.flush_flows()?;

@@ -11,7 +11,7 @@ use nix::sched::{CloneFlags, CpuSet};
 use crate::cases::{BACKENDS, CLIENT, CLIENT_MAC, GW_A_MAC, GW_B_MAC, backend_mac};
 
 /// The benchmark's network namespace; deleted on drop.
-pub struct Netns {
+pub(crate) struct Netns {
     pub name: String,
 }
 
@@ -27,7 +27,7 @@ fn mac_str(m: [u8; 6]) -> String {
 }
 
 impl Netns {
-    pub fn create() -> anyhow::Result<Self> {
+    pub(crate) fn create() -> anyhow::Result<Self> {
         // Namespaces left by an lb-bench that was killed (no destructor ran).
         if let Ok(rd) = std::fs::read_dir("/run/netns") {
             for e in rd.flatten() {
@@ -69,7 +69,7 @@ impl Netns {
 }
 
 /// Move the calling thread into namespace `name`.
-pub fn enter_netns(name: &str) -> anyhow::Result<()> {
+pub(crate) fn enter_netns(name: &str) -> anyhow::Result<()> {
     let path = Path::new("/run/netns").join(name);
     let file = std::fs::File::open(&path).with_context(|| format!("open {}", path.display()))?;
     nix::sched::setns(file, CloneFlags::CLONE_NEWNET).context("setns")?;
@@ -82,12 +82,12 @@ impl Drop for Netns {
     }
 }
 
-pub fn ifindex(name: &str) -> anyhow::Result<u32> {
+pub(crate) fn ifindex(name: &str) -> anyhow::Result<u32> {
     nix::net::if_::if_nametoindex(name).with_context(|| format!("interface {name}"))
 }
 
 /// Pin the calling thread to `cpu`, or to the last CPU it may run on.
-pub fn pin_thread(cpu: Option<usize>) -> anyhow::Result<usize> {
+pub(crate) fn pin_thread(cpu: Option<usize>) -> anyhow::Result<usize> {
     let this = nix::unistd::Pid::from_raw(0);
     let set = nix::sched::sched_getaffinity(this).context("sched_getaffinity")?;
     let allowed: Vec<usize> = (0..CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect();

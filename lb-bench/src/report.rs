@@ -14,13 +14,13 @@ use crate::{
 
 /// What the report says about the machine, read by the main thread (the
 /// measuring thread sits in a namespace without the net.core sysctls).
-pub struct HostInfo {
+pub(crate) struct HostInfo {
     pub bpf_stats_before: String,
     pub bpf_stats_during: String,
     pub bpf_jit_enable: String,
 }
 
-pub fn report(
+pub(crate) fn report(
     items: &[Item],
     samples: &[Vec<Sample>],
     args: &PacketArgs,
@@ -264,6 +264,6 @@ fn cpu_model() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
-pub fn read_trim(path: &str) -> String {
-    std::fs::read_to_string(path).map(|s| s.trim().to_owned()).unwrap_or_else(|_| "?".into())
+pub(crate) fn read_trim(path: &str) -> String {
+    std::fs::read_to_string(path).map_or_else(|_| "?".into(), |s| s.trim().to_owned())
 }

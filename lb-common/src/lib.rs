@@ -331,8 +331,8 @@ impl BackendStats {
 /// mixed words: cheap (a handful of multiplies) and well spread.
 #[inline(always)]
 pub fn flow_hash(src_addr: u32, dst_addr: u32, src_port: u16, dst_port: u16, proto: u8) -> u32 {
-    let ports = ((src_port as u32) << 16) | dst_port as u32;
-    let mut h = mix(0x9e37_79b9 ^ proto as u32, src_addr);
+    let ports = (u32::from(src_port) << 16) | u32::from(dst_port);
+    let mut h = mix(0x9e37_79b9 ^ u32::from(proto), src_addr);
     h = mix(h, dst_addr);
     h = mix(h, ports);
     fmix(h)

@@ -16,14 +16,15 @@ fn fold(mut sum: u32) -> u16 {
 /// Checksum after one 16-bit word changed from `old` to `new`.
 #[inline(always)]
 pub fn replace2(check: u16, old: u16, new: u16) -> u16 {
-    let sum = (!check as u32) + (!old as u32) + new as u32;
+    let sum = u32::from(!check) + u32::from(!old) + u32::from(new);
     !fold(sum)
 }
 
 /// Checksum after one 32-bit word changed from `old` to `new`.
 #[inline(always)]
 pub fn replace4(check: u16, old: u32, new: u32) -> u16 {
-    let sum = (!check as u32) + (!(old as u16) as u32) + (!((old >> 16) as u16) as u32) + (new & 0xffff) + (new >> 16);
+    let sum =
+        u32::from(!check) + u32::from(!(old as u16)) + u32::from(!((old >> 16) as u16)) + (new & 0xffff) + (new >> 16);
     !fold(sum)
 }
 
@@ -31,13 +32,13 @@ pub fn replace4(check: u16, old: u32, new: u32) -> u16 {
 /// pseudo-header address and the port).
 #[inline(always)]
 pub fn replace_addr_port(check: u16, old_addr: u32, new_addr: u32, old_port: u16, new_port: u16) -> u16 {
-    let sum = (!check as u32)
-        + (!(old_addr as u16) as u32)
-        + (!((old_addr >> 16) as u16) as u32)
+    let sum = u32::from(!check)
+        + u32::from(!(old_addr as u16))
+        + u32::from(!((old_addr >> 16) as u16))
         + (new_addr & 0xffff)
         + (new_addr >> 16)
-        + (!old_port as u32)
-        + new_port as u32;
+        + u32::from(!old_port)
+        + u32::from(new_port);
     !fold(sum)
 }
 
@@ -49,15 +50,16 @@ pub fn replace_addr_port(check: u16, old_addr: u32, new_addr: u32, old_port: u16
 pub fn pseudo_header(saddr: u32, daddr: u32, proto: u8, l4_len: u16) -> u16 {
     // Raw words: the protocol sits in the second byte of its word, and the
     // length in network order, as both are laid out in memory.
-    let proto_word = u16::from_ne_bytes([0, proto]) as u32;
-    let sum = (saddr & 0xffff) + (saddr >> 16) + (daddr & 0xffff) + (daddr >> 16) + proto_word + l4_len.to_be() as u32;
+    let proto_word = u32::from(u16::from_ne_bytes([0, proto]));
+    let sum =
+        (saddr & 0xffff) + (saddr >> 16) + (daddr & 0xffff) + (daddr >> 16) + proto_word + u32::from(l4_len.to_be());
     fold(sum)
 }
 
 /// Ones' complement sum of two folded sums.
 #[inline(always)]
 pub fn add(a: u16, b: u16) -> u16 {
-    fold(a as u32 + b as u32)
+    fold(u32::from(a) + u32::from(b))
 }
 
 /// Fold a 32-bit partial sum (as `bpf_csum_diff` returns) to 16 bits.

@@ -26,7 +26,7 @@ const AF_INET: u8 = 2;
 
 /// The L4 checksum as it arrived, judged before the rewrite.
 #[derive(Clone, Copy)]
-pub enum L4Csum {
+pub(crate) enum L4Csum {
     /// A finished checksum (or UDP without one): updated incrementally.
     Full,
     /// An unfinished one (CHECKSUM_PARTIAL: a local sender behind a veth
@@ -39,7 +39,7 @@ pub enum L4Csum {
 /// What a NAT rewrite changed, for the L4 checksum update that follows
 /// once the path is known.
 #[derive(Clone, Copy)]
-pub struct Rewrite {
+pub(crate) struct Rewrite {
     old_addr: u32,
     new_addr: u32,
     old_port: u16,
@@ -50,7 +50,7 @@ pub struct Rewrite {
 /// equals the pseudo-header sum. A finished checksum equals it by chance
 /// once in 65,536 packets, so a match is confirmed by summing the segment.
 #[inline(always)]
-pub fn classify(ctx: &XdpContext, pkt: &Packet) -> L4Csum {
+pub(crate) fn classify(ctx: &XdpContext, pkt: &Packet) -> L4Csum {
     // SAFETY: bounds-checked by parse().
     let field = unsafe { *pkt.l4_check() };
     if pkt.proto == PROTO_UDP && field == 0 {
@@ -151,19 +151,19 @@ fn segment_sum(ctx: &XdpContext, off: usize, len: usize) -> Option<u16> {
 fn load_bytes(ctx: &XdpContext, off: usize, buf: &mut [u8; 4], len: u32) -> i64 {
     // SAFETY: buf has room for `len` (at most 3) bytes; the helper checks
     // the packet bounds itself.
-    unsafe { bpf_xdp_load_bytes(ctx.ctx, off as u32, buf.as_mut_ptr() as *mut _, len) }
+    unsafe { bpf_xdp_load_bytes(ctx.ctx, off as u32, buf.as_mut_ptr().cast(), len) }
 }
 
 #[inline(always)]
 fn csum_diff<T>(p: *mut T, len: usize, seed: u32) -> u32 {
     // SAFETY: `p` points at `len` readable packet bytes (ptr_at checked).
-    unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, p as *mut u32, len as u32, seed) as u32 }
+    unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, p.cast::<u32>(), len as u32, seed) as u32 }
 }
 
 /// Rewrite the destination address and port (client -> backend); the L4
 /// checksum follows in [`send`].
 #[inline(always)]
-pub fn rewrite_dst(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
+pub(crate) fn rewrite_dst(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
     // SAFETY: every pointer in Packet was bounds-checked by parse().
     unsafe {
         let ip = pkt.ip();
@@ -178,7 +178,7 @@ pub fn rewrite_dst(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
 
 /// Rewrite the source address and port (backend -> client).
 #[inline(always)]
-pub fn rewrite_src(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
+pub(crate) fn rewrite_src(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
     // SAFETY: every pointer in Packet was bounds-checked by parse().
     unsafe {
         let ip = pkt.ip();
@@ -236,7 +236,7 @@ fn update_l4(pkt: &Packet, rw: Rewrite, cs: L4Csum, finish: bool) {
 
 /// True when the packet may be forwarded by us (TTL would stay above 0).
 #[inline(always)]
-pub fn ttl_ok(pkt: &Packet) -> bool {
+pub(crate) fn ttl_ok(pkt: &Packet) -> bool {
     // SAFETY: bounds-checked by parse().
     unsafe { (*pkt.ip()).ttl > 1 }
 }
@@ -273,7 +273,7 @@ fn can_redirect(ctx: &XdpContext, egress: u32) -> bool {
 /// cached. The kernel path gets the packet with its TTL and MACs as they
 /// came (the kernel decrements the TTL itself), counted by reason.
 #[inline(always)]
-pub fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Option<*mut Flow>, now: u64) -> u32 {
+pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Option<*mut Flow>, now: u64) -> u32 {
     let now = now as u32;
     let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
     // The next-hop cache, copied out of the flow entry (no reference to
@@ -311,13 +311,13 @@ pub fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Opti
     unsafe {
         let ip = pkt.ip();
         // TTL is the high byte of the 16-bit word it shares with the protocol.
-        let old = ((*ip).ttl as u16) << 8 | (*ip).proto as u16;
+        let old = u16::from((*ip).ttl) << 8 | u16::from((*ip).proto);
         (*ip).ttl -= 1;
-        let new = ((*ip).ttl as u16) << 8 | (*ip).proto as u16;
+        let new = u16::from((*ip).ttl) << 8 | u16::from((*ip).proto);
         (*ip).check = csum::replace2((*ip).check, old.to_be(), new.to_be());
         // Byte stores: an array assignment here compiles to a call of a
         // memmove subprogram, which costs more than the copy.
-        let eth = pkt.eth() as *mut u8;
+        let eth = pkt.eth().cast::<u8>();
         for i in 0..6 {
             core::ptr::write_volatile(eth.add(i), dmac[i]);
             core::ptr::write_volatile(eth.add(6 + i), smac[i]);
@@ -338,7 +338,7 @@ fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<(u32, [u8; 6], [u8; 6])> {
     // Zero the parameters word by word: `mem::zeroed()` compiles to a call
     // of a byte-loop memset subprogram (about 35 ns). The helper reads the
     // whole struct, so the verifier needs every byte written.
-    let words = p.as_mut_ptr() as *mut u64;
+    let words = p.as_mut_ptr().cast::<u64>();
     // SAFETY: FibParams is 64 bytes, 8-aligned (asserted below).
     unsafe {
         for i in 0..size_of::<FibParams>() / 8 {
@@ -359,8 +359,8 @@ fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<(u32, [u8; 6], [u8; 6])> {
     }
     p.ifindex = ctx.ingress_ifindex() as u32;
     // SAFETY: ctx.ctx is the program's context; p is a valid params struct.
-    let rc = unsafe { bpf_fib_lookup(ctx.ctx as *mut _, &mut p, size_of::<FibParams>() as i32, 0) };
-    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 {
+    let rc = unsafe { bpf_fib_lookup(ctx.ctx.cast(), &raw mut p, size_of::<FibParams>() as i32, 0) };
+    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
         return None;
     }
     Some((p.ifindex, p.smac, p.dmac))

@@ -6,7 +6,7 @@
 // Atomic read-modify-write on map values: core's atomic types have no RMW
 // methods on the BPF target, the intrinsics lower to BPF atomic instructions.
 #![feature(core_intrinsics)]
-#![allow(internal_features)]
+#![expect(internal_features, reason = "core_intrinsics gives the atomic RMW intrinsics the BPF target needs")]
 // Map keys are passed by reference on purpose: a by-value key is one more
 // copy on the 512-byte BPF stack.
 #![expect(clippy::needless_borrows_for_generic_args, reason = "keys by reference keep them off the BPF stack")]
@@ -31,7 +31,7 @@ use maps::{ADDR_FILTER, BACKENDS, FLOWS, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
-pub fn lb_xdp(ctx: XdpContext) -> u32 {
+pub(crate) fn lb_xdp(ctx: XdpContext) -> u32 {
     match try_lb(&ctx) {
         Ok(action) => action,
         // Anything we cannot judge belongs to the kernel.

@@ -16,56 +16,56 @@ use lb_common::{
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.
 #[map]
-pub static VIPS: HashMap<VipKey, Service> = HashMap::with_max_entries(MAX_SERVICES, 0);
+pub(crate) static VIPS: HashMap<VipKey, Service> = HashMap::with_max_entries(MAX_SERVICES, 0);
 
 /// Addresses that carry at least one VIP (value unused). Read only on the
 /// error path, to decide whether an unparseable packet was meant for us.
 #[map]
-pub static VIP_ADDRS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_SERVICES, 0);
+pub(crate) static VIP_ADDRS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_SERVICES, 0);
 
 /// Backend id -> address and port. Id 0 is "no backend".
 #[map]
-pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
+pub(crate) static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// Selection tables of all services, back to back: each entry is a backend
 /// id. Sized by userspace at load time; one service's table is the slice
 /// `[table_off, table_off + table_len)` named by its `Service` value.
 #[map]
-pub static SELECT: Array<u32> = Array::with_max_entries(1, 0);
+pub(crate) static SELECT: Array<u32> = Array::with_max_entries(1, 0);
 
 /// Per-service position in a sequence table (round robin / WRR), shared by
 /// all CPUs and advanced with an atomic add.
 #[map]
-pub static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
+pub(crate) static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
 
 /// Connection table: wire 5-tuple -> what to rewrite. Two entries per flow
 /// (forward and reply). Sized by userspace at load time from `conntrack_max`.
 /// (Per-CPU LRU lists, BPF_F_NO_COMMON_LRU, measured slower for new flows:
 /// 2.4 us against 1.4 us per new flow with a 4M-entry table.)
 #[map]
-pub static FLOWS: LruHashMap<FlowKey, Flow> = LruHashMap::with_max_entries(1, 0);
+pub(crate) static FLOWS: LruHashMap<FlowKey, Flow> = LruHashMap::with_max_entries(1, 0);
 
 /// Bitmap over `addr_filter_bit` of every VIP and backend address: one
 /// inlined array read tells a packet that is none of our business.
 #[map]
-pub static ADDR_FILTER: Array<u64> = Array::with_max_entries(ADDR_FILTER_BITS / 64, 0);
+pub(crate) static ADDR_FILTER: Array<u64> = Array::with_max_entries(ADDR_FILTER_BITS / 64, 0);
 
 /// Per-backend counters, per CPU.
 #[map]
-pub static BACKEND_STATS: PerCpuArray<BackendStats> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+pub(crate) static BACKEND_STATS: PerCpuArray<BackendStats> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
 /// Global counters (drops by reason, fallbacks), per CPU; see `lb_common::counter`.
 #[map]
-pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+pub(crate) static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
 
 /// Per-backend opened/closed flow counts (global, atomic adds), for
 /// least-connections scheduling and the active-flows figure.
 #[map]
-pub static CONNS: Array<Conns> = Array::with_max_entries(MAX_BACKENDS, 0);
+pub(crate) static CONNS: Array<Conns> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// Per-backend count of flows that expired idle, written only by userspace.
 #[map]
-pub static EXPIRED: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
+pub(crate) static EXPIRED: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// Network devices of the gateway, by ifindex -> `NETDEV_F_*` flags: the
 /// mode the program runs in on each device it is attached to, and which
@@ -73,12 +73,12 @@ pub static EXPIRED: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
 /// Written by lbd at attach and whenever a device changes; read only when
 /// a next hop is looked up (not per packet of an established flow).
 #[map]
-pub static NETDEVS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_NETDEVS, 0);
+pub(crate) static NETDEVS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_NETDEVS, 0);
 
 /// Generation of NETDEVS, bumped by lbd after every change: next hops
 /// cached in flow entries under an older generation are looked up again.
 #[map]
-pub static NETDEV_GEN: Array<u32> = Array::with_max_entries(1, 0);
+pub(crate) static NETDEV_GEN: Array<u32> = Array::with_max_entries(1, 0);
 
 // Every map's name is the one userspace looks up (lb_common::maps).
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIPS, stringify!(VIPS)));

@@ -7,11 +7,11 @@ use core::mem::size_of;
 use aya_ebpf::programs::XdpContext;
 use lb_common::{PROTO_TCP, PROTO_UDP};
 
-pub const ETH_P_IP: u16 = 0x0800;
-pub const ETH_HLEN: usize = 14;
+pub(crate) const ETH_P_IP: u16 = 0x0800;
+pub(crate) const ETH_HLEN: usize = 14;
 
 #[repr(C)]
-pub struct EthHdr {
+pub(crate) struct EthHdr {
     pub dst: [u8; 6],
     pub src: [u8; 6],
     /// Network byte order.
@@ -19,7 +19,7 @@ pub struct EthHdr {
 }
 
 #[repr(C)]
-pub struct Ipv4Hdr {
+pub(crate) struct Ipv4Hdr {
     pub version_ihl: u8,
     pub tos: u8,
     pub tot_len: u16,
@@ -34,7 +34,7 @@ pub struct Ipv4Hdr {
 
 /// The first 20 bytes of a TCP header (options are not touched).
 #[repr(C)]
-pub struct TcpHdr {
+pub(crate) struct TcpHdr {
     pub sport: u16,
     pub dport: u16,
     pub seq: u32,
@@ -47,22 +47,22 @@ pub struct TcpHdr {
 }
 
 #[repr(C)]
-pub struct UdpHdr {
+pub(crate) struct UdpHdr {
     pub sport: u16,
     pub dport: u16,
     pub len: u16,
     pub check: u16,
 }
 
-pub const TCP_FIN: u8 = 0x01;
-pub const TCP_SYN: u8 = 0x02;
-pub const TCP_RST: u8 = 0x04;
-pub const TCP_ACK: u8 = 0x10;
+pub(crate) const TCP_FIN: u8 = 0x01;
+pub(crate) const TCP_SYN: u8 = 0x02;
+pub(crate) const TCP_RST: u8 = 0x04;
+pub(crate) const TCP_ACK: u8 = 0x10;
 
 /// Pointer to a `T` at `offset` from the start of the frame, if the whole
 /// `T` lies inside the frame.
 #[inline(always)]
-pub fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
+pub(crate) fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
     let start = ctx.data();
     let end = ctx.data_end();
     // Verifier: this comparison against data_end is what proves every
@@ -74,7 +74,7 @@ pub fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
 }
 
 /// Why a packet could not be handled.
-pub enum ParseError {
+pub(crate) enum ParseError {
     /// Not IPv4/TCP/UDP, or not ours to judge: hand it to the kernel.
     NotOurs,
     /// IPv4 header readable, but the rest is broken; `daddr` says where it
@@ -91,7 +91,7 @@ pub enum ParseError {
 /// are private, so safe code can neither forge one nor point it elsewhere.
 /// That is what makes the accessors' pointers valid to dereference for as
 /// long as the program runs on this frame (nothing here resizes it).
-pub struct Packet {
+pub(crate) struct Packet {
     eth: *mut EthHdr,
     ip: *mut Ipv4Hdr,
     /// TCP or UDP header start: source port, then destination port.
@@ -116,31 +116,31 @@ pub struct Packet {
 impl Packet {
     /// The Ethernet header: valid for reads and writes (see the type doc).
     #[inline(always)]
-    pub fn eth(&self) -> *mut EthHdr {
+    pub(crate) fn eth(&self) -> *mut EthHdr {
         self.eth
     }
 
     /// The IPv4 header (without options): valid for reads and writes.
     #[inline(always)]
-    pub fn ip(&self) -> *mut Ipv4Hdr {
+    pub(crate) fn ip(&self) -> *mut Ipv4Hdr {
         self.ip
     }
 
     /// The L4 ports: valid for reads and writes.
     #[inline(always)]
-    pub fn ports(&self) -> *mut [u16; 2] {
+    pub(crate) fn ports(&self) -> *mut [u16; 2] {
         self.ports
     }
 
     /// The L4 checksum field: valid for reads and writes.
     #[inline(always)]
-    pub fn l4_check(&self) -> *mut u16 {
+    pub(crate) fn l4_check(&self) -> *mut u16 {
         self.l4_check
     }
 }
 
 #[inline(always)]
-pub fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
+pub(crate) fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
     let eth: *mut EthHdr = ptr_at(ctx, 0).ok_or(ParseError::NotOurs)?;
     // SAFETY: bounds checked by ptr_at.
     if unsafe { (*eth).proto } != ETH_P_IP.to_be() {
@@ -182,12 +182,19 @@ pub fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
         let tcp: *mut TcpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
         // SAFETY: bounds checked by ptr_at; every field lies inside *tcp.
         unsafe {
-            (tcp as *mut [u16; 2], (*tcp).sport, (*tcp).dport, (*tcp).flags, &raw mut (*tcp).check, size_of::<TcpHdr>())
+            (
+                tcp.cast::<[u16; 2]>(),
+                (*tcp).sport,
+                (*tcp).dport,
+                (*tcp).flags,
+                &raw mut (*tcp).check,
+                size_of::<TcpHdr>(),
+            )
         }
     } else {
         let udp: *mut UdpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
         // SAFETY: bounds checked by ptr_at; every field lies inside *udp.
-        unsafe { (udp as *mut [u16; 2], (*udp).sport, (*udp).dport, 0, &raw mut (*udp).check, size_of::<UdpHdr>()) }
+        unsafe { (udp.cast::<[u16; 2]>(), (*udp).sport, (*udp).dport, 0, &raw mut (*udp).check, size_of::<UdpHdr>()) }
     };
     let frame_len = ctx.data_end() - ctx.data();
     if tot_len < ihl_len + l4_len || ETH_HLEN + tot_len > frame_len {

@@ -20,7 +20,7 @@ use crate::{
 
 /// The backend id for a new flow of `svc`, or `BACKEND_NONE`.
 #[inline(always)]
-pub fn pick(svc: &Service, pkt: &Packet) -> u32 {
+pub(crate) fn pick(svc: &Service, pkt: &Packet) -> u32 {
     let len = svc.table_len;
     if len == 0 || svc.flags & SVC_F_NO_BACKEND != 0 {
         return BACKEND_NONE;
@@ -37,7 +37,7 @@ pub fn pick(svc: &Service, pkt: &Packet) -> u32 {
             // value is used (seen with LLVM 22), which made every pick the same.
             // SAFETY: the pointer is a valid, aligned u64 map value.
             let n = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(seq, 1) };
-            (n % len as u64) as u32
+            (n % u64::from(len)) as u32
         }
         SCHED_SOURCE_HASH => source_hash(pkt.saddr) % len,
         SCHED_LEAST_CONN => return least_conn(svc, len),
@@ -70,7 +70,7 @@ fn least_conn(svc: &Service, len: u32) -> u32 {
         return b1;
     }
     let (w1, w2) = match (BACKENDS.get(b1), BACKENDS.get(b2)) {
-        (Some(x), Some(y)) => (x.weight as u64, y.weight as u64),
+        (Some(x), Some(y)) => (u64::from(x.weight), u64::from(y.weight)),
         _ => return b1,
     };
     if stats::active(b1) * w2 <= stats::active(b2) * w1 { b1 } else { b2 }

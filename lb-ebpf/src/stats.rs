@@ -5,7 +5,7 @@ use crate::maps::{BACKEND_STATS, CONNS, COUNTERS, EXPIRED};
 
 /// Count one event in the global counter `idx` (`lb_common::counter::*`).
 #[inline(always)]
-pub fn count(idx: u32) {
+pub(crate) fn count(idx: u32) {
     if let Some(c) = COUNTERS.get_ptr_mut(idx) {
         // SAFETY: per-CPU slot, only this CPU writes it while we run.
         unsafe { *c += 1 };
@@ -14,7 +14,7 @@ pub fn count(idx: u32) {
 
 /// A new flow was scheduled onto backend `id`.
 #[inline(always)]
-pub fn new_flow(id: u32) {
+pub(crate) fn new_flow(id: u32) {
     if let Some(s) = BACKEND_STATS.get_ptr_mut(id) {
         // SAFETY: this CPU's slot (the id bound is checked by the map);
         // only this CPU writes it while we run. Raw pointer writes: no
@@ -25,7 +25,7 @@ pub fn new_flow(id: u32) {
 
 /// A client -> backend packet of `bytes` bytes.
 #[inline(always)]
-pub fn packet_in(id: u32, bytes: u64) {
+pub(crate) fn packet_in(id: u32, bytes: u64) {
     if let Some(s) = BACKEND_STATS.get_ptr_mut(id) {
         // SAFETY: as in `new_flow`.
         unsafe {
@@ -37,7 +37,7 @@ pub fn packet_in(id: u32, bytes: u64) {
 
 /// A backend -> client packet of `bytes` bytes.
 #[inline(always)]
-pub fn packet_out(id: u32, bytes: u64) {
+pub(crate) fn packet_out(id: u32, bytes: u64) {
     if let Some(s) = BACKEND_STATS.get_ptr_mut(id) {
         // SAFETY: as in `new_flow`.
         unsafe {
@@ -49,7 +49,7 @@ pub fn packet_out(id: u32, bytes: u64) {
 
 /// A flow to backend `id` opened (shared counter: atomic).
 #[inline(always)]
-pub fn flow_opened(id: u32) {
+pub(crate) fn flow_opened(id: u32) {
     if let Some(c) = CONNS.get_ptr_mut(id) {
         // SAFETY: aligned u64 inside a map value.
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).opened, 1) };
@@ -58,7 +58,7 @@ pub fn flow_opened(id: u32) {
 
 /// A flow to backend `id` closed (FIN both ways or RST).
 #[inline(always)]
-pub fn flow_closed(id: u32) {
+pub(crate) fn flow_closed(id: u32) {
     if let Some(c) = CONNS.get_ptr_mut(id) {
         // SAFETY: aligned u64 inside a map value.
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).closed, 1) };
@@ -67,7 +67,7 @@ pub fn flow_closed(id: u32) {
 
 /// Active flows of backend `id`: opened - closed - expired (never negative).
 #[inline(always)]
-pub fn active(id: u32) -> u64 {
+pub(crate) fn active(id: u32) -> u64 {
     let (opened, closed) = match CONNS.get(id) {
         Some(c) => (c.opened, c.closed),
         None => return 0,

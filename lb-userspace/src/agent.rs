@@ -153,7 +153,7 @@ impl Agent {
     }
 
     pub fn health_of(&self, service: &str, address: Ipv4Addr, port: u16) -> Health {
-        self.health.get(&(service.to_owned(), address, port)).map_or(Health::Up, |c| c.state())
+        self.health.get(&(service.to_owned(), address, port)).map_or(Health::Up, Checker::state)
     }
 
     pub fn state_of(&self, service: &str, b: &BackendConfig) -> BackendState {

@@ -160,7 +160,7 @@ pub struct Config {
 impl Config {
     /// Keys that only take effect when lbd starts (a reload that changes
     /// them is refused rather than half-applied).
-    pub fn restart_only_changes(&self, new: &Config) -> Vec<&'static str> {
+    pub fn restart_only_changes(&self, new: &Self) -> Vec<&'static str> {
         let mut v = Vec::new();
         if self.interfaces != new.interfaces {
             v.push("interfaces");
@@ -400,7 +400,7 @@ impl Walker<'_> {
                 }
                 Some(_) => self.problem("interfaces", "the list is empty; name at least one interface".into()),
                 None => {
-                    self.problem("interfaces", format!("expected a list of interface names, found {}", describe(v)))
+                    self.problem("interfaces", format!("expected a list of interface names, found {}", describe(v)));
                 }
             }
         }
@@ -452,7 +452,7 @@ impl Walker<'_> {
 
         let conntrack_max = match m.get("conntrack_max") {
             None => DEFAULT_CONNTRACK_MAX,
-            Some(v) => self.uint(v, "conntrack_max", 1, MAX_CONNTRACK as u64).unwrap_or(1) as u32,
+            Some(v) => self.uint(v, "conntrack_max", 1, u64::from(MAX_CONNTRACK)).unwrap_or(1) as u32,
         };
         let table_capacity = match m.get("table_capacity") {
             None => DEFAULT_TABLE_CAPACITY,
@@ -720,7 +720,7 @@ impl Walker<'_> {
         let port = self.required(m, path, "port").and_then(|v| self.uint(v, &Self::field(path, "port"), 1, 65535));
         let weight = match m.get("weight") {
             None => Some(1),
-            Some(v) => self.uint(v, &Self::field(path, "weight"), 0, MAX_WEIGHT as u64),
+            Some(v) => self.uint(v, &Self::field(path, "weight"), 0, u64::from(MAX_WEIGHT)),
         };
         let drain = match m.get("drain") {
             None => Some(false),
@@ -765,7 +765,7 @@ impl Walker<'_> {
         }
         // Each table needs room for itself and for its replacement.
         let need: u64 = services.iter().map(|(_, s)| 2 * table_entries(s)).sum();
-        if need > table_capacity as u64 {
+        if need > u64::from(table_capacity) {
             self.problem(
                 "table_capacity",
                 format!("the services' selection tables need {need} entries (twice their size, for atomic swaps); capacity is {table_capacity}"),

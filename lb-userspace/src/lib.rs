@@ -15,6 +15,13 @@
 //! - `metrics`: the Prometheus exporter.
 //!
 //! No module imports one that imports it back (a test below checks).
+// Dependencies of the binaries only (the library does not need them).
+use anyhow as _;
+use aya_log as _;
+use clap_complete as _;
+use clap_mangen as _;
+use tracing_subscriber as _;
+
 pub mod agent;
 pub mod api;
 pub mod cli;

@@ -249,7 +249,7 @@ async fn handle(mut stream: TcpStream, agent: Arc<Mutex<Agent>>) -> std::io::Res
         ("404 Not Found", "text/plain", "metrics are at /metrics\n".to_owned())
     } else {
         let r = tokio::task::spawn_blocking(move || {
-            let a = agent.lock().unwrap_or_else(|p| p.into_inner());
+            let a = agent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             exposition(&a)
         })
         .await

@@ -38,15 +38,15 @@ pub enum Mode {
 impl Mode {
     pub fn name(self) -> &'static str {
         match self {
-            Mode::Native => "native",
-            Mode::Generic => "generic",
+            Self::Native => "native",
+            Self::Generic => "generic",
         }
     }
 
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim() {
-            "native" => Some(Mode::Native),
-            "generic" => Some(Mode::Generic),
+            "native" => Some(Self::Native),
+            "generic" => Some(Self::Generic),
             _ => None,
         }
     }
@@ -55,8 +55,8 @@ impl Mode {
     /// program running in this mode (what the datapath tests).
     pub fn xmit_flag(self) -> u32 {
         match self {
-            Mode::Native => NETDEV_F_XMIT_NATIVE,
-            Mode::Generic => NETDEV_F_XMIT_GENERIC,
+            Self::Native => NETDEV_F_XMIT_NATIVE,
+            Self::Generic => NETDEV_F_XMIT_GENERIC,
         }
     }
 }
@@ -79,16 +79,16 @@ impl Path {
     /// The metric label (as serialized).
     pub fn label(self) -> &'static str {
         match self {
-            Path::XdpRedirect => "xdp_redirect",
-            Path::Kernel => "kernel",
+            Self::XdpRedirect => "xdp_redirect",
+            Self::Kernel => "kernel",
         }
     }
 
     /// For logs and `lbctl status`.
     pub fn describe(self) -> &'static str {
         match self {
-            Path::XdpRedirect => "XDP redirect",
-            Path::Kernel => "kernel forwarding",
+            Self::XdpRedirect => "XDP redirect",
+            Self::Kernel => "kernel forwarding",
         }
     }
 }

@@ -172,7 +172,7 @@ fn quoted(s: &str) -> String {
             '\u{A0}'..='\u{D7FF}' | '\u{E000}'..='\u{FFFD}' | '\u{10000}'..='\u{10FFFF}'
                 if !matches!(c, '\u{2028}' | '\u{2029}' | '\u{FEFF}') =>
             {
-                q.push(c)
+                q.push(c);
             }
             c if (c as u32) <= 0xFF => {
                 let _ = write!(q, "\\x{:02X}", c as u32);

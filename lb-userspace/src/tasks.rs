@@ -42,13 +42,13 @@ pub trait Driven: Send + 'static {
 
 impl Driven for Agent {
     fn probe_targets(&self) -> Vec<(BackendKey, SocketAddrV4, HealthConfig)> {
-        Agent::probe_targets(self)
+        Self::probe_targets(self)
     }
     fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) {
-        Agent::observe(self, key, result);
+        Self::observe(self, key, result);
     }
     fn ramping(&self) -> bool {
-        Agent::ramping(self)
+        Self::ramping(self)
     }
     fn reprogram(&mut self) -> Result<(), String> {
         self.apply().map_err(|e| e.to_string())
@@ -57,7 +57,7 @@ impl Driven for Agent {
         self.dp.refresh_paths().map_err(|e| e.to_string())
     }
     fn sweep(&mut self) -> Result<SweepReport, String> {
-        Agent::sweep(self).map_err(|e| e.to_string())
+        Self::sweep(self).map_err(|e| e.to_string())
     }
 }
 

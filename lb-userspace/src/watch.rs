@@ -27,7 +27,7 @@ impl RawMode {
                 return Self { saved: None };
             }
             let mut t: libc::termios = std::mem::zeroed();
-            if libc::tcgetattr(0, &mut t) != 0 {
+            if libc::tcgetattr(0, &raw mut t) != 0 {
                 return Self { saved: None };
             }
             let saved = t;
@@ -36,7 +36,7 @@ impl RawMode {
             t.c_lflag &= !(libc::ICANON | libc::ECHO | libc::ISIG);
             t.c_cc[libc::VMIN] = 1;
             t.c_cc[libc::VTIME] = 0;
-            libc::tcsetattr(0, libc::TCSANOW, &t);
+            libc::tcsetattr(0, libc::TCSANOW, &raw const t);
             Self { saved: Some(saved) }
         }
     }
@@ -46,7 +46,7 @@ impl Drop for RawMode {
     fn drop(&mut self) {
         if let Some(t) = self.saved {
             // SAFETY: restoring the attributes read in enter().
-            unsafe { libc::tcsetattr(0, libc::TCSANOW, &t) };
+            unsafe { libc::tcsetattr(0, libc::TCSANOW, &raw const t) };
             print!("\x1b[?25h");
             let _ = std::io::stdout().flush();
         }

@@ -16,7 +16,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// Lab tests of one binary run one at a time (they measure, and share the
 /// machine's two cores).
 pub fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// lbd's control socket for the lab `prefix`.

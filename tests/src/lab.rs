@@ -71,49 +71,41 @@ pub enum Topology {
 }
 
 impl Topology {
-    pub const ALL: [Topology; 6] = [
-        Topology::Tuned,
-        Topology::Default,
-        Topology::BridgeBackend,
-        Topology::BridgeClient,
-        Topology::OneArm,
-        Topology::Mixed,
-    ];
+    pub const ALL: [Self; 6] =
+        [Self::Tuned, Self::Default, Self::BridgeBackend, Self::BridgeClient, Self::OneArm, Self::Mixed];
 
     /// The name on the command line (`cargo xtask lab up --topology NAME`).
     pub fn name(self) -> &'static str {
         match self {
-            Topology::Tuned => "tuned",
-            Topology::Default => "default",
-            Topology::BridgeBackend => "bridge-backend",
-            Topology::BridgeClient => "bridge-client",
-            Topology::OneArm => "one-arm",
-            Topology::Mixed => "mixed",
+            Self::Tuned => "tuned",
+            Self::Default => "default",
+            Self::BridgeBackend => "bridge-backend",
+            Self::BridgeClient => "bridge-client",
+            Self::OneArm => "one-arm",
+            Self::Mixed => "mixed",
         }
     }
 
     pub fn describe(self) -> &'static str {
         match self {
-            Topology::Tuned => {
+            Self::Tuned => {
                 "veth to the client, veth to a switch bridge; senders' TX checksum off, GRO on the gateway's veth peers"
             }
-            Topology::Default => "veth to the client, veth to a switch bridge; kernel-default offloads",
-            Topology::BridgeBackend => "veth to the client; the backends on ports of a bridge br0 inside the gateway",
-            Topology::BridgeClient => {
-                "the client on a port of a bridge br0 inside the gateway; veth to a switch bridge"
-            }
-            Topology::OneArm => "one veth to a switch bridge that holds the client and the backends",
-            Topology::Mixed => "default wiring and offloads; the switch end of eth1 runs an XDP program",
+            Self::Default => "veth to the client, veth to a switch bridge; kernel-default offloads",
+            Self::BridgeBackend => "veth to the client; the backends on ports of a bridge br0 inside the gateway",
+            Self::BridgeClient => "the client on a port of a bridge br0 inside the gateway; veth to a switch bridge",
+            Self::OneArm => "one veth to a switch bridge that holds the client and the backends",
+            Self::Mixed => "default wiring and offloads; the switch end of eth1 runs an XDP program",
         }
     }
 
     /// The gateway interfaces lbd attaches to, client side first.
     pub fn gw_interfaces(self) -> Vec<String> {
         let v: &[&str] = match self {
-            Topology::Tuned | Topology::Default | Topology::Mixed => &["eth0", "eth1"],
-            Topology::BridgeBackend => &["eth0", "br0"],
-            Topology::BridgeClient => &["br0", "eth1"],
-            Topology::OneArm => &["eth0"],
+            Self::Tuned | Self::Default | Self::Mixed => &["eth0", "eth1"],
+            Self::BridgeBackend => &["eth0", "br0"],
+            Self::BridgeClient => &["br0", "eth1"],
+            Self::OneArm => &["eth0"],
         };
         v.iter().map(|s| (*s).to_owned()).collect()
     }
@@ -123,8 +115,8 @@ impl std::str::FromStr for Topology {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        Topology::ALL.into_iter().find(|t| t.name() == s).ok_or_else(|| {
-            let names: Vec<&str> = Topology::ALL.iter().map(|t| t.name()).collect();
+        Self::ALL.into_iter().find(|t| t.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|t| t.name()).collect();
             format!("unknown topology {s:?} (one of {})", names.join(", "))
         })
     }
@@ -153,7 +145,7 @@ pub struct LabSpec {
 
 impl Default for LabSpec {
     fn default() -> Self {
-        LabSpec {
+        Self {
             prefix: "lb".into(),
             backends: 3,
             client_sources: 250,
@@ -216,14 +208,14 @@ pub struct Lab {
 impl Lab {
     /// Builds the lab (after clearing leftovers of the same prefix). On any
     /// failure everything built so far is torn down and the error returned.
-    pub fn up(spec: LabSpec) -> anyhow::Result<Lab> {
+    pub fn up(spec: LabSpec) -> anyhow::Result<Self> {
         crate::require_root()?;
         validate(&spec)?;
         ensure_bpffs()?;
         // A fresh lab starts lbd's log afresh (restarts within it append).
         let _ = std::fs::remove_file(format!("/tmp/{}-lbd.log", spec.prefix));
-        Lab::down(&spec.prefix).context("clearing leftovers of an earlier lab")?;
-        let lab = Lab { children: Mutex::new((0..spec.backends).map(|_| None).collect()), spec, keep: false };
+        Self::down(&spec.prefix).context("clearing leftovers of an earlier lab")?;
+        let lab = Self { children: Mutex::new((0..spec.backends).map(|_| None).collect()), spec, keep: false };
         match lab.build() {
             Ok(()) => Ok(lab),
             Err(e) => {
@@ -385,7 +377,7 @@ impl Lab {
     }
 
     fn lock_children(&self) -> std::sync::MutexGuard<'_, Vec<Option<Child>>> {
-        self.children.lock().unwrap_or_else(|p| p.into_inner())
+        self.children.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn stats_call(&self, idx: usize, method: &str, path: &str) -> anyhow::Result<String> {
@@ -582,10 +574,7 @@ impl Lab {
                     log_tail(&self.log_path(idx))
                 );
             }
-            let err = match self.stats_call(idx, "GET", "/stats") {
-                Ok(_) => return Ok(()),
-                Err(e) => e,
-            };
+            let Err(err) = self.stats_call(idx, "GET", "/stats") else { return Ok(()) };
             if start.elapsed() > READY_TIMEOUT {
                 return Err(err.context(format!(
                     "lab-backend be{} not ready after {READY_TIMEOUT:?}; log {}:\n{}",
@@ -603,7 +592,7 @@ impl Lab {
         for mut child in children.into_iter().flatten() {
             terminate_child(&mut child);
         }
-        if let Err(e) = Lab::down(&self.spec.prefix) {
+        if let Err(e) = Self::down(&self.spec.prefix) {
             eprintln!("lab {}: teardown failed: {e:#}", self.spec.prefix);
         }
     }

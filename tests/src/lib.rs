@@ -1,5 +1,6 @@
 //! End-to-end test support for the load balancer: a network-namespace lab
 //! ([`lab`]) plus the `lab-backend` / `lab-client` helper binaries.
+#![expect(unused_crate_dependencies, reason = "used by the lab binaries and the tests")]
 
 pub mod harness;
 pub mod http1;
@@ -20,9 +21,9 @@ pub fn require_root() -> anyhow::Result<()> {
 pub fn raise_nofile_limit() {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: `lim` is a valid, writable rlimit.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 && lim.rlim_cur < lim.rlim_max {
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut lim) } == 0 && lim.rlim_cur < lim.rlim_max {
         lim.rlim_cur = lim.rlim_max;
         // SAFETY: `lim` is a valid rlimit; failure is harmless.
-        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) };
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raw const lim) };
     }
 }

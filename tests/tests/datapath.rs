@@ -10,6 +10,7 @@
 //! with two interfaces, routes and static neighbours, so bpf_fib_lookup
 //! answers as it would on a gateway. Namespaces are removed on drop.
 //! Needs root.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::{
     net::{Ipv4Addr, Ipv6Addr},
     path::PathBuf,

@@ -2,6 +2,7 @@
 //! namespace through lbd's XDP program on the gateway to the backends,
 //! checked against what the backends themselves counted. Needs root.
 //! Tests run one at a time (a lock), each with its own lab.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::process::Command;
 
 use lb_tests::{
@@ -247,7 +248,7 @@ fn bpffs_entries() -> Vec<String> {
         if let Ok(rd) = std::fs::read_dir(dir) {
             for e in rd.flatten() {
                 out.push(e.path().display().to_string());
-                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
                     walk(&e.path(), out);
                 }
             }

@@ -1,6 +1,7 @@
 //! Brings up the namespace lab without a load balancer and checks plain
 //! connectivity to the backends through the gateway. Needs root (and fails
 //! saying so without it).
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 
 use std::process::Command;
 

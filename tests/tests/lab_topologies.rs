@@ -3,6 +3,7 @@
 //! forwarding, the gateway has the devices the topology promises (and lbd
 //! would attach to), offloads are the kernel's defaults except in `tuned`,
 //! and nothing (namespace or pin) is left behind. Needs root.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 
 use std::path::Path;
 use std::process::Command;
@@ -171,7 +172,7 @@ fn check(t: Topology) {
 fn every_topology_forwards_without_a_balancer() {
     lb_tests::require_root().expect("lab tests need root");
     assert_eq!(
-        Topology::ALL.map(|t| t.name()),
+        Topology::ALL.map(Topology::name),
         ["tuned", "default", "bridge-backend", "bridge-client", "one-arm", "mixed"]
     );
     for t in Topology::ALL {

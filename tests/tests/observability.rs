@@ -2,6 +2,7 @@
 //! own counts, checked by promtool and by a real Prometheus server through
 //! its query API; `lbctl watch` in a real terminal (tmux); a stopped
 //! backend showing in the metrics, the live view and the log. Needs root.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::{
     collections::BTreeMap,
     path::PathBuf,

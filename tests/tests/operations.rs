@@ -2,6 +2,7 @@
 //! start, pool changes from lbctl under load and after a restart, reload
 //! of a bad config, and the control socket's guard. Needs root; one lab at
 //! a time.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     os::unix::{fs::MetadataExt as _, net::UnixStream},

@@ -5,6 +5,7 @@
 //! No root needed. The binaries (lbd, lb-docs) must be built first:
 //! `cargo build --bins` (they are looked up where the lab finds its helper
 //! binaries: `LB_BIN_DIR`, or target/debug next to this test).
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::{
     collections::BTreeSet,
     fs,

@@ -2,6 +2,7 @@
 //! binary upgrade, all while clients open new connections continuously;
 //! zero failed requests, counters continue, the flow table is kept.
 //! Needs root.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::{path::PathBuf, time::Duration};
 
 use lb_tests::{

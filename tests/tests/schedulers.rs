@@ -2,6 +2,7 @@
 //! themselves: round robin, smooth WRR, Maglev, source hash, weighted least
 //! connections, least response time; live changes (weights, scheduler, pool) that must not move
 //! an established connection; draining. Needs root; one lab at a time.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::time::Duration;
 
 use lb_tests::{

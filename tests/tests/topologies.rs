@@ -8,6 +8,7 @@
 //! service); and the path counters account for every forwarded packet,
 //! agreeing with the path lbd reports. Prints the share of packets that
 //! left by XDP redirect. Needs root.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::collections::BTreeMap;
 
 use lb_tests::{

@@ -29,7 +29,7 @@ use serde_json::{Value, json};
 use crate::{bin_dir, cargo, run, workspace_root};
 
 /// Debian packages the benchmarks drive.
-pub const PACKAGES: &[(&str, &str)] = &[
+pub(crate) const PACKAGES: &[(&str, &str)] = &[
     ("haproxy", "/usr/sbin/haproxy"),
     ("nginx", "/usr/sbin/nginx"),
     ("libnginx-mod-stream", "/usr/lib/nginx/modules/ngx_stream_module.so"),
@@ -43,13 +43,13 @@ const VIP_NGINX: &str = "10.10.0.102";
 const DIRECT: &str = "10.20.0.11";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Part {
+pub(crate) enum Part {
     Packet,
     E2e,
     Scenarios,
 }
 
-pub struct Options {
+pub(crate) struct Options {
     pub parts: Vec<Part>,
     pub full: bool,
 }
@@ -58,12 +58,12 @@ fn out_dir() -> PathBuf {
     workspace_root().join("target/bench")
 }
 
-pub fn bench(opts: &Options) -> anyhow::Result<()> {
+pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
     let dir = out_dir();
     std::fs::create_dir_all(&dir)?;
     let mut results = json!({
         "kernel": String::from_utf8_lossy(&Command::new("uname").arg("-r").output()?.stdout).trim(),
-        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "cpus": std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         "full": opts.full,
     });
     if opts.parts.contains(&Part::Packet) {
@@ -180,7 +180,7 @@ enum Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        if let Running::Proxy(c) = self {
+        if let Self::Proxy(c) = self {
             // SAFETY: plain kill(2) of our child.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
             let deadline = Instant::now() + Duration::from_secs(5);
@@ -392,7 +392,7 @@ fn parse_wrk(text: &str) -> Value {
     v
 }
 
-pub fn jain(x: &[f64]) -> f64 {
+pub(crate) fn jain(x: &[f64]) -> f64 {
     let s: f64 = x.iter().sum();
     let q: f64 = x.iter().map(|v| v * v).sum();
     if q == 0.0 { 0.0 } else { s * s / (x.len() as f64 * q) }
@@ -459,7 +459,7 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
             "rps": m("rps"), "p50_ms": m("p50_ms"), "p90_ms": m("p90_ms"), "p99_ms": m("p99_ms"),
             "failed": rs.iter().map(|r| r["failed"].as_f64().unwrap_or(0.0)).sum::<f64>(),
             "cpu_us_per_request": m("cpu_us_per_request"), "xdp_ns_per_request": m("xdp_ns_per_request"),
-            "jain": m("jain"), "backends": rs.last().map(|r| r["backends"].clone()).unwrap_or(Value::Null),
+            "jain": m("jain"), "backends": rs.last().map_or(Value::Null, |r| r["backends"].clone()),
             "reps": rs.len(),
         }));
     }

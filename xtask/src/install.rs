@@ -44,7 +44,7 @@ const CONFIG_HEADER: &str = "\
 # this file in a canonical form without comments.
 ";
 
-pub fn install(prefix: &Path, destdir: Option<&Path>, sysconfdir: &Path) -> anyhow::Result<()> {
+pub(crate) fn install(prefix: &Path, destdir: Option<&Path>, sysconfdir: &Path) -> anyhow::Result<()> {
     for (what, p) in [("--prefix", prefix), ("--sysconfdir", sysconfdir)] {
         if !p.is_absolute() {
             bail!("{what} must be an absolute path (got {})", p.display());

@@ -165,11 +165,7 @@ pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
 
 /// True when the command runs and exits 0 (output discarded).
 pub fn succeeds(cmd: &mut Command) -> bool {
-    cmd.stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
+    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).status().is_ok_and(|s| s.success())
 }
 
 fn ensure_setup() -> anyhow::Result<()> {
@@ -191,10 +187,7 @@ fn cargo() -> Command {
 
 /// Where `cargo build` (dev profile) puts binaries.
 fn bin_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target"))
-        .join("debug")
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace_root().join("target"), PathBuf::from).join("debug")
 }
 
 fn build() -> anyhow::Result<()> {

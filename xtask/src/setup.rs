@@ -11,7 +11,7 @@ use anyhow::{Context as _, bail};
 use crate::{is_root, run, succeeds};
 
 /// Debian packages the lab and the tests use.
-pub const PACKAGES: &[(&str, &str)] = &[
+pub(crate) const PACKAGES: &[(&str, &str)] = &[
     // (package, a file it installs: present means installed)
     ("iproute2", "/usr/sbin/ip"),
     ("ethtool", "/usr/sbin/ethtool"),
@@ -22,7 +22,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("tmux", "/usr/bin/tmux"),
 ];
 
-pub fn setup() -> anyhow::Result<()> {
+pub(crate) fn setup() -> anyhow::Result<()> {
     nightly()?;
     bpf_linker()?;
     debian(PACKAGES)?;
@@ -30,7 +30,7 @@ pub fn setup() -> anyhow::Result<()> {
 }
 
 /// True when nothing is missing (fast check used before demo and test).
-pub fn complete() -> bool {
+pub(crate) fn complete() -> bool {
     nightly_has("rust-src")
         && nightly_has("clippy")
         && stable_lint_tools()
@@ -41,11 +41,9 @@ pub fn complete() -> bool {
 /// Whether the nightly toolchain has `component` (rust-src to build the
 /// eBPF crate, clippy to lint it for its target).
 fn nightly_has(component: &str) -> bool {
-    Command::new("rustup")
-        .args(["component", "list", "--toolchain", "nightly", "--installed"])
-        .output()
-        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).lines().any(|l| l.starts_with(component)))
-        .unwrap_or(false)
+    Command::new("rustup").args(["component", "list", "--toolchain", "nightly", "--installed"]).output().is_ok_and(
+        |o| o.status.success() && String::from_utf8_lossy(&o.stdout).lines().any(|l| l.starts_with(component)),
+    )
 }
 
 /// `cargo fmt` and `cargo clippy` of the toolchain running us (the test
@@ -74,9 +72,10 @@ fn nightly() -> anyhow::Result<()> {
 }
 
 fn cargo_home() -> PathBuf {
-    std::env::var_os("CARGO_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into())).join(".cargo"))
+    std::env::var_os("CARGO_HOME").map_or_else(
+        || PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into())).join(".cargo"),
+        PathBuf::from,
+    )
 }
 
 fn bpf_linker_works() -> bool {
@@ -140,7 +139,7 @@ fn bpf_linker() -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn debian(packages: &[(&str, &str)]) -> anyhow::Result<()> {
+pub(crate) fn debian(packages: &[(&str, &str)]) -> anyhow::Result<()> {
     let missing: Vec<&str> = packages.iter().filter(|(_, f)| !Path::new(f).exists()).map(|(p, _)| *p).collect();
     if missing.is_empty() {
         return Ok(());

@@ -75,12 +75,12 @@ static COUNTER: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 static PROG_ARRAY: ProgramArray = ProgramArray::with_max_entries(1, 0);
 
 #[xdp]
-pub fn floor_pass(_ctx: XdpContext) -> u32 {
+pub(crate) fn floor_pass(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
 }
 
 #[xdp]
-pub fn floor_tx(ctx: XdpContext) -> u32 {
+pub(crate) fn floor_tx(ctx: XdpContext) -> u32 {
     let data = ctx.data();
     if data + 12 > ctx.data_end() {
         return xdp_action::XDP_ABORTED;
@@ -100,7 +100,7 @@ pub fn floor_tx(ctx: XdpContext) -> u32 {
 }
 
 #[xdp]
-pub fn bench_harness(ctx: XdpContext) -> u32 {
+pub(crate) fn bench_harness(ctx: XdpContext) -> u32 {
     let (Some(cfg), Some(frame)) = (CONFIG.get(0), FRAME.get(0)) else {
         return xdp_action::XDP_ABORTED;
     };
@@ -134,7 +134,7 @@ fn restore(ctx: &XdpContext, frame: &[u64; FRAME_WORDS], len: usize) -> bool {
     }
     if !len.is_multiple_of(8) {
         // SAFETY: helper call; `frame` is a map value of FRAME_MAX >= len bytes.
-        let rc = unsafe { bpf_xdp_store_bytes(ctx.ctx, 0, frame.as_ptr() as *mut c_void, len as u32) };
+        let rc = unsafe { bpf_xdp_store_bytes(ctx.ctx, 0, frame.as_ptr().cast_mut().cast::<c_void>(), len as u32) };
         return rc == 0;
     }
     // Every store is checked against data_end itself: that is what lets the

@@ -10,6 +10,7 @@
 //! completions/fish/{lbd.fish,lbctl.fish}
 //! man/man8/{lbd.8,lbctl.8,lbctl-status.8,lbctl-backend.8,lbctl-backend-add.8,...}
 //! ```
+#![expect(unused_crate_dependencies, reason = "used by the library and the other binaries")]
 use std::{
     fs,
     io::Write as _,

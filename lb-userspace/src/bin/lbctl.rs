@@ -1,4 +1,5 @@
 //! lbctl: talk to a running lbd over its control socket.
+#![expect(unused_crate_dependencies, reason = "used by the library and the other binaries")]
 use std::process::ExitCode;
 
 use clap::Parser as _;

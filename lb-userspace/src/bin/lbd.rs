@@ -1,5 +1,6 @@
 //! lbd: the load-balancer agent. Loads and attaches the XDP program,
 //! programs the pool into BPF maps and serves the control socket.
+#![expect(unused_crate_dependencies, reason = "used by the library and the other binaries")]
 use std::{
     path::PathBuf,
     process::ExitCode,

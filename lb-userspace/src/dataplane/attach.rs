@@ -181,10 +181,10 @@ impl Dataplane {
             let path = r.path.describe();
             match r.path {
                 paths::Path::XdpRedirect => {
-                    info!(ingress = %r.ingress, mode = r.mode.name(), egress = %r.egress, path, reason = %r.reason, "forwarding path")
+                    info!(ingress = %r.ingress, mode = r.mode.name(), egress = %r.egress, path, reason = %r.reason, "forwarding path");
                 }
                 paths::Path::Kernel => {
-                    warn!(ingress = %r.ingress, mode = r.mode.name(), egress = %r.egress, path, reason = %r.reason, "forwarding path")
+                    warn!(ingress = %r.ingress, mode = r.mode.name(), egress = %r.egress, path, reason = %r.reason, "forwarding path");
                 }
             }
         }

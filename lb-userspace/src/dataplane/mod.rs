@@ -254,7 +254,7 @@ impl Dataplane {
         let mut found: HashMap<VipKey, Adopted> = HashMap::new();
         {
             let vips = &self.maps.vips;
-            for item in vips.iter() {
+            for item in vips {
                 let (k, v) = item.map_err(map_err(names::VIPS))?;
                 let region = (v.table_len > 0).then_some((v.table_off, v.table_len));
                 found.insert(k, Adopted { service_id: v.service_id, region, backends: Vec::new() });

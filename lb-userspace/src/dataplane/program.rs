@@ -119,14 +119,11 @@ impl Dataplane {
                     o.id
                 }
                 None => {
-                    let bid = match self.backend_ids.alloc() {
-                        Some(bid) => bid,
-                        None => {
-                            for &f in &fresh {
-                                self.backend_ids.release(f);
-                            }
-                            return Err(DataplaneError::Ids { what: "backend" });
+                    let Some(bid) = self.backend_ids.alloc() else {
+                        for &f in &fresh {
+                            self.backend_ids.release(f);
                         }
+                        return Err(DataplaneError::Ids { what: "backend" });
                     };
                     fresh.push(bid);
                     bid

@@ -17,7 +17,7 @@ impl Dataplane {
         let mut doomed: Vec<(FlowKey, FlowKey, Option<u32>)> = Vec::new();
         {
             let flows = &self.maps.flows;
-            for item in flows.iter() {
+            for item in flows {
                 // Entries can vanish while we walk (LRU eviction): skip errors.
                 let Ok((k, f)) = item else { continue };
                 report.entries += 1;

@@ -36,8 +36,8 @@ pub enum Health {
 impl fmt::Display for Health {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Health::Up => "up",
-            Health::Down => "down",
+            Self::Up => "up",
+            Self::Down => "down",
         })
     }
 }

@@ -33,10 +33,10 @@ pub enum ProbeError {
 impl fmt::Display for ProbeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ProbeError::Timeout => f.write_str("timed out"),
-            ProbeError::Connect(e) => write!(f, "connect: {e}"),
-            ProbeError::Http(e) => write!(f, "http: {e}"),
-            ProbeError::Status(code) => write!(f, "status {code} outside the expected range"),
+            Self::Timeout => f.write_str("timed out"),
+            Self::Connect(e) => write!(f, "connect: {e}"),
+            Self::Http(e) => write!(f, "http: {e}"),
+            Self::Status(code) => write!(f, "status {code} outside the expected range"),
         }
     }
 }

@@ -214,7 +214,7 @@ impl Drop for Ns {
 
 impl Ns {
     fn new() -> Self {
-        let ns = Ns(format!("lbt-netdev-{}", std::process::id()));
+        let ns = Self(format!("lbt-netdev-{}", std::process::id()));
         let _ = Command::new("ip").args(["netns", "del", &ns.0]).output();
         let out = Command::new("ip").args(["netns", "add", &ns.0]).output().unwrap();
         assert!(out.status.success(), "ip netns add {}: {}", ns.0, String::from_utf8_lossy(&out.stderr));

@@ -63,11 +63,11 @@ pub enum MaglevError {
 impl fmt::Display for MaglevError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            MaglevError::SizeNotPrime(n) => write!(f, "maglev table size {n} is not prime"),
-            MaglevError::SizeTooSmall { size, backends } => {
+            Self::SizeNotPrime(n) => write!(f, "maglev table size {n} is not prime"),
+            Self::SizeTooSmall { size, backends } => {
                 write!(f, "maglev table size {size} is smaller than the number of weighted backends ({backends})")
             }
-            MaglevError::ReservedId { index } => {
+            Self::ReservedId { index } => {
                 write!(f, "maglev backend #{index} has id 0, which is reserved for \"no backend\"")
             }
         }

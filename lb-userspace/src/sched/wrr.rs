@@ -31,7 +31,7 @@ pub enum WrrError {
 impl fmt::Display for WrrError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            WrrError::TooLong { total, max } => {
+            Self::TooLong { total, max } => {
                 write!(f, "weighted round robin cycle of {total} picks exceeds the limit of {max}")
             }
         }

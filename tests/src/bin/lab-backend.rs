@@ -1,5 +1,6 @@
 //! Backend server for the namespace lab: HTTP/1.1 + UDP echo-ish service on
 //! `--listen`, and a small stats/control HTTP API on `--stats`.
+#![expect(unused_crate_dependencies, reason = "used by the lab library and the tests")]
 
 use std::net::SocketAddr;
 use std::sync::Arc;

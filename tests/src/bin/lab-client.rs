@@ -1,5 +1,6 @@
 //! Load client for the namespace lab. Each subcommand prints exactly one JSON
 //! object on stdout. Every network operation is bounded by a timeout.
+#![cfg_attr(test, expect(unused_crate_dependencies, reason = "used by the lab library and the tests"))]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -127,13 +128,13 @@ struct Errors(Arc<Mutex<Vec<String>>>);
 
 impl Errors {
     fn push(&self, e: String) {
-        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut v = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if v.len() < MAX_ERRORS {
             v.push(e);
         }
     }
     fn take(&self) -> Vec<String> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 }
 
@@ -257,7 +258,7 @@ struct ConnsAgg {
 
 async fn one_conn(target: SocketAddr, src: Option<Ipv4Addr>, timeout_ms: u64) -> Result<(String, String), String> {
     let mut stream = connect(target, src, timeout_ms).await?;
-    let local = stream.local_addr().map(|a| a.ip().to_string()).unwrap_or_else(|_| "?".into());
+    let local = stream.local_addr().map_or_else(|_| "?".into(), |a| a.ip().to_string());
     let mut buf = Vec::new();
     let req = request(target, true);
     let desc = || format!("request {local} -> {target}");
