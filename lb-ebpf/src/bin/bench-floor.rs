@@ -18,6 +18,7 @@
 //!   measured by putting `floor_pass` in the slot.
 #![no_std]
 #![no_main]
+#![expect(unused_crate_dependencies, reason = "used by the balancer program")]
 
 use core::ffi::c_void;
 
