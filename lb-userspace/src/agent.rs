@@ -365,16 +365,16 @@ impl Agent {
                 }));
             }
             // Into the file's own form, then through the file's parser.
-            let mut doc: serde_yaml::Value =
-                serde_yaml::from_str(&render::render(&self.config)).expect("rendered config is YAML");
-            let spec = serde_yaml::to_value(spec).expect("JSON converts to YAML");
+            let mut doc: yaml_serde::Value =
+                yaml_serde::from_str(&render::render(&self.config)).expect("rendered config is YAML");
+            let spec = yaml_serde::to_value(spec).expect("JSON converts to YAML");
             match doc.get_mut("services") {
-                Some(serde_yaml::Value::Sequence(seq)) => seq.push(spec),
+                Some(yaml_serde::Value::Sequence(seq)) => seq.push(spec),
                 _ => {
-                    doc["services"] = serde_yaml::Value::Sequence(vec![spec]);
+                    doc["services"] = yaml_serde::Value::Sequence(vec![spec]);
                 }
             }
-            serde_yaml::to_string(&doc).expect("YAML serialises")
+            yaml_serde::to_string(&doc).expect("YAML serialises")
         } else {
             let mut cfg = self.config.clone();
             edit(&mut cfg, change)?;

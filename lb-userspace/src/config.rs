@@ -13,7 +13,7 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use serde_yaml::{Mapping, Value};
+use yaml_serde::{Mapping, Value};
 
 use crate::sched::{Pool, Scheduler, maglev};
 
@@ -250,7 +250,7 @@ pub fn load(path: &Path, env: &dyn Environment) -> Result<Config, ConfigError> {
 /// Parse and validate config text; `file` names it in problems.
 pub fn parse(text: &str, file: &str, env: &dyn Environment) -> Result<Config, ConfigError> {
     let mut w = Walker { file, problems: Vec::new() };
-    let root: Value = match serde_yaml::from_str(text) {
+    let root: Value = match yaml_serde::from_str(text) {
         Ok(v) => v,
         Err(e) => {
             let at = e.location().map(|l| format!("line {} column {}", l.line(), l.column()));

@@ -4,20 +4,25 @@
 //!
 //! Used when lbd/lbctl change the configuration (add a backend, drain one)
 //! and persist the result. Comments of the original file are not kept; the
-//! rendered file says so in its header.
+//! rendered file says so in its header. The YAML is written by serde
+//! (`yaml_serde`, which also reads the file), so quoting is the library's;
+//! the atomic replace uses `tempfile`.
 use std::{
-    fmt::Write as _,
-    fs::{self, File, OpenOptions},
+    borrow::Cow,
+    fs::{self, File},
     io::{self, Write as _},
-    os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _},
+    net::Ipv4Addr,
+    os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
 
-use serde_yaml::Value;
+use serde::Serialize;
 
-use crate::config::{BackendConfig, Config, HealthConfig, ProbeKind, ServiceConfig, XdpMode};
+use crate::{
+    config::{BackendConfig, Config, HealthConfig, ProbeKind, Protocol, ServiceConfig, XdpMode},
+    sched::Scheduler,
+};
 
 const HEADER: &str = "\
 # lbd configuration.
@@ -25,104 +30,129 @@ const HEADER: &str = "\
 # in this canonical form, and comments are not preserved.
 ";
 
+/// The file as written: the configuration's keys in a fixed order, per
+/// service the optional keys (`slow_start`, `health`) only when they say
+/// something.
+#[derive(Serialize)]
+struct FileView<'a> {
+    interfaces: &'a [String],
+    xdp_mode: XdpMode,
+    forwarding: &'static str,
+    control_socket: Cow<'a, str>,
+    pin_path: Cow<'a, str>,
+    conntrack_max: u32,
+    table_capacity: u32,
+    tcp_idle_timeout: u32,
+    udp_idle_timeout: u32,
+    metrics_listen: String,
+    services: Vec<ServiceView<'a>>,
+}
+
+#[derive(Serialize)]
+struct ServiceView<'a> {
+    name: &'a str,
+    vip: Ipv4Addr,
+    port: u16,
+    protocol: Protocol,
+    scheduler: Scheduler,
+    table_size: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slow_start: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    health: Option<HealthView<'a>>,
+    backends: Vec<BackendView>,
+}
+
+#[derive(Serialize)]
+struct HealthView<'a> {
+    #[serde(rename = "type")]
+    kind: ProbeKind,
+    interval: String,
+    timeout: String,
+    rise: u32,
+    fall: u32,
+    path: &'a str,
+    expect: Expect,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    port: Option<u16>,
+}
+
+/// One status code, or a range `lo-hi`.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Expect {
+    One(u16),
+    Range(String),
+}
+
+#[derive(Serialize)]
+struct BackendView {
+    address: Ipv4Addr,
+    port: u16,
+    weight: u32,
+    #[serde(skip_serializing_if = "is_false")]
+    drain: bool,
+}
+
+#[expect(clippy::trivially_copy_pass_by_ref, reason = "serde's skip_serializing_if passes a reference")]
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
 /// The configuration as YAML text that `config::parse` reads back to an
-/// equal `Config`.
-///
-/// Canonical form: every top-level key in a fixed order, per service the
-/// optional keys (`slow_start`, `health`) only when they say something,
-/// one flow mapping per backend. Durations are whole milliseconds (`1500ms`)
-/// or whole seconds (`10s`); finer precision is rounded to the millisecond.
-/// Paths that are not valid UTF-8 are rendered lossily (the parser only
-/// produces UTF-8 paths).
+/// equal `Config`. Durations are whole milliseconds (`1500ms`) or whole
+/// seconds (`10s`); finer precision is rounded to the millisecond. Paths
+/// that are not valid UTF-8 are rendered lossily (the parser only produces
+/// UTF-8 paths).
 pub fn render(cfg: &Config) -> String {
-    let mut out = String::from(HEADER);
-    let interfaces: Vec<String> = cfg.interfaces.iter().map(|s| scalar(s)).collect();
-    // `write!` into a String cannot fail.
-    let _ = writeln!(out, "interfaces: [{}]", interfaces.join(", "));
-    let mode = match cfg.xdp_mode {
-        XdpMode::Native => "native",
-        XdpMode::Generic => "generic",
-        XdpMode::Auto => "auto",
+    let view = FileView {
+        interfaces: &cfg.interfaces,
+        xdp_mode: cfg.xdp_mode,
+        forwarding: "nat",
+        control_socket: cfg.control_socket.to_string_lossy(),
+        pin_path: cfg.pin_path.to_string_lossy(),
+        conntrack_max: cfg.conntrack_max,
+        table_capacity: cfg.table_capacity,
+        tcp_idle_timeout: cfg.tcp_idle_timeout,
+        udp_idle_timeout: cfg.udp_idle_timeout,
+        metrics_listen: cfg.metrics_listen.to_string(),
+        services: cfg.services.iter().map(service).collect(),
     };
-    let _ = writeln!(out, "xdp_mode: {mode}");
-    out.push_str("forwarding: nat\n");
-    let _ = writeln!(out, "control_socket: {}", path_scalar(&cfg.control_socket));
-    let _ = writeln!(out, "pin_path: {}", path_scalar(&cfg.pin_path));
-    let _ = writeln!(out, "conntrack_max: {}", cfg.conntrack_max);
-    let _ = writeln!(out, "table_capacity: {}", cfg.table_capacity);
-    let _ = writeln!(out, "tcp_idle_timeout: {}", cfg.tcp_idle_timeout);
-    let _ = writeln!(out, "udp_idle_timeout: {}", cfg.udp_idle_timeout);
-    let _ = writeln!(out, "metrics_listen: {}", scalar(&cfg.metrics_listen.to_string()));
-    if cfg.services.is_empty() {
-        out.push_str("services: []\n");
-    } else {
-        out.push_str("services:\n");
-        for (i, s) in cfg.services.iter().enumerate() {
-            if i > 0 {
-                out.push('\n');
-            }
-            service(&mut out, s);
-        }
-    }
-    out
+    let body = yaml_serde::to_string(&view).expect("plain strings, numbers and lists always serialize");
+    format!("{HEADER}{body}")
 }
 
-fn service(out: &mut String, s: &ServiceConfig) {
-    let _ = writeln!(out, "  - name: {}", scalar(&s.name));
-    let _ = writeln!(out, "    vip: {}", s.vip);
-    let _ = writeln!(out, "    port: {}", s.port);
-    let _ = writeln!(out, "    protocol: {}", s.protocol);
-    let _ = writeln!(out, "    scheduler: {}", s.scheduler);
-    let _ = writeln!(out, "    table_size: {}", s.table_size);
-    // A zero slow start means none (the parser reads `0s` as `None`).
-    if let Some(d) = s.slow_start
-        && round_ms(d) > 0
-    {
-        let _ = writeln!(out, "    slow_start: {}", duration(d));
-    }
-    if s.health.kind != ProbeKind::None || s.health != HealthConfig::default() {
-        health(out, &s.health);
-    }
-    if s.backends.is_empty() {
-        out.push_str("    backends: []\n");
-    } else {
-        out.push_str("    backends:\n");
-        for b in &s.backends {
-            backend(out, b);
-        }
+fn service(s: &ServiceConfig) -> ServiceView<'_> {
+    ServiceView {
+        name: &s.name,
+        vip: s.vip,
+        port: s.port,
+        protocol: s.protocol,
+        scheduler: s.scheduler,
+        table_size: s.table_size,
+        // A zero slow start means none (the parser reads `0s` as `None`).
+        slow_start: s.slow_start.filter(|&d| round_ms(d) > 0).map(duration),
+        health: (s.health.kind != ProbeKind::None || s.health != HealthConfig::default()).then(|| health(&s.health)),
+        backends: s.backends.iter().map(backend).collect(),
     }
 }
 
-fn health(out: &mut String, h: &HealthConfig) {
-    let kind = match h.kind {
-        ProbeKind::None => "none",
-        ProbeKind::Tcp => "tcp",
-        ProbeKind::Http => "http",
-    };
-    out.push_str("    health:\n");
-    let _ = writeln!(out, "      type: {kind}");
-    let _ = writeln!(out, "      interval: {}", duration(h.interval));
-    let _ = writeln!(out, "      timeout: {}", duration(h.timeout));
-    let _ = writeln!(out, "      rise: {}", h.rise);
-    let _ = writeln!(out, "      fall: {}", h.fall);
-    let _ = writeln!(out, "      path: {}", scalar(&h.path));
+fn health(h: &HealthConfig) -> HealthView<'_> {
     let (lo, hi) = h.expect;
-    if lo == hi {
-        let _ = writeln!(out, "      expect: {lo}");
-    } else {
-        let _ = writeln!(out, "      expect: {lo}-{hi}");
-    }
-    if let Some(p) = h.port {
-        let _ = writeln!(out, "      port: {p}");
+    HealthView {
+        kind: h.kind,
+        interval: duration(h.interval),
+        timeout: duration(h.timeout),
+        rise: h.rise,
+        fall: h.fall,
+        path: &h.path,
+        expect: if lo == hi { Expect::One(lo) } else { Expect::Range(format!("{lo}-{hi}")) },
+        port: h.port,
     }
 }
 
-fn backend(out: &mut String, b: &BackendConfig) {
-    let _ = write!(out, "      - {{ address: {}, port: {}, weight: {}", b.address, b.port, b.weight);
-    if b.drain {
-        out.push_str(", drain: true");
-    }
-    out.push_str(" }\n");
+fn backend(b: &BackendConfig) -> BackendView {
+    BackendView { address: b.address, port: b.port, weight: b.weight, drain: b.drain }
 }
 
 /// Milliseconds, rounded to the nearest (durations parsed from `1.5s`
@@ -137,66 +167,15 @@ fn duration(d: Duration) -> String {
     if ms.is_multiple_of(1000) { format!("{}s", ms / 1000) } else { format!("{ms}ms") }
 }
 
-fn path_scalar(p: &Path) -> String {
-    scalar(&p.to_string_lossy())
-}
-
-/// `s` as a YAML scalar that reads back as the string `s`, in block or
-/// flow context: plain when it only has `[A-Za-z0-9/._-]` and YAML would
-/// not read it as something else (`true`, `123`, `null`, `.inf`, ...),
-/// double-quoted with escapes otherwise.
-fn scalar(s: &str) -> String {
-    let safe_chars =
-        !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '/' | '.' | '_' | '-'));
-    if safe_chars && matches!(serde_yaml::from_str::<Value>(s), Ok(Value::String(ref v)) if v == s) {
-        return s.to_owned();
-    }
-    quoted(s)
-}
-
-/// A YAML double-quoted scalar: `"` and `\` escaped, and everything YAML
-/// does not count as printable (control characters, line and paragraph
-/// separators, the byte order mark, U+FFFE/U+FFFF) as an escape.
-fn quoted(s: &str) -> String {
-    let mut q = String::with_capacity(s.len() + 2);
-    q.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => q.push_str("\\\""),
-            '\\' => q.push_str("\\\\"),
-            '\0' => q.push_str("\\0"),
-            '\t' => q.push_str("\\t"),
-            '\n' => q.push_str("\\n"),
-            '\r' => q.push_str("\\r"),
-            ' '..='~' => q.push(c),
-            '\u{A0}'..='\u{D7FF}' | '\u{E000}'..='\u{FFFD}' | '\u{10000}'..='\u{10FFFF}'
-                if !matches!(c, '\u{2028}' | '\u{2029}' | '\u{FEFF}') =>
-            {
-                q.push(c);
-            }
-            c if (c as u32) <= 0xFF => {
-                let _ = write!(q, "\\x{:02X}", c as u32);
-            }
-            c if (c as u32) <= 0xFFFF => {
-                let _ = write!(q, "\\u{:04X}", c as u32);
-            }
-            c => {
-                let _ = write!(q, "\\U{:08X}", c as u32);
-            }
-        }
-    }
-    q.push('"');
-    q
-}
-
-/// Write `text` to `path` atomically: write a temp file in the same
-/// directory, fsync it, rename it over `path`, fsync the directory.
+/// Write `text` to `path` atomically: a temp file in the same directory
+/// (`tempfile`), fsynced, renamed over `path`, then the directory fsynced.
 ///
 /// Readers see the old content or the new, never a mix, and after a crash
 /// the file is one or the other. The new file keeps the existing file's
 /// permission bits (and, where allowed, its owner and group); a new file
 /// gets 0644. If `path` is a symlink, the file it points to is replaced
-/// and the link kept.
+/// and the link kept. On failure nothing is left behind (the temp file is
+/// removed when dropped).
 pub fn write_atomic(path: &Path, text: &str) -> io::Result<()> {
     let target: PathBuf = match fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_symlink() => fs::canonicalize(path)?,
@@ -216,41 +195,19 @@ pub fn write_atomic(path: &Path, text: &str) -> io::Result<()> {
     };
     let mode = existing.as_ref().map_or(0o644, |m| m.permissions().mode() & 0o7777);
 
-    let (tmp, file) = create_temp(&dir, &name.to_string_lossy())?;
-    let result = (|| {
-        let mut file = file;
-        // Set explicitly: the mode given at creation is cut by the umask.
-        file.set_permissions(fs::Permissions::from_mode(mode))?;
-        if let Some(m) = &existing {
-            use std::os::unix::fs::MetadataExt as _;
-            // Best effort: only root may give a file away.
-            let _ = std::os::unix::fs::fchown(&file, Some(m.uid()), Some(m.gid()));
-        }
-        file.write_all(text.as_bytes())?;
-        file.sync_all()?;
-        drop(file);
-        fs::rename(&tmp, &target)
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(e);
+    let mut tmp =
+        tempfile::Builder::new().prefix(&format!(".{}.", name.to_string_lossy())).suffix(".tmp").tempfile_in(&dir)?;
+    // Set explicitly: tempfile creates 0600.
+    tmp.as_file().set_permissions(fs::Permissions::from_mode(mode))?;
+    if let Some(m) = &existing {
+        use std::os::unix::fs::MetadataExt as _;
+        // Best effort: only root may give a file away.
+        let _ = std::os::unix::fs::fchown(tmp.as_file(), Some(m.uid()), Some(m.gid()));
     }
+    tmp.write_all(text.as_bytes())?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(&target).map_err(|e| e.error)?;
     File::open(&dir)?.sync_all()
-}
-
-/// A new, exclusively created temp file next to the target.
-fn create_temp(dir: &Path, name: &str) -> io::Result<(PathBuf, File)> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let pid = std::process::id();
-    loop {
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let tmp = dir.join(format!(".{name}.tmp.{pid}.{n}"));
-        match OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp) {
-            Ok(f) => return Ok((tmp, f)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && n < 1_000_000 => continue,
-            Err(e) => return Err(e),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -446,8 +403,8 @@ services:
         let c = parse(hand, "x", &AnyInterface).unwrap();
         let text = render(&c);
         assert!(!text.contains("my comment"));
-        assert!(text.contains("    slow_start: 1500ms\n"), "{text}");
-        assert!(text.contains("      interval: 250ms\n      timeout: 100ms\n"), "{text}");
+        assert!(text.contains("  slow_start: 1500ms\n"), "{text}");
+        assert!(text.contains("    interval: 250ms\n    timeout: 100ms\n"), "{text}");
         assert_eq!(parse(&text, "x", &AnyInterface).unwrap(), c);
         assert_eq!(render(&parse(&text, "x", &AnyInterface).unwrap()), text);
     }
@@ -468,29 +425,25 @@ services:
     }
 
     #[test]
-    fn scalars_are_quoted_only_when_needed() {
-        assert_eq!(scalar("eth0"), "eth0");
-        assert_eq!(scalar("/run/lbd/lbd.sock"), "/run/lbd/lbd.sock");
-        assert_eq!(scalar("web-1_a"), "web-1_a");
-        assert_eq!(scalar(""), "\"\"");
-        assert_eq!(scalar("123"), "\"123\"");
-        assert_eq!(scalar("true"), "\"true\"");
-        assert_eq!(scalar("null"), "\"null\"");
-        assert_eq!(scalar("a b"), "\"a b\"");
-        assert_eq!(scalar("a\"b\\c\nd\te\u{7}\u{2028}é"), "\"a\\\"b\\\\c\\nd\\te\\x07\\u2028é\"");
+    fn awkward_strings_read_back_as_written() {
         #[rustfmt::skip]
         const AWKWARD: &[&str] = &[
-            "", "123", "1.5", "-1", ".inf", "-.Inf", ".NaN", "0x1F", "0o17", "1e3", "true", "False", "NULL", "~",
+            "123", "1.5", "-1", ".inf", "-.Inf", ".NaN", "0x1F", "0o17", "1e3", "true", "False", "NULL", "~",
             "-", "---", "...", "a: b", "#x", "x #y", "[a]", "{a}", "a,b", "*a", "&a", "!a", "|", ">", "'a'", "\"a\"",
-            "%a", "@a", "`a", "?", "? a", "- a", " a", "a ", "a\nb", "a\r\nb", "\u{0}\u{1f}\u{7f}\u{85}\u{feff}",
-            "\u{fffe}\u{ffff}\u{1F600}", "/path with spaces/x", "é", "a\\b",
+            "null", "Yes", "off", "0", "%a", "@a", "`a", "?", "? a", "- a", " a", "a ", "a\nb", "a\r\nb", "\u{1}\u{1f}\u{7f}\u{85}\u{feff}",
+            "\u{1F600}", "/path with spaces/x", "é", "a\\b",
         ];
         for &s in AWKWARD {
-            // In a block mapping value and inside a flow sequence.
-            let v: Value = serde_yaml::from_str(&format!("k: {}", scalar(s))).unwrap();
-            assert_eq!(v["k"].as_str(), Some(s), "{s:?} -> {}", scalar(s));
-            let v: Value = serde_yaml::from_str(&format!("k: [{}, x]", scalar(s))).unwrap();
-            assert_eq!(v["k"][0].as_str(), Some(s), "{s:?} -> {}", scalar(s));
+            let mut c = base();
+            c.interfaces = vec![s.to_owned(), "eth0".into()];
+            c.control_socket = PathBuf::from(format!("/run/{s}"));
+            // Names that look like numbers, booleans or null stay strings.
+            if s.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_') {
+                c.services[0].name = s.to_owned();
+            }
+            let text = render(&c);
+            let back = parse(&text, "x", &AnyInterface).unwrap_or_else(|e| panic!("{s:?}: {e}\n{text}"));
+            assert_eq!(back, c, "{s:?}:\n{text}");
         }
     }
 
@@ -522,7 +475,9 @@ services:
 # lbd configuration.
 # This file is maintained by lbd/lbctl: changes made through them rewrite it
 # in this canonical form, and comments are not preserved.
-interfaces: [eth0, eth1]
+interfaces:
+- eth0
+- eth1
 xdp_mode: auto
 forwarding: nat
 control_socket: /run/lbd/lbd.sock
@@ -531,74 +486,75 @@ conntrack_max: 1048576
 table_capacity: 4194304
 tcp_idle_timeout: 900
 udp_idle_timeout: 300
-metrics_listen: \"127.0.0.1:9464\"
+metrics_listen: 127.0.0.1:9464
 services:
-  - name: web
-    vip: 10.10.0.100
-    port: 80
-    protocol: tcp
-    scheduler: maglev
-    table_size: 65537
-    slow_start: 10s
-    health:
-      type: http
-      interval: 500ms
-      timeout: 200ms
-      rise: 2
-      fall: 3
-      path: /healthz
-      expect: 200-299
-      port: 9000
-    backends:
-      - { address: 10.20.0.11, port: 8080, weight: 1 }
-      - { address: 10.20.0.12, port: 8080, weight: 2, drain: true }
-
-  - name: dns
-    vip: 10.10.0.53
+- name: web
+  vip: 10.10.0.100
+  port: 80
+  protocol: tcp
+  scheduler: maglev
+  table_size: 65537
+  slow_start: 10s
+  health:
+    type: http
+    interval: 500ms
+    timeout: 200ms
+    rise: 2
+    fall: 3
+    path: /healthz
+    expect: 200-299
+    port: 9000
+  backends:
+  - address: 10.20.0.11
+    port: 8080
+    weight: 1
+  - address: 10.20.0.12
+    port: 8080
+    weight: 2
+    drain: true
+- name: dns
+  vip: 10.10.0.53
+  port: 53
+  protocol: udp
+  scheduler: source-hash
+  table_size: 251
+  health:
+    type: tcp
+    interval: 2s
+    timeout: 1s
+    rise: 2
+    fall: 3
+    path: /
+    expect: 204
+  backends:
+  - address: 10.20.1.1
     port: 53
-    protocol: udp
-    scheduler: source-hash
-    table_size: 251
-    health:
-      type: tcp
-      interval: 2s
-      timeout: 1s
-      rise: 2
-      fall: 3
-      path: /
-      expect: 204
-    backends:
-      - { address: 10.20.1.1, port: 53, weight: 1 }
+    weight: 1
 ";
         assert_eq!(render(&c), want);
         assert_eq!(parse(want, "x", &AnyInterface).unwrap(), c);
 
         let mut empty = base();
         empty.services.clear();
-        assert!(render(&empty).ends_with("udp_idle_timeout: 300\nmetrics_listen: \"127.0.0.1:9464\"\nservices: []\n"));
+        assert!(render(&empty).ends_with("udp_idle_timeout: 300\nmetrics_listen: 127.0.0.1:9464\nservices: []\n"));
     }
 
-    /// A fresh directory under the system temp dir, removed on drop.
-    struct TempDir(PathBuf);
+    /// A fresh directory (tempfile's), removed on drop.
+    struct TempDir(tempfile::TempDir);
     impl TempDir {
         fn new(tag: &str) -> Self {
-            static N: AtomicU64 = AtomicU64::new(0);
-            let n = N.fetch_add(1, Ordering::Relaxed);
-            let p = std::env::temp_dir().join(format!("lbd-render-{tag}-{}-{n}", std::process::id()));
-            let _ = fs::remove_dir_all(&p);
-            fs::create_dir_all(&p).unwrap();
-            Self(p)
+            Self(tempfile::Builder::new().prefix(&format!("lbd-render-{tag}-")).tempdir().unwrap())
+        }
+        fn path(&self) -> &Path {
+            self.0.path()
         }
         fn entries(&self) -> Vec<String> {
-            let mut v: Vec<String> =
-                fs::read_dir(&self.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            let mut v: Vec<String> = fs::read_dir(self.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
             v.sort();
             v
-        }
-    }
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
         }
     }
 
@@ -609,7 +565,7 @@ services:
     #[test]
     fn write_atomic_creates_and_replaces() {
         let dir = TempDir::new("replace");
-        let path = dir.0.join("lbd.yaml");
+        let path = dir.path().join("lbd.yaml");
         write_atomic(&path, "first\n").unwrap();
         assert_eq!(fs::read_to_string(&path).unwrap(), "first\n");
         assert_eq!(mode(&path), 0o644);
@@ -623,7 +579,7 @@ services:
     #[test]
     fn write_atomic_keeps_mode() {
         let dir = TempDir::new("mode");
-        let path = dir.0.join("lbd.yaml");
+        let path = dir.path().join("lbd.yaml");
         fs::write(&path, "old\n").unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
         let text = render(&base());
@@ -639,8 +595,8 @@ services:
     #[test]
     fn write_atomic_replaces_a_symlinks_target() {
         let dir = TempDir::new("link");
-        let real = dir.0.join("real.yaml");
-        let link = dir.0.join("lbd.yaml");
+        let real = dir.path().join("real.yaml");
+        let link = dir.path().join("lbd.yaml");
         fs::write(&real, "old\n").unwrap();
         std::os::unix::fs::symlink("real.yaml", &link).unwrap();
         write_atomic(&link, "new\n").unwrap();
@@ -653,12 +609,12 @@ services:
     fn write_atomic_failure_leaves_nothing_behind() {
         let dir = TempDir::new("fail");
         // The target is a non-empty directory: the rename fails.
-        let path = dir.0.join("taken");
+        let path = dir.path().join("taken");
         fs::create_dir(&path).unwrap();
         fs::write(path.join("inside"), "x").unwrap();
         assert!(write_atomic(&path, "text").is_err());
         assert_eq!(dir.entries(), ["taken"]);
         // A missing directory is an error, not a panic.
-        assert!(write_atomic(&dir.0.join("missing/lbd.yaml"), "text").is_err());
+        assert!(write_atomic(&dir.path().join("missing/lbd.yaml"), "text").is_err());
     }
 }

@@ -347,7 +347,18 @@ mod tests {
         assert!(new.iter().any(|(o, _)| *o == k(1)), "backend 1 still probed: {new:?}");
         assert!(new.iter().all(|(o, _)| *o == k(1)), "a removed backend is not probed: {new:?}");
         tasks.stop().await;
+        // A probe result already handed to the blocking pool may still land
+        // (it holds the state until done); after that, nothing does.
+        for _ in 0..100 {
+            if Arc::strong_count(&state) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert_eq!(Arc::strong_count(&state), 1, "no loop holds the state after stop");
+        let stopped = lock(&state).observed.len();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(lock(&state).observed.len(), stopped, "no probe after stop");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
