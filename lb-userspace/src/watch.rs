@@ -1,12 +1,19 @@
-//! `lbctl watch`: a live per-backend view refreshed every second, in a
-//! plain terminal (ANSI clear and home only). Keys are read unbuffered; `q`
-//! or Ctrl-C quit and the terminal is restored, also on error.
+//! `lbctl watch`: a live per-backend view refreshed every second. The
+//! terminal (raw mode, size, clearing, keys) is driven by `crossterm`; `q`
+//! or Ctrl-C quit and the terminal is restored, also on error or panic
+//! (a guard's Drop).
 use std::{
     collections::HashMap,
-    io::{Read as _, Write as _},
+    io::{IsTerminal as _, Write as _},
     path::Path,
-    sync::mpsc,
     time::{Duration, Instant},
+};
+
+use crossterm::{
+    cursor::{MoveTo, Show},
+    event::{self, Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers},
+    execute, queue,
+    terminal::{self, Clear, ClearType},
 };
 
 use crate::{
@@ -14,51 +21,44 @@ use crate::{
     report::Status,
 };
 
-/// Puts the terminal in non-canonical, no-echo mode; restores it on drop.
+/// Raw mode (keys unbuffered and unechoed, Ctrl-C as a key) while alive;
+/// the terminal as it was afterwards. Nothing to do when stdin is not a
+/// terminal.
 struct RawMode {
-    saved: Option<libc::termios>,
+    on: bool,
 }
 
 impl RawMode {
     fn enter() -> Self {
-        // SAFETY: tcgetattr/tcsetattr on fd 0 with a valid termios.
-        unsafe {
-            if libc::isatty(0) != 1 {
-                return Self { saved: None };
-            }
-            let mut t: libc::termios = std::mem::zeroed();
-            if libc::tcgetattr(0, &raw mut t) != 0 {
-                return Self { saved: None };
-            }
-            let saved = t;
-            // No line buffering, no echo, and Ctrl-C arrives as a byte we
-            // handle ourselves (so the terminal is always restored).
-            t.c_lflag &= !(libc::ICANON | libc::ECHO | libc::ISIG);
-            t.c_cc[libc::VMIN] = 1;
-            t.c_cc[libc::VTIME] = 0;
-            libc::tcsetattr(0, libc::TCSANOW, &raw const t);
-            Self { saved: Some(saved) }
-        }
+        Self { on: std::io::stdin().is_terminal() && terminal::enable_raw_mode().is_ok() }
     }
 }
 
 impl Drop for RawMode {
     fn drop(&mut self) {
-        if let Some(t) = self.saved {
-            // SAFETY: restoring the attributes read in enter().
-            unsafe { libc::tcsetattr(0, libc::TCSANOW, &raw const t) };
-            print!("\x1b[?25h");
-            let _ = std::io::stdout().flush();
+        if self.on {
+            let _ = terminal::disable_raw_mode();
+            let _ = execute!(std::io::stdout(), Show);
         }
     }
 }
 
+/// Columns of the terminal (100 when it cannot tell).
 fn width() -> usize {
-    // SAFETY: TIOCGWINSZ fills a winsize.
-    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
-    // SAFETY: a plain libc call with valid arguments; it has no other preconditions.
-    let ok = unsafe { libc::ioctl(1, libc::TIOCGWINSZ, &mut ws) } == 0;
-    if ok && ws.ws_col > 0 { ws.ws_col as usize } else { 100 }
+    match terminal::size() {
+        Ok((cols, _)) if cols > 0 => usize::from(cols),
+        _ => 100,
+    }
+}
+
+/// True for the keys that end the view.
+fn quits(k: &KeyEvent) -> bool {
+    k.kind != KeyEventKind::Release
+        && match k.code {
+            KeyCode::Char('q' | 'Q') | KeyCode::Esc => true,
+            KeyCode::Char('c') => k.modifiers.contains(KeyModifiers::CONTROL),
+            _ => false,
+        }
 }
 
 fn human(v: f64) -> String {
@@ -150,36 +150,52 @@ pub fn screen(s: &Status, prev: Option<&Sample>, cols: usize) -> String {
 
 /// Run the view until q or Ctrl-C.
 pub fn run(socket: &Path) -> Result<(), api::ClientError> {
-    let _raw = RawMode::enter();
-    let (tx, rx) = mpsc::channel::<u8>();
-    std::thread::spawn(move || {
-        let mut b = [0u8; 1];
-        while let Ok(1) = std::io::stdin().read(&mut b) {
-            if tx.send(b[0]).is_err() {
-                break;
-            }
-        }
-    });
+    let raw = RawMode::enter();
+    let mut out = std::io::stdout();
     let mut prev: Option<Sample> = None;
     loop {
         let v = api::call(socket, &Request::Status)?;
         let status: Status = serde_json::from_value(v)?;
         let text = screen(&status, prev.as_ref(), width());
-        print!("\x1b[H\x1b[2J{}", text.replace('\n', "\r\n"));
-        let _ = std::io::stdout().flush();
+        let _ = queue!(out, MoveTo(0, 0), Clear(ClearType::All));
+        let _ = write!(out, "{}", text.replace('\n', "\r\n"));
+        let _ = out.flush();
         prev = Some(sample(&status));
         let deadline = Instant::now() + Duration::from_secs(1);
         while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            match rx.recv_timeout(left) {
-                Ok(b'q' | b'Q' | 0x03) => {
-                    println!("\r");
-                    return Ok(());
+            if !raw.on {
+                // No terminal to read keys from: refresh until a signal ends us.
+                std::thread::sleep(left);
+                break;
+            }
+            match event::poll(left) {
+                Ok(true) => {
+                    if let Ok(Event::Key(k)) = event::read()
+                        && quits(&k)
+                    {
+                        let _ = write!(out, "\r\n");
+                        return Ok(());
+                    }
                 }
-                Ok(_) => {}
-                Err(mpsc::RecvTimeoutError::Timeout) => break,
-                // stdin closed: keep refreshing until a signal ends us.
-                Err(mpsc::RecvTimeoutError::Disconnected) => std::thread::sleep(left),
+                Ok(false) => break,
+                Err(_) => std::thread::sleep(left),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q_escape_and_ctrl_c_quit_other_keys_do_not() {
+        let key = |code, modifiers| KeyEvent::new(code, modifiers);
+        assert!(quits(&key(KeyCode::Char('q'), KeyModifiers::NONE)));
+        assert!(quits(&key(KeyCode::Char('Q'), KeyModifiers::SHIFT)));
+        assert!(quits(&key(KeyCode::Esc, KeyModifiers::NONE)));
+        assert!(quits(&key(KeyCode::Char('c'), KeyModifiers::CONTROL)));
+        assert!(!quits(&key(KeyCode::Char('c'), KeyModifiers::NONE)));
+        assert!(!quits(&key(KeyCode::Char('x'), KeyModifiers::NONE)));
     }
 }
