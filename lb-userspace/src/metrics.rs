@@ -1,8 +1,9 @@
 //! Prometheus / OpenMetrics exporter.
 //!
-//! Every scrape builds the exposition from the agent's state and the BPF
-//! maps at that moment (per-CPU counters summed then), so scraping costs the
-//! datapath nothing.
+//! A prometheus-client registry built once: a collector that reads the
+//! agent's state and the BPF maps at every scrape (per-CPU counters summed
+//! then, so scraping costs the datapath nothing), plus the health-check
+//! histograms. The HTTP side is a minimal GET handler (one route).
 
 /// Every series lbd exports (metric family names; histograms also expose
 /// `_bucket`, `_sum` and `_count`, counters are sampled as `<name>`, which
@@ -31,13 +32,15 @@ pub const SERIES: &[&str] = &[
 ];
 
 use std::{
+    fmt,
     sync::{Arc, Mutex},
     time::Duration,
 };
 
 use prometheus_client::{
-    encoding::text::encode,
-    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric as _, MetricEncoder, text::encode},
+    metrics::{MetricType, counter::ConstCounter, family::Family, gauge::ConstGauge, gauge::Gauge},
     registry::Registry,
 };
 use tokio::{
@@ -46,137 +49,233 @@ use tokio::{
 };
 use tracing::{debug, warn};
 
-use crate::{agent::Agent, report};
-
-use crate::health::Labels;
+use crate::{
+    agent::{Agent, BackendState},
+    health::Labels,
+    report::{self, Status},
+};
 
 fn labels(pairs: &[(&str, &str)]) -> Labels {
     pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
 }
 
-/// The exposition (OpenMetrics text) of the agent's state now.
-pub fn exposition(agent: &Agent) -> Result<String, String> {
-    let status = report::status(agent).map_err(|e| e.to_string())?;
-    let mut reg = Registry::default();
-    let conns = Family::<Labels, Counter>::default();
-    let packets = Family::<Labels, Counter>::default();
-    let bytes = Family::<Labels, Counter>::default();
-    let up = Family::<Labels, Gauge>::default();
-    let weight = Family::<Labels, Gauge>::default();
-    let effective = Family::<Labels, Gauge>::default();
-    let active = Family::<Labels, Gauge>::default();
-    let svc_packets = Family::<Labels, Counter>::default();
-    let fairness = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+/// What one scrape reads: the status report and the agent's own counters.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub status: Status,
+    pub flow_entries: u64,
+    pub reloads_ok: u64,
+    pub reloads_failed: u64,
+}
+
+impl Snapshot {
+    pub fn of(agent: &Agent) -> Result<Self, String> {
+        Ok(Self {
+            status: report::status(agent).map_err(|e| e.to_string())?,
+            flow_entries: agent.flow_entries,
+            reloads_ok: agent.reloads_ok,
+            reloads_failed: agent.reloads_failed,
+        })
+    }
+}
+
+/// One family of constant samples, written through the collector's encoder.
+struct Samples {
+    name: &'static str,
+    help: &'static str,
+    kind: MetricType,
+    rows: Vec<(Labels, Value)>,
+}
+
+enum Value {
+    Counter(u64),
+    Gauge(i64),
+    GaugeF(f64),
+}
+
+impl Samples {
+    fn new(name: &'static str, help: &'static str, kind: MetricType) -> Self {
+        Self { name, help, kind, rows: Vec::new() }
+    }
+
+    fn push(&mut self, l: Labels, v: Value) {
+        self.rows.push((l, v));
+    }
+
+    fn encode(&self, encoder: &mut DescriptorEncoder<'_>) -> fmt::Result {
+        fn sample(v: &Value, e: MetricEncoder<'_>) -> fmt::Result {
+            match *v {
+                Value::Counter(c) => ConstCounter::new(c).encode(e),
+                Value::Gauge(g) => ConstGauge::new(g).encode(e),
+                Value::GaugeF(g) => ConstGauge::new(g).encode(e),
+            }
+        }
+        let mut family = encoder.encode_descriptor(self.name, self.help, None, self.kind)?;
+        match self.rows.as_slice() {
+            // One sample without labels: `name value`, not `name{} value`.
+            [(l, v)] if l.is_empty() => sample(v, family),
+            rows => rows.iter().try_for_each(|(l, v)| sample(v, family.encode_family(l)?)),
+        }
+    }
+}
+
+/// Every series of a snapshot, in the order they are exposed.
+fn families(snap: &Snapshot) -> Vec<Samples> {
+    use MetricType::{Counter, Gauge};
+    let status = &snap.status;
+    let mut conns = Samples::new("lb_backend_connections", "New flows scheduled onto the backend", Counter);
+    let mut packets =
+        Samples::new("lb_backend_packets", "Packets through the balancer per backend and direction", Counter);
+    let mut bytes =
+        Samples::new("lb_backend_bytes", "Bytes (frames) through the balancer per backend and direction", Counter);
+    let mut up = Samples::new("lb_backend_up", "1 while health checks consider the backend up", Gauge);
+    let mut weight = Samples::new("lb_backend_weight", "Configured weight", Gauge);
+    let mut effective = Samples::new(
+        "lb_backend_effective_weight",
+        "Weight the scheduler uses now (0 when down or drained; slow start on a 10x scale)",
+        Gauge,
+    );
+    let mut active = Samples::new("lb_backend_active_flows", "Flows open now (opened - closed - expired)", Gauge);
+    let mut svc_packets =
+        Samples::new("lb_service_packets", "Packets through the balancer per service, both directions", Counter);
+    let mut fairness =
+        Samples::new("lb_service_fairness", "Jain's fairness index over weight-normalised new flows", Gauge);
     for s in &status.services {
         let mut total = 0u64;
         for b in &s.backends {
             let be = format!("{}:{}", b.address, b.port);
             let l = labels(&[("service", &s.name), ("backend", &be)]);
-            conns.get_or_create(&l).inc_by(b.new_flows);
+            conns.push(l.clone(), Value::Counter(b.new_flows));
             for (dir, p, by) in [("in", b.packets_in, b.bytes_in), ("out", b.packets_out, b.bytes_out)] {
                 let ld = labels(&[("service", &s.name), ("backend", &be), ("direction", dir)]);
-                packets.get_or_create(&ld).inc_by(p);
-                bytes.get_or_create(&ld).inc_by(by);
+                packets.push(ld.clone(), Value::Counter(p));
+                bytes.push(ld, Value::Counter(by));
             }
-            up.get_or_create(&l).set(i64::from(b.state != crate::agent::BackendState::Down));
-            weight.get_or_create(&l).set(i64::from(b.weight));
-            effective.get_or_create(&l).set(i64::from(b.effective_weight));
-            active.get_or_create(&l).set(b.active_flows as i64);
+            up.push(l.clone(), Value::Gauge(i64::from(b.state != BackendState::Down)));
+            weight.push(l.clone(), Value::Gauge(i64::from(b.weight)));
+            effective.push(l.clone(), Value::Gauge(i64::from(b.effective_weight)));
+            active.push(l, Value::Gauge(i64::try_from(b.active_flows).unwrap_or(i64::MAX)));
             total += b.packets_in + b.packets_out;
         }
         let l = labels(&[("service", &s.name)]);
-        svc_packets.get_or_create(&l).inc_by(total);
+        svc_packets.push(l.clone(), Value::Counter(total));
         if let Some(f) = s.fairness {
-            fairness.get_or_create(&l).set(f);
+            fairness.push(l, Value::GaugeF(f));
         }
     }
-    let dropped = Family::<Labels, Counter>::default();
-    let fallback = Family::<Labels, Counter>::default();
-    let redirected = Counter::<u64>::default();
-    let partial = Counter::<u64>::default();
-    for (reason, v) in &status.counters {
+    let mut dropped = Samples::new("lb_dropped_packets", "Packets the datapath dropped, by reason", Counter);
+    let mut fallback = Samples::new(
+        "lb_kernel_fallback_packets",
+        "Rewritten packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL)",
+        Counter,
+    );
+    let mut redirected =
+        Samples::new("lb_xdp_redirect_packets", "Rewritten packets that left by XDP redirect", Counter);
+    let mut partial = Samples::new(
+        "lb_partial_checksum_packets",
+        "Packets whose TCP/UDP checksum arrived unfinished (local senders behind a veth)",
+        Counter,
+    );
+    for (reason, &v) in &status.counters {
         match reason.as_str() {
-            "xdp_redirect" => {
-                redirected.inc_by(*v);
-            }
-            "csum_partial" => {
-                partial.inc_by(*v);
-            }
+            "xdp_redirect" => redirected.push(Labels::new(), Value::Counter(v)),
+            "csum_partial" => partial.push(Labels::new(), Value::Counter(v)),
             "fib_fallback" | "kernel_egress" | "ttl_expired" => {
-                fallback.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
+                fallback.push(labels(&[("reason", reason)]), Value::Counter(v));
             }
-            _ => {
-                dropped.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
-            }
+            _ => dropped.push(labels(&[("reason", reason)]), Value::Counter(v)),
         }
     }
-    let modes = Family::<Labels, Gauge>::default();
+    let mut modes =
+        Samples::new("lb_interface_xdp_mode", "The XDP mode in use per attached interface (always 1)", Gauge);
     for a in &status.interfaces {
-        modes.get_or_create(&labels(&[("interface", &a.interface), ("mode", a.mode.name())])).set(1);
+        modes.push(labels(&[("interface", &a.interface), ("mode", a.mode.name())]), Value::Gauge(1));
     }
-    let path = Family::<Labels, Gauge>::default();
+    let mut path = Samples::new(
+        "lb_forwarding_path",
+        "Path packets take from an ingress interface to an egress interface (always 1; see the path label)",
+        Gauge,
+    );
     for r in &status.paths {
-        path.get_or_create(&labels(&[
+        let l = labels(&[
             ("ingress", &r.ingress),
             ("mode", r.mode.name()),
             ("egress", &r.egress),
             ("path", r.path.label()),
-        ]))
-        .set(1);
+        ]);
+        path.push(l, Value::Gauge(1));
     }
-    let entries = Gauge::<i64>::default();
-    entries.set(agent.flow_entries as i64);
-    let reloads = Family::<Labels, Counter>::default();
-    reloads.get_or_create(&labels(&[("result", "ok")])).inc_by(agent.reloads_ok);
-    reloads.get_or_create(&labels(&[("result", "rejected")])).inc_by(agent.reloads_failed);
-
-    reg.register("lb_backend_connections", "New flows scheduled onto the backend", conns);
-    reg.register("lb_backend_packets", "Packets through the balancer per backend and direction", packets);
-    reg.register("lb_backend_bytes", "Bytes (frames) through the balancer per backend and direction", bytes);
-    reg.register("lb_backend_up", "1 while health checks consider the backend up", up);
-    reg.register("lb_backend_weight", "Configured weight", weight);
-    reg.register(
-        "lb_backend_effective_weight",
-        "Weight the scheduler uses now (0 when down or drained; slow start on a 10x scale)",
+    let mut entries =
+        Samples::new("lb_flow_table_entries", "Flow table entries (two per flow), as of the last sweep", Gauge);
+    entries.push(Labels::new(), Value::Gauge(i64::try_from(snap.flow_entries).unwrap_or(i64::MAX)));
+    let mut reloads = Samples::new("lb_config_reloads", "Configuration reloads by result", Counter);
+    reloads.push(labels(&[("result", "ok")]), Value::Counter(snap.reloads_ok));
+    reloads.push(labels(&[("result", "rejected")]), Value::Counter(snap.reloads_failed));
+    vec![
+        conns,
+        packets,
+        bytes,
+        up,
+        weight,
         effective,
-    );
-    reg.register("lb_backend_active_flows", "Flows open now (opened - closed - expired)", active);
-    reg.register("lb_service_packets", "Packets through the balancer per service, both directions", svc_packets);
-    reg.register("lb_service_fairness", "Jain's fairness index over weight-normalised new flows", fairness);
-    reg.register("lb_dropped_packets", "Packets the datapath dropped, by reason", dropped);
-    reg.register(
-        "lb_kernel_fallback_packets",
-        "Rewritten packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL)",
+        active,
+        svc_packets,
+        fairness,
+        dropped,
         fallback,
-    );
-    reg.register("lb_xdp_redirect_packets", "Rewritten packets that left by XDP redirect", redirected);
-    reg.register(
-        "lb_partial_checksum_packets",
-        "Packets whose TCP/UDP checksum arrived unfinished (local senders behind a veth)",
+        redirected,
         partial,
-    );
-    reg.register("lb_interface_xdp_mode", "The XDP mode in use per attached interface (always 1)", modes);
-    reg.register(
-        "lb_forwarding_path",
-        "Path packets take from an ingress interface to an egress interface (always 1; see the path label)",
+        modes,
         path,
-    );
-    reg.register("lb_flow_table_entries", "Flow table entries (two per flow), as of the last sweep", entries);
-    reg.register(
-        "lb_health_check_duration_seconds",
-        "Duration of successful health checks",
-        agent.health_metrics.duration.clone(),
-    );
-    reg.register("lb_health_check_failures", "Failed health checks", agent.health_metrics.failures.clone());
-    reg.register("lb_config_reloads", "Configuration reloads by result", reloads);
+        entries,
+        reloads,
+    ]
+}
+
+/// Reads the agent's state at every scrape (per-CPU counters summed then),
+/// so scraping costs the datapath nothing and nothing is copied between
+/// scrapes.
+struct StatusCollector {
+    agent: Arc<Mutex<Agent>>,
+}
+
+impl fmt::Debug for StatusCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("StatusCollector")
+    }
+}
+
+impl Collector for StatusCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> fmt::Result {
+        let snap = {
+            let a = self.agent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            Snapshot::of(&a)
+        };
+        let snap = snap.map_err(|e| {
+            warn!(error = %e, "metrics: reading the datapath failed");
+            fmt::Error
+        })?;
+        for f in families(&snap) {
+            f.encode(&mut encoder)?;
+        }
+        Ok(())
+    }
+}
+
+/// The exporter's registry: the status collector, the health-check
+/// histograms (which accumulate between scrapes) and the build info.
+pub fn registry(agent: Arc<Mutex<Agent>>) -> Registry {
+    let mut reg = Registry::default();
+    let health = agent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).health_metrics.clone();
+    reg.register_collector(Box::new(StatusCollector { agent }));
+    reg.register("lb_health_check_duration_seconds", "Duration of successful health checks", health.duration);
+    reg.register("lb_health_check_failures", "Failed health checks", health.failures);
     // A gauge fixed at 1 rather than an OpenMetrics `info` family: the
     // Prometheus text-format tools (promtool) know no `info` type.
     let build = Family::<Labels, Gauge>::default();
     build.get_or_create(&labels(&[("version", env!("CARGO_PKG_VERSION"))])).set(1);
     reg.register("lb_build_info", "Build information (always 1)", build);
-    let mut out = String::new();
-    encode(&mut out, &reg).map_err(|e| e.to_string())?;
-    Ok(out)
+    reg
 }
 
 /// The Prometheus text format (0.0.4) of an OpenMetrics exposition, for
@@ -206,12 +305,13 @@ pub fn to_prometheus_text(openmetrics: &str) -> String {
 
 /// Serve `GET /metrics` until the task is dropped.
 pub async fn serve(listener: TcpListener, agent: Arc<Mutex<Agent>>) {
+    let registry = Arc::new(registry(agent));
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let agent = agent.clone();
+                let registry = registry.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = handle(stream, agent).await {
+                    if let Err(e) = handle(stream, registry).await {
                         debug!(error = %e, "metrics connection");
                     }
                 });
@@ -224,7 +324,7 @@ pub async fn serve(listener: TcpListener, agent: Arc<Mutex<Agent>>) {
     }
 }
 
-async fn handle(mut stream: TcpStream, agent: Arc<Mutex<Agent>>) -> std::io::Result<()> {
+async fn handle(mut stream: TcpStream, registry: Arc<Registry>) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -249,8 +349,8 @@ async fn handle(mut stream: TcpStream, agent: Arc<Mutex<Agent>>) -> std::io::Res
         ("404 Not Found", "text/plain", "metrics are at /metrics\n".to_owned())
     } else {
         let r = tokio::task::spawn_blocking(move || {
-            let a = agent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            exposition(&a)
+            let mut text = String::new();
+            encode(&mut text, &registry).map(|()| text).map_err(|_| "reading the datapath failed".to_owned())
         })
         .await
         .unwrap_or_else(|e| Err(e.to_string()));
@@ -270,7 +370,104 @@ async fn handle(mut stream: TcpStream, agent: Arc<Mutex<Agent>>) -> std::io::Res
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
+    use crate::{
+        config::Protocol,
+        report::{BackendStatus, ServiceStatus},
+        sched::Scheduler,
+    };
+
+    /// Encodes a fixed snapshot, as the status collector does.
+    #[derive(Debug)]
+    struct Fixed(Snapshot);
+    impl Collector for Fixed {
+        fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> fmt::Result {
+            for f in families(&self.0) {
+                f.encode(&mut encoder)?;
+            }
+            Ok(())
+        }
+    }
+
+    fn backend(last: u8, new_flows: u64, state: BackendState) -> BackendStatus {
+        BackendStatus {
+            address: std::net::Ipv4Addr::new(10, 20, 0, last),
+            port: 8080,
+            weight: 2,
+            effective_weight: if state == BackendState::Down { 0 } else { 2 },
+            state,
+            new_flows,
+            packets_in: 10,
+            bytes_in: 1000,
+            packets_out: 8,
+            bytes_out: 900,
+            active_flows: 3,
+            expected_share: 0.5,
+            observed_share: 0.5,
+            response_time_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_scrape_reads_the_snapshot_with_every_series_name_and_label() {
+        let status = Status {
+            program_id: Some(7),
+            interfaces: Vec::new(),
+            paths: Vec::new(),
+            counters: BTreeMap::from([
+                ("xdp_redirect".to_owned(), 40),
+                ("kernel_egress".to_owned(), 2),
+                ("no_backend".to_owned(), 5),
+                ("csum_partial".to_owned(), 1),
+            ]),
+            services: vec![ServiceStatus {
+                name: "web".into(),
+                vip: std::net::Ipv4Addr::new(10, 10, 0, 100),
+                port: 80,
+                protocol: Protocol::Tcp,
+                scheduler: Scheduler::Maglev,
+                new_flows: 12,
+                fairness: Some(0.98),
+                backends: vec![backend(11, 5, BackendState::Up), backend(12, 7, BackendState::Down)],
+            }],
+        };
+        let snap = Snapshot { status, flow_entries: 24, reloads_ok: 3, reloads_failed: 1 };
+        let mut reg = Registry::default();
+        reg.register_collector(Box::new(Fixed(snap)));
+        let mut text = String::new();
+        encode(&mut text, &reg).unwrap();
+        for line in [
+            "# TYPE lb_backend_connections counter",
+            "lb_backend_connections_total{service=\"web\",backend=\"10.20.0.11:8080\"} 5",
+            "lb_backend_connections_total{service=\"web\",backend=\"10.20.0.12:8080\"} 7",
+            "lb_backend_packets_total{service=\"web\",backend=\"10.20.0.11:8080\",direction=\"out\"} 8",
+            "lb_backend_bytes_total{service=\"web\",backend=\"10.20.0.12:8080\",direction=\"in\"} 1000",
+            "lb_backend_up{service=\"web\",backend=\"10.20.0.12:8080\"} 0",
+            "lb_backend_effective_weight{service=\"web\",backend=\"10.20.0.12:8080\"} 0",
+            "lb_backend_active_flows{service=\"web\",backend=\"10.20.0.11:8080\"} 3",
+            "lb_service_packets_total{service=\"web\"} 36",
+            "lb_service_fairness{service=\"web\"} 0.98",
+            "lb_dropped_packets_total{reason=\"no_backend\"} 5",
+            "lb_kernel_fallback_packets_total{reason=\"kernel_egress\"} 2",
+            "lb_xdp_redirect_packets_total 40",
+            "lb_partial_checksum_packets_total 1",
+            "lb_flow_table_entries 24",
+            "lb_config_reloads_total{result=\"rejected\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+        // Every family the collector writes is a documented series.
+        for name in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split(' ').next()) {
+            let exposed = if text.contains(&format!("# TYPE {name} counter")) {
+                format!("{name}_total")
+            } else {
+                name.to_owned()
+            };
+            assert!(SERIES.contains(&exposed.as_str()), "{exposed} is not in SERIES");
+        }
+    }
 
     #[test]
     fn prometheus_text_names_counters_with_total_and_drops_eof() {
