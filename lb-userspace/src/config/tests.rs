@@ -1,0 +1,191 @@
+//! Tests of parsing and validation.
+use super::*;
+
+struct Fake;
+impl Environment for Fake {
+    fn interface_exists(&self, name: &str) -> bool {
+        name == "eth0" || name == "eth1"
+    }
+}
+
+const GOOD: &str = r#"
+interfaces: [eth0, eth1]
+xdp_mode: auto
+forwarding: nat
+control_socket: /run/lbd/lbd.sock
+conntrack_max: 1048576
+services:
+  - name: web
+vip: 10.10.0.100
+port: 80
+protocol: tcp
+backends:
+  - { address: 10.20.0.11, port: 8080, weight: 1 }
+  - { address: 10.20.0.12, port: 8080, weight: 2 }
+"#;
+
+fn problems(text: &str) -> Vec<Problem> {
+    parse(text, "lab.yaml", &Fake).expect_err("config should be rejected").problems
+}
+
+fn only(text: &str) -> Problem {
+    let p = problems(text);
+    assert_eq!(p.len(), 1, "expected exactly one problem, got {p:#?}");
+    p.into_iter().next().unwrap()
+}
+
+#[test]
+fn good_config_parses_with_defaults() {
+    let c = parse(GOOD, "lab.yaml", &Fake).unwrap();
+    assert_eq!(c.interfaces, vec!["eth0", "eth1"]);
+    assert_eq!(c.xdp_mode, XdpMode::Auto);
+    assert_eq!(c.services.len(), 1);
+    let s = &c.services[0];
+    assert_eq!(s.scheduler, Scheduler::Maglev);
+    assert_eq!(s.table_size, 65537);
+    assert_eq!(
+        s.backends[1],
+        BackendConfig { address: "10.20.0.12".parse().unwrap(), port: 8080, weight: 2, drain: false }
+    );
+    assert_eq!(s.health.kind, ProbeKind::None);
+    assert_eq!(s.slow_start, None);
+    assert_eq!(c.pin_path, PathBuf::from(DEFAULT_PIN_PATH));
+}
+
+#[test]
+fn unknown_key_is_named_with_its_path() {
+    let p = only(&GOOD.replace("weight: 2", "wieght: 2"));
+    assert_eq!(p.file, "lab.yaml");
+    assert_eq!(p.field, "services[0].backends[1].wieght");
+    assert!(p.reason.contains("unknown key"), "{p}");
+}
+
+#[test]
+fn invalid_address_is_rejected() {
+    let p = only(&GOOD.replace("10.20.0.12", "10.20.0.300"));
+    assert_eq!(p.field, "services[0].backends[1].address");
+    assert!(p.reason.contains("not an IPv4 address"), "{p}");
+    let p = only(&GOOD.replace("vip: 10.10.0.100", "vip: 224.0.0.1"));
+    assert_eq!(p.field, "services[0].vip");
+}
+
+#[test]
+fn duplicate_vip_is_rejected() {
+    let text = format!(
+        "{GOOD}  - name: web2\n    vip: 10.10.0.100\n    port: 80\n    backends: [{{ address: 10.20.0.13, port: 80 }}]\n"
+    );
+    let p = only(&text);
+    assert_eq!(p.field, "services[1].vip");
+    assert!(p.reason.contains("duplicate VIP 10.10.0.100:80/tcp"), "{p}");
+    // The same address and port over UDP is a different VIP.
+    let udp = text.replace("    port: 80\n    backends: [", "    port: 80\n    protocol: udp\n    backends: [");
+    parse(&udp, "lab.yaml", &Fake).unwrap();
+}
+
+#[test]
+fn negative_and_non_numeric_weights_are_rejected() {
+    let p = only(&GOOD.replace("weight: 2", "weight: -1"));
+    assert_eq!(p.field, "services[0].backends[1].weight");
+    assert!(p.reason.contains("negative"), "{p}");
+    let p = only(&GOOD.replace("weight: 2", "weight: heavy"));
+    assert_eq!(p.field, "services[0].backends[1].weight");
+    assert!(p.reason.contains("the string \"heavy\""), "{p}");
+    let p = only(&GOOD.replace("weight: 2", "weight: 70000"));
+    assert!(p.reason.contains("out of range"), "{p}");
+}
+
+#[test]
+fn missing_port_is_rejected() {
+    let p = only(&GOOD.replace("    port: 80\n", ""));
+    assert_eq!(p.field, "services[0].port");
+    assert!(p.reason.contains("missing"), "{p}");
+    let p = only(&GOOD.replace("10.20.0.12, port: 8080,", "10.20.0.12,"));
+    assert_eq!(p.field, "services[0].backends[1].port");
+}
+
+#[test]
+fn missing_interface_is_rejected() {
+    let p = only(&GOOD.replace("[eth0, eth1]", "[eth0, eth9]"));
+    assert_eq!(p.field, "interfaces[1]");
+    assert!(p.reason.contains("no network interface named \"eth9\""), "{p}");
+}
+
+#[test]
+fn every_problem_is_listed_at_once() {
+    let text = GOOD
+        .replace("[eth0, eth1]", "[eth0, eth7]")
+        .replace("weight: 2", "weight: -3")
+        .replace("xdp_mode: auto", "xdp_mode: turbo")
+        .replace("    port: 80\n", "    port: 0\n");
+    let p = problems(&text);
+    let fields: Vec<_> = p.iter().map(|p| p.field.as_str()).collect();
+    assert_eq!(fields, ["interfaces[1]", "xdp_mode", "services[0].port", "services[0].backends[1].weight"]);
+    let shown = ConfigError { problems: p }.to_string();
+    assert!(shown.lines().all(|l| l.starts_with("lab.yaml: ")), "{shown}");
+}
+
+#[test]
+fn table_size_must_be_prime_and_schedulers_known() {
+    let p = only(&GOOD.replace("protocol: tcp", "protocol: tcp\n    table_size: 65536"));
+    assert_eq!(p.field, "services[0].table_size");
+    let p = only(&GOOD.replace("protocol: tcp", "protocol: tcp\n    scheduler: random"));
+    assert_eq!(p.field, "services[0].scheduler");
+    let c = parse(&GOOD.replace("protocol: tcp", "protocol: tcp\n    scheduler: source-hash"), "f", &Fake).unwrap();
+    assert_eq!(c.services[0].scheduler, Scheduler::SourceHash);
+}
+
+#[test]
+fn health_slow_start_and_drain_parse_and_validate() {
+    let text = GOOD.replace(
+        "    protocol: tcp\n",
+        "    protocol: tcp\n    slow_start: 10s\n    health: { type: http, interval: 500ms, timeout: 200ms, rise: 2, fall: 3, path: /healthz, expect: 200-299, port: 9000 }\n",
+    )
+    .replace("weight: 2 }", "weight: 2, drain: true }");
+    let c = parse(&text, "f", &Fake).unwrap();
+    let s = &c.services[0];
+    assert_eq!(s.slow_start, Some(Duration::from_secs(10)));
+    assert_eq!(s.health.kind, ProbeKind::Http);
+    assert_eq!(s.health.interval, Duration::from_millis(500));
+    assert_eq!(s.health.timeout, Duration::from_millis(200));
+    assert_eq!((s.health.rise, s.health.fall), (2, 3));
+    assert_eq!(s.health.path, "/healthz");
+    assert_eq!(s.health.expect, (200, 299));
+    assert_eq!(s.health.port, Some(9000));
+    assert!(s.backends[1].drain);
+    assert_eq!(s.backends[1].admin_weight(), 0);
+
+    let bad = GOOD.replace(
+        "    protocol: tcp\n",
+        "    protocol: tcp\n    slow_start: soon\n    health: { type: ping, interval: 1s, timeout: 2s, expect: 700 }\n",
+    );
+    let fields: Vec<String> = problems(&bad).into_iter().map(|p| p.field).collect();
+    assert_eq!(fields, ["services[0].health.type", "services[0].health.expect", "services[0].slow_start"],);
+    let p =
+        only(&GOOD.replace(
+            "    protocol: tcp\n",
+            "    protocol: tcp\n    health: { type: tcp, interval: 1s, timeout: 2s }\n",
+        ));
+    assert_eq!(p.field, "services[0].health.timeout");
+}
+
+#[test]
+fn durations_and_status_ranges() {
+    assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+    assert_eq!(parse_duration("2s"), Some(Duration::from_secs(2)));
+    assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+    assert_eq!(parse_duration("1m"), Some(Duration::from_secs(60)));
+    assert_eq!(parse_duration("3"), Some(Duration::from_secs(3)));
+    assert_eq!(parse_duration("-1s"), None);
+    assert_eq!(parse_duration("fast"), None);
+    assert_eq!(parse_status_range("200-399"), Some((200, 399)));
+    assert_eq!(parse_status_range("204"), Some((204, 204)));
+    assert_eq!(parse_status_range("399-200"), None);
+    assert_eq!(parse_status_range("99"), None);
+}
+
+#[test]
+fn not_yaml_is_reported_with_location() {
+    let p = only("interfaces: [eth0\nservices: {");
+    assert_eq!(p.file, "lab.yaml");
+    assert!(p.reason.starts_with("not valid YAML"), "{p}");
+}
