@@ -16,12 +16,12 @@ control_socket: /run/lbd/lbd.sock
 conntrack_max: 1048576
 services:
   - name: web
-vip: 10.10.0.100
-port: 80
-protocol: tcp
-backends:
-  - { address: 10.20.0.11, port: 8080, weight: 1 }
-  - { address: 10.20.0.12, port: 8080, weight: 2 }
+    vip: 10.10.0.100
+    port: 80
+    protocol: tcp
+    backends:
+      - { address: 10.20.0.11, port: 8080, weight: 1 }
+      - { address: 10.20.0.12, port: 8080, weight: 2 }
 "#;
 
 fn problems(text: &str) -> Vec<Problem> {
@@ -137,10 +137,10 @@ fn table_size_must_be_prime_and_schedulers_known() {
 #[test]
 fn health_slow_start_and_drain_parse_and_validate() {
     let text = GOOD.replace(
-        "    protocol: tcp\n",
-        "    protocol: tcp\n    slow_start: 10s\n    health: { type: http, interval: 500ms, timeout: 200ms, rise: 2, fall: 3, path: /healthz, expect: 200-299, port: 9000 }\n",
-    )
-    .replace("weight: 2 }", "weight: 2, drain: true }");
+            "    protocol: tcp\n",
+            "    protocol: tcp\n    slow_start: 10s\n    health: { type: http, interval: 500ms, timeout: 200ms, rise: 2, fall: 3, path: /healthz, expect: 200-299, port: 9000 }\n",
+        )
+        .replace("weight: 2 }", "weight: 2, drain: true }");
     let c = parse(&text, "f", &Fake).unwrap();
     let s = &c.services[0];
     assert_eq!(s.slow_start, Some(Duration::from_secs(10)));
