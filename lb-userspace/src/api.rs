@@ -200,11 +200,9 @@ pub fn bind(path: &Path) -> Result<UnixListener, ApiError> {
     }
     // Create the socket file without group/other bits from the start, so
     // there is no moment in which another user could connect.
-    // SAFETY: umask only changes this process's file-creation mask.
-    let old = unsafe { libc::umask(0o177) };
+    let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
     let listener = UnixListener::bind(path);
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
+    rustix::process::umask(old);
     let listener = listener.map_err(io)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
     Ok(listener)
@@ -233,8 +231,7 @@ pub async fn serve(listener: UnixListener, dp: Arc<Mutex<Agent>>) {
 async fn connection(stream: UnixStream, dp: Arc<Mutex<Agent>>) -> std::io::Result<()> {
     // Only root (or whoever runs lbd) may drive the balancer; the file mode
     // already says so, this guards against a loosened mode.
-    // SAFETY: a plain libc call with valid arguments; it has no other preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = rustix::process::geteuid().as_raw();
     let peer = stream.peer_cred()?.uid();
     let (rd, mut wr) = stream.into_split();
     let mut rd = TokioBufReader::new(rd);

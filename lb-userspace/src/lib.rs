@@ -39,8 +39,7 @@ pub mod watch;
 
 /// True when running as root (needed to load BPF and attach XDP).
 pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
+    rustix::process::geteuid().is_root()
 }
 
 #[cfg(test)]
