@@ -32,6 +32,13 @@ pub const SCHED_SEQUENCE: u32 = 2;
 /// drawn from the (weighted) selection table, the one with fewer active
 /// flows per unit of weight wins.
 pub const SCHED_LEAST_CONN: u32 = 3;
+/// Least response time: the same two choices, where the weights already
+/// carry the response times (userspace divides them). Two candidates of
+/// the same weight (same response-time step) are taken as the table drew
+/// them: their active-flow counts differ by momentary noise, which would
+/// otherwise skew the split between backends that are alike. Candidates of
+/// different weights are compared on (active + 1) per unit of weight.
+pub const SCHED_LEAST_TIME: u32 = 4;
 
 /// [`Service::flags`]: the service has no backend able to take new flows;
 /// new flows are dropped and counted.

@@ -8,8 +8,8 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use lb_common::{
-    BACKEND_NONE, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service, flow_hash,
-    source_hash,
+    BACKEND_NONE, SCHED_LEAST_CONN, SCHED_LEAST_TIME, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service,
+    flow_hash, source_hash,
 };
 
 use crate::{
@@ -40,7 +40,8 @@ pub(crate) fn pick(svc: &Service, pkt: &Packet) -> u32 {
             (n % u64::from(len)) as u32
         }
         SCHED_SOURCE_HASH => source_hash(pkt.saddr) % len,
-        SCHED_LEAST_CONN => return least_conn(svc, len),
+        SCHED_LEAST_CONN => return least_conn(svc, len, false),
+        SCHED_LEAST_TIME => return least_conn(svc, len, true),
         _ => flow_hash(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % len,
     };
     // idx < len and userspace keeps [off, off + len) inside SELECT; the map
@@ -53,9 +54,10 @@ pub(crate) fn pick(svc: &Service, pkt: &Packet) -> u32 {
 
 /// Power of two choices over the weighted table: draw two entries at
 /// random, keep the backend with fewer active flows per unit of weight
-/// (compared as a1 * w2 <= a2 * w1, so no division).
+/// (compared as a1 * w2 <= a2 * w1, so no division). For least time
+/// (`by_time`), see `lb_common::SCHED_LEAST_TIME`.
 #[inline(always)]
-fn least_conn(svc: &Service, len: u32) -> u32 {
+fn least_conn(svc: &Service, len: u32, by_time: bool) -> u32 {
     // SAFETY: plain helper calls.
     let (r1, r2) = unsafe { (bpf_get_prandom_u32(), bpf_get_prandom_u32()) };
     let b1 = match SELECT.get(svc.table_off.wrapping_add(r1 % len)) {
@@ -73,5 +75,13 @@ fn least_conn(svc: &Service, len: u32) -> u32 {
         (Some(x), Some(y)) => (u64::from(x.weight), u64::from(y.weight)),
         _ => return b1,
     };
-    if stats::active(b1) * w2 <= stats::active(b2) * w1 { b1 } else { b2 }
+    let (a1, a2) = (stats::active(b1), stats::active(b2));
+    if !by_time {
+        return if a1 * w2 <= a2 * w1 { b1 } else { b2 };
+    }
+    if w1 == w2 {
+        return b1;
+    }
+    // (a + 1): an idle backend still counts by its weight.
+    if (a1 + 1) * w2 <= (a2 + 1) * w1 { b1 } else { b2 }
 }

@@ -15,7 +15,7 @@
 //! per-packet rule, a branch there.
 use std::{fmt, time::Duration};
 
-use lb_common::{SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_SEQUENCE, SCHED_SOURCE_HASH};
+use lb_common::{SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_LEAST_TIME, SCHED_SEQUENCE, SCHED_SOURCE_HASH};
 use serde::{Deserialize, Deserializer, Serialize, Serializer, de::Error as _};
 
 pub mod maglev;
@@ -115,10 +115,12 @@ impl Scheduler {
         match self {
             Self::Maglev => SCHED_FLOW_HASH,
             Self::SourceHash => SCHED_SOURCE_HASH,
+            Self::LeastConn => SCHED_LEAST_CONN,
             // Two random choices compared on active flows per unit of
             // weight: with the weight divided by the response time, that
-            // compares active flows x response time.
-            Self::LeastConn | Self::LeastTime => SCHED_LEAST_CONN,
+            // compares active flows x response time (see select.rs for
+            // backends alike).
+            Self::LeastTime => SCHED_LEAST_TIME,
             Self::Wrr | Self::Rr => SCHED_SEQUENCE,
         }
     }
@@ -313,7 +315,7 @@ mod tests {
         assert!(
             Scheduler::LeastTime.validate(&Pool { table_size: 7, weights: &w, measures_response: true }).is_empty()
         );
-        assert_eq!(Scheduler::LeastTime.datapath_id(), SCHED_LEAST_CONN);
+        assert_eq!(Scheduler::LeastTime.datapath_id(), SCHED_LEAST_TIME);
     }
 
     #[test]
