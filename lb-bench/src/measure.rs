@@ -287,6 +287,33 @@ impl Bench {
 
     /// The harness restores what FRAME holds whatever the packet held, by
     /// words and (for other lengths) by the helper.
+    /// Control-plane write time: a weight change on the `maglev` service
+    /// (a 65,537-entry table), from `apply` to the VIP entry pointing at the
+    /// new table, `n` times; milliseconds each. The changes are spaced past
+    /// the table-region grace period, so no allocation waits.
+    pub(crate) fn weight_changes(&mut self, n: usize) -> anyhow::Result<Vec<f64>> {
+        let mut svcs = services();
+        ensure!(svcs[0].name == "maglev" && svcs[0].table_size == 65537, "the first service is the Maglev one");
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            let w = if i % 2 == 0 { 2 } else { 1 };
+            svcs[0].backends[0].weight = w;
+            let t = Instant::now();
+            self.dp.apply_admin(&svcs).context("weight change")?;
+            out.push(t.elapsed().as_secs_f64() * 1e3);
+            let live = self
+                .dp
+                .services()
+                .find(|a| a.config.name == "maglev")
+                .and_then(|a| a.backends.first())
+                .map(|b| b.runtime.weight);
+            ensure!(live == Some(w), "the weight change did not land: {live:?}");
+            std::thread::sleep(std::time::Duration::from_millis(250));
+        }
+        self.dp.apply_admin(&services()).context("restoring the weights")?;
+        Ok(out)
+    }
+
     pub(crate) fn self_test(&mut self) -> anyhow::Result<()> {
         let frames = [
             tcp(CLIENT, 40000, VIP, 80, lb_testkit::frame::tcp::ACK).bytes(),

@@ -6,6 +6,7 @@
 //! `lb_common::maps` gives userspace: the checks at the end of this file
 //! fail the build otherwise.
 use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
@@ -30,8 +31,10 @@ pub(crate) static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKEND
 /// Selection tables of all services, back to back: each entry is a backend
 /// id. Sized by userspace at load time; one service's table is the slice
 /// `[table_off, table_off + table_len)` named by its `Service` value.
+/// Memory-mappable: userspace writes a whole table with plain stores
+/// instead of one syscall per entry.
 #[map]
-pub(crate) static SELECT: Array<u32> = Array::with_max_entries(1, 0);
+pub(crate) static SELECT: Array<u32> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 
 /// Per-service position in a sequence table (round robin / WRR), shared by
 /// all CPUs and advanced with an atomic add.

@@ -42,7 +42,7 @@ mod sweep;
 
 use alloc::{Ids, Regions};
 use attach::Attached;
-use maps::{Maps, map_err};
+use maps::{Maps, SelectMemory, map_err};
 pub use sweep::{CLOSED_LINGER, SweepReport, monotonic_coarse_secs};
 
 /// The XDP program, built by build.rs and embedded in the binary.
@@ -141,6 +141,8 @@ pub struct Dataplane {
     ebpf: Ebpf,
     /// Every map, taken out of `ebpf` at load.
     maps: Maps,
+    /// SELECT mapped into memory (None: an old pinned map, written by syscall).
+    select_memory: Option<SelectMemory>,
     attached: Vec<Attached>,
     /// bpffs directory of this datapath; None for a private, unpinned one.
     pin: Option<PathBuf>,
@@ -222,9 +224,16 @@ impl Dataplane {
         prog.load()?;
         let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
         let maps = Maps::take(&mut ebpf)?;
+        let select_memory = SelectMemory::map(&maps.select);
+        if select_memory.is_none() {
+            warn!(
+                "the selection-table array cannot be memory-mapped (pinned by an older version): tables are written entry by entry until a clean restart"
+            );
+        }
         let mut dp = Self {
             ebpf,
             maps,
+            select_memory,
             attached: Vec::new(),
             pin: pin.map(Path::to_path_buf),
             adopted: HashMap::new(),

@@ -172,7 +172,18 @@ impl Dataplane {
             .map(|b| Member { id: b.id, key: backend_key(b.config.address, b.config.port), weight: b.runtime.weight })
             .collect();
         let scheduler = cfg.scheduler.datapath_id();
-        let table = cfg.scheduler.build(&members, cfg.table_size);
+        // The table depends only on the configuration and the members: an
+        // untouched service keeps its table without rebuilding it (a weight
+        // change elsewhere then costs one build, not one per service).
+        let same_input = prev.as_ref().is_some_and(|p| {
+            p.config == *cfg
+                && p.backends.len() == backends.len()
+                && p.backends.iter().zip(&backends).all(|(o, n)| o.id == n.id && o.runtime == n.runtime)
+        });
+        let table = match &prev {
+            Some(p) if same_input && !p.table.is_empty() => p.table.clone(),
+            _ => cfg.scheduler.build(&members, cfg.table_size),
+        };
         let flags = if table.iter().all(|&b| b == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
         let region = match &prev {
             Some(p) if p.table == table => p.region,
@@ -184,9 +195,12 @@ impl Dataplane {
                     need: len,
                     capacity: self.table_capacity,
                 })?;
-                let sel = &mut self.maps.select;
-                for (i, &b) in table.iter().enumerate() {
-                    sel.set(off + i as u32, b, 0).map_err(map_err(names::SELECT))?;
+                let mapped = self.select_memory.as_mut().is_some_and(|m| m.write(off, &table));
+                if !mapped {
+                    let sel = &mut self.maps.select;
+                    for (i, &b) in table.iter().enumerate() {
+                        sel.set(off + i as u32, b, 0).map_err(map_err(names::SELECT))?;
+                    }
                 }
                 Some((off, len))
             }
