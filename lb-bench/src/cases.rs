@@ -49,13 +49,15 @@ pub(crate) fn backend_mac(addr: Ipv4Addr) -> [u8; 6] {
 }
 
 /// Katran's XDP balancer on this kernel, same method (from the issue).
+/// Katran's figures, measured elsewhere: only as multiples of its own
+/// XDP_TX floor (machine speed cancels), never as nanoseconds.
 pub(crate) mod katran {
-    pub(crate) const ESTABLISHED: f64 = 58.5;
-    pub(crate) const NEW_FLOW: f64 = 160.0;
-    pub(crate) const NON_VIP: f64 = 26.5;
-    pub(crate) const FLOOR_TX: f64 = 6.0;
-    pub(crate) const TEXT: &str = "Katran's XDP balancer (IPIP encapsulation, no FIB lookup) on this kernel, same method: \
-established flow about 55-62 ns, new flow with LRU insert about 160 ns, non-VIP packet 26-27 ns; floor XDP_TX about 6 ns.";
+    pub(crate) const ESTABLISHED_X: f64 = 5.6;
+    pub(crate) const NEW_FLOW_X: f64 = 20.0;
+    pub(crate) const NON_VIP_X: f64 = 2.8;
+    pub(crate) const SOURCE: &str = "Katran (default build, per-CPU LRUs of 4M entries, fresh 5-tuples per new flow), \
+measured through BPF_PROG_TEST_RUN with a restoring harness on a 2-core machine of this kind, kernel 6.18, \
+in November 2026 (issue 11's measurement), in units of its own XDP_TX floor (about 22.5 ns there); not measured in this run";
 }
 
 /// An HTTP-ish payload of `n` bytes.
@@ -168,7 +170,7 @@ pub(crate) fn items() -> Vec<Item> {
             frame: est.clone(),
             expect: Expect::Tx,
             service: None,
-            katran: Some(katran::FLOOR_TX),
+            katran: None,
         },
         Item {
             key: "harness_restore",
@@ -212,7 +214,7 @@ pub(crate) fn items() -> Vec<Item> {
             frame: est,
             expect: Expect::Redirect,
             service: Some("maglev"),
-            katran: Some(katran::ESTABLISHED),
+            katran: Some(katran::ESTABLISHED_X),
         },
     ];
     for (key, name, port) in [
@@ -231,7 +233,7 @@ pub(crate) fn items() -> Vec<Item> {
             frame: tcp(NEW_FLOW_BASE, 1, VIP, port, SYN).bytes(),
             expect: Expect::Redirect,
             service: Some(name),
-            katran: Some(katran::NEW_FLOW),
+            katran: Some(katran::NEW_FLOW_X),
         });
     }
     v.push(Item {
@@ -243,7 +245,7 @@ pub(crate) fn items() -> Vec<Item> {
         frame: udp(CLIENT, 5353, VIP, 53).bytes(),
         expect: Expect::Redirect,
         service: Some("dns"),
-        katran: Some(katran::ESTABLISHED),
+        katran: Some(katran::ESTABLISHED_X),
     });
     v.push(Item {
         key: "ipv6",
@@ -271,7 +273,7 @@ pub(crate) fn items() -> Vec<Item> {
         frame: tcp(CLIENT, 40000, NON_VIP, 80, ACK).bytes(),
         expect: Expect::Pass,
         service: None,
-        katran: Some(katran::NON_VIP),
+        katran: Some(katran::NON_VIP_X),
     });
     for i in &v {
         assert_eq!(i.frame.len(), FRAME_LEN, "{}: frame length", i.key);
