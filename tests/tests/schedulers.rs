@@ -209,6 +209,12 @@ fn least_time_sends_little_to_a_backend_that_answers_50ms_later() {
         assert_eq!(Lbd::new_flows(&status, "web", addr), Some(c[i]), "lbd and the client disagree on {addr}: {c:?}");
     }
     println!("least-time, be1 answers after 50 ms, 30 clients for 10 s: {c:?}");
+    for b in status["services"][0]["backends"].as_array().unwrap() {
+        println!(
+            "  {} estimate {} ms, effective weight {}",
+            b["address"], b["response_time_ms"], b["effective_weight"]
+        );
+    }
     assert!(c[0] * 3 < c[1] && c[0] * 3 < c[2], "slow backend got {} vs {} and {}", c[0], c[1], c[2]);
     let (lo, hi) = (c[1].min(c[2]) as f64, c[1].max(c[2]) as f64);
     assert!(hi <= lo * 1.1, "the two fast backends differ by more than 10%: {c:?}");
