@@ -44,9 +44,9 @@ fn restore() {
 }
 
 /// While alive: raw mode (keys unbuffered and unechoed, Ctrl-C as a key)
-/// when stdin is a terminal, the alternate screen with the cursor hidden
-/// when stdout is one. Dropping it restores the terminal. Nothing to do
-/// when neither is a terminal.
+/// when stdin is a terminal, and then the alternate screen with the cursor
+/// hidden when stdout is one too. Dropping it restores the terminal.
+/// Nothing to do when stdin is not a terminal.
 struct Terminal {
     /// Keys can be read (raw mode is on).
     keys: bool,
@@ -62,11 +62,13 @@ impl Terminal {
                 previous(info);
             }));
         });
-        if std::io::stdout().is_terminal() && execute!(std::io::stdout(), EnterAlternateScreen, Hide).is_ok() {
-            ALTERNATE.store(true, Ordering::SeqCst);
-        }
         let keys = std::io::stdin().is_terminal() && terminal::enable_raw_mode().is_ok();
         RAW.store(keys, Ordering::SeqCst);
+        // Only with keys: without raw mode Ctrl-C is a signal that ends the
+        // process before it could leave the alternate screen.
+        if keys && std::io::stdout().is_terminal() && execute!(std::io::stdout(), EnterAlternateScreen, Hide).is_ok() {
+            ALTERNATE.store(true, Ordering::SeqCst);
+        }
         Self { keys }
     }
 }
