@@ -1,9 +1,10 @@
 //! Prometheus / OpenMetrics exporter.
 //!
-//! A prometheus-client registry built once: a collector that reads the
-//! agent's state and the BPF maps at every scrape (per-CPU counters summed
-//! then, so scraping costs the datapath nothing), plus the health-check
-//! histograms. The HTTP side is a minimal GET handler (one route).
+//! A prometheus-client registry built once: a collector
+//! (`prometheus_client::collector::Collector`, writing constant counters and
+//! gauges) that reads the agent's state and the BPF maps at every scrape
+//! (per-CPU counters summed then, so scraping costs the datapath nothing),
+//! plus the health-check histograms. The HTTP side is a minimal GET handler (one route).
 
 /// Every series lbd exports (metric family names; histograms also expose
 /// `_bucket`, `_sum` and `_count`, counters are sampled as `<name>`, which
@@ -110,7 +111,11 @@ impl Samples {
                 Value::GaugeF(g) => ConstGauge::new(g).encode(e),
             }
         }
-        let mut family = encoder.encode_descriptor(self.name, self.help, None, self.kind)?;
+        // `Registry::register` ends every help text with a period, a
+        // collector's descriptor is written as given: add it, so the HELP
+        // lines read as they did when these families were registered.
+        let help = format!("{}.", self.help);
+        let mut family = encoder.encode_descriptor(self.name, &help, None, self.kind)?;
         match self.rows.as_slice() {
             // One sample without labels: `name value`, not `name{} value`.
             [(l, v)] if l.is_empty() => sample(v, family),
@@ -176,16 +181,21 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         "Packets whose TCP/UDP checksum arrived unfinished (local senders behind a veth)",
         Counter,
     );
+    // The two unlabelled counters always have their one sample (0 when the
+    // datapath reports none), as registered plain counters had.
+    let (mut redirects, mut partials) = (0, 0);
     for (reason, &v) in &status.counters {
         match reason.as_str() {
-            "xdp_redirect" => redirected.push(Labels::new(), Value::Counter(v)),
-            "csum_partial" => partial.push(Labels::new(), Value::Counter(v)),
+            "xdp_redirect" => redirects = v,
+            "csum_partial" => partials = v,
             "fib_fallback" | "kernel_egress" | "ttl_expired" => {
                 fallback.push(labels(&[("reason", reason)]), Value::Counter(v));
             }
             _ => dropped.push(labels(&[("reason", reason)]), Value::Counter(v)),
         }
     }
+    redirected.push(Labels::new(), Value::Counter(redirects));
+    partial.push(Labels::new(), Value::Counter(partials));
     let mut modes =
         Samples::new("lb_interface_xdp_mode", "The XDP mode in use per attached interface (always 1)", Gauge);
     for a in &status.interfaces {
@@ -375,6 +385,8 @@ mod tests {
     use super::*;
     use crate::{
         config::Protocol,
+        dataplane::Attachment,
+        paths::PathReport,
         report::{BackendStatus, ServiceStatus},
         sched::Scheduler,
     };
@@ -410,15 +422,27 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_scrape_reads_the_snapshot_with_every_series_name_and_label() {
+    /// A snapshot with two backends (one down), every kind of datapath
+    /// counter, an interface and a forwarding path.
+    fn fixed() -> Snapshot {
         let status = Status {
             program_id: Some(7),
-            interfaces: Vec::new(),
-            paths: Vec::new(),
+            interfaces: vec![Attachment {
+                interface: "lb0".into(),
+                mode: crate::paths::Mode::Generic,
+                reason: "asked".into(),
+            }],
+            paths: vec![PathReport {
+                ingress: "lb0".into(),
+                mode: crate::paths::Mode::Generic,
+                egress: "lb1".into(),
+                path: crate::paths::Path::Kernel,
+                reason: "generic mode".into(),
+            }],
             counters: BTreeMap::from([
                 ("xdp_redirect".to_owned(), 40),
                 ("kernel_egress".to_owned(), 2),
+                ("fib_fallback".to_owned(), 0),
                 ("no_backend".to_owned(), 5),
                 ("csum_partial".to_owned(), 1),
             ]),
@@ -433,11 +457,192 @@ mod tests {
                 backends: vec![backend(11, 5, BackendState::Up), backend(12, 7, BackendState::Down)],
             }],
         };
-        let snap = Snapshot { status, flow_entries: 24, reloads_ok: 3, reloads_failed: 1 };
+        Snapshot { status, flow_entries: 24, reloads_ok: 3, reloads_failed: 1 }
+    }
+
+    /// An agent with nothing configured and a datapath that reports nothing.
+    fn empty() -> Snapshot {
+        let status = Status {
+            program_id: None,
+            interfaces: Vec::new(),
+            paths: Vec::new(),
+            counters: BTreeMap::new(),
+            services: Vec::new(),
+        };
+        Snapshot { status, flow_entries: 0, reloads_ok: 0, reloads_failed: 0 }
+    }
+
+    /// What a scrape of the collector writes for `snap`.
+    fn scrape(snap: Snapshot) -> String {
         let mut reg = Registry::default();
         reg.register_collector(Box::new(Fixed(snap)));
         let mut text = String::new();
         encode(&mut text, &reg).unwrap();
+        text
+    }
+
+    /// The exposition as the exporter wrote it before the collector: a
+    /// registry rebuilt per scrape, counters set with `inc_by` (the code as
+    /// it was, less the health histograms and build info, which are
+    /// registered the same way in both).
+    fn before_collector(snap: &Snapshot) -> String {
+        use prometheus_client::metrics::counter::Counter;
+        let status = &snap.status;
+        let mut reg = Registry::default();
+        let conns = Family::<Labels, Counter>::default();
+        let packets = Family::<Labels, Counter>::default();
+        let bytes = Family::<Labels, Counter>::default();
+        let up = Family::<Labels, Gauge>::default();
+        let weight = Family::<Labels, Gauge>::default();
+        let effective = Family::<Labels, Gauge>::default();
+        let active = Family::<Labels, Gauge>::default();
+        let svc_packets = Family::<Labels, Counter>::default();
+        let fairness = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        for s in &status.services {
+            let mut total = 0u64;
+            for b in &s.backends {
+                let be = format!("{}:{}", b.address, b.port);
+                let l = labels(&[("service", &s.name), ("backend", &be)]);
+                conns.get_or_create(&l).inc_by(b.new_flows);
+                for (dir, p, by) in [("in", b.packets_in, b.bytes_in), ("out", b.packets_out, b.bytes_out)] {
+                    let ld = labels(&[("service", &s.name), ("backend", &be), ("direction", dir)]);
+                    packets.get_or_create(&ld).inc_by(p);
+                    bytes.get_or_create(&ld).inc_by(by);
+                }
+                up.get_or_create(&l).set(i64::from(b.state != BackendState::Down));
+                weight.get_or_create(&l).set(i64::from(b.weight));
+                effective.get_or_create(&l).set(i64::from(b.effective_weight));
+                active.get_or_create(&l).set(i64::try_from(b.active_flows).unwrap());
+                total += b.packets_in + b.packets_out;
+            }
+            let l = labels(&[("service", &s.name)]);
+            svc_packets.get_or_create(&l).inc_by(total);
+            if let Some(f) = s.fairness {
+                fairness.get_or_create(&l).set(f);
+            }
+        }
+        let dropped = Family::<Labels, Counter>::default();
+        let fallback = Family::<Labels, Counter>::default();
+        let redirected = Counter::<u64>::default();
+        let partial = Counter::<u64>::default();
+        for (reason, v) in &status.counters {
+            match reason.as_str() {
+                "xdp_redirect" => {
+                    redirected.inc_by(*v);
+                }
+                "csum_partial" => {
+                    partial.inc_by(*v);
+                }
+                "fib_fallback" | "kernel_egress" | "ttl_expired" => {
+                    fallback.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
+                }
+                _ => {
+                    dropped.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
+                }
+            }
+        }
+        let modes = Family::<Labels, Gauge>::default();
+        for a in &status.interfaces {
+            modes.get_or_create(&labels(&[("interface", &a.interface), ("mode", a.mode.name())])).set(1);
+        }
+        let path = Family::<Labels, Gauge>::default();
+        for r in &status.paths {
+            path.get_or_create(&labels(&[
+                ("ingress", &r.ingress),
+                ("mode", r.mode.name()),
+                ("egress", &r.egress),
+                ("path", r.path.label()),
+            ]))
+            .set(1);
+        }
+        let entries = Gauge::<i64>::default();
+        entries.set(i64::try_from(snap.flow_entries).unwrap());
+        let reloads = Family::<Labels, Counter>::default();
+        reloads.get_or_create(&labels(&[("result", "ok")])).inc_by(snap.reloads_ok);
+        reloads.get_or_create(&labels(&[("result", "rejected")])).inc_by(snap.reloads_failed);
+
+        reg.register("lb_backend_connections", "New flows scheduled onto the backend", conns);
+        reg.register("lb_backend_packets", "Packets through the balancer per backend and direction", packets);
+        reg.register("lb_backend_bytes", "Bytes (frames) through the balancer per backend and direction", bytes);
+        reg.register("lb_backend_up", "1 while health checks consider the backend up", up);
+        reg.register("lb_backend_weight", "Configured weight", weight);
+        reg.register(
+            "lb_backend_effective_weight",
+            "Weight the scheduler uses now (0 when down or drained; slow start on a 10x scale)",
+            effective,
+        );
+        reg.register("lb_backend_active_flows", "Flows open now (opened - closed - expired)", active);
+        reg.register("lb_service_packets", "Packets through the balancer per service, both directions", svc_packets);
+        reg.register("lb_service_fairness", "Jain's fairness index over weight-normalised new flows", fairness);
+        reg.register("lb_dropped_packets", "Packets the datapath dropped, by reason", dropped);
+        reg.register(
+            "lb_kernel_fallback_packets",
+            "Rewritten packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL)",
+            fallback,
+        );
+        reg.register("lb_xdp_redirect_packets", "Rewritten packets that left by XDP redirect", redirected);
+        reg.register(
+            "lb_partial_checksum_packets",
+            "Packets whose TCP/UDP checksum arrived unfinished (local senders behind a veth)",
+            partial,
+        );
+        reg.register("lb_interface_xdp_mode", "The XDP mode in use per attached interface (always 1)", modes);
+        reg.register(
+            "lb_forwarding_path",
+            "Path packets take from an ingress interface to an egress interface (always 1; see the path label)",
+            path,
+        );
+        reg.register("lb_flow_table_entries", "Flow table entries (two per flow), as of the last sweep", entries);
+        reg.register("lb_config_reloads", "Configuration reloads by result", reloads);
+        let mut out = String::new();
+        encode(&mut out, &reg).unwrap();
+        out
+    }
+
+    /// An exposition as (family, its HELP/TYPE/UNIT lines, its samples
+    /// sorted) in the order written: a registry's family keeps its samples
+    /// in a hash map, so their order is not part of the format.
+    fn parsed(text: &str) -> Vec<(String, Vec<String>, Vec<String>)> {
+        let mut out: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
+        for line in text.lines() {
+            if line == "# EOF" {
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let name = rest.split(' ').next().unwrap().to_owned();
+                out.push((name, vec![line.to_owned()], Vec::new()));
+                continue;
+            }
+            let (_, meta, samples) = out.last_mut().unwrap_or_else(|| panic!("{line:?} before any family"));
+            if line.starts_with('#') { meta } else { samples }.push(line.to_owned());
+        }
+        for (_, _, samples) in &mut out {
+            samples.sort();
+        }
+        out
+    }
+
+    #[test]
+    fn the_collector_writes_what_the_rebuilt_registry_wrote() {
+        for snap in [fixed(), empty()] {
+            let now = scrape(snap.clone());
+            let before = before_collector(&snap);
+            assert_eq!(parsed(&now), parsed(&before), "collector:\n{now}\nbefore:\n{before}");
+            assert!(now.ends_with("# EOF\n"), "{now}");
+        }
+        // Without any datapath counter the unlabelled counters still have
+        // their sample.
+        let text = scrape(empty());
+        for line in
+            ["lb_xdp_redirect_packets_total 0", "lb_partial_checksum_packets_total 0", "lb_flow_table_entries 0"]
+        {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn a_scrape_reads_the_snapshot_with_every_series_name_and_label() {
+        let text = scrape(fixed());
         for line in [
             "# TYPE lb_backend_connections counter",
             "lb_backend_connections_total{service=\"web\",backend=\"10.20.0.11:8080\"} 5",
@@ -455,6 +660,9 @@ mod tests {
             "lb_partial_checksum_packets_total 1",
             "lb_flow_table_entries 24",
             "lb_config_reloads_total{result=\"rejected\"} 1",
+            "lb_config_reloads_total{result=\"ok\"} 3",
+            "lb_interface_xdp_mode{interface=\"lb0\",mode=\"generic\"} 1",
+            "lb_forwarding_path{ingress=\"lb0\",mode=\"generic\",egress=\"lb1\",path=\"kernel\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
         }

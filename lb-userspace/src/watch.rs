@@ -1,19 +1,25 @@
 //! `lbctl watch`: a live per-backend view refreshed every second. The
-//! terminal (raw mode, size, clearing, keys) is driven by `crossterm`; `q`
-//! or Ctrl-C quit and the terminal is restored, also on error or panic
-//! (a guard's Drop).
+//! terminal (raw mode, alternate screen, size, clearing, keys) is driven by
+//! `crossterm`; `q` or Ctrl-C quit and the terminal is restored on every
+//! exit: a guard's Drop on return, error or unwinding panic, and a panic
+//! hook that restores it before the panic message is printed (so the
+//! message lands on the normal screen, not the alternate one).
 use std::{
     collections::HashMap,
     io::{IsTerminal as _, Write as _},
     path::Path,
+    sync::{
+        Once,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use crossterm::{
-    cursor::{MoveTo, Show},
+    cursor::{Hide, MoveTo, Show},
     event::{self, Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers},
     execute, queue,
-    terminal::{self, Clear, ClearType},
+    terminal::{self, Clear, ClearType, EnterAlternateScreen, LeaveAlternateScreen},
 };
 
 use crate::{
@@ -21,25 +27,55 @@ use crate::{
     report::Status,
 };
 
-/// Raw mode (keys unbuffered and unechoed, Ctrl-C as a key) while alive;
-/// the terminal as it was afterwards. Nothing to do when stdin is not a
-/// terminal.
-struct RawMode {
-    on: bool,
-}
+/// Raw mode is on (this process changed the terminal's mode).
+static RAW: AtomicBool = AtomicBool::new(false);
+/// The alternate screen is shown (and the cursor hidden).
+static ALTERNATE: AtomicBool = AtomicBool::new(false);
 
-impl RawMode {
-    fn enter() -> Self {
-        Self { on: std::io::stdin().is_terminal() && terminal::enable_raw_mode().is_ok() }
+/// Put the terminal back as it was; each step once, however often called
+/// (the panic hook and then the guard's Drop both call it on a panic).
+fn restore() {
+    if ALTERNATE.swap(false, Ordering::SeqCst) {
+        let _ = execute!(std::io::stdout(), Show, LeaveAlternateScreen);
+    }
+    if RAW.swap(false, Ordering::SeqCst) {
+        let _ = terminal::disable_raw_mode();
     }
 }
 
-impl Drop for RawMode {
-    fn drop(&mut self) {
-        if self.on {
-            let _ = terminal::disable_raw_mode();
-            let _ = execute!(std::io::stdout(), Show);
+/// While alive: raw mode (keys unbuffered and unechoed, Ctrl-C as a key)
+/// when stdin is a terminal, and then the alternate screen with the cursor
+/// hidden when stdout is one too. Dropping it restores the terminal.
+/// Nothing to do when stdin is not a terminal.
+struct Terminal {
+    /// Keys can be read (raw mode is on).
+    keys: bool,
+}
+
+impl Terminal {
+    fn enter() -> Self {
+        static HOOK: Once = Once::new();
+        HOOK.call_once(|| {
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                restore();
+                previous(info);
+            }));
+        });
+        let keys = std::io::stdin().is_terminal() && terminal::enable_raw_mode().is_ok();
+        RAW.store(keys, Ordering::SeqCst);
+        // Only with keys: without raw mode Ctrl-C is a signal that ends the
+        // process before it could leave the alternate screen.
+        if keys && std::io::stdout().is_terminal() && execute!(std::io::stdout(), EnterAlternateScreen, Hide).is_ok() {
+            ALTERNATE.store(true, Ordering::SeqCst);
         }
+        Self { keys }
+    }
+}
+
+impl Drop for Terminal {
+    fn drop(&mut self) {
+        restore();
     }
 }
 
@@ -150,7 +186,7 @@ pub fn screen(s: &Status, prev: Option<&Sample>, cols: usize) -> String {
 
 /// Run the view until q or Ctrl-C.
 pub fn run(socket: &Path) -> Result<(), api::ClientError> {
-    let raw = RawMode::enter();
+    let term = Terminal::enter();
     let mut out = std::io::stdout();
     let mut prev: Option<Sample> = None;
     loop {
@@ -163,7 +199,7 @@ pub fn run(socket: &Path) -> Result<(), api::ClientError> {
         prev = Some(sample(&status));
         let deadline = Instant::now() + Duration::from_secs(1);
         while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-            if !raw.on {
+            if !term.keys {
                 // No terminal to read keys from: refresh until a signal ends us.
                 std::thread::sleep(left);
                 break;
