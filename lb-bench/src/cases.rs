@@ -39,7 +39,8 @@ pub(crate) const NON_VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 7);
 pub(crate) const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 1, 1);
 /// New flows: the harness adds (n >> 16) to this address, port = n & 0xffff.
 pub(crate) const NEW_FLOW_BASE: Ipv4Addr = Ipv4Addr::new(10, 10, 64, 1);
-pub(crate) const BACKEND_PORT: u16 = 8080;
+/// Flows put in the table before the "full table" variant of each case.
+pub(crate) const FILL: u32 = 1 << 20;
 pub(crate) const BACKENDS: [Ipv4Addr; 3] =
     [Ipv4Addr::new(10, 20, 0, 11), Ipv4Addr::new(10, 20, 0, 12), Ipv4Addr::new(10, 20, 0, 13)];
 pub(crate) const CONNTRACK_MAX: u32 = 4 << 20;
@@ -109,6 +110,7 @@ pub(crate) enum Expect {
 }
 
 /// One thing timed every round.
+#[derive(Clone)]
 pub(crate) struct Item {
     pub key: &'static str,
     pub label: String,
@@ -120,6 +122,25 @@ pub(crate) struct Item {
     /// Service whose counters must move (VIP cases).
     pub service: Option<&'static str>,
     pub katran: Option<f64>,
+    /// A reply: the frame is rebuilt from the backend the forward frame
+    /// `frame` is sent to (run first, which makes the flow).
+    pub reply: bool,
+    /// Flows put in the table before the case runs (0: an empty table).
+    pub fill: u32,
+}
+
+/// The port every backend of `service` listens on: its own per service,
+/// as in a real pool, except `maglev-shared`, whose backends are
+/// `maglev`'s (an endpoint shared between two services).
+pub(crate) fn backend_port(service: &str) -> u16 {
+    match service {
+        "maglev" | "maglev-shared" => 8080,
+        "wrr" => 8081,
+        "rr" => 8082,
+        "source-hash" => 8083,
+        "least-conn" => 8084,
+        _ => 8053,
+    }
 }
 
 pub(crate) fn services() -> Vec<ServiceConfig> {
@@ -134,7 +155,7 @@ pub(crate) fn services() -> Vec<ServiceConfig> {
         slow_start: None,
         backends: BACKENDS
             .iter()
-            .map(|&address| BackendConfig { address, port: BACKEND_PORT, weight: 1, drain: false })
+            .map(|&address| BackendConfig { address, port: backend_port(name), weight: 1, drain: false })
             .collect(),
     };
     vec![
@@ -144,6 +165,7 @@ pub(crate) fn services() -> Vec<ServiceConfig> {
         svc("source-hash", 83, Protocol::Tcp, Scheduler::SourceHash),
         svc("least-conn", 84, Protocol::Tcp, Scheduler::LeastConn),
         svc("dns", 53, Protocol::Udp, Scheduler::Maglev),
+        svc("maglev-shared", 85, Protocol::Tcp, Scheduler::Maglev),
     ]
 }
 
@@ -160,6 +182,8 @@ pub(crate) fn items() -> Vec<Item> {
             expect: Expect::Pass,
             service: None,
             katran: None,
+            reply: false,
+            fill: 0,
         },
         Item {
             key: "floor_tx",
@@ -171,6 +195,8 @@ pub(crate) fn items() -> Vec<Item> {
             expect: Expect::Tx,
             service: None,
             katran: None,
+            reply: false,
+            fill: 0,
         },
         Item {
             key: "harness_restore",
@@ -182,6 +208,8 @@ pub(crate) fn items() -> Vec<Item> {
             expect: Expect::Pass,
             service: None,
             katran: None,
+            reply: false,
+            fill: 0,
         },
         Item {
             key: "harness_tx",
@@ -193,6 +221,8 @@ pub(crate) fn items() -> Vec<Item> {
             expect: Expect::Tx,
             service: None,
             katran: None,
+            reply: false,
+            fill: 0,
         },
         Item {
             key: "harness_new",
@@ -204,17 +234,34 @@ pub(crate) fn items() -> Vec<Item> {
             expect: Expect::Pass,
             service: None,
             katran: None,
+            reply: false,
+            fill: 0,
         },
         Item {
             key: "tcp_established",
             label: "TCP established flow (maglev)".into(),
-            path: "flow hit, NAT, FIB, REDIRECT",
+            path: "flow hit, NAT, cached next hop, REDIRECT",
+            prog: Prog::Lb,
+            via: Via::Harness(MODE_RESTORE),
+            frame: est.clone(),
+            expect: Expect::Redirect,
+            service: Some("maglev"),
+            katran: Some(katran::ESTABLISHED_X),
+            reply: false,
+            fill: 0,
+        },
+        Item {
+            key: "tcp_reply",
+            label: "TCP reply (maglev)".into(),
+            path: "endpoint, flow hit, NAT, cached next hop, REDIRECT",
             prog: Prog::Lb,
             via: Via::Harness(MODE_RESTORE),
             frame: est,
             expect: Expect::Redirect,
             service: Some("maglev"),
-            katran: Some(katran::ESTABLISHED_X),
+            katran: None,
+            reply: true,
+            fill: 0,
         },
     ];
     for (key, name, port) in [
@@ -223,29 +270,42 @@ pub(crate) fn items() -> Vec<Item> {
         ("new_rr", "rr", 82),
         ("new_source_hash", "source-hash", 83),
         ("new_least_conn", "least-conn", 84),
+        ("new_shared", "maglev-shared", 85),
     ] {
+        let (label, path) = if name == "maglev-shared" {
+            (
+                "TCP new flow, maglev, endpoints shared".to_owned(),
+                "flow miss, VIP, pick, 2 inserts (reply entry), NAT, REDIRECT",
+            )
+        } else {
+            (format!("TCP new flow, {name}"), "flow miss, VIP, pick, 1 insert, NAT, REDIRECT")
+        };
         v.push(Item {
             key,
-            label: format!("TCP new flow, {name}"),
-            path: "flow miss, VIP, pick, 2 inserts, NAT, FIB, REDIRECT",
+            label,
+            path,
             prog: Prog::Lb,
             via: Via::Harness(MODE_NEW_TCP),
             frame: tcp(NEW_FLOW_BASE, 1, VIP, port, SYN).bytes(),
             expect: Expect::Redirect,
             service: Some(name),
             katran: Some(katran::NEW_FLOW_X),
+            reply: false,
+            fill: 0,
         });
     }
     v.push(Item {
         key: "udp_established",
         label: "UDP established flow (maglev)".into(),
-        path: "flow hit, NAT, FIB, REDIRECT",
+        path: "flow hit, NAT, cached next hop, REDIRECT",
         prog: Prog::Lb,
         via: Via::Harness(MODE_RESTORE),
         frame: udp(CLIENT, 5353, VIP, 53).bytes(),
         expect: Expect::Redirect,
         service: Some("dns"),
         katran: Some(katran::ESTABLISHED_X),
+        reply: false,
+        fill: 0,
     });
     v.push(Item {
         key: "ipv6",
@@ -263,6 +323,8 @@ pub(crate) fn items() -> Vec<Item> {
         expect: Expect::Pass,
         service: None,
         katran: None,
+        reply: false,
+        fill: 0,
     });
     v.push(Item {
         key: "non_vip",
@@ -274,9 +336,29 @@ pub(crate) fn items() -> Vec<Item> {
         expect: Expect::Pass,
         service: None,
         katran: Some(katran::NON_VIP_X),
+        reply: false,
+        fill: 0,
     });
     for i in &v {
         assert_eq!(i.frame.len(), FRAME_LEN, "{}: frame length", i.key);
     }
     v
+}
+
+/// The same case with `fill` flows in the table first (the realistic,
+/// cache-missing one); its key ends in `_full`.
+pub(crate) fn full(item: &Item, fill: u32) -> Item {
+    let key: &'static str = Box::leak(format!("{}_full", item.key).into_boxed_str());
+    Item { key, label: format!("{}, {}M flows", item.label, fill >> 20), fill, ..item.clone() }
+}
+
+/// The reply of the flow the forward frame `fwd` made on `backend`.
+pub(crate) fn reply_frame(fwd: &Frame, backend: Ipv4Addr) -> Vec<u8> {
+    let port = backend_port("maglev");
+    Frame {
+        payload: payload(FRAME_LEN - 54),
+        ack_number: 7000,
+        ..Frame::tcp(backend, port, fwd.src, fwd.sport, ACK).macs(GW_B_MAC, backend_mac(backend))
+    }
+    .bytes()
 }

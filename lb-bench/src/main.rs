@@ -59,7 +59,7 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::Value;
 
 use crate::{
-    cases::{CONNTRACK_MAX, Prog, items},
+    cases::{CONNTRACK_MAX, FILL, Prog, full, items},
     measure::{Bench, Sample},
     netns::{Netns, enter_netns, pin_thread},
     report::{HostInfo, read_trim, report},
@@ -102,10 +102,14 @@ pub struct PacketArgs {
     /// new_source_hash, new_least_conn, udp_established, ipv6, non_vip.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
-    /// Flow table size in connections (two entries each). Default 4M, or
-    /// more when --repeat needs it: a new-flow run must never evict.
+    /// Flow table size in connections. Default 4M, or more when --repeat
+    /// and --fill need it: a new-flow run must never evict.
     #[arg(long)]
     pub conntrack_max: Option<u32>,
+    /// Flows put in the table before the "full table" variant of every
+    /// datapath case (0: measure with an empty table only).
+    #[arg(long, default_value_t = FILL)]
+    pub fill: u32,
 }
 
 fn main() {
@@ -134,16 +138,17 @@ impl Drop for StatsOff {
     }
 }
 
-/// Flow table size: 4M connections, more when one run makes more new flows
-/// (each takes two entries), so that no insert ever evicts.
+/// Flow table size: 4M connections, more when the fill and one run make
+/// more entries (a new flow of a service with shared endpoints takes two),
+/// so that no insert ever evicts.
 fn conntrack_max(args: &PacketArgs) -> anyhow::Result<u32> {
-    let need = args.repeat + 16;
+    let need = args.fill.saturating_add(args.repeat.saturating_mul(2)).saturating_add(16);
     match args.conntrack_max {
         Some(n) => {
             ensure!(n >= need, "--conntrack-max {n}: a run of {} new flows needs at least {need}", args.repeat);
             Ok(n)
         }
-        None => Ok(CONNTRACK_MAX.max((args.repeat + 1024).next_power_of_two())),
+        None => Ok(CONNTRACK_MAX.max(need.saturating_add(1024).next_power_of_two())),
     }
 }
 
@@ -213,6 +218,11 @@ fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<Atom
         }
         items.retain(|i| i.prog != Prog::Lb || args.only.iter().any(|k| k == i.key));
     }
+    if args.fill > 0 {
+        let twins: Vec<_> =
+            items.iter().filter(|i| i.prog == Prog::Lb && i.key != "ipv6").map(|i| full(i, args.fill)).collect();
+        items.extend(twins);
+    }
     eprintln!(
         "lb-bench packet: {} cases, {} rounds (+1 warm-up) of {} repeats, pinned to CPU {cpu}",
         items.len(),
@@ -249,6 +259,16 @@ fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<Atom
         "weight_change_median_ms": median,
         "target_ms": 10.0,
         "verdict": verdict,
+    });
+    let n = args.fill.max(1_000_000);
+    let (entries, read_ms, delete_ms) = b.sweep_cost(n)?;
+    println!(
+        "sweeper: {entries} flows read in {read_ms:.0} ms (nothing idle), read and expired in {delete_ms:.0} ms (everything idle), batched"
+    );
+    out["sweeper"] = serde_json::json!({
+        "flows": entries,
+        "read_ms": read_ms,
+        "read_and_expire_ms": delete_ms,
     });
     Ok(out)
 }

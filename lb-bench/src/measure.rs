@@ -4,13 +4,11 @@
 //! programs and reads the maps; every output frame is parsed and its
 //! checksums verified by `lb-testkit` (the `etherparse` crate) and compared
 //! byte for byte with a frame built from scratch. The flow table is emptied
-//! with BPF_MAP_LOOKUP_AND_DELETE_BATCH through `libc::syscall` (aya 0.14
-//! has no batch operations, and deleting 2M entries one by one would take
-//! longer than the measurement).
+//! with `Dataplane::flush_flows` (batched: deleting millions of entries one
+//! by one would take longer than the measurement).
 use std::{
     collections::BTreeMap,
     net::Ipv4Addr,
-    os::fd::AsRawFd as _,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -18,7 +16,7 @@ use std::{
     time::Instant,
 };
 
-use anyhow::{Context as _, anyhow, bail, ensure};
+use anyhow::{Context as _, anyhow, ensure};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, MapData, PerCpuArray, ProgramArray},
@@ -32,8 +30,9 @@ use lb_userspace::{
 
 use crate::{
     cases::{
-        BACKEND_PORT, BACKENDS, CLIENT, Expect, FRAME_MAX, GW_B_MAC, Item, MODE_NEW_TCP, MODE_RESTORE, Prog, VIP, Via,
-        XDP_PASS, XDP_REDIRECT, XDP_TX, backend_mac, payload, services, tcp, udp,
+        BACKENDS, CLIENT, CLIENT_MAC, Expect, FRAME_MAX, GW_A_MAC, GW_B_MAC, Item, MODE_NEW_TCP, MODE_RESTORE,
+        NEW_FLOW_BASE, Prog, VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, backend_mac, backend_port, payload, reply_frame,
+        services, tcp, udp,
     },
     netns::ifindex,
 };
@@ -159,10 +158,9 @@ impl Bench {
         v.get(self.cpu).copied().ok_or_else(|| anyhow!("no COUNTER value for CPU {}", self.cpu))
     }
 
-    /// Empty the flow table (BPF_MAP_LOOKUP_AND_DELETE_BATCH).
+    /// Empty the flow table (in batches: see `Dataplane::flush_flows`).
     fn flush_flows(&mut self) -> anyhow::Result<u64> {
-        let fd = self.dp.flow_table_fd().as_raw_fd();
-        flush_hash_map(fd, size_of::<lb_common::FlowKey>(), size_of::<lb_common::Flow>())
+        Ok(self.dp.flush_flows()?)
     }
 
     /// One BPF_PROG_TEST_RUN of `item` with `repeat` repeats.
@@ -204,19 +202,63 @@ impl Bench {
         Ok(RunOut { retval: res.return_value, out, sample })
     }
 
-    fn service_counters(&self, service: &str) -> anyhow::Result<(u64, u64)> {
+    /// New flows, packets in (client -> backend), packets out (replies).
+    fn service_counters(&self, service: &str) -> anyhow::Result<(u64, u64, u64)> {
         let s = self
             .dp
             .services()
             .find(|s| s.config.name == service)
             .ok_or_else(|| anyhow!("service {service} not applied"))?;
-        let (mut new_flows, mut packets) = (0, 0);
+        let (mut new_flows, mut packets_in, mut packets_out) = (0, 0, 0);
         for b in &s.backends {
             let st = self.dp.backend_stats(b.id)?;
             new_flows += st.new_flows;
-            packets += st.packets_in;
+            packets_in += st.packets_in;
+            packets_out += st.packets_out;
         }
-        Ok((new_flows, packets))
+        Ok((new_flows, packets_in, packets_out))
+    }
+
+    /// Put `n` new flows into the table (fresh 5-tuples to the maglev
+    /// service, made by the datapath itself through the harness).
+    fn fill(&mut self, n: u32) -> anyhow::Result<()> {
+        let item = Item {
+            key: "fill",
+            label: "fill".into(),
+            path: "",
+            prog: Prog::Lb,
+            via: Via::Harness(MODE_NEW_TCP),
+            frame: tcp(NEW_FLOW_BASE, 1, VIP, 80, lb_testkit::frame::tcp::SYN).bytes(),
+            expect: Expect::Redirect,
+            service: Some("maglev"),
+            katran: None,
+            reply: false,
+            fill: 0,
+        };
+        let (nf0, _, _) = self.service_counters("maglev")?;
+        let r = self.run(&item, n)?;
+        let (nf1, _, _) = self.service_counters("maglev")?;
+        ensure!(r.retval == XDP_REDIRECT, "filling the flow table: returned {}", r.retval);
+        ensure!(nf1 - nf0 == u64::from(n), "filling the flow table: {} new flows for {n} packets", nf1 - nf0);
+        Ok(())
+    }
+
+    /// The sweeper's cost at `n` flows: the table is filled, then swept
+    /// once with nothing to expire (a read of every entry) and once with
+    /// everything expired (a read and a delete of every entry); ms each.
+    pub(crate) fn sweep_cost(&mut self, n: u32) -> anyhow::Result<(u64, f64, f64)> {
+        self.flush_flows()?;
+        self.fill(n)?;
+        let now = lb_userspace::dataplane::monotonic_coarse_secs();
+        let t = Instant::now();
+        let keep = self.dp.sweep(now, u64::MAX / 2, u64::MAX / 2)?;
+        let read_ms = t.elapsed().as_secs_f64() * 1e3;
+        ensure!(keep.entries >= u64::from(n) && keep.removed == 0, "sweep of {n} flows: {keep:?}");
+        let t = Instant::now();
+        let all = self.dp.sweep(now + 1_000_000, 1, 1)?;
+        let delete_ms = t.elapsed().as_secs_f64() * 1e3;
+        ensure!(all.removed == keep.entries && all.expired == keep.entries, "expiring {n} flows: {all:?}");
+        Ok((keep.entries, read_ms, delete_ms))
     }
 
     /// Check one run's return value and output frame. For a new flow, the
@@ -262,19 +304,20 @@ impl Bench {
                 );
                 // Parsed, both checksums verified (etherparse).
                 let got = Frame::parse(&r.out).with_context(|| format!("{what}: output {:02x?}", r.out))?;
-                let (dst, dport) = (got.dst, got.dport);
-                ensure!(BACKENDS.contains(&dst), "{what}: destination {dst} is not a backend");
-                ensure!(dport == BACKEND_PORT, "{what}: destination port {dport}, expected {BACKEND_PORT}");
                 let orig = Frame::parse(&seen).with_context(|| format!("{what}: the frame the program saw"))?;
-                let want = Frame {
-                    dmac: backend_mac(dst),
-                    smac: GW_B_MAC,
-                    dst,
-                    dport: BACKEND_PORT,
-                    ttl: orig.ttl - 1,
-                    ..orig
-                }
-                .bytes();
+                let want = if item.reply {
+                    // Back to the client, from the VIP.
+                    let vport = if item.service == Some("dns") { 53 } else { 80 };
+                    Frame { dmac: CLIENT_MAC, smac: GW_A_MAC, src: VIP, sport: vport, ttl: orig.ttl - 1, ..orig }
+                        .bytes()
+                } else {
+                    let (dst, dport) = (got.dst, got.dport);
+                    let port = backend_port(item.service.unwrap_or_default());
+                    ensure!(BACKENDS.contains(&dst), "{what}: destination {dst} is not a backend");
+                    ensure!(dport == port, "{what}: destination port {dport}, expected {port}");
+                    Frame { dmac: backend_mac(dst), smac: GW_B_MAC, dst, dport: port, ttl: orig.ttl - 1, ..orig }
+                        .bytes()
+                };
                 ensure!(
                     r.out == want,
                     "{what}: output differs from the expected frame (checksums recomputed from scratch)\n want {want:02x?}\n out  {:02x?}",
@@ -355,7 +398,23 @@ impl Bench {
         let is_lb = item.prog == Prog::Lb;
         if is_lb {
             self.flush_flows()?;
+            if item.fill > 0 {
+                self.fill(item.fill)?;
+            }
         }
+        let reply;
+        let item = if item.reply {
+            // The forward packet makes the flow; the reply comes from the
+            // backend it went to.
+            let fwd = self.run(item, 1)?;
+            ensure!(fwd.retval == XDP_REDIRECT, "{}: the forward packet returned {}", item.label, fwd.retval);
+            let backend = Frame::parse(&fwd.out)?.dst;
+            let frame = Frame::parse(&item.frame)?;
+            reply = Item { frame: reply_frame(&frame, backend), ..item.clone() };
+            &reply
+        } else {
+            item
+        };
         let new_flow = item.via == Via::Harness(MODE_NEW_TCP);
         // Checked single run (inserts the flow of an established case).
         let c0 = self.new_flow_counter()?;
@@ -394,8 +453,8 @@ impl Bench {
             ensure!(redirected == 0, "{}: {redirected} XDP redirects counted", item.label);
         }
         ensure!(moved.is_empty(), "{}: datapath counters moved during the timed run: {moved:?}", item.label);
-        if let (Some(s), Some((nf0, p0))) = (item.service, stats0) {
-            let (nf1, p1) = self.service_counters(s)?;
+        if let (Some(s), Some((nf0, in0, out0))) = (item.service, stats0) {
+            let (nf1, in1, out1) = self.service_counters(s)?;
             let want_new = if new_flow { u64::from(repeat) } else { 0 };
             ensure!(
                 nf1 - nf0 == want_new,
@@ -403,57 +462,13 @@ impl Bench {
                 item.label,
                 nf1 - nf0
             );
-            ensure!(p1 - p0 == u64::from(repeat), "{}: {} packets forwarded in {repeat} repeats", item.label, p1 - p0);
+            let (moved, other) = if item.reply { (out1 - out0, in1 - in0) } else { (in1 - in0, out1 - out0) };
+            ensure!(
+                moved == u64::from(repeat) && other == 0,
+                "{}: {moved} packets counted in the packet's direction and {other} in the other, in {repeat} repeats",
+                item.label
+            );
         }
         Ok(timed.sample)
-    }
-}
-
-/// Delete every entry of a hash map with BPF_MAP_LOOKUP_AND_DELETE_BATCH.
-fn flush_hash_map(fd: i32, key_size: usize, value_size: usize) -> anyhow::Result<u64> {
-    /// The `batch` member of `union bpf_attr`.
-    #[repr(C)]
-    #[derive(Default)]
-    struct BatchAttr {
-        in_batch: u64,
-        out_batch: u64,
-        keys: u64,
-        values: u64,
-        count: u32,
-        map_fd: u32,
-        elem_flags: u64,
-        flags: u64,
-    }
-    const BPF_MAP_LOOKUP_AND_DELETE_BATCH: libc::c_long = 25;
-    const CHUNK: usize = 1 << 14;
-    let mut keys = vec![0u8; CHUNK * key_size];
-    let mut values = vec![0u8; CHUNK * value_size];
-    let (mut token_in, mut token_out) = (0u64, 0u64);
-    let mut first = true;
-    let mut total = 0u64;
-    loop {
-        let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { &raw const token_in as u64 },
-            out_batch: &raw mut token_out as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: values.as_mut_ptr() as u64,
-            count: CHUNK as u32,
-            map_fd: fd as u32,
-            ..Default::default()
-        };
-        // SAFETY: a valid attr for this command; every buffer outlives the call.
-        let rc = unsafe {
-            libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_AND_DELETE_BATCH, &raw mut attr, size_of::<BatchAttr>())
-        };
-        let err = std::io::Error::last_os_error();
-        total += u64::from(attr.count);
-        if rc != 0 {
-            if err.raw_os_error() == Some(libc::ENOENT) {
-                return Ok(total);
-            }
-            bail!("emptying the flow table: {err}");
-        }
-        first = false;
-        token_in = token_out;
     }
 }

@@ -44,6 +44,13 @@ pub const SCHED_LEAST_TIME: u32 = 4;
 /// new flows are dropped and counted.
 pub const SVC_F_NO_BACKEND: u32 = 1;
 
+/// [`Service::flags`]: a backend (address, port) of this service also
+/// serves another service, which owns its [`ENDPOINTS`](maps::ENDPOINTS)
+/// entry, so replies cannot name this service's VIP from the endpoint
+/// alone: new flows get a reply entry besides the forward one (`DIR_FORWARD`
+/// + `DIR_REPLY`) instead of one entry (`DIR_FLOW`).
+pub const SVC_F_REPLY_ENTRY: u32 = 2;
+
 /// [`Backend::flags`]: health checks took the backend out; flows pinned to
 /// it are re-dispatched on their next packet.
 pub const BACKEND_F_DOWN: u32 = 1;
@@ -68,6 +75,13 @@ pub const NETDEV_F_XMIT_NATIVE: u32 = 4;
 pub const DIR_FORWARD: u8 = 0;
 /// [`Flow::dir`]: backend -> client, rewritten back to the VIP.
 pub const DIR_REPLY: u8 = 1;
+/// [`Flow::dir`]: the one entry of a flow, keyed by the client's 5-tuple
+/// like a forward entry. Replies find it through the backend's endpoint
+/// (`ENDPOINTS`: backend address and port -> VIP, from which the client's
+/// 5-tuple is rebuilt), so a new flow costs one insert, not two. Its
+/// next-hop cache is the reply direction's (forward packets use the
+/// backend's, `NEXT_HOPS`).
+pub const DIR_FLOW: u8 = 2;
 
 /// Indexes into the per-CPU global counter array.
 /// The datapath's BPF map names, defined once: `lb-ebpf` declares each map
@@ -87,10 +101,12 @@ pub mod maps {
     pub const EXPIRED: &str = "EXPIRED";
     pub const NETDEVS: &str = "NETDEVS";
     pub const NETDEV_GEN: &str = "NETDEV_GEN";
+    pub const ENDPOINTS: &str = "ENDPOINTS";
+    pub const NEXT_HOPS: &str = "NEXT_HOPS";
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 15] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -104,6 +120,8 @@ pub mod maps {
         EXPIRED,
         NETDEVS,
         NETDEV_GEN,
+        ENDPOINTS,
+        NEXT_HOPS,
     ];
 
     /// `a == b`, usable in a constant (the datapath's compile-time check).
@@ -184,6 +202,36 @@ pub struct VipKey {
     pub _pad: u8,
 }
 
+/// Key of the endpoint map (`ENDPOINTS`): a backend's address, port and
+/// protocol, laid out as a [`VipKey`]. The value is the `VipKey` of the one
+/// service whose flows' replies come from it.
+pub type EndpointKey = VipKey;
+
+/// Size of the endpoint map: every backend of every service, plus room for
+/// entries kept after their service went (its last flows still reply).
+pub const MAX_ENDPOINTS: u32 = 2 * MAX_BACKENDS;
+
+/// A cached next hop (`NEXT_HOPS`, by backend id): what the FIB answered
+/// for packets to `addr` arriving on `ingress`, checked against the
+/// devices of generation `gen`, at `time` (coarse seconds, truncated).
+/// Used for about a second. Written whole by whichever CPU looked it up,
+/// `ifindex` last; a reader may see a half-written one at worst once, when
+/// the next hop changes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NextHop {
+    /// Destination the hop was looked up for (network order): a backend
+    /// id reused for another address never sees the old hop.
+    pub addr: u32,
+    /// Egress device; 0 = nothing cached.
+    pub ifindex: u32,
+    pub ingress: u32,
+    pub time: u32,
+    pub generation: u32,
+    pub smac: [u8; 6],
+    pub dmac: [u8; 6],
+}
+
 /// Value of the VIP map: one service and where its live selection table is.
 ///
 /// Userspace replaces this value whole (a hash map update swaps the element
@@ -244,9 +292,12 @@ pub struct FlowKey {
     pub _pad: [u8; 3],
 }
 
-/// Value of the flow table. A flow has two entries: the forward one keyed by
-/// the client's 5-tuple (rewrite destination to the backend) and the reply
-/// one keyed by the backend's 5-tuple (rewrite source back to the VIP).
+/// Value of the flow table. A flow has one entry (`DIR_FLOW`) keyed by the
+/// client's 5-tuple, which rewrites the destination to the backend; replies
+/// find it through `ENDPOINTS` and get the VIP back as source. A flow of a
+/// service flagged `SVC_F_REPLY_ENTRY` (and every flow made by an lbd from
+/// before this layout, adopted from its pinned table) has two: the forward one (`DIR_FORWARD`) and a reply one
+/// (`DIR_REPLY`) keyed by the backend's 5-tuple, whose rewrite is the VIP.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Flow {
@@ -256,7 +307,7 @@ pub struct Flow {
     pub nat_addr: u32,
     /// Forward: the backend's port; reply: the VIP's port. Network byte order.
     pub nat_port: u16,
-    /// `DIR_FORWARD` or `DIR_REPLY`.
+    /// `DIR_FLOW`, `DIR_FORWARD` or `DIR_REPLY`.
     pub dir: u8,
     pub _pad: u8,
     /// TCP close tracking, kept on the forward entry only: `FLOW_*` bits,
@@ -267,10 +318,11 @@ pub struct Flow {
     /// Last packet seen, in seconds of CLOCK_MONOTONIC (coarse), forward
     /// entry only; userspace expires idle flows by it.
     pub last_seen: u64,
-    /// Next-hop cache of this direction: egress ifindex (0 = none), when
-    /// it was looked up (coarse seconds, truncated), and the MACs. A FIB
-    /// lookup costs about as much as the rest of the path, so it is done
-    /// at most about once a second per flow.
+    /// Next-hop cache of the replies (`DIR_FLOW`, `DIR_REPLY`; forward
+    /// packets use their backend's, `NEXT_HOPS`): egress ifindex (0 =
+    /// none), when it was looked up (coarse seconds, truncated), and the
+    /// MACs. A FIB lookup costs about as much as the rest of the path, so
+    /// it is done at most about once a second per flow.
     pub nh_ifindex: u32,
     pub nh_time: u32,
     pub nh_smac: [u8; 6],
@@ -377,7 +429,7 @@ mod pod {
             unsafe impl aya::Pod for $t {}
         )*};
     }
-    pod!(VipKey, Service, Backend, FlowKey, Flow, BackendStats, Conns);
+    pod!(VipKey, Service, Backend, FlowKey, Flow, BackendStats, Conns, NextHop);
 }
 
 #[cfg(test)]
@@ -394,6 +446,7 @@ mod tests {
         assert_eq!(size_of::<Conns>(), 16);
         assert_eq!(size_of::<FlowKey>(), 16);
         assert_eq!(size_of::<Flow>(), 56);
+        assert_eq!(size_of::<NextHop>(), 32);
         assert_eq!(size_of::<BackendStats>(), 40);
         assert_eq!(align_of::<BackendStats>(), 8);
     }

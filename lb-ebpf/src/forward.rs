@@ -17,7 +17,7 @@ use lb_common::{Flow, NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NAT
 use lb_ebpf::csum;
 
 use crate::{
-    maps::{NETDEV_GEN, NETDEVS},
+    maps::{NETDEV_GEN, NETDEVS, NEXT_HOPS},
     parse::{Packet, ptr_at},
     stats,
 };
@@ -266,44 +266,96 @@ fn can_redirect(ctx: &XdpContext, egress: u32) -> bool {
     netdev(egress) & need != 0
 }
 
-/// Send the (already rewritten) packet to its next hop, decrementing the
-/// TTL as a router does, or hand it to the kernel's forwarding path. The
-/// next hop comes from the flow entry's cache when fresh, else from the
-/// kernel FIB, checked against what the egress device can take, and then
-/// cached. The kernel path gets the packet with its TTL and MACs as they
-/// came (the kernel decrements the TTL itself), counted by reason.
+/// Where a packet's next hop is cached.
+#[derive(Clone, Copy)]
+pub(crate) enum Hop {
+    /// Towards backend `id` at `addr` (forward packets): `NEXT_HOPS`, one
+    /// slot per backend, shared by all its flows.
+    Backend { id: u32, addr: u32 },
+    /// Towards a client (replies): the flow entry's own cache.
+    Flow(*mut Flow),
+}
+
+/// A next hop: egress ifindex, source MAC, destination MAC.
+type NextHopAddr = (u32, [u8; 6], [u8; 6]);
+
+/// The cached next hop, if fresh: looked up under this device generation
+/// less than [`NEXT_HOP_TTL`] seconds ago (and, for a backend's, for this
+/// address and ingress device). Fields are copied out; no reference to
+/// the map value is held (other CPUs refresh it).
 #[inline(always)]
-pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entry: Option<*mut Flow>, now: u64) -> u32 {
-    let now = now as u32;
-    let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
-    // The next-hop cache, copied out of the flow entry (no reference to
-    // it is held: other CPUs refresh it).
-    // SAFETY: `entry` is a valid map value; plain loads of integers.
-    let cached = entry
-        .map(|e| unsafe { ((*e).nh_ifindex, (*e).nh_time, (*e).nh_gen, e) })
-        .filter(|&(ifindex, time, g, _)| ifindex != 0 && now.wrapping_sub(time) <= NEXT_HOP_TTL && g == generation);
-    let (ifindex, smac, dmac) = if let Some((ifindex, _, _, e)) = cached {
-        // SAFETY: as above.
-        unsafe { (ifindex, (*e).nh_smac, (*e).nh_dmac) }
-    } else {
-        let Some(hop) = fib(ctx, pkt) else {
-            return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK);
-        };
-        if !can_redirect(ctx, hop.0) {
-            return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
-        }
-        if let Some(e) = entry {
-            // SAFETY: a valid map value. Another CPU may read a
-            // half-written cache at worst once; ifindex last.
+fn cached_hop(ctx: &XdpContext, hop: Hop, now: u32, generation: u32) -> Option<NextHopAddr> {
+    let fresh =
+        |ifindex: u32, time: u32, g: u32| ifindex != 0 && now.wrapping_sub(time) <= NEXT_HOP_TTL && g == generation;
+    match hop {
+        Hop::Backend { id, addr } => {
+            let h = NEXT_HOPS.get_ptr(id)?;
+            // SAFETY: a valid, aligned map value; plain loads.
             unsafe {
-                (*e).nh_time = now;
-                (*e).nh_gen = generation;
-                (*e).nh_smac = hop.1;
-                (*e).nh_dmac = hop.2;
-                core::ptr::write_volatile(&raw mut (*e).nh_ifindex, hop.0);
+                let ok = fresh((*h).ifindex, (*h).time, (*h).generation)
+                    && (*h).addr == addr
+                    && (*h).ingress == ctx.ingress_ifindex() as u32;
+                ok.then(|| ((*h).ifindex, (*h).smac, (*h).dmac))
             }
         }
-        hop
+        // SAFETY: a valid flow-table value; plain loads.
+        Hop::Flow(e) => unsafe {
+            fresh((*e).nh_ifindex, (*e).nh_time, (*e).nh_gen).then(|| ((*e).nh_ifindex, (*e).nh_smac, (*e).nh_dmac))
+        },
+    }
+}
+
+/// Cache a next hop just looked up. Another CPU may read a half-written
+/// one at worst once (when the hop changed); ifindex is written last.
+#[inline(always)]
+fn store_hop(ctx: &XdpContext, hop: Hop, nh: NextHopAddr, now: u32, generation: u32) {
+    match hop {
+        Hop::Backend { id, addr } => {
+            if let Some(h) = NEXT_HOPS.get_ptr_mut(id) {
+                // SAFETY: a valid, aligned map value; plain stores.
+                unsafe {
+                    (*h).addr = addr;
+                    (*h).ingress = ctx.ingress_ifindex() as u32;
+                    (*h).time = now;
+                    (*h).generation = generation;
+                    (*h).smac = nh.1;
+                    (*h).dmac = nh.2;
+                    core::ptr::write_volatile(&raw mut (*h).ifindex, nh.0);
+                }
+            }
+        }
+        // SAFETY: a valid flow-table value; plain stores.
+        Hop::Flow(e) => unsafe {
+            (*e).nh_time = now;
+            (*e).nh_gen = generation;
+            (*e).nh_smac = nh.1;
+            (*e).nh_dmac = nh.2;
+            core::ptr::write_volatile(&raw mut (*e).nh_ifindex, nh.0);
+        },
+    }
+}
+
+/// Send the (already rewritten) packet to its next hop, decrementing the
+/// TTL as a router does, or hand it to the kernel's forwarding path. The
+/// next hop comes from its cache (`hop`) when fresh, else from the kernel
+/// FIB, checked against what the egress device can take, and then cached.
+/// The kernel path gets the packet with its TTL and MACs as they came (the
+/// kernel decrements the TTL itself), counted by reason.
+#[inline(always)]
+pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop: Hop, now: u64) -> u32 {
+    let now = now as u32;
+    let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
+    let (ifindex, smac, dmac) = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
+        nh
+    } else {
+        let Some(nh) = fib(ctx, pkt) else {
+            return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK);
+        };
+        if !can_redirect(ctx, nh.0) {
+            return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
+        }
+        store_hop(ctx, hop, nh, now, generation);
+        nh
     };
     let finish = matches!(cs, L4Csum::Partial { .. }) && !generic_ingress(ctx);
     update_l4(pkt, rw, cs, finish);
@@ -333,7 +385,7 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, entr
 // Its own stack frame: the 64-byte parameters would otherwise add to the
 // caller's (inlined) frame and overflow the 512-byte BPF stack.
 #[inline(never)]
-fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<(u32, [u8; 6], [u8; 6])> {
+fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<NextHopAddr> {
     let mut p = MaybeUninit::<FibParams>::uninit();
     // Zero the parameters word by word: `mem::zeroed()` compiles to a call
     // of a byte-loop memset subprogram (about 35 ns). The helper reads the

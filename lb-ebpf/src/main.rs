@@ -1,6 +1,7 @@
 //! The XDP load balancer. Reads top to bottom:
-//! parse -> flow table -> (new flow: find VIP -> pick backend) -> rewrite ->
-//! count -> next hop.
+//! parse -> (from a backend: its flow, found through the endpoint map) ->
+//! flow table -> (new flow: find VIP -> pick backend) -> rewrite -> count ->
+//! next hop.
 #![no_std]
 #![no_main]
 // Atomic read-modify-write on map values: core's atomic types have no RMW
@@ -23,11 +24,12 @@ use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use aya_log_ebpf::debug;
+use forward::Hop;
 use lb_common::{
-    BACKEND_F_DOWN, BACKEND_NONE, DIR_FORWARD, DIR_REPLY, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_RST, Flow, FlowKey,
-    PROTO_TCP, Service, VipKey, addr_filter_bit, counter, flow_closed,
+    BACKEND_F_DOWN, BACKEND_NONE, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT,
+    FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_FILTER, BACKENDS, FLOWS, VIP_ADDRS, VIPS};
+use maps::{ADDR_FILTER, BACKENDS, ENDPOINTS, FLOWS, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -52,10 +54,22 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     };
 
     // Neither to a VIP nor from a backend: not ours, skip the maps.
-    if !maybe_ours(pkt.daddr) && !maybe_ours(pkt.saddr) {
+    let from_backend = maybe_ours(pkt.saddr);
+    if !from_backend && !maybe_ours(pkt.daddr) {
         return Ok(xdp_action::XDP_PASS);
     }
 
+    let now = now_secs();
+    // Where the packet goes. One call site each for `forward` and `reply`
+    // (both inlined): the paths to them share one stack frame.
+    let mut to = None;
+    if from_backend {
+        let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
+        // SAFETY: the value is copied at once.
+        if let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
+            to = reply_of_flow(&pkt, vip);
+        }
+    }
     let key = FlowKey {
         src_addr: pkt.saddr,
         dst_addr: pkt.daddr,
@@ -64,50 +78,78 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
         proto: pkt.proto,
         _pad: [0; 3],
     };
-    if let Some(flow) = FLOWS.get_ptr_mut(&key) {
-        // Copy out the fields we need: no reference to the map value is
-        // ever held, since this CPU writes it below and others may write
-        // it at any time (close bits, timestamp, next-hop cache).
-        // SAFETY: a valid, aligned map value; plain loads of integers.
-        let (dir, nat, last_seen) = unsafe { ((*flow).dir, Nat::of(flow), (*flow).last_seen) };
-        // `state` is also written with atomic OR by other CPUs. BPF before
-        // v4 has no atomic load instruction (LLVM cannot select one for
-        // v3); an aligned 8-byte load is single-copy atomic on every
-        // architecture BPF JITs for, and a volatile read keeps the compiler
-        // from tearing or repeating it. A stale value only delays seeing a
-        // close by one packet.
-        // SAFETY: a valid, aligned u64 inside a map value.
-        let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
-        let now = now_secs();
-        if dir == DIR_REPLY {
-            return Ok(reply(ctx, &pkt, nat, Some(flow), now));
-        }
-        // A fresh SYN on a closed flow's tuple is a new connection; a flow
-        // whose backend went down is re-dispatched (its next packet, e.g. a
-        // retransmission, reaches a live backend, which resets it fast).
-        let down = backend_down(nat.backend_id);
-        if down && !flow_closed(state) {
-            stats::flow_closed(nat.backend_id);
-        }
-        if !down && !(is_syn(&pkt) && flow_closed(state)) {
-            track_close(flow, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
-            if last_seen != now {
-                // SAFETY: a valid map value; a plain store of a timestamp.
-                unsafe { (*flow).last_seen = now };
+    if to.is_none()
+        && let Some(flow) = FLOWS.get_ptr_mut(&key)
+    {
+        to = known_flow(&pkt, flow, now);
+    }
+    let to = match to {
+        Some(to) => to,
+        None => {
+            let vip = VipKey { addr: pkt.daddr, port: pkt.dport, proto: pkt.proto, _pad: 0 };
+            // SAFETY: the value is copied before anything can replace it.
+            let Some(svc) = (unsafe { VIPS.get(&vip) }).copied() else {
+                return Ok(xdp_action::XDP_PASS);
+            };
+            match new_flow(&pkt, &key, &svc, now) {
+                Ok(nat) => To::Backend(nat),
+                Err(action) => return Ok(action),
             }
-            return Ok(forward(ctx, &pkt, nat, Some(flow), now));
         }
-    }
-
-    let vip = VipKey { addr: pkt.daddr, port: pkt.dport, proto: pkt.proto, _pad: 0 };
-    // SAFETY: the value is copied before anything can replace it.
-    let Some(svc) = (unsafe { VIPS.get(&vip) }).copied() else {
-        return Ok(xdp_action::XDP_PASS);
     };
-    match new_flow(&pkt, &key, &svc) {
-        Ok(nat) => Ok(forward(ctx, &pkt, nat, None, 0)),
-        Err(action) => Ok(action),
+    Ok(match to {
+        To::Backend(nat) => forward(ctx, &pkt, nat, now),
+        To::Client(nat, entry) => reply(ctx, &pkt, nat, entry, now),
+    })
+}
+
+/// Where a packet of a known flow goes, and its rewrite.
+#[derive(Clone, Copy)]
+enum To {
+    /// Client -> backend (destination rewritten).
+    Backend(Nat),
+    /// Backend -> client (source rewritten to the VIP); the entry whose
+    /// next-hop cache serves the reply.
+    Client(Nat, *mut Flow),
+}
+
+/// A packet that matched a flow-table entry by its own 5-tuple. None when
+/// the flow is over or its backend is down: the packet is then scheduled
+/// as a new flow.
+#[inline(always)]
+fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
+    // Copy out the fields we need: no reference to the map value is ever
+    // held, since this CPU writes it below and others may write it at any
+    // time (close bits, timestamp, next-hop cache).
+    // SAFETY: a valid, aligned map value; plain loads of integers.
+    let (dir, nat, last_seen) = unsafe { ((*flow).dir, Nat::of(flow), (*flow).last_seen) };
+    if dir == DIR_REPLY {
+        reply_entry_close(pkt, nat);
+        return Some(To::Client(nat, flow));
     }
+    // `state` is also written with atomic OR by other CPUs. BPF before v4
+    // has no atomic load instruction (LLVM cannot select one for v3); an
+    // aligned 8-byte load is single-copy atomic on every architecture BPF
+    // JITs for, and a volatile read keeps the compiler from tearing or
+    // repeating it. A stale value only delays seeing a close by one packet.
+    // SAFETY: a valid, aligned u64 inside a map value.
+    let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
+    // A fresh SYN on a closed flow's tuple is a new connection; a flow
+    // whose backend went down is re-dispatched (its next packet, e.g. a
+    // retransmission, reaches a live backend, which resets it fast).
+    let down = backend_down(nat.backend_id);
+    if down && !flow_closed(state) {
+        stats::flow_closed(nat.backend_id);
+    }
+    if down || (is_syn(pkt) && flow_closed(state)) {
+        return None;
+    }
+    track_close(flow, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
+    if last_seen != now {
+        // SAFETY: a valid map value; a plain store of a timestamp.
+        unsafe { (*flow).last_seen = now };
+    }
+    Some(To::Backend(nat))
 }
 
 /// A packet we could not parse: dropped (and counted) when it was headed
@@ -177,22 +219,22 @@ fn track_close(flow: *mut Flow, backend_id: u32, tcp_flags: u8, proto: u8, fin_b
 // returns what to rewrite, and the caller forwards (so the FIB lookup's
 // frame is not stacked on this one).
 #[inline(never)]
-fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service) -> Result<Nat, u32> {
+fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat, u32> {
     let id = select::pick(svc, pkt);
     let Some(backend) = (if id == BACKEND_NONE { None } else { BACKENDS.get(id) }) else {
         stats::count(counter::DROP_NO_BACKEND);
         return Err(xdp_action::XDP_DROP);
     };
-    let rev_key = FlowKey {
-        src_addr: backend.addr,
-        dst_addr: pkt.saddr,
-        src_port: backend.port,
-        dst_port: pkt.sport,
-        proto: pkt.proto,
-        _pad: [0; 3],
+    let state = if pkt.proto != PROTO_TCP {
+        0
+    } else if pkt.tcp_flags & TCP_RST != 0 {
+        FLOW_RST
+    } else if pkt.tcp_flags & TCP_FIN != 0 {
+        FLOW_FIN_CLIENT
+    } else {
+        0
     };
-    // One buffer for both entries (stack is scarce): the reply entry first,
-    // so that once the forward entry exists, replies can come.
+    // One buffer for both entries (stack is scarce).
     let mut e = Flow {
         backend_id: id,
         service_id: svc.service_id,
@@ -208,29 +250,41 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service) -> Result<Nat, u32> {
         nh_dmac: [0; 6],
         nh_gen: 0,
     };
-    if FLOWS.insert(&rev_key, &e, 0).is_err() {
-        stats::count(counter::DROP_FLOW_TABLE);
-        return Err(xdp_action::XDP_DROP);
-    }
+    let dir = if svc.flags & SVC_F_REPLY_ENTRY != 0 {
+        // The backend's endpoint names another service's VIP: this flow's
+        // replies need an entry of their own, inserted first so that once
+        // the forward entry exists, replies can come.
+        let rev_key = FlowKey {
+            src_addr: backend.addr,
+            dst_addr: pkt.saddr,
+            src_port: backend.port,
+            dst_port: pkt.sport,
+            proto: pkt.proto,
+            _pad: [0; 3],
+        };
+        if FLOWS.insert(&rev_key, &e, 0).is_err() {
+            stats::count(counter::DROP_FLOW_TABLE);
+            return Err(xdp_action::XDP_DROP);
+        }
+        DIR_FORWARD
+    } else {
+        DIR_FLOW
+    };
     e.nat_addr = backend.addr;
     e.nat_port = backend.port;
-    e.dir = DIR_FORWARD;
-    e.last_seen = now_secs();
-    if pkt.proto == PROTO_TCP && pkt.tcp_flags & TCP_RST != 0 {
-        e.state = FLOW_RST;
-    } else if pkt.proto == PROTO_TCP && pkt.tcp_flags & TCP_FIN != 0 {
-        e.state = FLOW_FIN_CLIENT;
-    }
+    e.dir = dir;
+    e.state = state;
+    e.last_seen = now;
     if FLOWS.insert(key, &e, 0).is_err() {
         stats::count(counter::DROP_FLOW_TABLE);
         return Err(xdp_action::XDP_DROP);
     }
     stats::new_flow(id);
     stats::flow_opened(id);
-    if flow_closed(e.state) {
+    if flow_closed(state) {
         stats::flow_closed(id);
     }
-    Ok(Nat { backend_id: id, addr: e.nat_addr, port: e.nat_port })
+    Ok(Nat { backend_id: id, addr: backend.addr, port: backend.port })
 }
 
 /// What a packet of a flow gets rewritten to, and whose counters it counts in.
@@ -253,10 +307,10 @@ impl Nat {
     }
 }
 
-/// Client -> backend: destination becomes the backend. `entry` is the
-/// flow's map value (its next-hop cache), when the flow was found.
+/// Client -> backend: destination becomes the backend; the next hop is
+/// the backend's.
 #[inline(always)]
-fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: Option<*mut Flow>, now: u64) -> u32 {
+fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
     if !forward::ttl_ok(pkt) {
         stats::count(counter::TTL_EXPIRED);
         return xdp_action::XDP_PASS;
@@ -264,27 +318,60 @@ fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: Option<*mut Flow>, n
     stats::packet_in(nat.backend_id, pkt.len);
     let cs = forward::classify(ctx, pkt);
     let rw = forward::rewrite_dst(pkt, nat.addr, nat.port);
-    forward::send(ctx, pkt, rw, cs, entry, now)
+    forward::send(ctx, pkt, rw, cs, Hop::Backend { id: nat.backend_id, addr: nat.addr }, now)
 }
 
-/// Backend -> client: source becomes the VIP again.
+/// A packet from a backend's endpoint, `vip` the service that owns it: a
+/// reply when the client's 5-tuple towards `vip` is a one-entry flow on
+/// this very backend. None otherwise (the packet then goes the way of any
+/// other: a reply entry, a new flow, or the kernel).
 #[inline(always)]
-fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: Option<*mut Flow>, now: u64) -> u32 {
-    if pkt.proto == PROTO_TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        // Close tracking lives on the forward entry: (client, VIP) tuple
-        // (a reply entry's rewrite is the VIP).
-        let fwd_key = FlowKey {
-            src_addr: pkt.daddr,
-            dst_addr: nat.addr,
-            src_port: pkt.dport,
-            dst_port: nat.port,
-            proto: pkt.proto,
-            _pad: [0; 3],
-        };
-        if let Some(fwd) = FLOWS.get_ptr_mut(&fwd_key) {
-            track_close(fwd, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
-        }
+fn reply_of_flow(pkt: &Packet, vip: VipKey) -> Option<To> {
+    let fwd_key = FlowKey {
+        src_addr: pkt.daddr,
+        dst_addr: vip.addr,
+        src_port: pkt.dport,
+        dst_port: vip.port,
+        proto: pkt.proto,
+        _pad: [0; 3],
+    };
+    let flow = FLOWS.get_ptr_mut(&fwd_key)?;
+    // SAFETY: a valid, aligned map value; plain loads of integers.
+    let (dir, nat) = unsafe { ((*flow).dir, Nat::of(flow)) };
+    // A flow re-dispatched to another backend: the old one's late packets
+    // are not replies of it.
+    if dir != DIR_FLOW || nat.addr != pkt.saddr || nat.port != pkt.sport {
+        return None;
     }
+    track_close(flow, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
+    Some(To::Client(Nat { backend_id: nat.backend_id, addr: vip.addr, port: vip.port }, flow))
+}
+
+/// A FIN or RST that matched a reply entry (`DIR_REPLY`, whose rewrite
+/// `nat` is the VIP): close tracking lives on the forward entry, the
+/// (client, VIP) tuple.
+#[inline(always)]
+fn reply_entry_close(pkt: &Packet, nat: Nat) {
+    if pkt.proto != PROTO_TCP || pkt.tcp_flags & (TCP_FIN | TCP_RST) == 0 {
+        return;
+    }
+    let fwd_key = FlowKey {
+        src_addr: pkt.daddr,
+        dst_addr: nat.addr,
+        src_port: pkt.dport,
+        dst_port: nat.port,
+        proto: pkt.proto,
+        _pad: [0; 3],
+    };
+    if let Some(fwd) = FLOWS.get_ptr_mut(&fwd_key) {
+        track_close(fwd, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
+    }
+}
+
+/// Backend -> client: source becomes the VIP again; the next hop is cached
+/// in `entry` (the flow's entry, or its reply entry).
+#[inline(always)]
+fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: *mut Flow, now: u64) -> u32 {
     if !forward::ttl_ok(pkt) {
         stats::count(counter::TTL_EXPIRED);
         return xdp_action::XDP_PASS;
@@ -292,7 +379,7 @@ fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: Option<*mut Flow>, now
     stats::packet_out(nat.backend_id, pkt.len);
     let cs = forward::classify(ctx, pkt);
     let rw = forward::rewrite_src(pkt, nat.addr, nat.port);
-    forward::send(ctx, pkt, rw, cs, entry, now)
+    forward::send(ctx, pkt, rw, cs, Hop::Flow(entry), now)
 }
 
 #[cfg(not(test))]

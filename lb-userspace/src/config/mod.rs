@@ -25,7 +25,8 @@ pub const DEFAULT_CONTROL_SOCKET: &str = "/run/lbd/lbd.sock";
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/lbd";
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_CONNTRACK_MAX: u32 = 1_048_576;
-/// Upper bound for `conntrack_max` (each connection takes two LRU entries).
+/// Upper bound for `conntrack_max` (one LRU entry per connection; two for
+/// a service whose backend endpoint another service owns).
 pub const MAX_CONNTRACK: u32 = 1 << 26;
 /// Entries of the selection-table array when the config does not say.
 pub const DEFAULT_TABLE_CAPACITY: u32 = 1 << 22;

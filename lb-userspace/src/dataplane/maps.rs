@@ -7,7 +7,7 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray},
 };
-use lb_common::{Backend, BackendStats, Conns, Flow, FlowKey, Service, VipKey, maps as names};
+use lb_common::{Backend, BackendStats, Conns, EndpointKey, Flow, FlowKey, NextHop, Service, VipKey, maps as names};
 
 use super::DataplaneError;
 
@@ -117,6 +117,10 @@ pub(super) struct Maps {
     pub(super) expired: Array<MapData, u64>,
     pub(super) netdevs: HashMap<MapData, u32, u32>,
     pub(super) netdev_gen: Array<MapData, u32>,
+    pub(super) endpoints: HashMap<MapData, EndpointKey, VipKey>,
+    /// Written only by the datapath (next hops towards backends); held so
+    /// that every map is taken and checked at load.
+    pub(super) _next_hops: Array<MapData, NextHop>,
 }
 
 impl Maps {
@@ -135,6 +139,8 @@ impl Maps {
             expired: take(ebpf, names::EXPIRED)?,
             netdevs: take(ebpf, names::NETDEVS)?,
             netdev_gen: take(ebpf, names::NETDEV_GEN)?,
+            endpoints: take(ebpf, names::ENDPOINTS)?,
+            _next_hops: take(ebpf, names::NEXT_HOPS)?,
         })
     }
 }

@@ -15,7 +15,7 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     net::Ipv4Addr,
-    os::fd::{AsFd as _, BorrowedFd},
+    os::fd::AsFd as _,
     path::{Path, PathBuf},
 };
 
@@ -25,7 +25,7 @@ use aya::{
     programs::{ProgramError, Xdp, links::LinkError},
     util::nr_cpus,
 };
-use lb_common::{BackendStats, MAX_BACKENDS, MAX_SERVICES, VipKey, counter, maps as names};
+use lb_common::{BackendStats, EndpointKey, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, VipKey, counter, maps as names};
 use tracing::{info, warn};
 
 use crate::{
@@ -35,6 +35,8 @@ use crate::{
 
 mod alloc;
 mod attach;
+mod batch;
+mod endpoints;
 mod maps;
 mod pin;
 mod program;
@@ -64,6 +66,8 @@ pub enum DataplaneError {
     Program(#[from] ProgramError),
     #[error("BPF map {map}: {source}")]
     Map { map: &'static str, source: MapError },
+    #[error("BPF map {map}, batch operation: {source}")]
+    Batch { map: &'static str, source: std::io::Error },
     #[error("attaching XDP to {iface} in {mode} mode: {source}")]
     Attach { iface: String, mode: &'static str, source: ProgramError },
     #[error("the selection-table array ({capacity} entries) has no free run of {need} entries for service {service}")]
@@ -160,6 +164,9 @@ pub struct Dataplane {
     /// What ADDR_FILTER holds, word by word.
     filter: Vec<u64>,
     filter_written: bool,
+    /// What ENDPOINTS holds, and what the last plan wants it to hold.
+    endpoints: HashMap<EndpointKey, VipKey>,
+    planned_endpoints: HashMap<EndpointKey, VipKey>,
     /// What NETDEVS holds, and the path report derived with it.
     netdevs: BTreeMap<u32, u32>,
     netdevs_written: bool,
@@ -190,7 +197,7 @@ impl Dataplane {
         let level: u8 = if tracing::enabled!(tracing::Level::DEBUG) { 4 } else { 2 };
         let mut loader = EbpfLoader::new();
         loader
-            .map_max_entries("FLOWS", config.conntrack_max.saturating_mul(2))
+            .map_max_entries("FLOWS", config.conntrack_max)
             .map_max_entries("SELECT", config.table_capacity)
             .override_global("AYA_LOG_LEVEL", &level, false);
         let mut adopting = false;
@@ -249,7 +256,10 @@ impl Dataplane {
             netdevs: BTreeMap::new(),
             netdevs_written: false,
             paths: Vec::new(),
+            endpoints: HashMap::new(),
+            planned_endpoints: HashMap::new(),
         };
+        dp.read_endpoints()?;
         if adopting {
             dp.adopt()?;
         }
@@ -345,10 +355,11 @@ impl Dataplane {
         Ok(out)
     }
 
-    /// The flow table's file descriptor (the benchmark empties it with a
-    /// batch operation aya does not offer).
-    pub fn flow_table_fd(&self) -> BorrowedFd<'_> {
-        self.maps.flows.map().fd().as_fd()
+    /// Empty the flow table (for benchmarks: flows are forgotten without
+    /// being counted closed or expired). Returns the entries removed.
+    pub fn flush_flows(&mut self) -> Result<u64, DataplaneError> {
+        batch::drain::<FlowKey, Flow>(self.maps.flows.map().fd().as_fd())
+            .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })
     }
 
     /// Active flows of a backend: opened - closed - expired.

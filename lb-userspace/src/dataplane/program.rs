@@ -4,10 +4,14 @@
 use std::collections::HashSet;
 
 use aya::maps::PerCpuValues;
-use lb_common::{BACKEND_F_DOWN, Backend, BackendStats, Conns, SVC_F_NO_BACKEND, Service, VipKey, maps as names};
+use lb_common::{
+    BACKEND_F_DOWN, Backend, BackendStats, Conns, SVC_F_NO_BACKEND, SVC_F_REPLY_ENTRY, Service, maps as names,
+};
 use tracing::info;
 
-use super::{AppliedBackend, AppliedService, BackendRuntime, Dataplane, DataplaneError, backend_key, map_err};
+use super::{
+    AppliedBackend, AppliedService, BackendRuntime, Dataplane, DataplaneError, backend_key, endpoints::vip_key, map_err,
+};
 use crate::{
     config::{BackendConfig, ServiceConfig},
     sched::Member,
@@ -40,8 +44,11 @@ impl Dataplane {
         }
         addrs.extend(self.known_backends.iter().copied());
         self.write_filter(&addrs)?;
+        // Endpoints before tables: a reply finds its flow from the first
+        // flow on a new backend on.
+        let reply_entry = self.write_endpoints(services)?;
         for s in services {
-            self.apply_service(s, runtime)?;
+            self.apply_service(s, runtime, reply_entry.contains(&vip_key(s)))?;
         }
         // Adopted services the config no longer has.
         for (key, a) in std::mem::take(&mut self.adopted) {
@@ -55,6 +62,7 @@ impl Dataplane {
             }
             self.service_ids.release(a.service_id);
         }
+        self.prune_endpoints()?;
         self.sync_vip_addrs()
     }
 
@@ -67,9 +75,9 @@ impl Dataplane {
         &mut self,
         cfg: &ServiceConfig,
         runtime: &dyn Fn(&ServiceConfig, &BackendConfig) -> BackendRuntime,
+        reply_entry: bool,
     ) -> Result<(), DataplaneError> {
-        let key =
-            VipKey { addr: u32::from(cfg.vip).to_be(), port: cfg.port.to_be(), proto: cfg.protocol.number(), _pad: 0 };
+        let key = vip_key(cfg);
         let mut prev = self.services.get(&cfg.name).cloned();
         if prev.is_none()
             && let Some(a) = self.adopted.remove(&key)
@@ -184,7 +192,10 @@ impl Dataplane {
             Some(p) if same_input && !p.table.is_empty() => p.table.clone(),
             _ => cfg.scheduler.build(&members, cfg.table_size),
         };
-        let flags = if table.iter().all(|&b| b == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
+        let mut flags = if table.iter().all(|&b| b == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
+        if reply_entry {
+            flags |= SVC_F_REPLY_ENTRY;
+        }
         let region = match &prev {
             Some(p) if p.table == table => p.region,
             _ if table.is_empty() => None,

@@ -1,67 +1,73 @@
 //! Expiring idle flows from the flow table (the datapath only sees FIN and
 //! RST), and the datapath's idle clock.
-use std::collections::HashMap;
+use std::{collections::HashMap, os::fd::AsFd as _};
 
-use lb_common::{DIR_FORWARD, FlowKey, PROTO_TCP, flow_closed, maps as names};
+use aya::maps::IterableMap as _;
 
-use super::{Dataplane, DataplaneError, map_err};
+use lb_common::{DIR_FORWARD, DIR_REPLY, Flow, FlowKey, PROTO_TCP, flow_closed, maps as names};
+
+use super::{Dataplane, DataplaneError, batch, map_err};
 
 impl Dataplane {
     /// Expire idle flows: an open flow silent for longer than its
-    /// protocol's idle timeout is removed (both entries) and counted as
-    /// expired for its backend; a closed TCP flow is removed after
-    /// `CLOSED_LINGER` seconds. `now` is in seconds of CLOCK_MONOTONIC_COARSE
-    /// (see [`monotonic_coarse_secs`]).
+    /// protocol's idle timeout is removed (with its reply entry, if it has
+    /// one) and counted as expired for its backend; a closed TCP flow is
+    /// removed after `CLOSED_LINGER` seconds. `now` is in seconds of
+    /// CLOCK_MONOTONIC_COARSE (see [`monotonic_coarse_secs`]). The table is
+    /// read and pruned in batches (see `batch`).
     pub fn sweep(&mut self, now: u64, tcp_idle: u64, udp_idle: u64) -> Result<SweepReport, DataplaneError> {
         let mut report = SweepReport::default();
-        let mut doomed: Vec<(FlowKey, FlowKey, Option<u32>)> = Vec::new();
-        {
-            let flows = &self.maps.flows;
-            for item in flows {
-                // Entries can vanish while we walk (LRU eviction): skip errors.
-                let Ok((k, f)) = item else { continue };
-                report.entries += 1;
-                if f.dir != DIR_FORWARD {
-                    continue;
+        // (forward key, its reply entry's key if it has one, backend if it
+        // expired open)
+        let mut doomed: Vec<(FlowKey, Option<FlowKey>, Option<u32>)> = Vec::new();
+        let fd = self.maps.flows.map().fd().as_fd();
+        let read = batch::for_each::<FlowKey, Flow>(fd, |k, f| {
+            report.entries += 1;
+            if f.dir == DIR_REPLY {
+                return;
+            }
+            report.scanned += 1;
+            let idle = now.saturating_sub(f.last_seen);
+            let reply = (f.dir == DIR_FORWARD).then_some(FlowKey {
+                src_addr: f.nat_addr,
+                dst_addr: k.src_addr,
+                src_port: f.nat_port,
+                dst_port: k.src_port,
+                proto: k.proto,
+                _pad: [0; 3],
+            });
+            let closed = k.proto == PROTO_TCP && flow_closed(f.state);
+            if closed {
+                if idle > CLOSED_LINGER {
+                    doomed.push((*k, reply, None));
                 }
-                report.scanned += 1;
-                let idle = now.saturating_sub(f.last_seen);
-                let reply = FlowKey {
-                    src_addr: f.nat_addr,
-                    dst_addr: k.src_addr,
-                    src_port: f.nat_port,
-                    dst_port: k.src_port,
-                    proto: k.proto,
-                    _pad: [0; 3],
-                };
-                let closed = k.proto == PROTO_TCP && flow_closed(f.state);
-                if closed {
-                    if idle > CLOSED_LINGER {
-                        doomed.push((k, reply, None));
-                    }
-                } else {
-                    let limit = if k.proto == PROTO_TCP { tcp_idle } else { udp_idle };
-                    if idle > limit {
-                        doomed.push((k, reply, Some(f.backend_id)));
-                    }
+            } else {
+                let limit = if k.proto == PROTO_TCP { tcp_idle } else { udp_idle };
+                if idle > limit {
+                    doomed.push((*k, reply, Some(f.backend_id)));
                 }
+            }
+        });
+        read.map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
+        // The flow's own entry first: if a packet raced us and it is gone
+        // already, nothing is counted twice.
+        let keys: Vec<FlowKey> = doomed.iter().map(|d| d.0).collect();
+        let removed = batch::delete(fd, &keys).map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
+        let mut replies = Vec::new();
+        let mut expired_by: HashMap<u32, u64> = HashMap::new();
+        for ((_, reply, backend), gone) in doomed.into_iter().zip(removed) {
+            if !gone {
+                continue;
+            }
+            report.removed += 1;
+            replies.extend(reply);
+            if let Some(b) = backend {
+                *expired_by.entry(b).or_default() += 1;
+                report.expired += 1;
             }
         }
-        let mut expired_by: HashMap<u32, u64> = HashMap::new();
-        {
-            let flows = &mut self.maps.flows;
-            for (k, reply, backend) in doomed {
-                // Removing the forward entry first: if a packet raced us and
-                // the entry is gone already, nothing is counted twice.
-                if flows.remove(&k).is_ok() {
-                    let _ = flows.remove(&reply);
-                    report.removed += 1;
-                    if let Some(b) = backend {
-                        *expired_by.entry(b).or_default() += 1;
-                        report.expired += 1;
-                    }
-                }
-            }
+        if !replies.is_empty() {
+            batch::delete(fd, &replies).map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
         }
         if !expired_by.is_empty() {
             let expired = &mut self.maps.expired;
@@ -81,9 +87,9 @@ pub const CLOSED_LINGER: u64 = 60;
 /// What one sweep did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SweepReport {
-    /// Entries in the flow table (both directions).
+    /// Entries in the flow table (flows, and reply entries).
     pub entries: u64,
-    /// Forward entries looked at.
+    /// Flows looked at (reply entries are not).
     pub scanned: u64,
     pub removed: u64,
     pub expired: u64,

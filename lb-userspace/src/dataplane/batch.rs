@@ -1,0 +1,124 @@
+//! Batched operations on a BPF hash map: BPF_MAP_LOOKUP_BATCH,
+//! BPF_MAP_LOOKUP_AND_DELETE_BATCH and BPF_MAP_DELETE_BATCH.
+//!
+//! Kept here, on `libc::syscall`, because aya 0.14 has no batch operations:
+//! walking a map through aya's iterator costs two syscalls per entry
+//! (next key, lookup), which at a million flows is seconds of the
+//! sweeper's time; a batch costs one syscall per chunk of thousands.
+use std::{
+    io,
+    os::fd::{AsRawFd as _, BorrowedFd},
+};
+
+/// The `batch` member of `union bpf_attr` (linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_LOOKUP_AND_DELETE_BATCH: libc::c_long = 25;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+
+/// Entries per lookup chunk. A hash map's batch never splits a bucket, so
+/// a chunk must hold the longest bucket: far more than any bucket has.
+const CHUNK: usize = 8192;
+
+fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: `attr` is a valid bpf_attr prefix for the batch commands; the
+    // buffers it points at outlive the call (the callers' locals).
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size_of::<BatchAttr>()) };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// Call `f` with every (key, value) of the hash map `fd`, read in chunks,
+/// deleting each chunk as it is read when `delete` is set. Entries added
+/// or removed meanwhile may or may not be seen. Returns the number seen.
+fn walk<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, delete: bool, mut f: impl FnMut(&K, &V)) -> io::Result<u64> {
+    let (ks, vs) = (size_of::<K>(), size_of::<V>());
+    let mut keys = vec![0u8; CHUNK * ks];
+    let mut values = vec![0u8; CHUNK * vs];
+    let (mut token_in, mut token_out) = (0u64, 0u64);
+    let mut first = true;
+    let mut total = 0u64;
+    let cmd = if delete { BPF_MAP_LOOKUP_AND_DELETE_BATCH } else { BPF_MAP_LOOKUP_BATCH };
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { std::ptr::from_ref(&token_in) as u64 },
+            out_batch: std::ptr::from_mut(&mut token_out) as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        let rc = bpf_batch(cmd, &mut attr);
+        // On ENOENT (the end) the last entries are still returned.
+        let n = attr.count as usize;
+        for i in 0..n.min(CHUNK) {
+            // SAFETY: the kernel wrote `n` keys and values of these sizes;
+            // K and V are Pod, so any bytes are valid values of them.
+            let (k, v) = unsafe {
+                (
+                    keys.as_ptr().add(i * ks).cast::<K>().read_unaligned(),
+                    values.as_ptr().add(i * vs).cast::<V>().read_unaligned(),
+                )
+            };
+            f(&k, &v);
+        }
+        total += n as u64;
+        match rc {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(total),
+            Err(e) => return Err(e),
+        }
+        first = false;
+        token_in = token_out;
+    }
+}
+
+/// Call `f` with every (key, value) of the hash map `fd`.
+pub(super) fn for_each<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, f: impl FnMut(&K, &V)) -> io::Result<u64> {
+    walk(fd, false, f)
+}
+
+/// Empty the hash map `fd`; returns the number of entries removed.
+pub(super) fn drain<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    walk::<K, V>(fd, true, |_, _| {})
+}
+
+/// Delete `keys` from the hash map `fd`. Returns, per key, whether this
+/// call removed it (false: it was not there, e.g. evicted meanwhile).
+pub(super) fn delete<K: aya::Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> io::Result<Vec<bool>> {
+    let mut removed = vec![false; keys.len()];
+    let mut at = 0;
+    while at < keys.len() {
+        let rest = &keys[at..];
+        let mut attr = BatchAttr {
+            keys: rest.as_ptr() as u64,
+            count: u32::try_from(rest.len()).unwrap_or(u32::MAX),
+            map_fd: fd.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        let rc = bpf_batch(BPF_MAP_DELETE_BATCH, &mut attr);
+        // The kernel stops at the first key it cannot delete; `count` says
+        // how many before it were deleted.
+        let done = attr.count as usize;
+        removed[at..at + done.min(rest.len())].fill(true);
+        match rc {
+            Ok(()) => return Ok(removed),
+            // That key was missing: skip it and go on.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => at += done + 1,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(removed)
+}
