@@ -457,6 +457,63 @@ fn reply_from_backend_is_rewritten_back_to_the_vip() {
 }
 
 #[test]
+fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_their_vip() {
+    in_netns(|| {
+        // web and alt share 10.20.0.11:8080 (web, first, owns it); other
+        // has an endpoint of its own.
+        let mut fx = Fixture::new(vec![
+            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service("other", 82, Protocol::Tcp, &[(BACKEND, 9090)]),
+        ]);
+        let entries = |fx: &mut Fixture| {
+            let now = lb_userspace::dataplane::monotonic_coarse_secs();
+            let r = fx.dp.sweep(now, u64::MAX / 2, u64::MAX / 2).unwrap();
+            assert_eq!(r.removed, 0);
+            r.entries
+        };
+        let from_backend = |port: u16, cport: u16, flags: u8| Frame {
+            dmac: GW_B_MAC,
+            smac: BACKEND_MAC,
+            ..tcp(BACKEND, port, CLIENT, cport, flags)
+        };
+        let reply_src = |fx: &Fixture, f: &Frame| {
+            let (action, out) = fx.run(&f.bytes(), fx.if_b);
+            assert_eq!(action, XDP_REDIRECT, "reply to {}", f.dport);
+            assert_checksums_valid(&out);
+            let got = Frame::parse(&out).unwrap();
+            assert_eq!((got.dst, got.dport, got.dmac), (CLIENT, f.dport, CLIENT_MAC));
+            (got.src, got.sport)
+        };
+        assert_eq!(fx.forward(&tcp(CLIENT, 41000, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(entries(&mut fx), 1, "a flow of a service owning its endpoints is one entry");
+        assert_eq!(fx.forward(&tcp(CLIENT, 41001, VIP, 81, SYN).bytes()), BACKEND);
+        assert_eq!(entries(&mut fx), 3, "a flow of the service that shares the endpoint keeps a reply entry");
+        assert_eq!(fx.forward(&tcp(CLIENT, 41002, VIP, 82, SYN).bytes()), BACKEND);
+        assert_eq!(entries(&mut fx), 4);
+        // Each reply gets its own service's VIP port back.
+        assert_eq!(reply_src(&fx, &from_backend(8080, 41000, SYN | ACK)), (VIP, 80));
+        assert_eq!(reply_src(&fx, &from_backend(8080, 41001, SYN | ACK)), (VIP, 81));
+        assert_eq!(reply_src(&fx, &from_backend(9090, 41002, SYN | ACK)), (VIP, 82));
+        // A backend packet that is no flow's reply is the kernel's.
+        let stray = from_backend(8080, 41999, ACK).bytes();
+        assert_eq!(fx.run(&stray, fx.if_b), (XDP_PASS, stray.clone()));
+        // Closes are tracked from both sides on both kinds of flow.
+        let id = |svc: &str| {
+            let s = fx.dp.services().find(|s| s.config.name == svc).unwrap();
+            s.backends[0].id
+        };
+        let (web, alt) = (id("web"), id("alt"));
+        assert_eq!((fx.dp.active_flows(web).unwrap(), fx.dp.active_flows(alt).unwrap()), (1, 1));
+        for (vport, cport) in [(80, 41000), (81, 41001)] {
+            assert_eq!(fx.run(&tcp(CLIENT, cport, VIP, vport, FIN | ACK).bytes(), fx.if_a).0, XDP_REDIRECT);
+            assert_eq!(reply_src(&fx, &from_backend(8080, cport, FIN | ACK)), (VIP, vport));
+        }
+        assert_eq!((fx.dp.active_flows(web).unwrap(), fx.dp.active_flows(alt).unwrap()), (0, 0));
+    });
+}
+
+#[test]
 fn packets_not_for_a_vip_pass_unchanged() {
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
