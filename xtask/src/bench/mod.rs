@@ -86,7 +86,39 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
     let report = report(&results, &dir)?;
     std::fs::write(dir.join("report.md"), report)?;
     println!("\nreport: {}\nraw numbers: {}", dir.join("report.md").display(), dir.join("results.json").display());
+    let failed = our_failures(&results);
+    if !failed.is_empty() {
+        bail!("requests failed through our balancer (outside the breakpoint search):\n  {}", failed.join("\n  "));
+    }
     Ok(())
+}
+
+/// Cells of ours with failed requests, outside the breakpoint search
+/// (which looks for failures on purpose).
+fn our_failures(r: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    let failed = |v: &Value| v["failed"].as_f64().unwrap_or(0.0);
+    for (key, runs) in r["e2e"]["runs"].as_object().into_iter().flatten() {
+        if key.split('|').nth(1) != Some("ours") {
+            continue;
+        }
+        for (i, run) in runs.as_array().into_iter().flatten().enumerate() {
+            if failed(run) > 0.0 {
+                out.push(format!("e2e {key}, repetition {}: {} failed", i + 1, failed(run)));
+            }
+        }
+    }
+    for p in r["scenarios"]["p4"].as_array().into_iter().flatten() {
+        if failed(p) > 0.0 {
+            out.push(format!("P4 {} {} requests: {} failed", p["method"], p["requests"], failed(p)));
+        }
+    }
+    for k in r["scenarios"]["k6"].as_array().into_iter().flatten() {
+        if k["balancer"] == "ours" && k["scenario"] != "breakpoint" && failed(k) > 0.0 {
+            out.push(format!("{}: {} failed", k["scenario"], failed(k)));
+        }
+    }
+    out
 }
 
 // ------------------------------------------------------------------ packet
@@ -140,8 +172,11 @@ impl<'a> Env<'a> {
         for ns in ["gw", "be1", "be2", "be3"] {
             let _ = lab.cmd(ns, "sysctl").args(["-qw", "net.ipv4.tcp_max_tw_buckets=0"]).status();
         }
+        // Off in every throughput cell: it makes every run of every BPF
+        // program read the clock twice, which costs our balancer alone.
+        // Turned on only for the short cells that measure the XDP program.
         let stats_before = std::fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").unwrap_or_default();
-        let _ = Command::new("sysctl").args(["-qw", "kernel.bpf_stats_enabled=1"]).status();
+        set_bpf_stats(false);
         Ok(Self { lab, work, stats_before: stats_before.trim().to_owned() })
     }
 }
@@ -164,6 +199,7 @@ impl Balancer {
         }
     }
 
+    /// The address wrk connects to (`direct`: see [`wrk`], it spreads).
     fn target(self) -> String {
         match self {
             Self::Direct => format!("{DIRECT}:8080"),
@@ -311,37 +347,90 @@ struct Load {
     secs: u32,
 }
 
-/// One wrk run from the client namespace; backend counts and CPU around it.
-fn wrk(env: &Env, target: &str, load: &Load) -> anyhow::Result<Value> {
+fn set_bpf_stats(on: bool) {
+    let _ = Command::new("sysctl").args(["-qw", &format!("kernel.bpf_stats_enabled={}", u8::from(on))]).status();
+}
+
+/// How a wrk cell is measured.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Measure {
+    /// Throughput, latency, CPU (kernel.bpf_stats_enabled off).
+    Throughput,
+    /// The XDP program's own run time per request (bpf stats on).
+    XdpTime,
+}
+
+/// Split `n` connections over `k` parts as evenly as possible.
+fn split(n: u32, k: u32) -> Vec<u32> {
+    (0..k).map(|i| n / k + u32::from(i < n % k)).collect()
+}
+
+/// One wrk cell from the client namespace; backend counts and CPU around
+/// it. For `direct` the load is spread over the three backends without a
+/// balancer: one wrk process per backend, the connections split between
+/// them (wrk connects every thread to one address).
+fn wrk(env: &Env, target: &str, load: &Load, how: Measure) -> anyhow::Result<Value> {
     let lab = env.lab;
     lab.reset_backend_counts()?;
-    let threads = load.connections.min(2).to_string();
-    let mut cmd = lab.cmd("client", "wrk");
-    cmd.args(["-t", &threads, "-c", &load.connections.to_string(), "-d", &format!("{}s", load.secs)]).args([
-        "--timeout",
-        "5s",
-        "--latency",
-    ]);
-    if load.close {
-        cmd.args(["-H", "Connection: close"]);
+    let spread = target == Balancer::Direct.target();
+    let parts: Vec<(String, u32)> = if spread {
+        BACKENDS.iter().map(|b| format!("{b}:8080")).zip(split(load.connections, 3)).collect()
+    } else {
+        vec![(target.to_owned(), load.connections)]
+    };
+    let cmds: Vec<Command> = parts
+        .iter()
+        .map(|(t, c)| {
+            let threads = if spread { 1 } else { (*c).min(2) };
+            let mut cmd = lab.cmd("client", "wrk");
+            cmd.args(["-t", &threads.to_string(), "-c", &c.to_string(), "-d", &format!("{}s", load.secs)]).args([
+                "--timeout",
+                "5s",
+                "--latency",
+            ]);
+            if load.close {
+                cmd.args(["-H", "Connection: close"]);
+            }
+            cmd.arg(format!("http://{t}/"));
+            cmd
+        })
+        .collect();
+    if how == Measure::XdpTime {
+        set_bpf_stats(true);
     }
-    cmd.arg(format!("http://{target}/"));
     let (busy0, _) = cpu_us();
     let bpf0 = bpf_run_ns();
     let t0 = Instant::now();
-    let out = cmd.output().context("running wrk (cargo xtask setup installs it)")?;
+    let children: anyhow::Result<Vec<Child>> = cmds
+        .into_iter()
+        .map(|mut c| c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn())
+        .collect::<Result<_, _>>()
+        .context("running wrk (cargo xtask setup installs it)");
+    let outs: anyhow::Result<Vec<_>> = match children {
+        Ok(ch) => ch.into_iter().map(|c| c.wait_with_output().context("waiting for wrk")).collect(),
+        Err(e) => Err(e),
+    };
     let wall = t0.elapsed().as_secs_f64();
     let (busy1, _) = cpu_us();
     let bpf1 = bpf_run_ns();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    if !out.status.success() {
-        bail!("wrk failed: {}{}", text, String::from_utf8_lossy(&out.stderr));
+    if how == Measure::XdpTime {
+        set_bpf_stats(false);
     }
+    let mut parsed = Vec::new();
+    for out in outs? {
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            bail!("wrk failed: {}{}", text, String::from_utf8_lossy(&out.stderr));
+        }
+        parsed.push(parse_wrk(&text));
+    }
+    let mut v = combine(&parsed);
     let counts = lab.backend_counts()?;
-    let mut v = parse_wrk(&text);
     let requests = v["requests"].as_f64().unwrap_or(0.0);
     v["cpu_us_per_request"] = json!(if requests > 0.0 { (busy1 - busy0) / requests } else { 0.0 });
-    v["xdp_ns_per_request"] = json!(if requests > 0.0 { (bpf1 - bpf0) / requests } else { 0.0 });
+    if how == Measure::XdpTime {
+        v["xdp_ns_per_request"] = json!(if requests > 0.0 { (bpf1 - bpf0) / requests } else { 0.0 });
+    }
     v["wall_s"] = json!(wall);
     v["backends"] = json!(
         counts
@@ -353,6 +442,26 @@ fn wrk(env: &Env, target: &str, load: &Load) -> anyhow::Result<Value> {
         counts.iter().map(|c| if load.close { c.connections as f64 } else { c.requests as f64 }).collect();
     v["jain"] = json!(jain(&unit));
     Ok(v)
+}
+
+/// One result from several wrk processes run side by side: counts and
+/// rates add up, p50 and p90 are request-weighted means, p99 the worst.
+fn combine(parts: &[Value]) -> Value {
+    if let [one] = parts {
+        return one.clone();
+    }
+    let g = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    let sum = |k: &str| parts.iter().map(|v| g(v, k)).sum::<f64>();
+    let requests = sum("requests");
+    let weighted = |k: &str| parts.iter().map(|v| g(v, k) * g(v, "requests")).sum::<f64>() / requests;
+    json!({
+        "rps": sum("rps"),
+        "requests": requests,
+        "failed": sum("failed"),
+        "p50_ms": weighted("p50_ms"),
+        "p90_ms": weighted("p90_ms"),
+        "p99_ms": parts.iter().map(|v| g(v, "p99_ms")).fold(f64::NAN, f64::max),
+    })
 }
 
 fn parse_duration_ms(s: &str) -> f64 {
@@ -436,7 +545,12 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
             let running = start(env, *b, method)?;
             for (lname, load) in &loads {
                 let key = format!("{}|{}|{}", lname, b.name(), method);
-                let r = wrk(env, &b.target(), load).with_context(|| key.clone())?;
+                let mut r = wrk(env, &b.target(), load, Measure::Throughput).with_context(|| key.clone())?;
+                if *b == Balancer::Ours {
+                    let short = Load { secs: 2, ..load.clone() };
+                    let x = wrk(env, &b.target(), &short, Measure::XdpTime).with_context(|| key.clone())?;
+                    r["xdp_ns_per_request"] = x["xdp_ns_per_request"].clone();
+                }
                 println!(
                     "  rep {} {:<34} {:<8} {:<5} {:>9.0} req/s p99 {:>7.2} ms failed {} cpu/req {:.1} us",
                     rep + 1,
@@ -515,9 +629,15 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         for (name, ramp, top) in &profiles {
             let mut stages = Vec::new();
             for c in ramp {
-                stages.push(wrk(env, &b.target(), &Load { connections: *c, close: true, secs: step })?);
+                stages.push(wrk(
+                    env,
+                    &b.target(),
+                    &Load { connections: *c, close: true, secs: step },
+                    Measure::Throughput,
+                )?);
             }
-            let held = wrk(env, &b.target(), &Load { connections: *top, close: true, secs: hold })?;
+            let held =
+                wrk(env, &b.target(), &Load { connections: *top, close: true, secs: hold }, Measure::Throughput)?;
             let failed: f64 =
                 stages.iter().chain(std::iter::once(&held)).map(|s| s["failed"].as_f64().unwrap_or(0.0)).sum();
             println!(
@@ -534,7 +654,8 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         let mut steps = Vec::new();
         let limit = if full { 6400 } else { 3200 };
         let broke = loop {
-            let r = wrk(env, &b.target(), &Load { connections: c, close: true, secs: step.max(3) })?;
+            let r =
+                wrk(env, &b.target(), &Load { connections: c, close: true, secs: step.max(3) }, Measure::Throughput)?;
             let req = r["requests"].as_f64().unwrap_or(0.0);
             let fail_ratio = r["failed"].as_f64().unwrap_or(0.0) / req.max(1.0);
             let p99 = r["p99_ms"].as_f64().unwrap_or(f64::INFINITY);
