@@ -128,7 +128,7 @@ fn packet(full: bool) -> anyhow::Result<Value> {
     run(cargo().args(["build", "--release", "-p", "lb-bench", "--bin", "lb-bench"]))?;
     let exe = workspace_root().join("target/release/lb-bench");
     let json_path = out_dir().join("packet.json");
-    let (rounds, repeat) = if full { ("15", "5000000") } else { ("7", "1000000") };
+    let (rounds, repeat) = if full { ("15", "5000000") } else { ("5", "1000000") };
     run(Command::new(&exe).args(["packet", "--rounds", rounds, "--repeat", repeat, "--json"]).arg(&json_path))?;
     Ok(serde_json::from_str(&std::fs::read_to_string(&json_path)?)?)
 }
