@@ -75,6 +75,8 @@ struct HealthView<'a> {
     expect: Expect,
     #[serde(skip_serializing_if = "Option::is_none")]
     port: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    body: Option<&'a str>,
 }
 
 /// One status code, or a range `lo-hi`.
@@ -148,6 +150,7 @@ fn health(h: &HealthConfig) -> HealthView<'_> {
         path: &h.path,
         expect: if lo == hi { Expect::One(lo) } else { Expect::Range(format!("{lo}-{hi}")) },
         port: h.port,
+        body: h.body.as_deref(),
     }
 }
 
@@ -300,8 +303,9 @@ mod tests {
             path: "/healthz?full=1&x=%20".into(),
             expect: (204, 204),
             port: Some(9000),
+            body: Some("status: \"ok\" #1".into()),
         };
-        v.push(("http health, port, single status", c));
+        v.push(("http health, port, single status, body", c));
 
         let mut c = base();
         c.services[0].health.kind = ProbeKind::Http;
@@ -461,6 +465,7 @@ services:
             path: "/healthz".into(),
             expect: (200, 299),
             port: Some(9000),
+            body: None,
         };
         c.services[0].backends[1].drain = true;
         let mut dns = svc("dns", "10.10.0.53", 53);

@@ -110,6 +110,8 @@ pub struct HealthConfig {
     pub expect: (u16, u16),
     /// Probe this port instead of the backend's own.
     pub port: Option<u16>,
+    /// Text the HTTP response body must contain (http probes).
+    pub body: Option<String>,
 }
 
 impl Default for HealthConfig {
@@ -123,6 +125,7 @@ impl Default for HealthConfig {
             path: "/".into(),
             expect: (200, 399),
             port: None,
+            body: None,
         }
     }
 }

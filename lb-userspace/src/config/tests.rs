@@ -138,7 +138,7 @@ fn table_size_must_be_prime_and_schedulers_known() {
 fn health_slow_start_and_drain_parse_and_validate() {
     let text = GOOD.replace(
             "    protocol: tcp\n",
-            "    protocol: tcp\n    slow_start: 10s\n    health: { type: http, interval: 500ms, timeout: 200ms, rise: 2, fall: 3, path: /healthz, expect: 200-299, port: 9000 }\n",
+            "    protocol: tcp\n    slow_start: 10s\n    health: { type: http, interval: 500ms, timeout: 200ms, rise: 2, fall: 3, path: /healthz, expect: 200-299, port: 9000, body: \"status: ok\" }\n",
         )
         .replace("weight: 2 }", "weight: 2, drain: true }");
     let c = parse(&text, "f", &Fake).unwrap();
@@ -151,6 +151,7 @@ fn health_slow_start_and_drain_parse_and_validate() {
     assert_eq!(s.health.path, "/healthz");
     assert_eq!(s.health.expect, (200, 299));
     assert_eq!(s.health.port, Some(9000));
+    assert_eq!(s.health.body.as_deref(), Some("status: ok"));
     assert!(s.backends[1].drain);
     assert_eq!(s.backends[1].admin_weight(), 0);
 
@@ -166,6 +167,8 @@ fn health_slow_start_and_drain_parse_and_validate() {
             "    protocol: tcp\n    health: { type: tcp, interval: 1s, timeout: 2s }\n",
         ));
     assert_eq!(p.field, "services[0].health.timeout");
+    let p = only(&GOOD.replace("    protocol: tcp\n", "    protocol: tcp\n    health: { type: tcp, body: ok }\n"));
+    assert_eq!((p.field.as_str(), p.reason.as_str()), ("services[0].health.body", "a body check needs type: http"));
 }
 
 #[test]

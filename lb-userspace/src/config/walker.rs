@@ -384,7 +384,8 @@ impl Walker<'_> {
     }
 
     fn health(&mut self, v: &Value, path: &str) -> Option<HealthConfig> {
-        let m = self.mapping(v, path, &["type", "interval", "timeout", "rise", "fall", "path", "expect", "port"])?;
+        let m =
+            self.mapping(v, path, &["type", "interval", "timeout", "rise", "fall", "path", "expect", "port", "body"])?;
         let before = self.problems.len();
         let mut h = HealthConfig::default();
         let f = |k: &str| Self::field(path, k);
@@ -445,6 +446,17 @@ impl Walker<'_> {
             && let Some(p) = self.uint(v, &f("port"), 1, 65535)
         {
             h.port = Some(p as u16);
+        }
+        if let Some(v) = m.get("body")
+            && let Some(b) = self.string(v, &f("body"))
+        {
+            if h.kind != ProbeKind::Http {
+                self.problem(&f("body"), "a body check needs type: http".into());
+            } else if b.is_empty() || b.len() > 1024 {
+                self.problem(&f("body"), format!("expected 1 to 1024 bytes of text, found {}", b.len()));
+            } else {
+                h.body = Some(b.to_owned());
+            }
         }
         if h.kind != ProbeKind::None && h.timeout > h.interval {
             self.problem(&f("timeout"), format!("{:?} is longer than the interval {:?}", h.timeout, h.interval));

@@ -16,6 +16,9 @@ use crate::config::{HealthConfig, ProbeKind};
 
 /// Longest HTTP status line an HTTP probe reads before giving up.
 pub const MAX_STATUS_LINE: usize = 4096;
+/// Most bytes of a response (headers and body) an HTTP probe with a body
+/// check reads: the expected text must appear within them.
+pub(super) const MAX_RESPONSE: usize = 64 * 1024;
 
 /// Why a probe failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +31,8 @@ pub enum ProbeError {
     Http(String),
     /// The HTTP status was outside the accepted range.
     Status(u16),
+    /// The response body did not contain the expected text.
+    Body,
 }
 
 impl fmt::Display for ProbeError {
@@ -37,6 +42,7 @@ impl fmt::Display for ProbeError {
             Self::Connect(e) => write!(f, "connect: {e}"),
             Self::Http(e) => write!(f, "http: {e}"),
             Self::Status(code) => write!(f, "status {code} outside the expected range"),
+            Self::Body => write!(f, "the response body lacks the expected text"),
         }
     }
 }
@@ -70,7 +76,9 @@ fn shorten(s: &str) -> String {
 /// - `Tcp`: connect, then close.
 /// - `Http`: connect, send a `GET cfg.path` with `Connection: close`, read the
 ///   status line (at most [`MAX_STATUS_LINE`] bytes) and require its code to
-///   lie within `cfg.expect` (inclusive).
+///   lie within `cfg.expect` (inclusive); with `cfg.body`, read the rest of
+///   the response (up to the end of the connection, at most
+///   [`MAX_RESPONSE`] bytes) and require the body to contain that text.
 /// - `None`: Ok at once, without connecting.
 ///
 /// The whole probe is bounded by `cfg.timeout`. Returns how long it took.
@@ -111,15 +119,49 @@ async fn http_probe(cfg: &HealthConfig, target: SocketAddrV4) -> Result<(), Prob
         ip = target.ip()
     );
     stream.write_all(request.as_bytes()).await.map_err(|e| ProbeError::Http(format!("send: {}", io_text(&e))))?;
-    let line = read_status_line(&mut stream).await?;
+    let (line, rest) = read_status_line(&mut stream).await?;
     let code = parse_status_line(&line)?;
     let (lo, hi) = cfg.expect;
-    if (lo..=hi).contains(&code) { Ok(()) } else { Err(ProbeError::Status(code)) }
+    if !(lo..=hi).contains(&code) {
+        return Err(ProbeError::Status(code));
+    }
+    match &cfg.body {
+        Some(want) => check_body(&mut stream, rest, want).await,
+        None => Ok(()),
+    }
+}
+
+/// Read the rest of a response whose status line was read (`buf`: what
+/// was read after it; `Connection: close` was asked, so it ends with the
+/// connection, or once [`MAX_RESPONSE`] bytes arrived) and look for `want`
+/// in its body.
+async fn check_body<R: AsyncRead + Unpin>(r: &mut R, mut buf: Vec<u8>, want: &str) -> Result<(), ProbeError> {
+    let mut chunk = [0u8; 4096];
+    while buf.len() < MAX_RESPONSE {
+        let n = r.read(&mut chunk).await.map_err(|e| ProbeError::Http(format!("receive: {}", io_text(&e))))?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if body_contains(&buf, want) {
+            return Ok(());
+        }
+    }
+    if body_contains(&buf, want) { Ok(()) } else { Err(ProbeError::Body) }
+}
+
+/// Does the body (after the blank line that ends the headers) of `resp`
+/// contain `want`?
+fn body_contains(resp: &[u8], want: &str) -> bool {
+    let Some(end) = resp.windows(4).position(|w| w == b"\r\n\r\n") else { return false };
+    let body = &resp[end + 4..];
+    let want = want.as_bytes();
+    want.is_empty() || body.windows(want.len()).any(|w| w == want)
 }
 
 /// Read up to the first `\r\n` (at most [`MAX_STATUS_LINE`] bytes) and
-/// return the line without it.
-async fn read_status_line<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, ProbeError> {
+/// return the line without it, and whatever was read after it.
+async fn read_status_line<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Vec<u8>, Vec<u8>), ProbeError> {
     let mut buf = vec![0u8; MAX_STATUS_LINE];
     let mut filled = 0;
     loop {
@@ -138,8 +180,10 @@ async fn read_status_line<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, Pr
         let from = filled.saturating_sub(1);
         filled += n;
         if let Some(i) = buf[from..filled].windows(2).position(|w| w == b"\r\n") {
+            buf.truncate(filled);
+            let rest = buf.split_off(from + i + 2);
             buf.truncate(from + i);
-            return Ok(buf);
+            return Ok((buf, rest));
         }
     }
 }
@@ -171,6 +215,34 @@ mod tests {
     // ---- parsing ----
 
     #[test]
+    fn a_body_check_looks_only_past_the_headers() {
+        assert!(body_contains(b"Server: x\r\n\r\nstatus: ok\n", "ok"));
+        assert!(!body_contains(b"X-Ok: ok\r\n\r\nstatus: failing\n", "ok"));
+        assert!(!body_contains(b"X-Ok: ok\r\n", "ok"), "no end of headers yet");
+    }
+
+    #[tokio::test]
+    async fn a_body_check_reads_to_the_end_and_stops_at_the_limit() {
+        let mut r: &[u8] = b"Content-Length: 9\r\n\r\nall is ok";
+        assert_eq!(check_body(&mut r, Vec::new(), "is ok").await, Ok(()));
+        let mut r: &[u8] = b"Content-Length: 9\r\n\r\nall is bad";
+        assert_eq!(check_body(&mut r, Vec::new(), "is ok").await, Err(ProbeError::Body));
+        let long = [b"\r\n\r\n".as_slice(), &vec![b'x'; 2 * MAX_RESPONSE], b"ok"].concat();
+        let mut r: &[u8] = &long;
+        assert_eq!(check_body(&mut r, Vec::new(), "ok").await, Err(ProbeError::Body), "past the limit");
+        // What the status line's read took already counts.
+        let mut r: &[u8] = b" is ok";
+        assert_eq!(check_body(&mut r, b"X: y\r\n\r\nall".to_vec(), "all is ok").await, Ok(()));
+    }
+
+    #[tokio::test]
+    async fn the_status_line_read_keeps_what_follows_it() {
+        let mut r: &[u8] = b"HTTP/1.1 200 OK\r\nX: y\r\n\r\nbody";
+        let (line, rest) = read_status_line(&mut r).await.unwrap();
+        assert_eq!((line.as_slice(), rest.as_slice()), (b"HTTP/1.1 200 OK".as_slice(), b"X: y\r\n\r\nbody".as_slice()));
+    }
+
+    #[test]
     fn status_line_parsing() {
         assert_eq!(parse_status_line(b"HTTP/1.1 200 OK"), Ok(200));
         assert_eq!(parse_status_line(b"HTTP/1.0 503 Service Unavailable"), Ok(503));
@@ -183,7 +255,7 @@ mod tests {
     #[tokio::test]
     async fn status_line_reading() {
         let mut r: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
-        assert_eq!(read_status_line(&mut r).await.unwrap(), b"HTTP/1.1 200 OK");
+        assert_eq!(read_status_line(&mut r).await.unwrap().0, b"HTTP/1.1 200 OK");
         let mut r: &[u8] = b"HTTP/1.1 200 OK";
         assert!(matches!(read_status_line(&mut r).await, Err(ProbeError::Http(_))));
         let mut r: &[u8] = b"";
@@ -200,7 +272,7 @@ mod tests {
         server.write_all(b"HTTP/1.1 301 Moved\r").await.unwrap();
         tokio::task::yield_now().await;
         server.write_all(b"\nLocation: /\r\n\r\n").await.unwrap();
-        assert_eq!(reader.await.unwrap().unwrap(), b"HTTP/1.1 301 Moved");
+        assert_eq!(reader.await.unwrap().unwrap().0, b"HTTP/1.1 301 Moved");
     }
 
     #[test]
@@ -224,6 +296,7 @@ mod tests {
             path: "/healthz".into(),
             expect: (200, 399),
             port: None,
+            body: None,
         }
     }
 
@@ -266,11 +339,26 @@ mod tests {
                 let expected =
                     "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n";
                 let status = if req == expected.as_bytes() { status_line } else { "HTTP/1.1 400 Bad Request" };
-                let resp = format!("{status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                // One write, body included: the status line's read takes
+                // part of what follows it.
+                let resp = format!("{status}\r\nContent-Length: 10\r\nConnection: close\r\n\r\nhealth=ok\n");
                 let _ = s.write_all(resp.as_bytes()).await;
                 let _ = s.shutdown().await;
             }
         })
+    }
+
+    #[tokio::test]
+    async fn http_probe_with_a_body_check() {
+        let l = listener().await;
+        let addr = v4(&l);
+        let server = serve_http(l, "HTTP/1.1 200 OK");
+        let mut c = cfg(ProbeKind::Http);
+        c.body = Some("health=ok".into());
+        assert!(probe(&c, addr).await.is_ok());
+        c.body = Some("health=failing".into());
+        assert_eq!(probe(&c, addr).await, Err(ProbeError::Body));
+        server.abort();
     }
 
     #[tokio::test]

@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -41,6 +41,11 @@ struct State {
     conn_seq: AtomicU64,
     /// Delay before each response on the main listener.
     delay_ms: AtomicU64,
+    /// Status code of the main listener's responses (0: 200).
+    status: AtomicU64,
+    /// The service port is closed (the process, its open connections and
+    /// the stats port stay).
+    closed: AtomicBool,
 }
 
 struct ActiveGuard(Arc<State>);
@@ -65,11 +70,12 @@ async fn main() -> anyhow::Result<()> {
     let name: Arc<str> = Arc::from(args.name.as_str());
     let state = Arc::new(State::default());
 
+    // Bound once here so that a bad address fails at start.
     let main_l = tcp_listener(args.listen)?;
     let udp = UdpSocket::bind(args.listen).await.with_context(|| format!("binding UDP {}", args.listen))?;
     let stats_l = tcp_listener(args.stats)?;
 
-    tokio::spawn(serve_main(main_l, name.clone(), state.clone()));
+    tokio::spawn(serve_main(main_l, args.listen, name.clone(), state.clone()));
     tokio::spawn(serve_udp(udp, name.clone(), state.clone()));
     tokio::spawn(serve_stats(stats_l, name.clone(), state.clone()));
     eprintln!("lab-backend {name}: serving {} (tcp+udp), stats on {}", args.listen, args.stats);
@@ -95,10 +101,39 @@ async fn accept_backoff(e: std::io::Error, what: &str) {
     tokio::time::sleep(Duration::from_millis(20)).await;
 }
 
-async fn serve_main(l: TcpListener, name: Arc<str>, state: Arc<State>) {
+/// How often a closed service port looks whether to open again, and an
+/// open one whether to close.
+const LISTEN_POLL: Duration = Duration::from_millis(50);
+
+async fn serve_main(first: TcpListener, addr: SocketAddr, name: Arc<str>, state: Arc<State>) {
+    let mut l = Some(first);
     loop {
-        match l.accept().await {
-            Ok((stream, _peer)) => {
+        // Closed on request (POST /listen?on=0): no listener, so connects
+        // are refused, until opened again.
+        if state.closed.load(Ordering::Relaxed) {
+            l = None;
+            tokio::time::sleep(LISTEN_POLL).await;
+            continue;
+        }
+        let listener = match l.take() {
+            Some(listener) => listener,
+            None => match tcp_listener(addr) {
+                Ok(listener) => listener,
+                Err(e) => {
+                    eprintln!("main listener: reopening {addr}: {e:#}");
+                    tokio::time::sleep(LISTEN_POLL).await;
+                    continue;
+                }
+            },
+        };
+        let accepted = tokio::select! {
+            r = listener.accept() => Some(r),
+            () = tokio::time::sleep(LISTEN_POLL) => None,
+        };
+        l = Some(listener);
+        match accepted {
+            None => {}
+            Some(Ok((stream, _peer))) => {
                 state.connections.fetch_add(1, Ordering::Relaxed);
                 state.active.fetch_add(1, Ordering::Relaxed);
                 let conn_no = state.conn_seq.fetch_add(1, Ordering::Relaxed) + 1;
@@ -109,7 +144,7 @@ async fn serve_main(l: TcpListener, name: Arc<str>, state: Arc<State>) {
                     let _ = handle_main_conn(stream, &name, &state, conn_no).await;
                 });
             }
-            Err(e) => accept_backoff(e, "main listener").await,
+            Some(Err(e)) => accept_backoff(e, "main listener").await,
         }
     }
 }
@@ -122,7 +157,8 @@ async fn handle_main_conn(mut stream: TcpStream, name: &str, state: &State, conn
         let Some(head) = http1::read_head(&mut stream, &mut buf).await? else {
             return Ok(());
         };
-        let (_, _, version) = head.request_parts()?;
+        let (_, target, version) = head.request_parts()?;
+        let health_check = target.starts_with("/health");
         let keep_alive =
             if version == "HTTP/1.0" { head.connection_has("keep-alive") } else { !head.connection_has("close") };
         let body_len = head.content_length()?;
@@ -134,10 +170,19 @@ async fn handle_main_conn(mut stream: TcpStream, name: &str, state: &State, conn
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
         }
-        let body = format!("backend={name} conn={conn_no} req={req_no}\n");
+        // The status set by POST /status applies to the health endpoint
+        // only: the application keeps serving while it reports unhealthy.
+        let code = match state.status.load(Ordering::Relaxed) {
+            c if c != 0 && health_check => c,
+            _ => 200,
+        };
+        let healthy = state.status.load(Ordering::Relaxed) == 0;
+        let (status, health) = (if code == 200 { "200 OK" } else { "" }, if healthy { "ok" } else { "failing" });
+        let status = if status.is_empty() { format!("{code} Status") } else { status.to_owned() };
+        let body = format!("backend={name} conn={conn_no} req={req_no} health={health}\n");
         let conn_hdr = if keep_alive { "" } else { "Connection: close\r\n" };
         let resp = format!(
-            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Backend: {name}\r\nContent-Type: text/plain\r\n{conn_hdr}\r\n{body}",
+            "HTTP/1.1 {status}\r\nContent-Length: {}\r\nX-Backend: {name}\r\nContent-Type: text/plain\r\n{conn_hdr}\r\n{body}",
             body.len()
         );
         stream.write_all(resp.as_bytes()).await?;
@@ -207,8 +252,20 @@ fn stats_json(name: &str, state: &State) -> String {
         "requests": state.requests.load(Ordering::Relaxed),
         "udp_datagrams": state.udp_datagrams.load(Ordering::Relaxed),
         "delay_ms": state.delay_ms.load(Ordering::Relaxed),
+        "status": state.status.load(Ordering::Relaxed),
+        "closed": state.closed.load(Ordering::Relaxed),
     })
     .to_string()
+}
+
+/// The number `key=` carries in a query string.
+fn query_value(query: &str, key: &str) -> Result<u64, (&'static str, String)> {
+    query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+        .ok_or(("400 Bad Request", format!("missing {key}=")))?
+        .parse::<u64>()
+        .map_err(|e| ("400 Bad Request", format!("bad {key}: {e}")))
 }
 
 fn route_stats(head: &Head, name: &str, state: &State) -> Result<String, (&'static str, String)> {
@@ -232,7 +289,27 @@ fn route_stats(head: &Head, name: &str, state: &State) -> Result<String, (&'stat
             state.delay_ms.store(ms, Ordering::Relaxed);
             Ok(stats_json(name, state))
         }
-        (_, "/stats" | "/reset" | "/delay") => Err(("405 Method Not Allowed", format!("{method} {path}"))),
+        ("POST", "/status") => {
+            // The status of the health endpoint (/health...) on the service
+            // port, whose body then says health=failing; code=200 makes it
+            // healthy again. Other requests are served as before.
+            let code = query_value(query, "code")?;
+            if !(100..=599).contains(&code) {
+                return Err(("400 Bad Request", format!("status {code} out of 100-599")));
+            }
+            state.status.store(if code == 200 { 0 } else { code }, Ordering::Relaxed);
+            Ok(stats_json(name, state))
+        }
+        ("POST", "/listen") => {
+            // on=0 closes the service port (connects are refused; open
+            // connections and the process stay), on=1 opens it again.
+            let on = query_value(query, "on")?;
+            state.closed.store(on == 0, Ordering::Relaxed);
+            Ok(stats_json(name, state))
+        }
+        (_, "/stats" | "/reset" | "/delay" | "/status" | "/listen") => {
+            Err(("405 Method Not Allowed", format!("{method} {path}")))
+        }
         _ => Err(("404 Not Found", format!("no route {method} {path}"))),
     }
 }

@@ -343,6 +343,8 @@ struct LongResult {
     ok_rounds: u64,
     failed: u64,
     backends_seen: Vec<String>,
+    /// The connection ended in an error before its last round.
+    broken: bool,
 }
 
 async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
@@ -359,7 +361,7 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
             let conn = connect(target, src, timeout_ms).await;
             // All connections are open before any round starts.
             barrier.wait().await;
-            let mut r = LongResult { ok_rounds: 0, failed: 0, backends_seen: Vec::new() };
+            let mut r = LongResult { ok_rounds: 0, failed: 0, backends_seen: Vec::new(), broken: false };
             let mut stream = match conn {
                 Ok(s) => s,
                 Err(e) => {
@@ -384,6 +386,7 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
                         if closing && round + 1 < rounds {
                             errors.push(format!("conn {i} round {round}: server closed the keep-alive connection"));
                             r.failed += (rounds - round - 1) as u64;
+                            r.broken = true;
                             break;
                         }
                     }
@@ -392,6 +395,7 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
                         // all remaining ones count as failed.
                         errors.push(e);
                         r.failed += (rounds - round) as u64;
+                        r.broken = true;
                         break;
                     }
                 }
@@ -401,6 +405,9 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
     }
     let (mut ok_rounds, mut failed, mut switched) = (0u64, 0u64, 0u64);
     let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
+    // Connections that ended in an error, by the backend that first
+    // answered them ("-" for none).
+    let mut broken_per_backend: BTreeMap<String, u64> = BTreeMap::new();
     for t in tasks {
         let r = t.await.context("connection task panicked")?;
         ok_rounds += r.ok_rounds;
@@ -411,6 +418,10 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
         if let Some(first) = r.backends_seen.first() {
             *per_backend.entry(first.clone()).or_default() += 1;
         }
+        if r.broken {
+            let first = r.backends_seen.first().cloned().unwrap_or_else(|| "-".into());
+            *broken_per_backend.entry(first).or_default() += 1;
+        }
     }
     Ok(serde_json::json!({
         "connections": a.connections,
@@ -418,6 +429,7 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
         "failed": failed,
         "switched": switched,
         "per_backend": per_backend,
+        "broken_per_backend": broken_per_backend,
         "errors": errors.take(),
         "elapsed_ms": ms_since(start),
     }))

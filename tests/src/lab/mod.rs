@@ -322,6 +322,20 @@ impl Lab {
         Ok(())
     }
 
+    /// Makes backend `idx` (0-based) report unhealthy on its service port:
+    /// its health endpoint (`/health...`) answers `code` with a body saying
+    /// `health=failing` (200 restores it). Other requests are still served.
+    pub fn set_backend_status(&self, idx: usize, code: u16) -> anyhow::Result<()> {
+        self.stats_call(idx, "POST", &format!("/status?code={code}")).map(drop)
+    }
+
+    /// Closes (`open == false`) or reopens backend `idx`'s service port:
+    /// new connections are refused while the process and its open
+    /// connections stay.
+    pub fn set_backend_listening(&self, idx: usize, open: bool) -> anyhow::Result<()> {
+        self.stats_call(idx, "POST", &format!("/listen?on={}", u8::from(open))).map(drop)
+    }
+
     /// Sets the response delay of backend `idx` (0-based); 0 disables it.
     pub fn set_backend_delay(&self, idx: usize, ms: u64) -> anyhow::Result<()> {
         self.check_idx(idx)?;
