@@ -125,19 +125,6 @@ fn main() {
 
 const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
-/// Restores kernel.bpf_stats_enabled on drop.
-struct StatsOff {
-    old: String,
-}
-
-impl Drop for StatsOff {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::write(BPF_STATS_SYSCTL, &self.old) {
-            eprintln!("lb-bench: restoring kernel.bpf_stats_enabled={}: {e}", self.old);
-        }
-    }
-}
-
 /// Flow table size: 4M connections, more when the fill and one run make
 /// more entries (a new flow of a service with shared endpoints takes two),
 /// so that no insert ever evicts.
@@ -166,11 +153,16 @@ fn packet(args: PacketArgs) -> anyhow::Result<()> {
             .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&stop)))
             .context("installing the signal handlers")?;
     }
+    // Put back what a killed run left changed, then look.
+    lb_testkit::sysctl::restore_saved().context("restoring sysctls a killed run left changed")?;
     let stats_before = read_trim(BPF_STATS_SYSCTL);
+    // Restored on drop, and by the next run or `cargo xtask lab down --all`
+    // if this one is killed.
     let _stats_guard = if stats_before != "0" && !args.keep_bpf_stats {
-        std::fs::write(BPF_STATS_SYSCTL, "0").context("turning kernel.bpf_stats_enabled off")?;
+        let g = lb_testkit::sysctl::Sysctl::set("kernel.bpf_stats_enabled", "0")
+            .context("turning kernel.bpf_stats_enabled off")?;
         eprintln!("kernel.bpf_stats_enabled was {stats_before}: off for this run, restored afterwards");
-        Some(StatsOff { old: stats_before.clone() })
+        Some(g)
     } else {
         None
     };

@@ -5,6 +5,10 @@
 //! them back. Headers are written and checksums computed and verified by the
 //! `etherparse` crate, not by code of ours, so a datapath output that matches
 //! a frame built here has checksums a second implementation agrees with.
+//!
+//! [`sysctl`] changes a kernel setting for a benchmark's run and puts it
+//! back, also after a kill.
 pub mod frame;
+pub mod sysctl;
 
 pub use frame::{Frame, L4Checksum, ParseError, Proto};

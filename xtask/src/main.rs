@@ -88,7 +88,13 @@ enum LabAction {
         topology: Topology,
     },
     /// Remove the lab: processes, namespaces, links. Safe to repeat.
-    Down,
+    Down {
+        /// Remove everything any lab, test or benchmark of this project
+        /// left, also when it was killed: every lab's namespaces and
+        /// processes, lb-bench's namespaces, pins, changed sysctls.
+        #[arg(long)]
+        all: bool,
+    },
 }
 
 const LAB_PREFIX: &str = "lb";
@@ -102,7 +108,9 @@ fn main() {
             .and_then(|()| ensure_setup())
             .and_then(|()| build())
             .and_then(|()| lab_up(topology)),
-        Cmd::Lab { action: LabAction::Down } => need_root("cargo xtask lab down").and_then(|()| Lab::down(LAB_PREFIX)),
+        Cmd::Lab { action: LabAction::Down { all } } => {
+            need_root("cargo xtask lab down").and_then(|()| if all { Lab::down_all() } else { Lab::down(LAB_PREFIX) })
+        }
         Cmd::Demo { requests } => need_root("cargo xtask demo")
             .and_then(|()| ensure_setup())
             .and_then(|()| build())

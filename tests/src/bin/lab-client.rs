@@ -1,6 +1,6 @@
 //! Load client for the namespace lab. Each subcommand prints exactly one JSON
 //! object on stdout. Every network operation is bounded by a timeout.
-#![cfg_attr(test, expect(unused_crate_dependencies, reason = "used by the lab library and the tests"))]
+#![expect(unused_crate_dependencies, reason = "used by the lab library and the tests")]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

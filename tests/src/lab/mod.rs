@@ -262,6 +262,62 @@ impl Lab {
         }
     }
 
+    /// Removes everything this project's labs and benchmarks may have left
+    /// behind when they were killed: every lab (all prefixes: the demo's,
+    /// the tests', the benchmark's), lb-bench's namespaces, the pins under
+    /// [`BPFFS`], and `kernel.bpf_stats_enabled` as a benchmark found it.
+    /// Idempotent; every step is tried even when one fails.
+    pub fn down_all() -> anyhow::Result<()> {
+        let mut first_err: Option<anyhow::Error> = None;
+        let mut prefixes: Vec<String> =
+            all_namespaces()?.iter().filter_map(|ns| lab_prefix_of(ns)).map(String::from).collect();
+        prefixes.sort();
+        prefixes.dedup();
+        for prefix in &prefixes {
+            if let Err(e) = Self::down(prefix) {
+                first_err.get_or_insert(e.context(format!("removing lab {prefix}")));
+            }
+        }
+        // lb-bench's private namespaces (`lbbench-<pid>`).
+        for ns in all_namespaces()?.into_iter().filter(|ns| ns.starts_with("lbbench-")) {
+            let res = kill_ns_processes(&ns, |_| true)
+                .and_then(|()| run(Command::new("ip").args(["netns", "del", &ns])).map(drop));
+            if let Err(e) = res {
+                first_err.get_or_insert(e.context(format!("removing namespace {ns}")));
+            }
+        }
+        // Pins of any lab's lbd: each lab pins under BPFFS/<prefix> (the
+        // files beside them, maps.debug and progs.debug, are bpffs's own).
+        if let Ok(dir) = std::fs::read_dir(BPFFS) {
+            for entry in dir.flatten() {
+                let path = entry.path();
+                if !path.is_dir() || !entry.file_name().to_string_lossy().starts_with("lb") {
+                    continue;
+                }
+                if let Err(e) = std::fs::remove_dir_all(&path) {
+                    first_err.get_or_insert(anyhow::Error::from(e).context(format!("removing {}", path.display())));
+                }
+            }
+        }
+        match lb_testkit::sysctl::restore_saved() {
+            Ok(restored) => {
+                for r in restored {
+                    println!("restored {r}");
+                }
+            }
+            Err(e) => {
+                first_err.get_or_insert(anyhow::Error::from(e).context("restoring saved sysctls"));
+            }
+        }
+        for prefix in &prefixes {
+            println!("removed lab {prefix}");
+        }
+        match first_err {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+
     /// The bpffs directory lbd pins this lab's datapath under.
     pub fn pin_dir(&self) -> PathBuf {
         Path::new(BPFFS).join(&self.spec.prefix)

@@ -82,6 +82,19 @@ pub(super) fn is_lab_ns(prefix: &str, ns: &str) -> bool {
         || role.strip_prefix("be").is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
 }
 
+/// The lab prefix of a namespace of one of this project's labs (`lb`,
+/// `lbt-...`, `lbb`: the prefix followed by a lab role), if it is one.
+pub(super) fn lab_prefix_of(ns: &str) -> Option<&str> {
+    let (prefix, _) = ns.rsplit_once('-')?;
+    (prefix.starts_with("lb") && is_lab_ns(prefix, ns)).then_some(prefix)
+}
+
+/// Every network namespace's name.
+pub(super) fn all_namespaces() -> anyhow::Result<Vec<String>> {
+    let out = run(Command::new("ip").args(["netns", "list"]))?;
+    Ok(out.lines().filter_map(|l| l.split_whitespace().next()).map(String::from).collect())
+}
+
 pub(super) fn lab_namespaces(prefix: &str) -> anyhow::Result<Vec<String>> {
     let out = run(Command::new("ip").args(["netns", "list"]))?;
     Ok(out

@@ -139,15 +139,14 @@ fn packet(full: bool) -> anyhow::Result<Value> {
 struct Env<'a> {
     lab: &'a Lab,
     work: PathBuf,
-    /// kernel.bpf_stats_enabled as found (it slows every BPF program down,
-    /// so it is put back when the measurements are done).
-    stats_before: String,
+    /// kernel.bpf_stats_enabled off for the run (it slows every BPF program
+    /// down) and put back afterwards, also after a kill (by the next run or
+    /// `cargo xtask lab down --all`).
+    _stats: lb_testkit::sysctl::Sysctl,
 }
 
 impl Drop for Env<'_> {
     fn drop(&mut self) {
-        let v = if self.stats_before.is_empty() { "0" } else { self.stats_before.as_str() };
-        let _ = Command::new("sysctl").args(["-qw", &format!("kernel.bpf_stats_enabled={v}")]).status();
         let _ = std::fs::remove_dir_all(&self.work);
     }
 }
@@ -175,9 +174,9 @@ impl<'a> Env<'a> {
         // Off in every throughput cell: it makes every run of every BPF
         // program read the clock twice, which costs our balancer alone.
         // Turned on only for the short cells that measure the XDP program.
-        let stats_before = std::fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").unwrap_or_default();
-        set_bpf_stats(false);
-        Ok(Self { lab, work, stats_before: stats_before.trim().to_owned() })
+        let stats = lb_testkit::sysctl::Sysctl::set("kernel.bpf_stats_enabled", "0")
+            .context("turning kernel.bpf_stats_enabled off")?;
+        Ok(Self { lab, work, _stats: stats })
     }
 }
 
