@@ -401,7 +401,7 @@ impl Agent {
             u64::from(self.config.tcp_idle_timeout),
             u64::from(self.config.udp_idle_timeout),
         )?;
-        self.flow_entries = r.entries.saturating_sub(2 * r.removed);
+        self.flow_entries = r.entries.saturating_sub(r.entries_removed);
         Ok(r)
     }
 }

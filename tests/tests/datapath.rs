@@ -510,6 +510,11 @@ fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_th
             assert_eq!(reply_src(&fx, &from_backend(8080, cport, FIN | ACK)), (VIP, vport));
         }
         assert_eq!((fx.dp.active_flows(web).unwrap(), fx.dp.active_flows(alt).unwrap()), (0, 0));
+        // Expiring every flow removes 3 flows, 4 entries (alt's reply entry).
+        let later = lb_userspace::dataplane::monotonic_coarse_secs() + 100_000;
+        let r = fx.dp.sweep(later, 1, 1).unwrap();
+        assert_eq!((r.entries, r.removed, r.entries_removed), (4, 3, 4), "{r:?}");
+        assert_eq!(entries(&mut fx), 0);
     });
 }
 

@@ -66,8 +66,11 @@ impl Dataplane {
                 report.expired += 1;
             }
         }
+        report.entries_removed = report.removed;
         if !replies.is_empty() {
-            batch::delete(fd, &replies).map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
+            let gone =
+                batch::delete(fd, &replies).map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
+            report.entries_removed += gone.iter().filter(|&&g| g).count() as u64;
         }
         if !expired_by.is_empty() {
             let expired = &mut self.maps.expired;
@@ -91,7 +94,10 @@ pub struct SweepReport {
     pub entries: u64,
     /// Flows looked at (reply entries are not).
     pub scanned: u64,
+    /// Flows removed.
     pub removed: u64,
+    /// Entries removed: the flows and their reply entries.
+    pub entries_removed: u64,
     pub expired: u64,
 }
 
