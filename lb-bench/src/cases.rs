@@ -153,6 +153,7 @@ pub(crate) fn services() -> Vec<ServiceConfig> {
         table_size: 65537,
         health: Default::default(),
         slow_start: None,
+        udp_idle_timeout: None,
         backends: BACKENDS
             .iter()
             .map(|&address| BackendConfig { address, port: backend_port(name), weight: 1, drain: false })

@@ -59,6 +59,8 @@ struct ServiceView<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     slow_start: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    udp_idle_timeout: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     health: Option<HealthView<'a>>,
     backends: Vec<BackendView>,
 }
@@ -134,6 +136,7 @@ fn service(s: &ServiceConfig) -> ServiceView<'_> {
         table_size: s.table_size,
         // A zero slow start means none (the parser reads `0s` as `None`).
         slow_start: s.slow_start.filter(|&d| round_ms(d) > 0).map(duration),
+        udp_idle_timeout: s.udp_idle_timeout,
         health: (s.health.kind != ProbeKind::None || s.health != HealthConfig::default()).then(|| health(&s.health)),
         backends: s.backends.iter().map(backend).collect(),
     }
@@ -251,6 +254,7 @@ mod tests {
             table_size: 65537,
             health: HealthConfig::default(),
             slow_start: None,
+            udp_idle_timeout: None,
             backends: vec![be("10.20.0.11", 8080, 1), be("10.20.0.12", 8080, 2)],
         }
     }
@@ -359,6 +363,7 @@ mod tests {
         let mut s3 = svc("true", "10.10.0.101", 443);
         s3.protocol = Protocol::Udp;
         s3.scheduler = Scheduler::LeastConn;
+        s3.udp_idle_timeout = Some(45);
         let mut s4 = svc("1e3", "192.168.1.1", 1);
         s4.table_size = 7;
         let s5 = svc("null", "172.16.0.1", 2);

@@ -175,6 +175,7 @@ fn service_with(
             .collect(),
         health: Default::default(),
         slow_start: None,
+        udp_idle_timeout: None,
     }
 }
 
@@ -515,6 +516,23 @@ fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_th
         let r = fx.dp.sweep(later, 1, 1).unwrap();
         assert_eq!((r.entries, r.removed, r.entries_removed), (4, 3, 4), "{r:?}");
         assert_eq!(entries(&mut fx), 0);
+    });
+}
+
+#[test]
+fn a_udp_service_with_its_own_idle_timeout_expires_its_flows_by_it() {
+    in_netns(|| {
+        // dns: 20 s of its own; syslog: the global 300 s (Fixture's config).
+        let mut dns = service("dns", 53, Protocol::Udp, &[(BACKEND, 5353)]);
+        dns.udp_idle_timeout = Some(20);
+        let mut fx = Fixture::new(vec![dns, service("syslog", 514, Protocol::Udp, &[(BACKEND, 5514)])]);
+        assert_eq!(fx.forward(&udp(CLIENT, 41000, VIP, 53).bytes()), BACKEND);
+        assert_eq!(fx.forward(&udp(CLIENT, 41001, VIP, 514).bytes()), BACKEND);
+        let now = lb_userspace::dataplane::monotonic_coarse_secs();
+        let r = fx.dp.sweep(now + 100, 900, 300).unwrap();
+        assert_eq!((r.entries, r.expired), (2, 1), "100 s idle: only dns's flow is past its timeout: {r:?}");
+        let r = fx.dp.sweep(now + 400, 900, 300).unwrap();
+        assert_eq!((r.entries, r.expired), (1, 1), "400 s idle: syslog's flow too: {r:?}");
     });
 }
 

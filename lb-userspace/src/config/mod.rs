@@ -143,6 +143,9 @@ pub struct ServiceConfig {
     /// A backend that comes up (or is added) ramps its weight from a small
     /// value to the configured one over this long.
     pub slow_start: Option<Duration>,
+    /// Seconds without a packet after which a UDP flow of this service
+    /// expires (None: the global `udp_idle_timeout`).
+    pub udp_idle_timeout: Option<u32>,
     pub backends: Vec<BackendConfig>,
 }
 

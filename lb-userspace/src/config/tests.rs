@@ -169,6 +169,12 @@ fn health_slow_start_and_drain_parse_and_validate() {
     assert_eq!(p.field, "services[0].health.timeout");
     let p = only(&GOOD.replace("    protocol: tcp\n", "    protocol: tcp\n    health: { type: tcp, body: ok }\n"));
     assert_eq!((p.field.as_str(), p.reason.as_str()), ("services[0].health.body", "a body check needs type: http"));
+    // A UDP service's own idle timeout; refused on a TCP service.
+    let c = parse(&GOOD.replace("    protocol: tcp\n", "    protocol: udp\n    udp_idle_timeout: 30\n"), "f", &Fake)
+        .unwrap();
+    assert_eq!(c.services[0].udp_idle_timeout, Some(30));
+    let p = only(&GOOD.replace("    protocol: tcp\n", "    protocol: tcp\n    udp_idle_timeout: 30\n"));
+    assert_eq!((p.field.as_str(), p.reason.as_str()), ("services[0].udp_idle_timeout", "applies to udp services only"));
 }
 
 #[test]

@@ -249,8 +249,18 @@ impl Walker<'_> {
     }
 
     fn service(&mut self, v: &Value, path: &str) -> Option<ServiceConfig> {
-        const KEYS: &[&str] =
-            &["name", "vip", "port", "protocol", "scheduler", "table_size", "health", "slow_start", "backends"];
+        const KEYS: &[&str] = &[
+            "name",
+            "vip",
+            "port",
+            "protocol",
+            "scheduler",
+            "table_size",
+            "health",
+            "slow_start",
+            "udp_idle_timeout",
+            "backends",
+        ];
         let m = self.mapping(v, path, KEYS)?;
         let before = self.problems.len();
 
@@ -318,6 +328,14 @@ impl Walker<'_> {
                 .duration(v, &Self::field(path, "slow_start"), Duration::ZERO, Duration::from_secs(3600))
                 .map(|d| if d.is_zero() { None } else { Some(d) }),
         };
+        let udp_idle_timeout = match m.get("udp_idle_timeout") {
+            None => Some(None),
+            Some(_) if protocol.is_some_and(|p| p != Protocol::Udp) => {
+                self.problem(&Self::field(path, "udp_idle_timeout"), "applies to udp services only".into());
+                None
+            }
+            Some(v) => self.uint(v, &Self::field(path, "udp_idle_timeout"), 10, 86_400 * 7).map(|n| Some(n as u32)),
+        };
 
         let mut backends = Vec::new();
         let bpath = Self::field(path, "backends");
@@ -358,6 +376,7 @@ impl Walker<'_> {
             table_size: table_size?,
             health: health?,
             slow_start: slow_start?,
+            udp_idle_timeout: udp_idle_timeout?,
             backends,
         })
     }

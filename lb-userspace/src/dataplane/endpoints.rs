@@ -148,6 +148,7 @@ mod tests {
             table_size: 65537,
             health: HealthConfig::default(),
             slow_start: None,
+            udp_idle_timeout: None,
             backends: backends
                 .iter()
                 .map(|&(last, p)| BackendConfig {

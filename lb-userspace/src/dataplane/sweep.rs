@@ -10,7 +10,7 @@ use super::{Dataplane, DataplaneError, batch, map_err};
 
 impl Dataplane {
     /// Expire idle flows: an open flow silent for longer than its
-    /// protocol's idle timeout is removed (with its reply entry, if it has
+    /// protocol's idle timeout (a UDP service's own, when it has one) is removed (with its reply entry, if it has
     /// one) and counted as expired for its backend; a closed TCP flow is
     /// removed after `CLOSED_LINGER` seconds. `now` is in seconds of
     /// CLOCK_MONOTONIC_COARSE (see [`monotonic_coarse_secs`]). The table is
@@ -20,6 +20,9 @@ impl Dataplane {
         // (forward key, its reply entry's key if it has one, backend if it
         // expired open)
         let mut doomed: Vec<(FlowKey, Option<FlowKey>, Option<u32>)> = Vec::new();
+        // Services with a UDP idle timeout of their own, by service id.
+        let udp_by_service: HashMap<u32, u64> =
+            self.services.values().filter_map(|s| s.config.udp_idle_timeout.map(|t| (s.id, u64::from(t)))).collect();
         let fd = self.maps.flows.map().fd().as_fd();
         let read = batch::for_each::<FlowKey, Flow>(fd, |k, f| {
             report.entries += 1;
@@ -42,7 +45,11 @@ impl Dataplane {
                     doomed.push((*k, reply, None));
                 }
             } else {
-                let limit = if k.proto == PROTO_TCP { tcp_idle } else { udp_idle };
+                let limit = if k.proto == PROTO_TCP {
+                    tcp_idle
+                } else {
+                    udp_by_service.get(&f.service_id).copied().unwrap_or(udp_idle)
+                };
                 if idle > limit {
                     doomed.push((*k, reply, Some(f.backend_id)));
                 }
