@@ -230,7 +230,15 @@ fn least_time_sends_little_to_a_backend_that_answers_50ms_later() {
             .as_u64()
             .unwrap()
     };
-    assert!(eff(&addrs[0]) * 10 < eff(&addrs[1]), "be1 weighs {} vs {}", eff(&addrs[0]), eff(&addrs[1]));
+    // The weights in force follow the design: a backend answering 50 ms
+    // later weighs at most what 50 ms gives (1024 / 2^(13/4) = 108, the
+    // ratio to the 5 ms floor rounded to quarter octaves), the fast ones
+    // (1024 at or under the floor) at least five times that.
+    let slow_bound = u64::from(lb_userspace::sched::least_time_weight(1, Some(Duration::from_millis(50))));
+    assert!(eff(&addrs[0]) <= slow_bound, "be1 weighs {}, more than {slow_bound}", eff(&addrs[0]));
+    for a in &addrs[1..] {
+        assert!(eff(a) >= 5 * slow_bound, "{a} weighs {}, not 5 x {slow_bound}", eff(a));
+    }
 }
 
 #[test]
