@@ -350,7 +350,8 @@ pub(crate) fn items() -> Vec<Item> {
 /// cache-missing one); its key ends in `_full`.
 pub(crate) fn full(item: &Item, fill: u32) -> Item {
     let key: &'static str = Box::leak(format!("{}_full", item.key).into_boxed_str());
-    Item { key, label: format!("{}, {}M flows", item.label, fill >> 20), fill, ..item.clone() }
+    let flows = if fill.is_multiple_of(1 << 20) { format!("{}M", fill >> 20) } else { fill.to_string() };
+    Item { key, label: format!("{}, {flows} flows", item.label), fill, ..item.clone() }
 }
 
 /// The reply of the flow the forward frame `fwd` made on `backend`.

@@ -30,9 +30,9 @@ use lb_userspace::{
 
 use crate::{
     cases::{
-        BACKENDS, CLIENT, CLIENT_MAC, Expect, FRAME_MAX, GW_A_MAC, GW_B_MAC, Item, MODE_NEW_TCP, MODE_RESTORE,
-        NEW_FLOW_BASE, Prog, VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, backend_mac, backend_port, payload, reply_frame,
-        services, tcp, udp,
+        BACKENDS, CLIENT, CLIENT_MAC, Expect, FRAME_MAX, GW_A_MAC, GW_B_MAC, Item, MODE_NEW_TCP, MODE_RESTORE, Prog,
+        VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, backend_mac, backend_port, items, payload, reply_frame, services,
+        tcp, udp,
     },
     netns::ifindex,
 };
@@ -222,19 +222,8 @@ impl Bench {
     /// Put `n` new flows into the table (fresh 5-tuples to the maglev
     /// service, made by the datapath itself through the harness).
     fn fill(&mut self, n: u32) -> anyhow::Result<()> {
-        let item = Item {
-            key: "fill",
-            label: "fill".into(),
-            path: "",
-            prog: Prog::Lb,
-            via: Via::Harness(MODE_NEW_TCP),
-            frame: tcp(NEW_FLOW_BASE, 1, VIP, 80, lb_testkit::frame::tcp::SYN).bytes(),
-            expect: Expect::Redirect,
-            service: Some("maglev"),
-            katran: None,
-            reply: false,
-            fill: 0,
-        };
+        // The maglev new-flow case: a fresh 5-tuple per repeat.
+        let item = items().into_iter().find(|i| i.key == "new_maglev").context("no new_maglev case")?;
         let (nf0, _, _) = self.service_counters("maglev")?;
         let r = self.run(&item, n)?;
         let (nf1, _, _) = self.service_counters("maglev")?;

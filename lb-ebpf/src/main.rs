@@ -327,15 +327,7 @@ fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
 /// other: a reply entry, a new flow, or the kernel).
 #[inline(always)]
 fn reply_of_flow(pkt: &Packet, vip: VipKey) -> Option<To> {
-    let fwd_key = FlowKey {
-        src_addr: pkt.daddr,
-        dst_addr: vip.addr,
-        src_port: pkt.dport,
-        dst_port: vip.port,
-        proto: pkt.proto,
-        _pad: [0; 3],
-    };
-    let flow = FLOWS.get_ptr_mut(&fwd_key)?;
+    let flow = FLOWS.get_ptr_mut(&client_key(pkt, vip.addr, vip.port))?;
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat) = unsafe { ((*flow).dir, Nat::of(flow)) };
     // A flow re-dispatched to another backend: the old one's late packets
@@ -355,16 +347,22 @@ fn reply_entry_close(pkt: &Packet, nat: Nat) {
     if pkt.proto != PROTO_TCP || pkt.tcp_flags & (TCP_FIN | TCP_RST) == 0 {
         return;
     }
-    let fwd_key = FlowKey {
+    if let Some(fwd) = FLOWS.get_ptr_mut(&client_key(pkt, nat.addr, nat.port)) {
+        track_close(fwd, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
+    }
+}
+
+/// The flow-table key of the connection a backend -> client packet
+/// answers: the client's 5-tuple towards the VIP (`vip_addr`, `vip_port`).
+#[inline(always)]
+fn client_key(pkt: &Packet, vip_addr: u32, vip_port: u16) -> FlowKey {
+    FlowKey {
         src_addr: pkt.daddr,
-        dst_addr: nat.addr,
+        dst_addr: vip_addr,
         src_port: pkt.dport,
-        dst_port: nat.port,
+        dst_port: vip_port,
         proto: pkt.proto,
         _pad: [0; 3],
-    };
-    if let Some(fwd) = FLOWS.get_ptr_mut(&fwd_key) {
-        track_close(fwd, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
     }
 }
 

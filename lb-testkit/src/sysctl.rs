@@ -29,13 +29,8 @@ impl Sysctl {
         let old = std::fs::read_to_string(proc_path(name))?.trim().to_owned();
         std::fs::create_dir_all(SAVED_DIR)?;
         std::fs::write(Path::new(SAVED_DIR).join(name), &old)?;
-        std::fs::write(proc_path(name), value)?;
+        write(name, value)?;
         Ok(Self { name: name.to_owned(), old })
-    }
-
-    /// The value found before the change.
-    pub fn old(&self) -> &str {
-        &self.old
     }
 }
 
@@ -48,6 +43,12 @@ impl Drop for Sysctl {
             Err(e) => eprintln!("restoring {}={}: {e} (saved in {SAVED_DIR})", self.name, self.old),
         }
     }
+}
+
+/// Write `value` to the sysctl `name` (`kernel.bpf_stats_enabled`), for
+/// a change inside a run a [`Sysctl`] guard already covers.
+pub fn write(name: &str, value: &str) -> io::Result<()> {
+    std::fs::write(proc_path(name), value)
 }
 
 /// Put back every value a killed run left saved; returns the settings

@@ -215,8 +215,11 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         ]);
         path.push(l, Value::Gauge(1));
     }
-    let mut entries =
-        Samples::new("lb_flow_table_entries", "Flow table entries (two per flow), as of the last sweep", Gauge);
+    let mut entries = Samples::new(
+        "lb_flow_table_entries",
+        "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as of the last sweep",
+        Gauge,
+    );
     entries.push(Labels::new(), Value::Gauge(i64::try_from(snap.flow_entries).unwrap_or(i64::MAX)));
     let mut reloads = Samples::new("lb_config_reloads", "Configuration reloads by result", Counter);
     reloads.push(labels(&[("result", "ok")]), Value::Counter(snap.reloads_ok));
@@ -592,7 +595,7 @@ mod tests {
             "Path packets take from an ingress interface to an egress interface (always 1; see the path label)",
             path,
         );
-        reg.register("lb_flow_table_entries", "Flow table entries (two per flow), as of the last sweep", entries);
+        reg.register("lb_flow_table_entries", "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as of the last sweep", entries);
         reg.register("lb_config_reloads", "Configuration reloads by result", reloads);
         let mut out = String::new();
         encode(&mut out, &reg).unwrap();

@@ -245,18 +245,7 @@ mod tests {
     }
 
     fn svc(name: &str, vip: &str, port: u16) -> ServiceConfig {
-        ServiceConfig {
-            name: name.into(),
-            vip: ip(vip),
-            port,
-            protocol: Protocol::Tcp,
-            scheduler: Scheduler::Maglev,
-            table_size: 65537,
-            health: HealthConfig::default(),
-            slow_start: None,
-            udp_idle_timeout: None,
-            backends: vec![be("10.20.0.11", 8080, 1), be("10.20.0.12", 8080, 2)],
-        }
+        ServiceConfig::example(name, ip(vip), port, vec![be("10.20.0.11", 8080, 1), be("10.20.0.12", 8080, 2)])
     }
 
     fn base() -> Config {

@@ -174,13 +174,24 @@ impl Lbd {
         Ok(serde_json::from_str(&self.lbctl(&["status", "--json"])?)?)
     }
 
-    /// New-flow counter of one backend of one service, from `lbctl status`.
-    pub fn new_flows(status: &serde_json::Value, service: &str, address: &str) -> Option<u64> {
+    /// One backend of one service in a `lbctl status --json` document.
+    pub fn backend<'a>(status: &'a serde_json::Value, service: &str, address: &str) -> Option<&'a serde_json::Value> {
         status["services"].as_array()?.iter().find(|s| s["name"] == service)?["backends"]
             .as_array()?
             .iter()
-            .find(|b| b["address"] == address)?["new_flows"]
-            .as_u64()
+            .find(|b| b["address"] == address)
+    }
+
+    /// New-flow counter of one backend of one service, from `lbctl status`.
+    pub fn new_flows(status: &serde_json::Value, service: &str, address: &str) -> Option<u64> {
+        Self::backend(status, service, address)?["new_flows"].as_u64()
+    }
+
+    /// A backend's state (`up`, `down`, `drain`, ...) now, from `lbctl
+    /// status`; empty when lbd does not list it. Panics when lbctl fails.
+    pub fn backend_state(&self, service: &str, address: &str) -> String {
+        let status = self.status().expect("lbctl status --json");
+        Self::backend(&status, service, address).and_then(|b| b["state"].as_str()).unwrap_or_default().to_owned()
     }
 
     /// Send `signal` to lbd (the process inside the namespace: `ip netns

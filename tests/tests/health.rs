@@ -21,14 +21,7 @@ const FALL: u64 = 2;
 const HEALTH: &str = "    health: { type: http, path: /health, interval: 300ms, timeout: 200ms, rise: 2, fall: 2, body: \"health=ok\" }\n";
 
 fn backend_state(lbd: &Lbd, addr: &str) -> String {
-    let s = lbd.status().unwrap();
-    s["services"][0]["backends"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["address"] == addr)
-        .map(|b| b["state"].as_str().unwrap().to_owned())
-        .unwrap_or_default()
+    lbd.backend_state("web", addr)
 }
 
 /// Long-lived keep-alive connections, a request every 100 ms on each, while

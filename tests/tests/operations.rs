@@ -26,14 +26,7 @@ fn setup(prefix: &str, backends: usize, services: &str) -> Running {
 }
 
 fn backend_state(lbd: &Lbd, addr: &str) -> String {
-    let s = lbd.status().unwrap();
-    s["services"][0]["backends"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["address"] == addr)
-        .map(|b| b["state"].as_str().unwrap().to_owned())
-        .unwrap_or_default()
+    lbd.backend_state("web", addr)
 }
 
 fn conns(lab: &Lab, args: &[&str]) -> serde_json::Value {

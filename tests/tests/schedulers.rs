@@ -168,14 +168,8 @@ fn least_time_sends_little_to_a_backend_that_answers_50ms_later() {
     // Wait until lbd's estimates have seen the delay (probes every 200 ms,
     // a moving average): be1's above 40 ms, the others' below 10 ms.
     let addrs: Vec<String> = s.lab.backend_addrs().iter().map(ToString::to_string).collect();
-    let estimate = |st: &serde_json::Value, addr: &str| {
-        st["services"][0]["backends"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|b| b["address"] == addr)
-            .and_then(|b| b["response_time_ms"].as_f64())
-    };
+    let estimate =
+        |st: &serde_json::Value, addr: &str| Lbd::backend(st, "web", addr).and_then(|b| b["response_time_ms"].as_f64());
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let st = s.lbd.status().unwrap();
@@ -224,12 +218,7 @@ fn least_time_sends_little_to_a_backend_that_answers_50ms_later() {
     let row = text.lines().find(|l| l.trim_start().starts_with(&format!("{}:8080", addrs[0]))).unwrap();
     let ms: f64 = row.split_whitespace().last().unwrap().trim_end_matches("ms").parse().unwrap();
     assert!(ms > 40.0, "be1's estimate in lbctl status: {row}");
-    let eff = |a: &str| {
-        status["services"][0]["backends"].as_array().unwrap().iter().find(|b| b["address"] == a).unwrap()
-            ["effective_weight"]
-            .as_u64()
-            .unwrap()
-    };
+    let eff = |a: &str| Lbd::backend(&status, "web", a).unwrap()["effective_weight"].as_u64().unwrap();
     // The weights in force follow the design: a backend answering 50 ms
     // later weighs at most what 50 ms gives (1024 / 2^(13/4) = 108, the
     // ratio to the 5 ms floor rounded to quarter octaves), the fast ones

@@ -149,6 +149,26 @@ pub struct ServiceConfig {
     pub backends: Vec<BackendConfig>,
 }
 
+#[cfg(test)]
+impl ServiceConfig {
+    /// A Maglev TCP service (table 65,537, no health checks, no slow
+    /// start) for unit tests.
+    pub(crate) fn example(name: &str, vip: Ipv4Addr, port: u16, backends: Vec<BackendConfig>) -> Self {
+        Self {
+            name: name.into(),
+            vip,
+            port,
+            protocol: Protocol::Tcp,
+            scheduler: Scheduler::Maglev,
+            table_size: 65537,
+            health: HealthConfig::default(),
+            slow_start: None,
+            udp_idle_timeout: None,
+            backends,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Config {
     pub interfaces: Vec<String>,

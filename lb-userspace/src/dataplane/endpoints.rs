@@ -78,8 +78,7 @@ pub(super) fn plan(current: &HashMap<EndpointKey, VipKey>, services: &[ServiceCo
     }
     let reply_entry = services
         .iter()
-        .map(vip_key)
-        .zip(services)
+        .map(|s| (vip_key(s), s))
         .filter(|(key, s)| endpoints_of(s).any(|ep| owners.get(&ep) != Some(key)))
         .map(|(key, _)| key)
         .collect();
@@ -100,9 +99,11 @@ impl Dataplane {
 
     /// Plan the endpoint map for `services` and write its new and changed
     /// entries: called before any service's table changes, so that a flow
-    /// on a new backend finds its endpoint from its first reply. Returns
-    /// the services that must keep reply entries.
-    pub(super) fn write_endpoints(&mut self, services: &[ServiceConfig]) -> Result<HashSet<VipKey>, DataplaneError> {
+    /// on a new backend finds its endpoint from its first reply. The plan's
+    /// `reply_entry` names the services that must keep reply entries; its
+    /// `owners` go to [`prune_endpoints`](Self::prune_endpoints) once the
+    /// services changed.
+    pub(super) fn write_endpoints(&mut self, services: &[ServiceConfig]) -> Result<Plan, DataplaneError> {
         let plan = plan(&self.endpoints, services, MAX_ENDPOINTS as usize);
         let map = &mut self.maps.endpoints;
         for (ep, owner) in &plan.owners {
@@ -111,14 +112,12 @@ impl Dataplane {
                 self.endpoints.insert(*ep, *owner);
             }
         }
-        self.planned_endpoints = plan.owners;
-        Ok(plan.reply_entry)
+        Ok(plan)
     }
 
-    /// Remove the entries the last plan dropped (after the services changed).
-    pub(super) fn prune_endpoints(&mut self) -> Result<(), DataplaneError> {
-        let gone: Vec<EndpointKey> =
-            self.endpoints.keys().filter(|ep| !self.planned_endpoints.contains_key(ep)).copied().collect();
+    /// Remove the entries the plan (`owners`) dropped.
+    pub(super) fn prune_endpoints(&mut self, owners: &HashMap<EndpointKey, VipKey>) -> Result<(), DataplaneError> {
+        let gone: Vec<EndpointKey> = self.endpoints.keys().filter(|ep| !owners.contains_key(ep)).copied().collect();
         let map = &mut self.maps.endpoints;
         for ep in gone {
             map.remove(&ep).map_err(map_err(names::ENDPOINTS))?;
@@ -133,32 +132,19 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::{
-        config::{BackendConfig, HealthConfig, Protocol, ServiceConfig},
-        sched::Scheduler,
-    };
+    use crate::config::{BackendConfig, ServiceConfig};
 
     fn svc(name: &str, port: u16, backends: &[(u8, u16)]) -> ServiceConfig {
-        ServiceConfig {
-            name: name.into(),
-            vip: Ipv4Addr::new(10, 0, 0, 100),
-            port,
-            protocol: Protocol::Tcp,
-            scheduler: Scheduler::Maglev,
-            table_size: 65537,
-            health: HealthConfig::default(),
-            slow_start: None,
-            udp_idle_timeout: None,
-            backends: backends
-                .iter()
-                .map(|&(last, p)| BackendConfig {
-                    address: Ipv4Addr::new(10, 1, 0, last),
-                    port: p,
-                    weight: 1,
-                    drain: false,
-                })
-                .collect(),
-        }
+        let backends = backends
+            .iter()
+            .map(|&(last, p)| BackendConfig {
+                address: Ipv4Addr::new(10, 1, 0, last),
+                port: p,
+                weight: 1,
+                drain: false,
+            })
+            .collect();
+        ServiceConfig::example(name, Ipv4Addr::new(10, 0, 0, 100), port, backends)
     }
 
     fn ep(last: u8, port: u16) -> EndpointKey {

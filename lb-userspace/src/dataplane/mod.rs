@@ -164,9 +164,8 @@ pub struct Dataplane {
     /// What ADDR_FILTER holds, word by word.
     filter: Vec<u64>,
     filter_written: bool,
-    /// What ENDPOINTS holds, and what the last plan wants it to hold.
+    /// What ENDPOINTS holds.
     endpoints: HashMap<EndpointKey, VipKey>,
-    planned_endpoints: HashMap<EndpointKey, VipKey>,
     /// What NETDEVS holds, and the path report derived with it.
     netdevs: BTreeMap<u32, u32>,
     netdevs_written: bool,
@@ -257,7 +256,6 @@ impl Dataplane {
             netdevs_written: false,
             paths: Vec::new(),
             endpoints: HashMap::new(),
-            planned_endpoints: HashMap::new(),
         };
         dp.read_endpoints()?;
         if adopting {

@@ -46,9 +46,9 @@ impl Dataplane {
         self.write_filter(&addrs)?;
         // Endpoints before tables: a reply finds its flow from the first
         // flow on a new backend on.
-        let reply_entry = self.write_endpoints(services)?;
+        let endpoints = self.write_endpoints(services)?;
         for s in services {
-            self.apply_service(s, runtime, reply_entry.contains(&vip_key(s)))?;
+            self.apply_service(s, runtime, endpoints.reply_entry.contains(&vip_key(s)))?;
         }
         // Adopted services the config no longer has.
         for (key, a) in std::mem::take(&mut self.adopted) {
@@ -62,7 +62,7 @@ impl Dataplane {
             }
             self.service_ids.release(a.service_id);
         }
-        self.prune_endpoints()?;
+        self.prune_endpoints(&endpoints.owners)?;
         self.sync_vip_addrs()
     }
 

@@ -280,12 +280,7 @@ fn route_stats(head: &Head, name: &str, state: &State) -> Result<String, (&'stat
             Ok(stats_json(name, state))
         }
         ("POST", "/delay") => {
-            let ms = query
-                .split('&')
-                .find_map(|kv| kv.strip_prefix("ms="))
-                .ok_or(("400 Bad Request", "missing ms=".to_string()))?
-                .parse::<u64>()
-                .map_err(|e| ("400 Bad Request", format!("bad ms: {e}")))?;
+            let ms = query_value(query, "ms")?;
             state.delay_ms.store(ms, Ordering::Relaxed);
             Ok(stats_json(name, state))
         }

@@ -235,9 +235,7 @@ impl Lab {
     pub fn down(prefix: &str) -> anyhow::Result<()> {
         let mut first_err: Option<anyhow::Error> = None;
         for ns in lab_namespaces(prefix)? {
-            let res = kill_ns_processes(&ns, |_| true)
-                .and_then(|()| run(Command::new("ip").args(["netns", "del", &ns])).map(drop));
-            if let Err(e) = res {
+            if let Err(e) = remove_ns(&ns) {
                 // Keep going so as much as possible is removed.
                 first_err.get_or_insert(e.context(format!("removing namespace {ns}")));
             }
@@ -280,9 +278,7 @@ impl Lab {
         }
         // lb-bench's private namespaces (`lbbench-<pid>`).
         for ns in all_namespaces()?.into_iter().filter(|ns| ns.starts_with("lbbench-")) {
-            let res = kill_ns_processes(&ns, |_| true)
-                .and_then(|()| run(Command::new("ip").args(["netns", "del", &ns])).map(drop));
-            if let Err(e) = res {
+            if let Err(e) = remove_ns(&ns) {
                 first_err.get_or_insert(e.context(format!("removing namespace {ns}")));
             }
         }

@@ -95,6 +95,12 @@ pub(super) fn all_namespaces() -> anyhow::Result<Vec<String>> {
     Ok(out.lines().filter_map(|l| l.split_whitespace().next()).map(String::from).collect())
 }
 
+/// Kill every process in the namespace `ns`, then delete it.
+pub(super) fn remove_ns(ns: &str) -> anyhow::Result<()> {
+    kill_ns_processes(ns, |_| true)?;
+    run(Command::new("ip").args(["netns", "del", ns])).map(drop)
+}
+
 pub(super) fn lab_namespaces(prefix: &str) -> anyhow::Result<Vec<String>> {
     let out = run(Command::new("ip").args(["netns", "list"]))?;
     Ok(out

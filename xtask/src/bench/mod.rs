@@ -43,7 +43,6 @@ const PREFIX: &str = "lbb";
 const VIP_OURS: &str = "10.10.0.100";
 const VIP_HAPROXY: &str = "10.10.0.101";
 const VIP_NGINX: &str = "10.10.0.102";
-const DIRECT: &str = "10.20.0.11";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Part {
@@ -198,14 +197,20 @@ impl Balancer {
         }
     }
 
-    /// The address wrk connects to (`direct`: see [`wrk`], it spreads).
-    fn target(self) -> String {
-        match self {
-            Self::Direct => format!("{DIRECT}:8080"),
-            Self::Ours => format!("{VIP_OURS}:80"),
-            Self::Haproxy => format!("{VIP_HAPROXY}:80"),
-            Self::Nginx => format!("{VIP_NGINX}:80"),
-        }
+    /// Where `connections` client connections go: the balancer's VIP, or
+    /// for `direct` the three backends themselves, the connections split
+    /// between them (the client picks the backend, the gateway's kernel
+    /// routes).
+    fn targets(self, connections: u32) -> Vec<(String, u32)> {
+        let vip = match self {
+            Self::Direct => {
+                return BACKENDS.iter().map(|b| format!("{b}:8080")).zip(split(connections, 3)).collect();
+            }
+            Self::Ours => VIP_OURS,
+            Self::Haproxy => VIP_HAPROXY,
+            Self::Nginx => VIP_NGINX,
+        };
+        vec![(format!("{vip}:80"), connections)]
     }
 }
 
@@ -346,8 +351,9 @@ struct Load {
     secs: u32,
 }
 
+/// Within a run the `Env` guard covers (it puts the value found back).
 fn set_bpf_stats(on: bool) {
-    let _ = Command::new("sysctl").args(["-qw", &format!("kernel.bpf_stats_enabled={}", u8::from(on))]).status();
+    let _ = lb_testkit::sysctl::write("kernel.bpf_stats_enabled", if on { "1" } else { "0" });
 }
 
 /// How a wrk cell is measured.
@@ -368,15 +374,11 @@ fn split(n: u32, k: u32) -> Vec<u32> {
 /// it. For `direct` the load is spread over the three backends without a
 /// balancer: one wrk process per backend, the connections split between
 /// them (wrk connects every thread to one address).
-fn wrk(env: &Env, target: &str, load: &Load, how: Measure) -> anyhow::Result<Value> {
+fn wrk(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result<Value> {
     let lab = env.lab;
     lab.reset_backend_counts()?;
-    let spread = target == Balancer::Direct.target();
-    let parts: Vec<(String, u32)> = if spread {
-        BACKENDS.iter().map(|b| format!("{b}:8080")).zip(split(load.connections, 3)).collect()
-    } else {
-        vec![(target.to_owned(), load.connections)]
-    };
+    let parts = b.targets(load.connections);
+    let spread = parts.len() > 1;
     let cmds: Vec<Command> = parts
         .iter()
         .map(|(t, c)| {
@@ -544,10 +546,10 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
             let running = start(env, *b, method)?;
             for (lname, load) in &loads {
                 let key = format!("{}|{}|{}", lname, b.name(), method);
-                let mut r = wrk(env, &b.target(), load, Measure::Throughput).with_context(|| key.clone())?;
+                let mut r = wrk(env, *b, load, Measure::Throughput).with_context(|| key.clone())?;
                 if *b == Balancer::Ours {
                     let short = Load { secs: 2, ..load.clone() };
-                    let x = wrk(env, &b.target(), &short, Measure::XdpTime).with_context(|| key.clone())?;
+                    let x = wrk(env, *b, &short, Measure::XdpTime).with_context(|| key.clone())?;
                     r["xdp_ns_per_request"] = x["xdp_ns_per_request"].clone();
                 }
                 println!(
@@ -598,7 +600,7 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
             let r = lab.client(&[
                 "conns",
                 "--target",
-                &Balancer::Ours.target(),
+                &format!("{VIP_OURS}:80"),
                 "--count",
                 &n.to_string(),
                 "--concurrency",
@@ -628,15 +630,9 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         for (name, ramp, top) in &profiles {
             let mut stages = Vec::new();
             for c in ramp {
-                stages.push(wrk(
-                    env,
-                    &b.target(),
-                    &Load { connections: *c, close: true, secs: step },
-                    Measure::Throughput,
-                )?);
+                stages.push(wrk(env, b, &Load { connections: *c, close: true, secs: step }, Measure::Throughput)?);
             }
-            let held =
-                wrk(env, &b.target(), &Load { connections: *top, close: true, secs: hold }, Measure::Throughput)?;
+            let held = wrk(env, b, &Load { connections: *top, close: true, secs: hold }, Measure::Throughput)?;
             let failed: f64 =
                 stages.iter().chain(std::iter::once(&held)).map(|s| s["failed"].as_f64().unwrap_or(0.0)).sum();
             println!(
@@ -653,8 +649,7 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         let mut steps = Vec::new();
         let limit = if full { 6400 } else { 3200 };
         let broke = loop {
-            let r =
-                wrk(env, &b.target(), &Load { connections: c, close: true, secs: step.max(3) }, Measure::Throughput)?;
+            let r = wrk(env, b, &Load { connections: c, close: true, secs: step.max(3) }, Measure::Throughput)?;
             let req = r["requests"].as_f64().unwrap_or(0.0);
             let fail_ratio = r["failed"].as_f64().unwrap_or(0.0) / req.max(1.0);
             let p99 = r["p99_ms"].as_f64().unwrap_or(f64::INFINITY);
