@@ -1,0 +1,251 @@
+//! The datapath fixture: the real XDP program, loaded and programmed by the
+//! real `Dataplane` inside a network namespace of its own, fed frames through
+//! BPF_PROG_TEST_RUN. Used by the packet fixture tests (`tests/datapath.rs`)
+//! and the fuzzer (`tests/fuzz.rs`).
+//!
+//! The namespace has two interfaces, routes and static neighbours, so
+//! bpf_fib_lookup answers as it would on a gateway; it is removed on drop.
+//! Needs root.
+use std::{
+    net::Ipv4Addr,
+    path::PathBuf,
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use aya::programs::{TestRun as _, TestRunOptions};
+use lb_common::{NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE};
+use lb_testkit::{Frame, L4Checksum};
+use lb_userspace::{
+    config::{BackendConfig, Config, Protocol, ServiceConfig, XdpMode},
+    dataplane::Dataplane,
+    sched::Scheduler,
+};
+
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_REDIRECT: u32 = 4;
+
+pub const XMIT_ALL: u32 = NETDEV_F_XMIT_GENERIC | NETDEV_F_XMIT_NATIVE;
+
+pub const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x01, 0x01];
+pub const BACKEND_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x02, 0x11];
+pub const GW_A_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xaa, 0x01];
+pub const GW_B_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xbb, 0x01];
+
+pub const VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 100);
+pub const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 1, 1);
+pub const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 11);
+/// A backend without a neighbour entry: the FIB answers "no neighbour".
+pub const BACKEND_UNRESOLVED: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 12);
+
+// ---------------------------------------------------------------- netns
+
+/// A network namespace with a veth pair `gwa` (client side, 10.10.0.1/16) and
+/// `gwb` (backend side, 10.20.0.1/24), forwarding on, static neighbours for
+/// CLIENT and BACKEND. Deleted on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+pub fn sh(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().expect("spawn");
+    assert!(out.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+impl Default for Netns {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Netns {
+    pub fn new() -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!("lbt-dp-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        sh(&["ip", "netns", "add", &name]);
+        let ns = Self { name };
+        let n = ns.name.as_str();
+        let mac = |m: [u8; 6]| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+        for cmd in [
+            format!(
+                "ip -n {n} link add name gwa address {} type veth peer name gwb address {}",
+                mac(GW_A_MAC),
+                mac(GW_B_MAC)
+            ),
+            format!("ip -n {n} link set lo up"),
+            format!("ip -n {n} link set dev gwa up"),
+            format!("ip -n {n} link set dev gwb up"),
+            format!("ip -n {n} addr add 10.10.0.1/16 dev gwa"),
+            format!("ip -n {n} addr add 10.20.0.1/24 dev gwb"),
+            format!("ip -n {n} neigh replace {CLIENT} lladdr {} dev gwa nud permanent", mac(CLIENT_MAC)),
+            format!("ip -n {n} neigh replace {BACKEND} lladdr {} dev gwb nud permanent", mac(BACKEND_MAC)),
+            format!("ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"),
+        ] {
+            sh(&cmd.split(' ').collect::<Vec<_>>());
+        }
+        ns
+    }
+
+    /// Run `f` on a thread inside this namespace.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = PathBuf::from("/run/netns").join(&self.name);
+        std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).expect("open netns");
+            // Moves this thread only.
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            f()
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+    }
+}
+
+pub fn ifindex(name: &str) -> u32 {
+    nix::net::if_::if_nametoindex(name).unwrap_or_else(|e| panic!("interface {name}: {e}"))
+}
+
+// ---------------------------------------------------------------- packets
+
+/// A TCP segment from the client side: `Frame::tcp` addressed to the gateway.
+pub fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Frame {
+    Frame::tcp(src, sport, dst, dport, flags).macs(GW_A_MAC, CLIENT_MAC)
+}
+
+/// A UDP datagram from the client side.
+pub fn udp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> Frame {
+    Frame::udp(src, sport, dst, dport).macs(GW_A_MAC, CLIENT_MAC)
+}
+
+/// The frame parses (etherparse), its IPv4 header checksum verifies and its
+/// L4 checksum is finished and verifies (or, UDP only, absent).
+pub fn assert_checksums_valid(frame: &[u8]) {
+    let f = Frame::parse(frame).unwrap_or_else(|e| panic!("{e}: {frame:02x?}"));
+    // The parser takes a 0 for "no checksum" only in UDP.
+    assert_ne!(f.l4_checksum, L4Checksum::Partial, "L4 checksum not finished: {frame:02x?}");
+}
+
+/// The destination of an output frame, which must parse with valid checksums.
+pub fn dst_of(frame: &[u8]) -> Ipv4Addr {
+    assert_checksums_valid(frame);
+    Frame::parse(frame).expect("parse").dst
+}
+
+// ---------------------------------------------------------------- harness
+
+pub struct Fixture {
+    pub dp: Dataplane,
+    pub if_a: u32,
+    pub if_b: u32,
+}
+
+pub fn service(name: &str, port: u16, protocol: Protocol, backends: &[(Ipv4Addr, u16)]) -> ServiceConfig {
+    service_with(name, port, protocol, Scheduler::Maglev, backends)
+}
+
+pub fn service_with(
+    name: &str,
+    port: u16,
+    protocol: Protocol,
+    scheduler: Scheduler,
+    backends: &[(Ipv4Addr, u16)],
+) -> ServiceConfig {
+    ServiceConfig {
+        name: name.into(),
+        vip: VIP,
+        port,
+        protocol,
+        scheduler,
+        table_size: 65537,
+        backends: backends
+            .iter()
+            .map(|&(address, port)| BackendConfig { address, port, weight: 1, drain: false })
+            .collect(),
+        health: Default::default(),
+        slow_start: None,
+        udp_idle_timeout: None,
+    }
+}
+
+impl Fixture {
+    pub fn new(services: Vec<ServiceConfig>) -> Self {
+        let cfg = Config {
+            interfaces: vec![],
+            xdp_mode: XdpMode::Auto,
+            control_socket: "/nonexistent".into(),
+            pin_path: "/nonexistent".into(),
+            conntrack_max: 1024,
+            table_capacity: 1 << 20,
+            tcp_idle_timeout: 900,
+            udp_idle_timeout: 300,
+            metrics_listen: "127.0.0.1:9464".parse().unwrap(),
+            services,
+        };
+        let mut dp = Dataplane::load_unpinned(&cfg).expect("load the XDP program (are you root?)");
+        dp.apply_admin(&cfg.services).expect("apply services");
+        let mut fx = Self { dp, if_a: ifindex("gwa"), if_b: ifindex("gwb") };
+        // Both devices take native and generic redirects, the program
+        // runs natively on both (what lbd writes for such a gateway).
+        fx.netdevs(0, XMIT_ALL, 0, XMIT_ALL);
+        fx
+    }
+
+    /// Describe the two devices to the datapath as lbd would: each one's
+    /// ingress mode (`NETDEV_F_GENERIC` or 0) and what it can transmit.
+    pub fn netdevs(&mut self, a_mode: u32, a_xmit: u32, b_mode: u32, b_xmit: u32) {
+        let flags = [(self.if_a, a_mode | a_xmit), (self.if_b, b_mode | b_xmit)].into_iter().collect();
+        self.dp.write_netdevs(&flags).expect("write NETDEVS");
+    }
+
+    /// Run one frame as if received on `ifindex`; returns (action, output).
+    pub fn run(&self, frame: &[u8], ifindex: u32) -> (u32, Vec<u8>) {
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes()); // data_end
+        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes()); // ingress_ifindex
+        let mut out = vec![0u8; frame.len() + 256];
+        let res = self
+            .dp
+            .program()
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                ..TestRunOptions::new()
+            })
+            .expect("BPF_PROG_TEST_RUN");
+        out.truncate(res.data_size_out as usize);
+        (res.return_value, out)
+    }
+
+    /// Run a client frame to the VIP; returns the backend it was rewritten
+    /// to. Only BACKEND has a neighbour entry: a frame to it is redirected,
+    /// one to another backend goes to the kernel (FIB fallback).
+    pub fn forward(&self, frame: &[u8]) -> Ipv4Addr {
+        let (action, out) = self.run(frame, self.if_a);
+        let dst = dst_of(&out);
+        assert_eq!(action, if dst == BACKEND { XDP_REDIRECT } else { XDP_PASS }, "to {dst}");
+        dst
+    }
+
+    pub fn counter(&self, name: &str) -> u64 {
+        self.dp.counters().unwrap()[name]
+    }
+
+    pub fn new_flows(&self, service: &str, backend: Ipv4Addr) -> u64 {
+        let s = self.dp.services().find(|s| s.config.name == service).unwrap();
+        let b = s.backends.iter().find(|b| b.config.address == backend).unwrap();
+        self.dp.backend_stats(b.id).unwrap().new_flows
+    }
+}
+
+pub fn in_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let ns = Netns::new();
+    ns.run(f)
+}
