@@ -103,10 +103,13 @@ pub mod maps {
     pub const NETDEV_GEN: &str = "NETDEV_GEN";
     pub const ENDPOINTS: &str = "ENDPOINTS";
     pub const NEXT_HOPS: &str = "NEXT_HOPS";
+    pub const FLOOD: &str = "FLOOD";
+    pub const NEW_FLOW_RATE: &str = "NEW_FLOW_RATE";
+    pub const LAYOUT: &str = "LAYOUT";
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 18] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -122,6 +125,9 @@ pub mod maps {
         NETDEV_GEN,
         ENDPOINTS,
         NEXT_HOPS,
+        FLOOD,
+        NEW_FLOW_RATE,
+        LAYOUT,
     ];
 
     /// `a == b`, usable in a constant (the datapath's compile-time check).
@@ -168,8 +174,19 @@ pub mod counter {
     /// from a local sender behind a veth): completed before a native XDP
     /// redirect, or updated as a partial checksum for the kernel to finish.
     pub const CSUM_PARTIAL: u32 = 8;
+    /// New flow above the per-CPU new-flow rate (`FLOOD`): given a
+    /// backend by consistent hash, without a flow-table entry.
+    pub const FLOOD_RATE: u32 = 9;
+    /// New flow that found the flow table full: given a backend by
+    /// consistent hash, without an entry (established flows are never
+    /// evicted to make room).
+    pub const TABLE_FULL: u32 = 10;
+    /// Packet from a backend endpoint whose flow has no entry (it was
+    /// routed statelessly, or its entry expired): its source rewritten to
+    /// the VIP the endpoint names, without per-flow state.
+    pub const STATELESS_REPLY: u32 = 11;
     /// Number of counters.
-    pub const COUNT: u32 = 9;
+    pub const COUNT: u32 = 12;
 
     /// Names used by userspace (metrics labels, `lbctl status`).
     pub const NAMES: [&str; COUNT as usize] = [
@@ -182,11 +199,42 @@ pub mod counter {
         "xdp_redirect",
         "kernel_egress",
         "csum_partial",
+        "flood_rate",
+        "table_full",
+        "stateless_reply",
     ];
 
     /// Counters that count a rewritten packet handed to the kernel's
     /// forwarding path (each packet in exactly one of them).
     pub const KERNEL_PATH: [u32; 2] = [FIB_FALLBACK, KERNEL_EGRESS];
+}
+
+/// Version of the pinned datapath's layout: the maps, their types and the
+/// byte layout of every key and value. Written into the `LAYOUT` map when
+/// lbd creates the maps; a pinned datapath without that map is version 1
+/// (every lbd before versions existed). Bump it whenever any of those
+/// changes, and teach `lb-userspace`'s `dataplane::layout` to migrate from
+/// the previous one.
+pub const LAYOUT_VERSION: u32 = 2;
+
+/// Flood protection, read by the datapath (`FLOOD`, one entry), written by
+/// lbd from the config.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flood {
+    /// New flows per second and CPU that may get a flow-table entry; the
+    /// rest get a backend by consistent hash and no entry. 0: no limit.
+    pub new_flow_rate_per_cpu: u32,
+    pub _pad: u32,
+}
+
+/// One CPU's new-flow count in the current second (`NEW_FLOW_RATE`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RateWindow {
+    /// Coarse monotonic second the count is for.
+    pub second: u64,
+    pub count: u64,
 }
 
 /// Key of the VIP map: what a client connects to.
@@ -249,6 +297,14 @@ pub struct Service {
     pub table_len: u32,
     /// `SVC_F_*` bits.
     pub flags: u32,
+    /// Where the service's consistent-hash table is, for flows that get no
+    /// flow-table entry (a flood, a full table) or a TCP packet other than
+    /// a SYN without one: schedulers that keep state (round robin, least
+    /// connections, ...) cannot give such a flow the same backend twice,
+    /// a hash into this table does. Hash schedulers use their own table
+    /// (`fallback_len` 0).
+    pub fallback_off: u32,
+    pub fallback_len: u32,
     pub _pad: u32,
 }
 
@@ -349,6 +405,13 @@ pub const FLOW_FIN_CLIENT: u64 = 1;
 pub const FLOW_FIN_BACKEND: u64 = 2;
 /// [`Flow::state`]: either side sent a RST.
 pub const FLOW_RST: u64 = 4;
+/// [`Flow::state`]: the backend has answered (any packet from it).
+pub const FLOW_REPLIED: u64 = 8;
+/// [`Flow::state`]: the client spoke again after the backend answered
+/// (for TCP, a packet other than a SYN): the handshake is complete. A flow
+/// without it is half-open, and the sweeper expires it after the short
+/// `flood.half_open_timeout` of silence instead of the idle timeout.
+pub const FLOW_ESTABLISHED: u64 = 16;
 
 /// A TCP flow is closed once either side reset it or both sides sent a FIN.
 /// A new SYN on a closed flow's 5-tuple is a new connection and is scheduled
@@ -429,7 +492,7 @@ mod pod {
             unsafe impl aya::Pod for $t {}
         )*};
     }
-    pod!(VipKey, Service, Backend, FlowKey, Flow, BackendStats, Conns, NextHop);
+    pod!(VipKey, Service, Backend, FlowKey, Flow, BackendStats, Conns, NextHop, Flood, RateWindow);
 }
 
 #[cfg(test)]
@@ -441,12 +504,14 @@ mod tests {
     #[test]
     fn shared_type_sizes_have_no_hidden_padding() {
         assert_eq!(size_of::<VipKey>(), 8);
-        assert_eq!(size_of::<Service>(), 24);
+        assert_eq!(size_of::<Service>(), 32);
         assert_eq!(size_of::<Backend>(), 24);
         assert_eq!(size_of::<Conns>(), 16);
         assert_eq!(size_of::<FlowKey>(), 16);
         assert_eq!(size_of::<Flow>(), 56);
         assert_eq!(size_of::<NextHop>(), 32);
+        assert_eq!(size_of::<Flood>(), 8);
+        assert_eq!(size_of::<RateWindow>(), 16);
         assert_eq!(size_of::<BackendStats>(), 40);
         assert_eq!(align_of::<BackendStats>(), 8);
     }

@@ -274,6 +274,9 @@ pub(crate) enum Hop {
     Backend { id: u32, addr: u32 },
     /// Towards a client (replies): the flow entry's own cache.
     Flow(*mut Flow),
+    /// Towards a client, for a reply without a flow entry: no cache, the
+    /// FIB is asked every time.
+    Uncached,
 }
 
 /// A next hop: egress ifindex, source MAC, destination MAC.
@@ -302,6 +305,7 @@ fn cached_hop(ctx: &XdpContext, hop: Hop, now: u32, generation: u32) -> Option<N
         Hop::Flow(e) => unsafe {
             fresh((*e).nh_ifindex, (*e).nh_time, (*e).nh_gen).then(|| ((*e).nh_ifindex, (*e).nh_smac, (*e).nh_dmac))
         },
+        Hop::Uncached => None,
     }
 }
 
@@ -332,6 +336,7 @@ fn store_hop(ctx: &XdpContext, hop: Hop, nh: NextHopAddr, now: u32, generation: 
             (*e).nh_dmac = nh.2;
             core::ptr::write_volatile(&raw mut (*e).nh_ifindex, nh.0);
         },
+        Hop::Uncached => {}
     }
 }
 

@@ -26,10 +26,11 @@ use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use aya_log_ebpf::debug;
 use forward::Hop;
 use lb_common::{
-    BACKEND_F_DOWN, BACKEND_NONE, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT,
-    FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
+    BACKEND_F_DOWN, BACKEND_NONE, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED, FLOW_FIN_BACKEND,
+    FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_REPLY_ENTRY, Service, VipKey,
+    addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_FILTER, BACKENDS, ENDPOINTS, FLOWS, VIP_ADDRS, VIPS};
+use maps::{ADDR_FILTER, BACKENDS, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -63,11 +64,15 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     // Where the packet goes. One call site each for `forward` and `reply`
     // (both inlined): the paths to them share one stack frame.
     let mut to = None;
+    // The VIP of the backend endpoint this packet comes from, when the
+    // client's flow towards it has no entry at all: the packet may be
+    // rewritten to come from that VIP without one.
+    let mut no_flow = false;
     if from_backend {
         let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
         // SAFETY: the value is copied at once.
         if let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
-            to = reply_of_flow(&pkt, vip);
+            to = reply_of_flow(&pkt, vip, &mut no_flow);
         }
     }
     let key = FlowKey {
@@ -88,12 +93,19 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
         None => {
             let vip = VipKey { addr: pkt.daddr, port: pkt.dport, proto: pkt.proto, _pad: 0 };
             // SAFETY: the value is copied before anything can replace it.
-            let Some(svc) = (unsafe { VIPS.get(&vip) }).copied() else {
-                return Ok(xdp_action::XDP_PASS);
-            };
-            match new_flow(&pkt, &key, &svc, now) {
-                Ok(nat) => To::Backend(nat),
-                Err(action) => return Ok(action),
+            match (unsafe { VIPS.get(&vip) }).copied() {
+                Some(svc) => match new_flow(&pkt, &key, &svc, now) {
+                    Ok(nat) => To::Backend(nat),
+                    Err(action) => return Ok(action),
+                },
+                // A backend's packet whose flow has no entry (routed
+                // without one, or expired): back to the client as from
+                // the VIP its endpoint names, by the FIB each time.
+                None if no_flow => match stateless_reply(&pkt) {
+                    Some(nat) => To::Client(nat, core::ptr::null_mut()),
+                    None => return Ok(xdp_action::XDP_PASS),
+                },
+                None => return Ok(xdp_action::XDP_PASS),
             }
         }
     };
@@ -103,13 +115,26 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     })
 }
 
+/// A backend's packet whose flow has no entry (routed without one, or
+/// expired): back to the client as from the VIP its endpoint names.
+/// Looked up again (rare path) rather than kept on the main frame's stack.
+#[inline(never)]
+fn stateless_reply(pkt: &Packet) -> Option<Nat> {
+    let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
+    // SAFETY: the value is copied at once.
+    let vip = unsafe { ENDPOINTS.get(&ep) }.copied()?;
+    stats::count(counter::STATELESS_REPLY);
+    Some(Nat { backend_id: BACKEND_NONE, addr: vip.addr, port: vip.port })
+}
+
 /// Where a packet of a known flow goes, and its rewrite.
 #[derive(Clone, Copy)]
 enum To {
     /// Client -> backend (destination rewritten).
     Backend(Nat),
     /// Backend -> client (source rewritten to the VIP); the entry whose
-    /// next-hop cache serves the reply.
+    /// next-hop cache serves the reply (the flow's entry or its reply
+    /// entry; null for a reply without one).
     Client(Nat, *mut Flow),
 }
 
@@ -124,7 +149,7 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat, last_seen) = unsafe { ((*flow).dir, Nat::of(flow), (*flow).last_seen) };
     if dir == DIR_REPLY {
-        reply_entry_close(pkt, nat);
+        reply_entry_seen(pkt, flow, nat);
         return Some(To::Client(nat, flow));
     }
     // `state` is also written with atomic OR by other CPUs. BPF before v4
@@ -145,6 +170,12 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
         return None;
     }
     track_close(flow, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
+    // The client speaking again after the backend answered completes the
+    // handshake (for TCP, with anything but a SYN): from now on the flow
+    // is established and only the idle timeout expires it.
+    if state & (FLOW_REPLIED | FLOW_ESTABLISHED) == FLOW_REPLIED && !is_syn(pkt) {
+        set_state(flow, FLOW_ESTABLISHED);
+    }
     if last_seen != now {
         // SAFETY: a valid map value; a plain store of a timestamp.
         unsafe { (*flow).last_seen = now };
@@ -215,15 +246,98 @@ fn track_close(flow: *mut Flow, backend_id: u32, tcp_flags: u8, proto: u8, fin_b
     }
 }
 
+/// Set `bit` in a flow entry's state, once (atomic OR: other CPUs write it too).
+#[inline(always)]
+fn set_state(flow: *mut Flow, bit: u64) {
+    // SAFETY: a valid, aligned u64 inside a map value.
+    unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*flow).state, bit) };
+}
+
 // Its own stack frame (flow entry and keys), off the established path; it
 // returns what to rewrite, and the caller forwards (so the FIB lookup's
 // frame is not stacked on this one).
 #[inline(never)]
 fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat, u32> {
-    let id = select::pick(svc, pkt);
+    let reply_entry = svc.flags & SVC_F_REPLY_ENTRY != 0;
+    // A flow of a service whose replies need their own entry cannot go
+    // without one: it is never rate limited, and dropped when full.
+    if reply_entry || rate_ok(now) {
+        // Only a SYN opens a TCP connection; any other TCP packet without
+        // an entry belongs to a flow that was routed without one (or whose
+        // entry is gone), and gets the stateless answer it had.
+        let id = if pkt.proto != PROTO_TCP || is_syn(pkt) {
+            select::pick(svc, pkt)
+        } else {
+            select::pick_stateless(svc, pkt)
+        };
+        match insert_flow(pkt, key, svc, id, now) {
+            Insert::Done(nat) => return Ok(nat),
+            Insert::NoBackend => return Err(no_backend()),
+            Insert::Full if reply_entry => {
+                stats::count(counter::DROP_FLOW_TABLE);
+                return Err(xdp_action::XDP_DROP);
+            }
+            Insert::Full => stats::count(counter::TABLE_FULL),
+        }
+    } else {
+        stats::count(counter::FLOOD_RATE);
+    }
+    // No entry: the consistent-hash answer, the same for every packet of
+    // the flow (and for its SYN's retransmissions).
+    let id = select::pick_stateless(svc, pkt);
+    match if id == BACKEND_NONE { None } else { BACKENDS.get(id) } {
+        Some(b) => Ok(Nat { backend_id: id, addr: b.addr, port: b.port }),
+        None => Err(no_backend()),
+    }
+}
+
+#[inline(always)]
+fn no_backend() -> u32 {
+    stats::count(counter::DROP_NO_BACKEND);
+    xdp_action::XDP_DROP
+}
+
+/// Whether this CPU may give one more new flow an entry this second
+/// (`flood.new_flow_rate_per_cpu`); counts it if so.
+#[inline(always)]
+fn rate_ok(now: u64) -> bool {
+    let limit = match FLOOD.get(0) {
+        Some(f) => u64::from(f.new_flow_rate_per_cpu),
+        None => 0,
+    };
+    if limit == 0 {
+        return true;
+    }
+    let Some(w) = NEW_FLOW_RATE.get_ptr_mut(0) else {
+        return true;
+    };
+    // SAFETY: this CPU's slot; only this CPU writes it while we run.
+    unsafe {
+        if (*w).second != now {
+            (*w).second = now;
+            (*w).count = 0;
+        }
+        if (*w).count >= limit {
+            return false;
+        }
+        (*w).count += 1;
+    }
+    true
+}
+
+/// What inserting a new flow's entry came to.
+enum Insert {
+    Done(Nat),
+    /// The pick found no backend.
+    NoBackend,
+    /// The flow table is full.
+    Full,
+}
+
+#[inline(always)]
+fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) -> Insert {
     let Some(backend) = (if id == BACKEND_NONE { None } else { BACKENDS.get(id) }) else {
-        stats::count(counter::DROP_NO_BACKEND);
-        return Err(xdp_action::XDP_DROP);
+        return Insert::NoBackend;
     };
     let state = if pkt.proto != PROTO_TCP {
         0
@@ -263,8 +377,7 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat,
             _pad: [0; 3],
         };
         if FLOWS.insert(&rev_key, &e, 0).is_err() {
-            stats::count(counter::DROP_FLOW_TABLE);
-            return Err(xdp_action::XDP_DROP);
+            return Insert::Full;
         }
         DIR_FORWARD
     } else {
@@ -276,15 +389,14 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat,
     e.state = state;
     e.last_seen = now;
     if FLOWS.insert(key, &e, 0).is_err() {
-        stats::count(counter::DROP_FLOW_TABLE);
-        return Err(xdp_action::XDP_DROP);
+        return Insert::Full;
     }
     stats::new_flow(id);
     stats::flow_opened(id);
     if flow_closed(state) {
         stats::flow_closed(id);
     }
-    Ok(Nat { backend_id: id, addr: backend.addr, port: backend.port })
+    Insert::Done(Nat { backend_id: id, addr: backend.addr, port: backend.port })
 }
 
 /// What a packet of a flow gets rewritten to, and whose counters it counts in.
@@ -323,11 +435,15 @@ fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
 
 /// A packet from a backend's endpoint, `vip` the service that owns it: a
 /// reply when the client's 5-tuple towards `vip` is a one-entry flow on
-/// this very backend. None otherwise (the packet then goes the way of any
-/// other: a reply entry, a new flow, or the kernel).
+/// this very backend. Otherwise the packet goes the way of any other (a
+/// reply entry, a new flow, the kernel), or, when that flow has no entry
+/// at all (`no_flow` set), back to the client statelessly.
 #[inline(always)]
-fn reply_of_flow(pkt: &Packet, vip: VipKey) -> Option<To> {
-    let flow = FLOWS.get_ptr_mut(&client_key(pkt, vip.addr, vip.port))?;
+fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
+    let Some(flow) = FLOWS.get_ptr_mut(&client_key(pkt, vip.addr, vip.port)) else {
+        *no_flow = true;
+        return None;
+    };
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat) = unsafe { ((*flow).dir, Nat::of(flow)) };
     // A flow re-dispatched to another backend: the old one's late packets
@@ -335,19 +451,38 @@ fn reply_of_flow(pkt: &Packet, vip: VipKey) -> Option<To> {
     if dir != DIR_FLOW || nat.addr != pkt.saddr || nat.port != pkt.sport {
         return None;
     }
+    mark_replied(flow);
     track_close(flow, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
     Some(To::Client(Nat { backend_id: nat.backend_id, addr: vip.addr, port: vip.port }, flow))
 }
 
-/// A FIN or RST that matched a reply entry (`DIR_REPLY`, whose rewrite
-/// `nat` is the VIP): close tracking lives on the forward entry, the
-/// (client, VIP) tuple.
+/// The backend has answered on this flow entry (set once).
 #[inline(always)]
-fn reply_entry_close(pkt: &Packet, nat: Nat) {
-    if pkt.proto != PROTO_TCP || pkt.tcp_flags & (TCP_FIN | TCP_RST) == 0 {
+fn mark_replied(flow: *mut Flow) -> bool {
+    // SAFETY: a valid, aligned u64 inside a map value (see known_flow on
+    // the volatile read).
+    let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
+    if state & FLOW_REPLIED != 0 {
+        return false;
+    }
+    set_state(flow, FLOW_REPLIED);
+    true
+}
+
+/// A packet that matched a reply entry (`DIR_REPLY`, whose rewrite `nat`
+/// is the VIP): the flow's state lives on the forward entry, the (client,
+/// VIP) tuple. Looked up for the first reply and for a FIN or RST only.
+#[inline(always)]
+fn reply_entry_seen(pkt: &Packet, entry: *mut Flow, nat: Nat) {
+    let first = mark_replied(entry);
+    let closing = pkt.proto == PROTO_TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0;
+    if !first && !closing {
         return;
     }
     if let Some(fwd) = FLOWS.get_ptr_mut(&client_key(pkt, nat.addr, nat.port)) {
+        if first {
+            set_state(fwd, FLOW_REPLIED);
+        }
         track_close(fwd, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
     }
 }
@@ -367,17 +502,21 @@ fn client_key(pkt: &Packet, vip_addr: u32, vip_port: u16) -> FlowKey {
 }
 
 /// Backend -> client: source becomes the VIP again; the next hop is cached
-/// in `entry` (the flow's entry, or its reply entry).
+/// in `entry` (the flow's entry, or its reply entry; null: nowhere).
 #[inline(always)]
 fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: *mut Flow, now: u64) -> u32 {
     if !forward::ttl_ok(pkt) {
         stats::count(counter::TTL_EXPIRED);
         return xdp_action::XDP_PASS;
     }
-    stats::packet_out(nat.backend_id, pkt.len);
+    // A stateless reply does not know its backend's id.
+    if nat.backend_id != BACKEND_NONE {
+        stats::packet_out(nat.backend_id, pkt.len);
+    }
     let cs = forward::classify(ctx, pkt);
     let rw = forward::rewrite_src(pkt, nat.addr, nat.port);
-    forward::send(ctx, pkt, rw, cs, Hop::Flow(entry), now)
+    let hop = if entry.is_null() { Hop::Uncached } else { Hop::Flow(entry) };
+    forward::send(ctx, pkt, rw, cs, hop, now)
 }
 
 #[cfg(not(test))]

@@ -8,11 +8,11 @@
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray},
 };
 use lb_common::{
-    ADDR_FILTER_BITS, Backend, BackendStats, Conns, EndpointKey, Flow, FlowKey, MAX_BACKENDS, MAX_ENDPOINTS,
-    MAX_NETDEVS, MAX_SERVICES, NextHop, Service, VipKey, counter,
+    ADDR_FILTER_BITS, Backend, BackendStats, Conns, EndpointKey, Flood, Flow, FlowKey, MAX_BACKENDS, MAX_ENDPOINTS,
+    MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, VipKey, counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.
@@ -45,13 +45,19 @@ pub(crate) static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
 /// keyed by the client's 5-tuple (`DIR_FLOW`; see `lb_common::Flow` for
 /// the services that keep a reply entry too). Sized by userspace at load
 /// time from `conntrack_max`.
-/// Per-CPU LRU lists (BPF_F_NO_COMMON_LRU) measured slower for new flows
-/// on this kernel: 1,024 ns against 745 ns per new flow (4M entries, one
-/// insert per flow, November 2026). Per-CPU tables (Katran's array of
-/// maps) would also lose a flow whose packets arrive on two CPUs, which
-/// a veth's senders and RSS-less NICs do.
+///
+/// A plain preallocated hash, not an LRU: when it is full an insert fails
+/// and the new flow is routed by consistent hash without an entry
+/// (`counter::TABLE_FULL`), so a flood can never evict an established
+/// flow; entries leave only through the sweeper (closed, idle, or
+/// half-open for `flood.half_open_timeout`). Measured per new flow on this
+/// kernel (4M entries, November 2026): preallocated hash 530 ns, LRU 550
+/// ns, per-CPU LRU lists 1,024 ns, hash without preallocation about
+/// 1,000 ns. Per-CPU tables (Katran's array of maps) would lose a flow
+/// whose packets arrive on two CPUs, which a veth's senders and RSS-less
+/// NICs do.
 #[map]
-pub(crate) static FLOWS: LruHashMap<FlowKey, Flow> = LruHashMap::with_max_entries(1, 0);
+pub(crate) static FLOWS: HashMap<FlowKey, Flow> = HashMap::with_max_entries(1, 0);
 
 /// Bitmap over `addr_filter_bit` of every VIP and backend address: one
 /// inlined array read tells a packet that is none of our business.
@@ -102,6 +108,20 @@ pub(crate) static ENDPOINTS: HashMap<EndpointKey, VipKey> = HashMap::with_max_en
 #[map]
 pub(crate) static NEXT_HOPS: Array<NextHop> = Array::with_max_entries(MAX_BACKENDS, 0);
 
+/// Flood protection settings (one entry), written by lbd.
+#[map]
+pub(crate) static FLOOD: Array<Flood> = Array::with_max_entries(1, 0);
+
+/// Each CPU's count of new flows given an entry in the current second.
+#[map]
+pub(crate) static NEW_FLOW_RATE: PerCpuArray<RateWindow> = PerCpuArray::with_max_entries(1, 0);
+
+/// The layout version of these maps (`lb_common::LAYOUT_VERSION`), written
+/// by lbd when it creates them; never read by the datapath. A restarted or
+/// upgraded lbd reads it from the pinned map before it reads anything else.
+#[map]
+pub(crate) static LAYOUT: Array<u32> = Array::with_max_entries(1, 0);
+
 // Every map's name is the one userspace looks up (lb_common::maps).
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIPS, stringify!(VIPS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIP_ADDRS, stringify!(VIP_ADDRS)));
@@ -118,5 +138,8 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::NETDEVS, stringify!
 const _: () = assert!(lb_common::maps::same(lb_common::maps::NETDEV_GEN, stringify!(NETDEV_GEN)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::ENDPOINTS, stringify!(ENDPOINTS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::NEXT_HOPS, stringify!(NEXT_HOPS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOOD, stringify!(FLOOD)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::NEW_FLOW_RATE, stringify!(NEW_FLOW_RATE)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::LAYOUT, stringify!(LAYOUT)));
 // ... and userspace knows every map.
-const _: () = assert!(lb_common::maps::ALL.len() == 15);
+const _: () = assert!(lb_common::maps::ALL.len() == 18);

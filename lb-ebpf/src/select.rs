@@ -8,8 +8,8 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use lb_common::{
-    BACKEND_NONE, SCHED_LEAST_CONN, SCHED_LEAST_TIME, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SVC_F_NO_BACKEND, Service,
-    flow_hash, source_hash,
+    BACKEND_NONE, SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_LEAST_TIME, SCHED_SEQUENCE, SCHED_SOURCE_HASH,
+    SVC_F_NO_BACKEND, Service, flow_hash, source_hash,
 };
 
 use crate::{
@@ -47,6 +47,26 @@ pub(crate) fn pick(svc: &Service, pkt: &Packet) -> u32 {
     // idx < len and userspace keeps [off, off + len) inside SELECT; the map
     // lookup bounds-checks the index again for the verifier.
     match SELECT.get(svc.table_off.wrapping_add(idx)) {
+        Some(id) => *id,
+        None => BACKEND_NONE,
+    }
+}
+
+/// The backend id for a flow that gets no flow-table entry (or a TCP
+/// packet other than a SYN that has none): a hash of its 5-tuple, so every
+/// packet of it gets the same answer. Hash schedulers answer as always;
+/// the others read the service's consistent-hash fallback table.
+#[inline(always)]
+pub(crate) fn pick_stateless(svc: &Service, pkt: &Packet) -> u32 {
+    if matches!(svc.scheduler, SCHED_FLOW_HASH | SCHED_SOURCE_HASH) {
+        return pick(svc, pkt);
+    }
+    let len = svc.fallback_len;
+    if len == 0 || svc.flags & SVC_F_NO_BACKEND != 0 {
+        return BACKEND_NONE;
+    }
+    let idx = flow_hash(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % len;
+    match SELECT.get(svc.fallback_off.wrapping_add(idx)) {
         Some(id) => *id,
         None => BACKEND_NONE,
     }

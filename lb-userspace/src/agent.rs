@@ -43,6 +43,8 @@ pub struct Agent {
     pub reloads_failed: u64,
     /// Flow table entries counted by the last sweep.
     pub flow_entries: u64,
+    /// Half-open flows the sweeper expired early, since lbd started.
+    pub half_open_expired: u64,
     pub health_metrics: HealthMetrics,
 }
 
@@ -126,6 +128,7 @@ impl Agent {
             reloads_ok: 0,
             reloads_failed: 0,
             flow_entries: 0,
+            half_open_expired: 0,
             health_metrics: HealthMetrics::default(),
         };
         a.sync_health();
@@ -222,6 +225,7 @@ impl Agent {
             .flat_map(|s| s.backends.iter().map(move |b| (s, b)))
             .map(|(s, b)| ((s.name.clone(), b.address, b.port), self.runtime(s, b, now)))
             .collect();
+        self.dp.set_flood(&self.config.flood)?;
         self.dp.apply(&services, &|s, b| rt[&(s.name.clone(), b.address, b.port)])
     }
 
@@ -402,6 +406,7 @@ impl Agent {
             u64::from(self.config.udp_idle_timeout),
         )?;
         self.flow_entries = r.entries.saturating_sub(r.entries_removed);
+        self.half_open_expired += r.half_open_expired;
         Ok(r)
     }
 }

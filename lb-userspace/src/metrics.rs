@@ -26,6 +26,9 @@ pub const SERIES: &[&str] = &[
     "lb_interface_xdp_mode",
     "lb_forwarding_path",
     "lb_flow_table_entries",
+    "lb_flow_table_capacity",
+    "lb_half_open_expired_flows_total",
+    "lb_stateless_packets_total",
     "lb_health_check_duration_seconds",
     "lb_health_check_failures_total",
     "lb_config_reloads_total",
@@ -183,11 +186,19 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
     );
     // The two unlabelled counters always have their one sample (0 when the
     // datapath reports none), as registered plain counters had.
+    let mut stateless = Samples::new(
+        "lb_stateless_packets",
+        "Packets routed by consistent hash without a flow-table entry, by reason: a new flow above flood.new_flow_rate_per_cpu (flood_rate), a new flow that found the flow table full (table_full), a backend's packet whose flow has no entry (stateless_reply)",
+        Counter,
+    );
     let (mut redirects, mut partials) = (0, 0);
     for (reason, &v) in &status.counters {
         match reason.as_str() {
             "xdp_redirect" => redirects = v,
             "csum_partial" => partials = v,
+            "flood_rate" | "table_full" | "stateless_reply" => {
+                stateless.push(labels(&[("reason", reason)]), Value::Counter(v));
+            }
             "fib_fallback" | "kernel_egress" | "ttl_expired" => {
                 fallback.push(labels(&[("reason", reason)]), Value::Counter(v));
             }
@@ -221,6 +232,14 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         Gauge,
     );
     entries.push(Labels::new(), Value::Gauge(i64::try_from(snap.flow_entries).unwrap_or(i64::MAX)));
+    let mut half_open = Samples::new(
+        "lb_half_open_expired_flows",
+        "Half-open flows (no completed handshake) expired after flood.half_open_timeout, since lbd started",
+        Counter,
+    );
+    half_open.push(Labels::new(), Value::Counter(status.flood.half_open_expired));
+    let mut capacity = Samples::new("lb_flow_table_capacity", "Flow table size (conntrack_max)", Gauge);
+    capacity.push(Labels::new(), Value::Gauge(i64::from(status.flood.flow_capacity)));
     let mut reloads = Samples::new("lb_config_reloads", "Configuration reloads by result", Counter);
     reloads.push(labels(&[("result", "ok")]), Value::Counter(snap.reloads_ok));
     reloads.push(labels(&[("result", "rejected")]), Value::Counter(snap.reloads_failed));
@@ -238,9 +257,12 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         fallback,
         redirected,
         partial,
+        stateless,
         modes,
         path,
         entries,
+        capacity,
+        half_open,
         reloads,
     ]
 }
@@ -390,7 +412,7 @@ mod tests {
         config::Protocol,
         dataplane::Attachment,
         paths::PathReport,
-        report::{BackendStatus, ServiceStatus},
+        report::{BackendStatus, FloodStatus, ServiceStatus},
         sched::Scheduler,
     };
 
@@ -448,7 +470,16 @@ mod tests {
                 ("fib_fallback".to_owned(), 0),
                 ("no_backend".to_owned(), 5),
                 ("csum_partial".to_owned(), 1),
+                ("table_full".to_owned(), 9),
+                ("stateless_reply".to_owned(), 4),
             ]),
+            flood: FloodStatus {
+                new_flow_rate_per_cpu: 10_000,
+                half_open_timeout: 10,
+                flow_entries: 24,
+                flow_capacity: 1024,
+                half_open_expired: 6,
+            },
             services: vec![ServiceStatus {
                 name: "web".into(),
                 vip: std::net::Ipv4Addr::new(10, 10, 0, 100),
@@ -470,6 +501,7 @@ mod tests {
             interfaces: Vec::new(),
             paths: Vec::new(),
             counters: BTreeMap::new(),
+            flood: FloodStatus::default(),
             services: Vec::new(),
         };
         Snapshot { status, flow_entries: 0, reloads_ok: 0, reloads_failed: 0 }
@@ -528,10 +560,14 @@ mod tests {
         let fallback = Family::<Labels, Counter>::default();
         let redirected = Counter::<u64>::default();
         let partial = Counter::<u64>::default();
+        let stateless = Family::<Labels, Counter>::default();
         for (reason, v) in &status.counters {
             match reason.as_str() {
                 "xdp_redirect" => {
                     redirected.inc_by(*v);
+                }
+                "flood_rate" | "table_full" | "stateless_reply" => {
+                    stateless.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
                 }
                 "csum_partial" => {
                     partial.inc_by(*v);
@@ -589,6 +625,11 @@ mod tests {
             "Packets whose TCP/UDP checksum arrived unfinished (local senders behind a veth)",
             partial,
         );
+        reg.register(
+            "lb_stateless_packets",
+            "Packets routed by consistent hash without a flow-table entry, by reason: a new flow above flood.new_flow_rate_per_cpu (flood_rate), a new flow that found the flow table full (table_full), a backend's packet whose flow has no entry (stateless_reply)",
+            stateless,
+        );
         reg.register("lb_interface_xdp_mode", "The XDP mode in use per attached interface (always 1)", modes);
         reg.register(
             "lb_forwarding_path",
@@ -596,6 +637,16 @@ mod tests {
             path,
         );
         reg.register("lb_flow_table_entries", "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as of the last sweep", entries);
+        let capacity = Gauge::<i64>::default();
+        capacity.set(i64::from(status.flood.flow_capacity));
+        reg.register("lb_flow_table_capacity", "Flow table size (conntrack_max)", capacity);
+        let half_open = Counter::<u64>::default();
+        half_open.inc_by(status.flood.half_open_expired);
+        reg.register(
+            "lb_half_open_expired_flows",
+            "Half-open flows (no completed handshake) expired after flood.half_open_timeout, since lbd started",
+            half_open,
+        );
         reg.register("lb_config_reloads", "Configuration reloads by result", reloads);
         let mut out = String::new();
         encode(&mut out, &reg).unwrap();

@@ -44,8 +44,23 @@ struct FileView<'a> {
     table_capacity: u32,
     tcp_idle_timeout: u32,
     udp_idle_timeout: u32,
+    flood: FloodView,
     metrics_listen: String,
     services: Vec<ServiceView<'a>>,
+}
+
+#[derive(Serialize)]
+struct FloodView {
+    new_flow_rate_per_cpu: Rate,
+    half_open_timeout: u32,
+}
+
+/// `auto`, or a number.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Rate {
+    Auto(&'static str),
+    PerSecond(u32),
 }
 
 #[derive(Serialize)]
@@ -119,6 +134,10 @@ pub fn render(cfg: &Config) -> String {
         table_capacity: cfg.table_capacity,
         tcp_idle_timeout: cfg.tcp_idle_timeout,
         udp_idle_timeout: cfg.udp_idle_timeout,
+        flood: FloodView {
+            new_flow_rate_per_cpu: cfg.flood.new_flow_rate_per_cpu.map_or(Rate::Auto("auto"), Rate::PerSecond),
+            half_open_timeout: cfg.flood.half_open_timeout,
+        },
         metrics_listen: cfg.metrics_listen.to_string(),
         services: cfg.services.iter().map(service).collect(),
     };
@@ -258,6 +277,7 @@ mod tests {
             table_capacity: DEFAULT_TABLE_CAPACITY,
             tcp_idle_timeout: DEFAULT_TCP_IDLE_TIMEOUT,
             udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
+            flood: Default::default(),
             metrics_listen: DEFAULT_METRICS_LISTEN.parse().unwrap(),
             services: vec![svc("web", "10.10.0.100", 80)],
         }
@@ -269,6 +289,12 @@ mod tests {
         let mut c = base();
         c.services.clear();
         v.push(("zero services", c));
+
+        for rate in [Some(0), Some(2500)] {
+            let mut c = base();
+            c.flood = crate::config::FloodConfig { new_flow_rate_per_cpu: rate, half_open_timeout: 3 };
+            v.push(("flood", c));
+        }
 
         for (sched, size) in Scheduler::ALL.into_iter().zip([65537, 251, 3, 1009, 65521].into_iter().cycle()) {
             let mut c = base();
@@ -485,6 +511,9 @@ conntrack_max: 1048576
 table_capacity: 4194304
 tcp_idle_timeout: 900
 udp_idle_timeout: 300
+flood:
+  new_flow_rate_per_cpu: auto
+  half_open_timeout: 10
 metrics_listen: 127.0.0.1:9464
 services:
 - name: web
@@ -535,7 +564,9 @@ services:
 
         let mut empty = base();
         empty.services.clear();
-        assert!(render(&empty).ends_with("udp_idle_timeout: 300\nmetrics_listen: 127.0.0.1:9464\nservices: []\n"));
+        assert!(render(&empty).ends_with(
+            "udp_idle_timeout: 300\nflood:\n  new_flow_rate_per_cpu: auto\n  half_open_timeout: 10\nmetrics_listen: 127.0.0.1:9464\nservices: []\n"
+        ));
     }
 
     /// A fresh directory (tempfile's), removed on drop.

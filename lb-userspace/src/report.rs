@@ -69,7 +69,23 @@ pub struct Status {
     /// Datapath counters by name: drops and kernel-path packets by reason,
     /// XDP redirects, unfinished checksums.
     pub counters: BTreeMap<String, u64>,
+    /// Flood protection: what is in force and what it did.
+    #[serde(default)]
+    pub flood: FloodStatus,
     pub services: Vec<ServiceStatus>,
+}
+
+/// Flood protection in `lbctl status` and the metrics.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FloodStatus {
+    /// New flows per second and CPU that get a flow-table entry (0: no limit).
+    pub new_flow_rate_per_cpu: u32,
+    pub half_open_timeout: u32,
+    /// Flow-table entries as of the last sweep, and the table's size.
+    pub flow_entries: u64,
+    pub flow_capacity: u32,
+    /// Half-open flows expired early since lbd started.
+    pub half_open_expired: u64,
 }
 
 /// Jain's fairness index `(sum x)^2 / (n * sum x^2)` over `x`; None when
@@ -136,6 +152,13 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
         interfaces: dp.attachments(),
         paths: dp.paths().to_vec(),
         counters: dp.counters()?,
+        flood: FloodStatus {
+            new_flow_rate_per_cpu: dp.flood_limits().0,
+            half_open_timeout: agent.config.flood.half_open_timeout,
+            flow_entries: agent.flow_entries,
+            flow_capacity: dp.flood_limits().1,
+            half_open_expired: agent.half_open_expired,
+        },
         services,
     })
 }

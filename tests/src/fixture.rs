@@ -185,6 +185,7 @@ impl Fixture {
             table_capacity: 1 << 20,
             tcp_idle_timeout: 900,
             udp_idle_timeout: 300,
+            flood: Default::default(),
             metrics_listen: "127.0.0.1:9464".parse().unwrap(),
             services,
         };

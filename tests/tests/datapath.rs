@@ -263,9 +263,13 @@ fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_th
         assert_eq!(reply_src(&fx, &from_backend(8080, 41000, SYN | ACK)), (VIP, 80));
         assert_eq!(reply_src(&fx, &from_backend(8080, 41001, SYN | ACK)), (VIP, 81));
         assert_eq!(reply_src(&fx, &from_backend(9090, 41002, SYN | ACK)), (VIP, 82));
-        // A backend packet that is no flow's reply is the kernel's.
-        let stray = from_backend(8080, 41999, ACK).bytes();
-        assert_eq!(fx.run(&stray, fx.if_b), (XDP_PASS, stray.clone()));
+        // A backend packet whose flow has no entry (routed without one,
+        // or expired) goes back as from the VIP its endpoint's owner has,
+        // without an entry, and is counted.
+        assert_eq!(fx.counter("stateless_reply"), 0);
+        assert_eq!(reply_src(&fx, &from_backend(8080, 41999, ACK)), (VIP, 80));
+        assert_eq!(fx.counter("stateless_reply"), 1);
+        assert_eq!(entries(&mut fx), 4, "a stateless reply makes no entry");
         // Closes are tracked from both sides on both kinds of flow.
         let id = |svc: &str| {
             let s = fx.dp.services().find(|s| s.config.name == svc).unwrap();
@@ -293,8 +297,14 @@ fn a_udp_service_with_its_own_idle_timeout_expires_its_flows_by_it() {
         let mut dns = service("dns", 53, Protocol::Udp, &[(BACKEND, 5353)]);
         dns.udp_idle_timeout = Some(20);
         let mut fx = Fixture::new(vec![dns, service("syslog", 514, Protocol::Udp, &[(BACKEND, 5514)])]);
-        assert_eq!(fx.forward(&udp(CLIENT, 41000, VIP, 53).bytes()), BACKEND);
-        assert_eq!(fx.forward(&udp(CLIENT, 41001, VIP, 514).bytes()), BACKEND);
+        // Both flows established: the client speaks again after a reply
+        // (one-way flows are half-open and go after 10 s, tested apart).
+        for (cport, vport, bport) in [(41000, 53, 5353), (41001, 514, 5514)] {
+            assert_eq!(fx.forward(&udp(CLIENT, cport, VIP, vport).bytes()), BACKEND);
+            let reply = Frame { dmac: GW_B_MAC, smac: BACKEND_MAC, ..udp(BACKEND, bport, CLIENT, cport) };
+            assert_eq!(fx.run(&reply.bytes(), fx.if_b).0, XDP_REDIRECT);
+            assert_eq!(fx.forward(&udp(CLIENT, cport, VIP, vport).bytes()), BACKEND);
+        }
         let now = lb_userspace::dataplane::monotonic_coarse_secs();
         let r = fx.dp.sweep(now + 100, 900, 300).unwrap();
         assert_eq!((r.entries, r.expired), (2, 1), "100 s idle: only dns's flow is past its timeout: {r:?}");

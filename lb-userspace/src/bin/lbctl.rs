@@ -223,6 +223,19 @@ fn render(s: &Status) -> String {
             );
         }
     }
+    let f = &s.flood;
+    let _ = writeln!(
+        out,
+        "\nflood protection: flow table {}/{} entries; new flows above {} per second and CPU ({} so far) and into a full table ({} so far) routed by hash without an entry; {} replies without an entry; {} half-open flows expired after {}s",
+        f.flow_entries,
+        f.flow_capacity,
+        if f.new_flow_rate_per_cpu == 0 { "no limit".to_owned() } else { f.new_flow_rate_per_cpu.to_string() },
+        count("flood_rate"),
+        count("table_full"),
+        count("stateless_reply"),
+        f.half_open_expired,
+        f.half_open_timeout
+    );
     let drops: Vec<String> = s.counters.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}={v}")).collect();
     let _ =
         writeln!(out, "\ndatapath counters: {}", if drops.is_empty() { "all zero".into() } else { drops.join(" ") });

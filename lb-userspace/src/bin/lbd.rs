@@ -158,7 +158,11 @@ async fn serve(
     let agent = Arc::new(Mutex::new(agent));
     let api = tokio::spawn(api::serve(listener, agent.clone()));
     let exporter = tokio::spawn(lb_userspace::metrics::serve(metrics, agent.clone()));
-    let background = Tasks::start(&agent, Periods::default());
+    // Half-open flows are expired within half their timeout of being due
+    // (sweeps every 1 to 5 s).
+    let half_open = std::time::Duration::from_secs(u64::from(cfg.flood.half_open_timeout));
+    let sweep = (half_open / 2).clamp(std::time::Duration::from_secs(1), Periods::default().sweep);
+    let background = Tasks::start(&agent, Periods { sweep, ..Periods::default() });
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut sigusr2 = signal(SignalKind::user_defined2()).context("installing the SIGUSR2 handler")?;
     let logs = logger.map(|mut fd| {

@@ -33,6 +33,42 @@ pub const DEFAULT_TABLE_CAPACITY: u32 = 1 << 22;
 pub const MAX_WEIGHT: u32 = 65_535;
 pub const DEFAULT_TCP_IDLE_TIMEOUT: u32 = 900;
 pub const DEFAULT_UDP_IDLE_TIMEOUT: u32 = 300;
+/// Seconds of silence after which a half-open flow (one whose handshake
+/// never completed: a SYN flood's) expires.
+pub const DEFAULT_HALF_OPEN_TIMEOUT: u32 = 10;
+/// Lowest per-CPU new-flow rate `auto` picks.
+pub const AUTO_RATE_FLOOR: u32 = 10_000;
+
+/// Flood protection (`flood:`). New flows above the per-CPU rate, and new
+/// flows that find the flow table full, are routed by consistent hash
+/// without an entry; established flows are never evicted; half-open flows
+/// expire after `half_open_timeout` of silence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FloodConfig {
+    /// New flows per second and CPU that get a flow-table entry. None
+    /// (`auto`): enough to fill the table with half-open flows once per
+    /// `half_open_timeout` across all CPUs, at least [`AUTO_RATE_FLOOR`].
+    /// Some(0): no limit.
+    pub new_flow_rate_per_cpu: Option<u32>,
+    pub half_open_timeout: u32,
+}
+
+impl Default for FloodConfig {
+    fn default() -> Self {
+        Self { new_flow_rate_per_cpu: None, half_open_timeout: DEFAULT_HALF_OPEN_TIMEOUT }
+    }
+}
+
+impl FloodConfig {
+    /// The per-CPU rate in force (0: no limit) for a table of
+    /// `conntrack_max` entries on `ncpus` CPUs.
+    pub fn rate_per_cpu(&self, conntrack_max: u32, ncpus: usize) -> u32 {
+        self.new_flow_rate_per_cpu.unwrap_or_else(|| {
+            let per_cpu = u64::from(conntrack_max) / u64::from(self.half_open_timeout.max(1)) / ncpus.max(1) as u64;
+            u32::try_from(per_cpu).unwrap_or(u32::MAX).max(AUTO_RATE_FLOOR)
+        })
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -183,6 +219,7 @@ pub struct Config {
     pub tcp_idle_timeout: u32,
     /// Seconds without a packet after which a UDP flow expires.
     pub udp_idle_timeout: u32,
+    pub flood: FloodConfig,
     /// Where the Prometheus exporter listens (path /metrics).
     pub metrics_listen: std::net::SocketAddr,
     pub services: Vec<ServiceConfig>,
@@ -334,11 +371,13 @@ pub fn parse_status_range(s: &str) -> Option<(u16, u16)> {
     ((100..=599).contains(&a) && (100..=599).contains(&b) && a <= b).then_some((a, b))
 }
 
-/// Entries the selection table of `s` takes.
+/// Entries the selection tables of `s` take: its own, and its consistent-hash
+/// fallback when it needs one.
 pub fn table_entries(s: &ServiceConfig) -> u64 {
     let weights: Vec<u32> = s.backends.iter().map(|b| b.weight).collect();
     let measures_response = s.health.kind == ProbeKind::Http;
-    s.scheduler.table_len(&Pool { table_size: s.table_size, weights: &weights, measures_response })
+    let pool = Pool { table_size: s.table_size, weights: &weights, measures_response };
+    s.scheduler.table_len(&pool) + s.scheduler.fallback_len(&pool)
 }
 
 #[cfg(test)]

@@ -115,6 +115,7 @@ impl Walker<'_> {
             "table_capacity",
             "tcp_idle_timeout",
             "udp_idle_timeout",
+            "flood",
             "metrics_listen",
             "services",
         ];
@@ -206,6 +207,11 @@ impl Walker<'_> {
             Some(v) => self.uint(v, "udp_idle_timeout", 10, 86_400 * 7).unwrap_or(10) as u32,
         };
 
+        let flood = match m.get("flood") {
+            None | Some(Value::Null) => FloodConfig::default(),
+            Some(v) => self.flood(v),
+        };
+
         let metrics_listen = match m.get("metrics_listen") {
             None => DEFAULT_METRICS_LISTEN.parse().expect("valid default"),
             Some(v) => match self.string(v, "metrics_listen") {
@@ -243,9 +249,31 @@ impl Walker<'_> {
             table_capacity,
             tcp_idle_timeout,
             udp_idle_timeout,
+            flood,
             metrics_listen,
             services: services.into_iter().map(|(_, s)| s).collect(),
         })
+    }
+
+    fn flood(&mut self, v: &Value) -> FloodConfig {
+        let mut f = FloodConfig::default();
+        let Some(m) = self.mapping(v, "flood", &["new_flow_rate_per_cpu", "half_open_timeout"]) else { return f };
+        match m.get("new_flow_rate_per_cpu") {
+            None => {}
+            Some(Value::String(s)) if s == "auto" => {}
+            Some(v @ Value::Number(_)) => {
+                f.new_flow_rate_per_cpu =
+                    self.uint(v, "flood.new_flow_rate_per_cpu", 0, u64::from(u32::MAX)).map(|n| n as u32);
+            }
+            Some(v) => self.problem(
+                "flood.new_flow_rate_per_cpu",
+                format!("expected auto or a number of new flows per second (0: no limit), found {}", describe(v)),
+            ),
+        }
+        if let Some(v) = m.get("half_open_timeout") {
+            f.half_open_timeout = self.uint(v, "flood.half_open_timeout", 1, 3600).unwrap_or(1) as u32;
+        }
+        f
     }
 
     fn service(&mut self, v: &Value, path: &str) -> Option<ServiceConfig> {

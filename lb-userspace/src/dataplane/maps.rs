@@ -7,7 +7,10 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray},
 };
-use lb_common::{Backend, BackendStats, Conns, EndpointKey, Flow, FlowKey, NextHop, Service, VipKey, maps as names};
+use lb_common::{
+    Backend, BackendStats, Conns, EndpointKey, Flood, Flow, FlowKey, NextHop, RateWindow, Service, VipKey,
+    maps as names,
+};
 
 use super::DataplaneError;
 
@@ -121,6 +124,10 @@ pub(super) struct Maps {
     /// Written only by the datapath (next hops towards backends); held so
     /// that every map is taken and checked at load.
     pub(super) _next_hops: Array<MapData, NextHop>,
+    pub(super) flood: Array<MapData, Flood>,
+    /// Written only by the datapath (per-CPU new-flow counts).
+    pub(super) _new_flow_rate: PerCpuArray<MapData, RateWindow>,
+    pub(super) layout: Array<MapData, u32>,
 }
 
 impl Maps {
@@ -141,6 +148,9 @@ impl Maps {
             netdev_gen: take(ebpf, names::NETDEV_GEN)?,
             endpoints: take(ebpf, names::ENDPOINTS)?,
             _next_hops: take(ebpf, names::NEXT_HOPS)?,
+            flood: take(ebpf, names::FLOOD)?,
+            _new_flow_rate: take(ebpf, names::NEW_FLOW_RATE)?,
+            layout: take(ebpf, names::LAYOUT)?,
         })
     }
 }

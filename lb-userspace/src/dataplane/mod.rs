@@ -25,11 +25,14 @@ use aya::{
     programs::{ProgramError, Xdp, links::LinkError},
     util::nr_cpus,
 };
-use lb_common::{BackendStats, EndpointKey, Flow, FlowKey, MAX_BACKENDS, MAX_SERVICES, VipKey, counter, maps as names};
+use lb_common::{
+    BackendStats, EndpointKey, Flood, Flow, FlowKey, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, VipKey, counter,
+    maps as names,
+};
 use tracing::{info, warn};
 
 use crate::{
-    config::{BackendConfig, Config, ServiceConfig},
+    config::{BackendConfig, Config, FloodConfig, ServiceConfig},
     paths::{Mode, PathReport},
 };
 
@@ -109,6 +112,8 @@ impl BackendRuntime {
 struct Adopted {
     service_id: u32,
     region: Option<(u32, u32)>,
+    /// The consistent-hash fallback table's, when it is not `region`.
+    fallback_region: Option<(u32, u32)>,
     backends: Vec<(Ipv4Addr, u16, u32)>,
 }
 
@@ -139,6 +144,10 @@ pub struct AppliedService {
     key: VipKey,
     region: Option<(u32, u32)>,
     table: Vec<u32>,
+    /// The consistent-hash fallback table, for schedulers whose own table
+    /// is not one (see `Scheduler::fallback_len`), and where it is.
+    fallback_region: Option<(u32, u32)>,
+    fallback: Vec<u32>,
 }
 
 pub struct Dataplane {
@@ -170,6 +179,9 @@ pub struct Dataplane {
     netdevs: BTreeMap<u32, u32>,
     netdevs_written: bool,
     paths: Vec<PathReport>,
+    /// Flood protection in force (`set_flood`).
+    flood: FloodConfig,
+    conntrack_max: u32,
 }
 
 impl Dataplane {
@@ -256,7 +268,11 @@ impl Dataplane {
             netdevs_written: false,
             paths: Vec::new(),
             endpoints: HashMap::new(),
+            flood: config.flood,
+            conntrack_max: config.conntrack_max,
         };
+        dp.maps.layout.set(0, LAYOUT_VERSION, 0).map_err(map_err(names::LAYOUT))?;
+        dp.set_flood(&config.flood)?;
         dp.read_endpoints()?;
         if adopting {
             dp.adopt()?;
@@ -274,7 +290,9 @@ impl Dataplane {
             for item in vips {
                 let (k, v) = item.map_err(map_err(names::VIPS))?;
                 let region = (v.table_len > 0).then_some((v.table_off, v.table_len));
-                found.insert(k, Adopted { service_id: v.service_id, region, backends: Vec::new() });
+                let fallback = (v.fallback_len > 0).then_some((v.fallback_off, v.fallback_len));
+                let fallback_region = fallback.filter(|&f| Some(f) != region);
+                found.insert(k, Adopted { service_id: v.service_id, region, fallback_region, backends: Vec::new() });
             }
         }
         let by_service: HashMap<u32, VipKey> = found.iter().map(|(k, a)| (a.service_id, *k)).collect();
@@ -294,7 +312,7 @@ impl Dataplane {
         }
         for a in found.values() {
             self.service_ids.reserve(a.service_id);
-            if let Some((o, l)) = a.region {
+            for (o, l) in a.region.into_iter().chain(a.fallback_region) {
                 self.regions.reserve(o, l);
             }
             for &(_, _, id) in &a.backends {
@@ -304,6 +322,20 @@ impl Dataplane {
         info!(services = found.len(), "adopted the pinned datapath (flow table and counters kept)");
         self.adopted = found;
         Ok(())
+    }
+
+    /// Put flood protection settings in force (at load, and on reload).
+    pub fn set_flood(&mut self, flood: &FloodConfig) -> Result<(), DataplaneError> {
+        let rate = flood.rate_per_cpu(self.conntrack_max, self.ncpus);
+        let v = Flood { new_flow_rate_per_cpu: rate, _pad: 0 };
+        self.maps.flood.set(0, v, 0).map_err(map_err(names::FLOOD))?;
+        self.flood = *flood;
+        Ok(())
+    }
+
+    /// The per-CPU new-flow rate in force (0: no limit) and the table size.
+    pub fn flood_limits(&self) -> (u32, u32) {
+        (self.flood.rate_per_cpu(self.conntrack_max, self.ncpus), self.conntrack_max)
     }
 
     /// The loaded object, for callers that need a map or the program

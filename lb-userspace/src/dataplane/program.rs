@@ -99,6 +99,8 @@ impl Dataplane {
                 key,
                 region: a.region,
                 table: Vec::new(),
+                fallback_region: a.fallback_region,
+                fallback: Vec::new(),
             });
         }
         let id = match &prev {
@@ -196,32 +198,35 @@ impl Dataplane {
         if reply_entry {
             flags |= SVC_F_REPLY_ENTRY;
         }
-        let region = match &prev {
-            Some(p) if p.table == table => p.region,
-            _ if table.is_empty() => None,
-            _ => {
-                let len = table.len() as u32;
-                let off = self.regions.alloc(len).ok_or_else(|| DataplaneError::TableSpace {
-                    service: cfg.name.clone(),
-                    need: len,
-                    capacity: self.table_capacity,
-                })?;
-                let mapped = self.select_memory.as_mut().is_some_and(|m| m.write(off, &table));
-                if !mapped {
-                    let sel = &mut self.maps.select;
-                    for (i, &b) in table.iter().enumerate() {
-                        sel.set(off + i as u32, b, 0).map_err(map_err(names::SELECT))?;
-                    }
-                }
-                Some((off, len))
-            }
+        let fallback = match &prev {
+            Some(p) if same_input && !p.fallback.is_empty() => p.fallback.clone(),
+            _ => cfg.scheduler.build_fallback(&members, cfg.table_size).unwrap_or_default(),
         };
+        let region = self.place_table(&cfg.name, prev.as_ref().map(|p| (&p.table, p.region)), &table)?;
+        let fallback_region =
+            match self.place_table(&cfg.name, prev.as_ref().map(|p| (&p.fallback, p.fallback_region)), &fallback) {
+                Ok(r) => r,
+                Err(e) => {
+                    // Nothing refers to the new main table yet.
+                    if let Some((o, l)) = region
+                        && prev.as_ref().is_none_or(|p| p.region != region)
+                    {
+                        self.regions.free(o, l);
+                    }
+                    return Err(e);
+                }
+            };
+        // Without a fallback table of its own, a flow without an entry
+        // hashes into the service's own (Maglev) table.
+        let stateless = fallback_region.or(region);
         let value = Service {
             service_id: id,
             scheduler,
             table_off: region.map_or(0, |r| r.0),
             table_len: region.map_or(0, |r| r.1),
             flags,
+            fallback_off: stateless.map_or(0, |r| r.0),
+            fallback_len: stateless.map_or(0, |r| r.1),
             _pad: 0,
         };
         {
@@ -235,10 +240,12 @@ impl Dataplane {
             }
         }
         if let Some(p) = &prev {
-            if p.region != region
-                && let Some((o, l)) = p.region
-            {
-                self.regions.free(o, l);
+            for (old, new) in [(p.region, region), (p.fallback_region, fallback_region)] {
+                if old != new
+                    && let Some((o, l)) = old
+                {
+                    self.regions.free(o, l);
+                }
             }
             for ob in &p.backends {
                 if !backends.iter().any(|b| b.id == ob.id) {
@@ -250,16 +257,48 @@ impl Dataplane {
             info!(service = %cfg.name, vip = %cfg.vip, port = cfg.port, protocol = %cfg.protocol,
                   scheduler = %cfg.scheduler, backends = cfg.backends.len(), "service applied");
         }
-        self.services
-            .insert(cfg.name.clone(), AppliedService { id, config: cfg.clone(), backends, key, region, table });
+        self.services.insert(
+            cfg.name.clone(),
+            AppliedService { id, config: cfg.clone(), backends, key, region, table, fallback_region, fallback },
+        );
         Ok(())
+    }
+
+    /// Where `table` lives in SELECT: where it was (`prev`: the previous
+    /// table and its region) if unchanged, else in a newly written region
+    /// (the caller frees the old one once the service value points away).
+    fn place_table(
+        &mut self,
+        service: &str,
+        prev: Option<(&Vec<u32>, Region)>,
+        table: &[u32],
+    ) -> Result<Region, DataplaneError> {
+        match prev {
+            Some((t, region)) if t.as_slice() == table => return Ok(region),
+            _ if table.is_empty() => return Ok(None),
+            _ => {}
+        }
+        let len = table.len() as u32;
+        let off = self.regions.alloc(len).ok_or_else(|| DataplaneError::TableSpace {
+            service: service.to_owned(),
+            need: len,
+            capacity: self.table_capacity,
+        })?;
+        let mapped = self.select_memory.as_mut().is_some_and(|m| m.write(off, table));
+        if !mapped {
+            let sel = &mut self.maps.select;
+            for (i, &b) in table.iter().enumerate() {
+                sel.set(off + i as u32, b, 0).map_err(map_err(names::SELECT))?;
+            }
+        }
+        Ok(Some((off, len)))
     }
 
     fn remove_service(&mut self, name: &str) -> Result<(), DataplaneError> {
         let Some(s) = self.services.remove(name) else { return Ok(()) };
         let vips = &mut self.maps.vips;
         vips.remove(&s.key).map_err(map_err(names::VIPS))?;
-        if let Some((o, l)) = s.region {
+        for (o, l) in s.region.into_iter().chain(s.fallback_region) {
             self.regions.free(o, l);
         }
         for b in &s.backends {
@@ -311,3 +350,6 @@ impl Dataplane {
         Ok(())
     }
 }
+
+/// A table's place in SELECT: (first entry, length), or none.
+type Region = Option<(u32, u32)>;

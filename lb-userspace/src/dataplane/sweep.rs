@@ -4,13 +4,16 @@ use std::{collections::HashMap, os::fd::AsFd as _};
 
 use aya::maps::IterableMap as _;
 
-use lb_common::{DIR_FORWARD, DIR_REPLY, Flow, FlowKey, PROTO_TCP, flow_closed, maps as names};
+use lb_common::{DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, Flow, FlowKey, PROTO_TCP, flow_closed, maps as names};
 
 use super::{Dataplane, DataplaneError, batch, map_err};
 
 impl Dataplane {
     /// Expire idle flows: an open flow silent for longer than its
-    /// protocol's idle timeout (a UDP service's own, when it has one) is removed (with its reply entry, if it has
+    /// protocol's idle timeout (a UDP service's own, when it has one), or a
+    /// half-open one (no `FLOW_ESTABLISHED`: the client never spoke after
+    /// the backend answered) silent for longer than the flood settings'
+    /// `half_open_timeout`, is removed (with its reply entry, if it has
     /// one) and counted as expired for its backend; a closed TCP flow is
     /// removed after `CLOSED_LINGER` seconds. `now` is in seconds of
     /// CLOCK_MONOTONIC_COARSE (see [`monotonic_coarse_secs`]). The table is
@@ -19,7 +22,8 @@ impl Dataplane {
         let mut report = SweepReport::default();
         // (forward key, its reply entry's key if it has one, backend if it
         // expired open)
-        let mut doomed: Vec<(FlowKey, Option<FlowKey>, Option<u32>)> = Vec::new();
+        let mut doomed: Vec<(FlowKey, Option<FlowKey>, Option<u32>, bool)> = Vec::new();
+        let half_open_limit = u64::from(self.flood.half_open_timeout);
         // Services with a UDP idle timeout of their own, by service id.
         let udp_by_service: HashMap<u32, u64> =
             self.services.values().filter_map(|s| s.config.udp_idle_timeout.map(|t| (s.id, u64::from(t)))).collect();
@@ -42,7 +46,7 @@ impl Dataplane {
             let closed = k.proto == PROTO_TCP && flow_closed(f.state);
             if closed {
                 if idle > CLOSED_LINGER {
-                    doomed.push((*k, reply, None));
+                    doomed.push((*k, reply, None, false));
                 }
             } else {
                 let limit = if k.proto == PROTO_TCP {
@@ -50,8 +54,11 @@ impl Dataplane {
                 } else {
                     udp_by_service.get(&f.service_id).copied().unwrap_or(udp_idle)
                 };
+                let half_open = f.state & FLOW_ESTABLISHED == 0;
                 if idle > limit {
-                    doomed.push((*k, reply, Some(f.backend_id)));
+                    doomed.push((*k, reply, Some(f.backend_id), false));
+                } else if half_open && idle > half_open_limit {
+                    doomed.push((*k, reply, Some(f.backend_id), true));
                 }
             }
         });
@@ -62,7 +69,7 @@ impl Dataplane {
         let removed = batch::delete(fd, &keys).map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
         let mut replies = Vec::new();
         let mut expired_by: HashMap<u32, u64> = HashMap::new();
-        for ((_, reply, backend), gone) in doomed.into_iter().zip(removed) {
+        for ((_, reply, backend, half_open), gone) in doomed.into_iter().zip(removed) {
             if !gone {
                 continue;
             }
@@ -71,6 +78,9 @@ impl Dataplane {
             if let Some(b) = backend {
                 *expired_by.entry(b).or_default() += 1;
                 report.expired += 1;
+            }
+            if half_open {
+                report.half_open_expired += 1;
             }
         }
         report.entries_removed = report.removed;
@@ -105,7 +115,10 @@ pub struct SweepReport {
     pub removed: u64,
     /// Entries removed: the flows and their reply entries.
     pub entries_removed: u64,
+    /// Open flows expired (idle, or half-open).
     pub expired: u64,
+    /// Of those, half-open flows expired early (`flood.half_open_timeout`).
+    pub half_open_expired: u64,
 }
 
 /// The datapath's idle clock: CLOCK_MONOTONIC_COARSE in whole seconds

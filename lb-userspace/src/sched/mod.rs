@@ -143,6 +143,29 @@ impl Scheduler {
         }
     }
 
+    /// Entries of the consistent-hash table a flow without a flow-table
+    /// entry is routed by (a flood, a full table; see `lb_common::Service`),
+    /// when it is not the scheduler's own table: round-robin sequences
+    /// cannot give a flow the same answer twice, so they get a weighted
+    /// Maglev table of `table_size` beside. 0 for the schedulers whose own
+    /// table is a Maglev table (hashing picks from it directly; least
+    /// connections and least time hash into it when there is no entry).
+    pub fn fallback_len(self, pool: &Pool<'_>) -> u64 {
+        match self.table() {
+            Table::Maglev => 0,
+            Table::Sequence { .. } => u64::from(pool.table_size),
+        }
+    }
+
+    /// The consistent-hash fallback table of [`fallback_len`](Self::fallback_len)
+    /// entries, when the scheduler needs one.
+    pub fn build_fallback(self, members: &[Member], table_size: u32) -> Option<Vec<u32>> {
+        match self.table() {
+            Table::Maglev => None,
+            Table::Sequence { .. } => Some(Self::Maglev.build(members, table_size)),
+        }
+    }
+
     /// Every reason the pool cannot be scheduled this way.
     pub fn validate(self, pool: &Pool<'_>) -> Vec<Problem> {
         let mut problems = Vec::new();
@@ -151,6 +174,16 @@ impl Scheduler {
                 field: "table_size",
                 message: format!("{} entries cannot hold {} backends", pool.table_size, pool.weights.len()),
             }),
+            Table::Sequence { .. } if pool.weights.len() as u64 > u64::from(pool.table_size) => {
+                problems.push(Problem {
+                    field: "table_size",
+                    message: format!(
+                        "{} entries cannot hold {} backends (the consistent-hash table flows without a flow-table entry use)",
+                        pool.table_size,
+                        pool.weights.len()
+                    ),
+                });
+            }
             Table::Sequence { weighted: true } => {
                 let cycle = self.table_len(pool);
                 if cycle > MAX_WRR_CYCLE {
@@ -300,9 +333,15 @@ mod tests {
         let p = Scheduler::SourceHash.validate(&Pool { table_size: 7, weights: &w, measures_response: false });
         assert_eq!(p.len(), 1);
         assert_eq!(p[0].field, "table_size");
-        assert!(Scheduler::Wrr.validate(&Pool { table_size: 7, weights: &w, measures_response: false }).is_empty());
-        let w: Vec<u32> = (0..17).map(|i| 65_535 - i).collect();
+        // Round robin's own table holds any number of backends; its
+        // consistent-hash fallback table needs table_size >= backends.
         let p = Scheduler::Wrr.validate(&Pool { table_size: 7, weights: &w, measures_response: false });
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].field, "table_size");
+        assert!(p[0].message.contains("consistent-hash table"), "{}", p[0].message);
+        assert!(Scheduler::Wrr.validate(&Pool { table_size: 11, weights: &w, measures_response: false }).is_empty());
+        let w: Vec<u32> = (0..17).map(|i| 65_535 - i).collect();
+        let p = Scheduler::Wrr.validate(&Pool { table_size: 17, weights: &w, measures_response: false });
         assert_eq!(p.len(), 1);
         assert_eq!(p[0].field, "backends");
         assert!(p[0].message.contains("cycle of 1113959 picks"), "{}", p[0].message);
