@@ -176,7 +176,13 @@ pub fn service_with(
 
 impl Fixture {
     pub fn new(services: Vec<ServiceConfig>) -> Self {
-        let cfg = Config {
+        Self::with_config(services, |_| {})
+    }
+
+    /// A fixture whose configuration `edit` changes first (table size,
+    /// flood settings, ...).
+    pub fn with_config(services: Vec<ServiceConfig>, edit: impl FnOnce(&mut Config)) -> Self {
+        let mut cfg = Config {
             interfaces: vec![],
             xdp_mode: XdpMode::Auto,
             control_socket: "/nonexistent".into(),
@@ -189,6 +195,7 @@ impl Fixture {
             metrics_listen: "127.0.0.1:9464".parse().unwrap(),
             services,
         };
+        edit(&mut cfg);
         let mut dp = Dataplane::load_unpinned(&cfg).expect("load the XDP program (are you root?)");
         dp.apply_admin(&cfg.services).expect("apply services");
         let mut fx = Self { dp, if_a: ifindex("gwa"), if_b: ifindex("gwb") };
@@ -233,6 +240,15 @@ impl Fixture {
         let dst = dst_of(&out);
         assert_eq!(action, if dst == BACKEND { XDP_REDIRECT } else { XDP_PASS }, "to {dst}");
         dst
+    }
+
+    /// Entries in the flow table now (a sweep that removes nothing: idle
+    /// timeouts out of reach, half-open flows seconds old at most).
+    pub fn entries(&mut self) -> u64 {
+        let now = lb_userspace::dataplane::monotonic_coarse_secs();
+        let r = self.dp.sweep(now, u64::MAX / 2, u64::MAX / 2).expect("sweep");
+        assert_eq!(r.removed, 0, "nothing is due yet: {r:?}");
+        r.entries
     }
 
     pub fn counter(&self, name: &str) -> u64 {

@@ -16,7 +16,7 @@ use lb_testkit::{
     Frame, L4Checksum,
     frame::{
         ETH_LEN, IPV4_LEN, arp_request, icmp_echo, ipv6_tcp,
-        tcp::{ACK, FIN, PSH, SYN},
+        tcp::{ACK, FIN, PSH, RST, SYN},
     },
 };
 use lb_tests::fixture::*;
@@ -515,5 +515,156 @@ fn round_robin_and_wrr_follow_their_sequence_exactly() {
             .find(|&r| (0..14).all(|i| seq[i] == cycle[(i + r) % 7]))
             .unwrap_or_else(|| panic!("not a rotation of a a b a c a a: {seq:?}"));
         let _ = start;
+    });
+}
+
+// ---------------------------------------------------------------- floods and lifecycles
+
+const THIRD: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 13);
+
+/// A TCP segment from backend `b`:`bport` back to the client's `cport`.
+fn from_backend(b: Ipv4Addr, bport: u16, cport: u16, flags: u8) -> Frame {
+    Frame { dmac: GW_B_MAC, smac: BACKEND_MAC, ..Frame::tcp(b, bport, CLIENT, cport, flags) }
+}
+
+/// SYN, the backend's SYN-ACK, the client's ACK through the datapath;
+/// returns the backend.
+fn handshake(fx: &Fixture, cport: u16, vport: u16, bport: u16) -> Ipv4Addr {
+    let b = fx.forward(&tcp(CLIENT, cport, VIP, vport, SYN).bytes());
+    assert_eq!(fx.run(&from_backend(b, bport, cport, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+    assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, vport, ACK).bytes()), b, "ACK of {cport}");
+    b
+}
+
+fn active(fx: &Fixture, service: &str) -> u64 {
+    let s = fx.dp.services().find(|s| s.config.name == service).unwrap();
+    s.backends.iter().map(|b| fx.dp.active_flows(b.id).unwrap()).sum()
+}
+
+#[test]
+fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
+    in_netns(|| {
+        // Round robin: a flow routed twice by its scheduler would change
+        // backend; without an entry it must hash instead.
+        let backends = [(BACKEND, 8080), (BACKEND_UNRESOLVED, 8080), (THIRD, 8080)];
+        let mut fx =
+            Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
+                c.conntrack_max = 16;
+                c.flood.new_flow_rate_per_cpu = Some(0);
+            });
+        let established: Vec<(u16, Ipv4Addr)> =
+            (0..16).map(|i| (40_000 + i, handshake(&fx, 40_000 + i, 80, 8080))).collect();
+        assert_eq!(fx.entries(), 16);
+        assert_eq!(active(&fx, "web"), 16);
+
+        // A SYN flood from 300 sources: every SYN, its retransmission and
+        // its ACK reach the same backend; none gets an entry or evicts one.
+        for i in 0..300u32 {
+            let src = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 10, 100, 0)) + i);
+            let sport = 1024 + i as u16;
+            let b = fx.forward(&tcp(src, sport, VIP, 80, SYN).bytes());
+            assert!(backends.iter().any(|x| x.0 == b), "{b}");
+            assert_eq!(fx.forward(&tcp(src, sport, VIP, 80, SYN).bytes()), b, "retransmitted SYN of {src}");
+            assert_eq!(fx.forward(&tcp(src, sport, VIP, 80, ACK).bytes()), b, "ACK of {src}");
+        }
+        assert_eq!(fx.counter("table_full"), 900);
+        assert_eq!(fx.entries(), 16);
+
+        // Every established flow still has its entry (no new-flow path:
+        // the table_full count stays) and its backend.
+        for &(cport, b) in &established {
+            assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 80, ACK | PSH).bytes()), b);
+        }
+        assert_eq!(fx.counter("table_full"), 900, "established flows kept their entries");
+        assert_eq!(active(&fx, "web"), 16);
+
+        // A flow routed without an entry: its backend's answer goes back
+        // from the VIP without one.
+        let b = fx.forward(&tcp(CLIENT, 50_000, VIP, 80, SYN).bytes());
+        let (action, out) = fx.run(&from_backend(b, 8080, 50_000, SYN | ACK).bytes(), fx.if_b);
+        assert_eq!(action, XDP_REDIRECT);
+        assert_checksums_valid(&out);
+        let got = Frame::parse(&out).unwrap();
+        assert_eq!((got.src, got.sport, got.dst, got.dport), (VIP, 80, CLIENT, 50_000));
+        assert_eq!(fx.counter("stateless_reply"), 1);
+
+        // Room again (one established flow reset and swept): the stateless
+        // flow's next packet takes an entry, on the backend it had.
+        let (cport, b0) = established[0];
+        assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 80, RST).bytes()), b0);
+        let later = lb_userspace::dataplane::monotonic_coarse_secs() + 100;
+        let r = fx.dp.sweep(later, u64::MAX / 2, u64::MAX / 2).unwrap();
+        assert_eq!((r.removed, r.expired), (1, 0), "only the closed flow goes: {r:?}");
+        assert_eq!(fx.entries(), 15);
+        let full = fx.counter("table_full");
+        assert_eq!(fx.forward(&tcp(CLIENT, 50_000, VIP, 80, ACK).bytes()), b);
+        assert_eq!((fx.counter("table_full"), fx.entries()), (full, 16), "the SYN-ACK's ACK found room");
+        assert_eq!(fx.forward(&tcp(CLIENT, 50_000, VIP, 80, ACK | PSH).bytes()), b);
+        assert_eq!((fx.counter("table_full"), fx.entries()), (full, 16), "and kept it");
+    });
+}
+
+#[test]
+fn new_flows_above_the_rate_get_a_backend_but_no_entry() {
+    in_netns(|| {
+        // The limit is per CPU: stay on one.
+        let mut one = nix::sched::CpuSet::new();
+        one.set(0).unwrap();
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
+        let backends = [(BACKEND, 8080), (BACKEND_UNRESOLVED, 8080), (THIRD, 8080)];
+        let mut fx =
+            Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
+                c.flood.new_flow_rate_per_cpu = Some(5);
+            });
+        let flows: Vec<(u16, Ipv4Addr)> =
+            (0..40).map(|i| (30_000 + i, fx.forward(&tcp(CLIENT, 30_000 + i, VIP, 80, SYN).bytes()))).collect();
+        let (entries, limited) = (fx.entries(), fx.counter("flood_rate"));
+        assert_eq!(entries + limited, 40);
+        // 5 a second: one second boundary at most fell inside the burst.
+        assert!((5..=10).contains(&entries), "{entries} entries for 40 new flows at 5/s");
+        // With or without an entry, a flow's next packet goes where its SYN went.
+        for &(cport, b) in &flows {
+            assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 80, ACK).bytes()), b, "ACK of {cport}");
+        }
+    });
+}
+
+#[test]
+fn half_open_flows_expire_early_and_active_counts_return_to_exactly_zero() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![
+            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service("dns", 53, Protocol::Udp, &[(BACKEND, 5353)]),
+        ]);
+        // Half-open: a SYN alone, a SYN answered but never acknowledged,
+        // a one-way UDP flow.
+        fx.forward(&tcp(CLIENT, 41_000, VIP, 80, SYN).bytes());
+        fx.forward(&tcp(CLIENT, 41_001, VIP, 80, SYN).bytes());
+        assert_eq!(fx.run(&from_backend(BACKEND, 8080, 41_001, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        fx.forward(&udp(CLIENT, 41_002, VIP, 53).bytes());
+        // Established: a full handshake, and a UDP exchange the client
+        // went on with.
+        handshake(&fx, 41_003, 80, 8080);
+        fx.forward(&udp(CLIENT, 41_004, VIP, 53).bytes());
+        let reply = Frame { dmac: GW_B_MAC, smac: BACKEND_MAC, ..Frame::udp(BACKEND, 5353, CLIENT, 41_004) };
+        assert_eq!(fx.run(&reply.bytes(), fx.if_b).0, XDP_REDIRECT);
+        fx.forward(&udp(CLIENT, 41_004, VIP, 53).bytes());
+        assert_eq!(fx.entries(), 5);
+        assert_eq!((active(&fx, "web"), active(&fx, "dns")), (3, 2));
+
+        // 11 s on (half_open_timeout 10 s by default): the three half-open
+        // flows go, counted as expired.
+        let now = lb_userspace::dataplane::monotonic_coarse_secs();
+        let r = fx.dp.sweep(now + 11, 900, 300).unwrap();
+        assert_eq!((r.removed, r.expired, r.half_open_expired), (3, 3, 3), "{r:?}");
+        assert_eq!((active(&fx, "web"), active(&fx, "dns")), (1, 1));
+
+        // The TCP flow is reset, the UDP one idles out: both counts are 0.
+        fx.forward(&tcp(CLIENT, 41_003, VIP, 80, RST).bytes());
+        assert_eq!(active(&fx, "web"), 0);
+        let r = fx.dp.sweep(now + 400, 900, 300).unwrap();
+        assert_eq!((r.removed, r.expired, r.half_open_expired), (2, 1, 0), "{r:?}");
+        assert_eq!((active(&fx, "web"), active(&fx, "dns")), (0, 0));
+        assert_eq!(fx.entries(), 0);
     });
 }
