@@ -48,10 +48,23 @@ pub fn write_config_for(
     interfaces: &[String],
     services_yaml: &str,
 ) -> anyhow::Result<PathBuf> {
+    write_config_with(dir, name, socket, interfaces, "conntrack_max: 65536\n", services_yaml)
+}
+
+/// As [`write_config_for`], with top-level keys of the caller's (`top`,
+/// whole YAML lines; `conntrack_max` among them if it matters).
+pub fn write_config_with(
+    dir: &Path,
+    name: &str,
+    socket: &Path,
+    interfaces: &[String],
+    top: &str,
+    services_yaml: &str,
+) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     let path = dir.join(format!("{name}.yaml"));
     let text = format!(
-        "interfaces: [{}]\nforwarding: nat\ncontrol_socket: {}\npin_path: {}/{}\nconntrack_max: 65536\nservices:\n{services_yaml}",
+        "interfaces: [{}]\nforwarding: nat\ncontrol_socket: {}\npin_path: {}/{}\n{top}services:\n{services_yaml}",
         interfaces.join(", "),
         socket.display(),
         crate::lab::BPFFS,

@@ -3,6 +3,8 @@
 #![expect(unused_crate_dependencies, reason = "used by the lab binaries and the tests")]
 
 pub mod fixture;
+pub mod flood;
+pub mod fuzz;
 pub mod harness;
 pub mod http1;
 pub mod lab;

@@ -33,6 +33,24 @@ enum Cmd {
     Longlived(LonglivedArgs),
     /// UDP request/reply, one fresh socket per datagram.
     Udp(UdpArgs),
+    /// A SYN flood from spoofed sources (raw socket).
+    Flood(FloodArgs),
+}
+
+#[derive(Args, Debug)]
+struct FloodArgs {
+    #[arg(long)]
+    target: std::net::SocketAddrV4,
+    /// SYNs per second.
+    #[arg(long)]
+    rate: u64,
+    #[arg(long)]
+    duration_ms: u64,
+    /// Spoofed sources: this network's addresses (a /16 by default).
+    #[arg(long, default_value = "10.99.0.0")]
+    sources: Ipv4Addr,
+    #[arg(long, default_value_t = 16)]
+    host_bits: u32,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -153,6 +171,18 @@ fn main() {
             Cmd::Conns(a) => run_conns(a).await,
             Cmd::Longlived(a) => run_longlived(a).await,
             Cmd::Udp(a) => run_udp(a).await,
+            Cmd::Flood(a) => tokio::task::spawn_blocking(move || {
+                let r = lb_tests::flood::syn_flood(
+                    a.target,
+                    a.sources,
+                    a.host_bits,
+                    a.rate,
+                    Duration::from_millis(a.duration_ms),
+                )?;
+                Ok(serde_json::to_value(r)?)
+            })
+            .await
+            .unwrap_or_else(|e| Err(anyhow::anyhow!("flood thread: {e}"))),
         }
     });
     match res {
