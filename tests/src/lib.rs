@@ -4,6 +4,7 @@
 
 pub mod fixture;
 pub mod flood;
+pub mod fuzz;
 pub mod harness;
 pub mod http1;
 pub mod lab;
