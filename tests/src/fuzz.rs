@@ -1557,6 +1557,9 @@ impl Summary {
     }
 }
 
+/// Packets between two sweeps that empty the flow table.
+const SWEEP_EVERY: u64 = 4096;
+
 struct Ifs {
     a: u32,
     b: u32,
@@ -1576,7 +1579,7 @@ impl Ifs {
 /// Run the fuzzer; call it inside a network namespace of its own
 /// ([`crate::fixture::in_netns`]). Needs root.
 pub fn run(opts: &Options) -> Summary {
-    let fx = Fixture::new(service_configs());
+    let mut fx = Fixture::new(service_configs());
     let ifs = Ifs { a: fx.if_a, b: fx.if_b, lo: ifindex("lo") };
     let mut summary = Summary {
         seed: opts.seed,
@@ -1591,7 +1594,7 @@ pub fn run(opts: &Options) -> Summary {
     };
     let mut generator = Gen::new(opts.seed);
     let start = Instant::now();
-    let one = |summary: &mut Summary, generator: &mut Gen, case: Case, index: u64| {
+    let one = |fx: &Fixture, summary: &mut Summary, generator: &mut Gen, case: Case, index: u64| {
         let (action, output) = fx.run(&case.frame, ifs.of(case.side));
         let result = check(&case.frame, action, &output);
         if let (Some((client, svc)), Ok(Outcome::Forward { to, .. })) = (case.learn, &result) {
@@ -1616,7 +1619,7 @@ pub fn run(opts: &Options) -> Summary {
             frame: f,
             learn: Some((client, i)),
         };
-        one(&mut summary, &mut generator, case, u64::MAX);
+        one(&fx, &mut summary, &mut generator, case, u64::MAX);
     }
     if let Some((side, frame)) = &opts.replay {
         let case = Case {
@@ -1627,11 +1630,19 @@ pub fn run(opts: &Options) -> Summary {
             base: frame.clone(),
             learn: None,
         };
-        one(&mut summary, &mut generator, case, u64::MAX);
+        one(&fx, &mut summary, &mut generator, case, u64::MAX);
     } else {
         for index in 0..opts.count {
+            // The flow table (1,024 entries) takes no new entry once full:
+            // empty it now and then, so that runs see flows with entries,
+            // flows without (a full table, the new-flow rate) and replies
+            // of both.
+            if index % SWEEP_EVERY == SWEEP_EVERY - 1 {
+                let later = lb_userspace::dataplane::monotonic_coarse_secs() + 1_000_000;
+                fx.dp.sweep(later, 1, 1).expect("sweep the flow table");
+            }
             let case = generator.case(index);
-            one(&mut summary, &mut generator, case, index);
+            one(&fx, &mut summary, &mut generator, case, index);
         }
     }
     summary.elapsed = start.elapsed();
