@@ -76,6 +76,8 @@ enum BenchPart {
     Packet,
     E2e,
     Scenarios,
+    /// The datapath fuzzer: 1,000,000 packets (10,000,000 with --full); only when named.
+    Fuzz,
 }
 
 #[derive(Subcommand)]
@@ -119,6 +121,9 @@ fn main() {
             .and_then(|()| ensure_setup())
             .and_then(|()| build())
             .and_then(|()| test(&args)),
+        Cmd::Bench { part: Some(BenchPart::Fuzz), full } => {
+            need_root("cargo xtask bench fuzz").and_then(|()| ensure_setup()).and_then(|()| bench::fuzz(full))
+        }
         Cmd::Bench { part, full } => need_root("cargo xtask bench")
             .and_then(|()| ensure_setup())
             .and_then(|()| setup::debian(bench::PACKAGES))
@@ -129,6 +134,7 @@ fn main() {
                     Some(BenchPart::Packet) => vec![bench::Part::Packet],
                     Some(BenchPart::E2e) => vec![bench::Part::E2e],
                     Some(BenchPart::Scenarios) => vec![bench::Part::Scenarios],
+                    Some(BenchPart::Fuzz) => unreachable!("bench fuzz is matched above"),
                 };
                 bench::bench(&bench::Options { parts, full })
             }),

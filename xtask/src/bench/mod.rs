@@ -27,7 +27,10 @@ use serde_json::{Value, json};
 
 use crate::{bin_dir, cargo, run, workspace_root};
 
+mod fuzz;
 mod report;
+
+pub(crate) use fuzz::fuzz;
 
 use report::report;
 
