@@ -1510,7 +1510,7 @@ impl Summary {
                 if e.base != e.input {
                     let _ = writeln!(
                         s,
-                        "  not shrunk (other length, or no byte could go back): differs from the valid frame in {}",
+                        "  not shrunk (no step back towards the valid frame kept the rule broken): differs from it in {}",
                         differing_fields(&e.base, &e.input)
                     );
                 }
@@ -1653,39 +1653,45 @@ pub fn run(opts: &Options) -> Summary {
     summary
 }
 
-/// Revert the bytes where `e`'s input differs from the valid frame it was
-/// mutated from, one at a time (and with the IPv4 header checksum made
-/// right again), keeping each reversion after which the same rule still
-/// breaks. None when there is nothing to shrink.
+/// Bring `e`'s input back towards the valid frame it was mutated from
+/// while the same rule still breaks: first its length (cut, or the valid
+/// frame's tail put back), then byte by byte; each step also tried with the
+/// IPv4 header checksum made right again. None when no step was kept.
 fn shrink(fx: &Fixture, ifs: &Ifs, e: &Example) -> Option<(Vec<u8>, u32, Vec<u8>, String)> {
-    if e.base.len() != e.input.len() || e.base == e.input {
+    if e.base == e.input {
         return None;
     }
     let rule = check(&e.input, e.action, &e.output).err()?.rule;
     let ifindex = ifs.of(e.side);
-    let breaks = |f: &[u8]| {
-        let (action, output) = fx.run(f, ifindex);
-        match check(f, action, &output) {
-            Err(v) if v.rule == rule => Some((action, output, v.detail)),
-            _ => None,
-        }
-    };
+    let base = &e.base;
     let mut cur = e.input.clone();
     let mut last = None;
-    for i in 0..cur.len() {
-        if cur[i] == e.base[i] {
-            continue;
-        }
-        let mut plain = cur.clone();
-        plain[i] = e.base[i];
-        let mut fixed = plain.clone();
+    let mut try_step = |cur: &mut Vec<u8>, step: Vec<u8>| {
+        let mut fixed = step.clone();
         let l3 = l3_offset(&fixed);
         fix_ip_checksum(&mut fixed, l3);
-        for cand in [plain, fixed] {
-            if let Some(r) = breaks(&cand) {
-                cur = cand;
-                last = Some(r);
-                break;
+        for cand in [step, fixed] {
+            let (action, output) = fx.run(&cand, ifindex);
+            if let Err(v) = check(&cand, action, &output)
+                && v.rule == rule
+            {
+                *cur = cand;
+                last = Some((action, output, v.detail));
+                return;
+            }
+        }
+    };
+    if cur.len() != base.len() {
+        let step =
+            if cur.len() > base.len() { cur[..base.len()].to_vec() } else { [&cur[..], &base[cur.len()..]].concat() };
+        try_step(&mut cur, step);
+    }
+    if cur.len() == base.len() {
+        for i in 0..cur.len() {
+            if cur[i] != base[i] {
+                let mut step = cur.clone();
+                step[i] = base[i];
+                try_step(&mut cur, step);
             }
         }
     }
