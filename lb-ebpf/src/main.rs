@@ -59,6 +59,9 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     if !from_backend && !maybe_ours(pkt.daddr) {
         return Ok(xdp_action::XDP_PASS);
     }
+    if !parse::ip_checksum_ok(ctx, &pkt) {
+        return Ok(drop_if_vip(ctx, pkt.daddr, counter::DROP_MALFORMED));
+    }
 
     let now = now_secs();
     // Where the packet goes. One call site each for `forward` and `reply`
@@ -101,8 +104,12 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
                 // A backend's packet whose flow has no entry (routed
                 // without one, or expired): back to the client as from
                 // the VIP its endpoint names, by the FIB each time.
+                // A call site of its own, with no next-hop cache: joined
+                // with the flows' replies, the verifier would explore
+                // those (the larger part) once with a cache and once
+                // without.
                 None if no_flow => match stateless_reply(&pkt) {
-                    Some(nat) => To::Client(nat, core::ptr::null_mut()),
+                    Some(nat) => return Ok(reply(ctx, &pkt, nat, Hop::Uncached, now)),
                     None => return Ok(xdp_action::XDP_PASS),
                 },
                 None => return Ok(xdp_action::XDP_PASS),
@@ -111,7 +118,7 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     };
     Ok(match to {
         To::Backend(nat) => forward(ctx, &pkt, nat, now),
-        To::Client(nat, entry) => reply(ctx, &pkt, nat, entry, now),
+        To::Client(nat, entry) => reply(ctx, &pkt, nat, Hop::Flow(entry), now),
     })
 }
 
@@ -134,7 +141,7 @@ enum To {
     Backend(Nat),
     /// Backend -> client (source rewritten to the VIP); the entry whose
     /// next-hop cache serves the reply (the flow's entry or its reply
-    /// entry; null for a reply without one).
+    /// entry).
     Client(Nat, *mut Flow),
 }
 
@@ -502,9 +509,9 @@ fn client_key(pkt: &Packet, vip_addr: u32, vip_port: u16) -> FlowKey {
 }
 
 /// Backend -> client: source becomes the VIP again; the next hop is cached
-/// in `entry` (the flow's entry, or its reply entry; null: nowhere).
+/// where `hop` says (the flow's entry, its reply entry, or nowhere).
 #[inline(always)]
-fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: *mut Flow, now: u64) -> u32 {
+fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, hop: Hop, now: u64) -> u32 {
     if !forward::ttl_ok(pkt) {
         stats::count(counter::TTL_EXPIRED);
         return xdp_action::XDP_PASS;
@@ -515,7 +522,6 @@ fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, entry: *mut Flow, now: u64) -
     }
     let cs = forward::classify(ctx, pkt);
     let rw = forward::rewrite_src(pkt, nat.addr, nat.port);
-    let hop = if entry.is_null() { Hop::Uncached } else { Hop::Flow(entry) };
     forward::send(ctx, pkt, rw, cs, hop, now)
 }
 

@@ -4,7 +4,7 @@
 //! `data_end` is what the verifier needs to accept the load or store.
 use core::mem::size_of;
 
-use aya_ebpf::programs::XdpContext;
+use aya_ebpf::{helpers::generated::bpf_xdp_load_bytes, programs::XdpContext};
 use lb_common::{PROTO_TCP, PROTO_UDP};
 
 pub(crate) const ETH_P_IP: u16 = 0x0800;
@@ -178,7 +178,9 @@ pub(crate) fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
     // before the total-length checks below. Were those first, the compiler
     // could prove this check redundant and drop it, and the verifier (which
     // does not follow tot_len) would reject the header access.
-    let (ports, sport, dport, tcp_flags, l4_check, l4_len) = if proto == PROTO_TCP {
+    // `l4_len`: the L4 header length the packet claims (TCP's data
+    // offset, UDP's fixed 8 bytes); `udp_len`: UDP's length field.
+    let (ports, sport, dport, tcp_flags, l4_check, l4_len, udp_len) = if proto == PROTO_TCP {
         let tcp: *mut TcpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
         // SAFETY: bounds checked by ptr_at; every field lies inside *tcp.
         unsafe {
@@ -188,16 +190,36 @@ pub(crate) fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
                 (*tcp).dport,
                 (*tcp).flags,
                 &raw mut (*tcp).check,
-                size_of::<TcpHdr>(),
+                ((*tcp).off_res >> 4) as usize * 4,
+                0,
             )
         }
     } else {
         let udp: *mut UdpHdr = ptr_at(ctx, l4).ok_or(ParseError::Malformed { daddr })?;
         // SAFETY: bounds checked by ptr_at; every field lies inside *udp.
-        unsafe { (udp.cast::<[u16; 2]>(), (*udp).sport, (*udp).dport, 0, &raw mut (*udp).check, size_of::<UdpHdr>()) }
+        unsafe {
+            (
+                udp.cast::<[u16; 2]>(),
+                (*udp).sport,
+                (*udp).dport,
+                0,
+                &raw mut (*udp).check,
+                size_of::<UdpHdr>(),
+                u16::from_be((*udp).len) as usize,
+            )
+        }
     };
     let frame_len = ctx.data_end() - ctx.data();
-    if tot_len < ihl_len + l4_len || ETH_HLEN + tot_len > frame_len {
+    // The IP payload holds the L4 header it claims (a TCP data offset of
+    // at least 5 words, and no more than the segment), and a UDP length
+    // between its header and the payload; the frame holds the IP packet.
+    // A router forwards no such packet, and a rewrite would leave it
+    // unparseable downstream.
+    if (proto == PROTO_TCP && l4_len < size_of::<TcpHdr>())
+        || tot_len < ihl_len + l4_len
+        || ETH_HLEN + tot_len > frame_len
+        || (proto == PROTO_UDP && (udp_len < size_of::<UdpHdr>() || udp_len > tot_len - ihl_len))
+    {
         return Err(ParseError::Malformed { daddr });
     }
     Ok(Packet {
@@ -215,4 +237,63 @@ pub(crate) fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
         l4_off: l4,
         l4_len: tot_len - ihl_len,
     })
+}
+
+/// Whether the IPv4 header checksum of `pkt` (options included) verifies.
+/// The kernel drops a packet whose header checksum is wrong; a packet we
+/// forward ourselves must be dropped too, and an incremental update would
+/// carry the error on. Called only for packets that may be ours (after the
+/// address filter), so traffic that is not ours pays nothing.
+#[inline(always)]
+pub(crate) fn ip_checksum_ok(ctx: &XdpContext, pkt: &Packet) -> bool {
+    let ip = pkt.ip().cast::<u16>();
+    let mut sum: u32 = 0;
+    // SAFETY: the 20-byte base header was bounds-checked by parse().
+    unsafe {
+        for i in 0..size_of::<Ipv4Hdr>() / 2 {
+            sum += u32::from(*ip.add(i));
+        }
+    }
+    if pkt.l4_off > ETH_HLEN + size_of::<Ipv4Hdr>() {
+        let Some(opts) = options_sum(ctx, pkt.l4_off - ETH_HLEN - size_of::<Ipv4Hdr>()) else {
+            return false;
+        };
+        sum += opts;
+    }
+    // At most 30 words: two folds bring the sum into 16 bits.
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum == 0xffff
+}
+
+/// The sum of the 16-bit words of the IPv4 options (`opt_len` bytes, 4 to
+/// 40), if they can be read. They are
+/// copied to the stack by the helper rather than read in place: reading
+/// them in place would leave the verifier a different proven packet
+/// length per option count, and so a separate state for the rest of the
+/// program for each. Its own frame: options are rare, and the buffer
+/// stays off the main frame.
+#[inline(never)]
+fn options_sum(ctx: &XdpContext, opt_len: usize) -> Option<u32> {
+    let mut opts = [0u32; 16];
+    // The same value for 1-64, written so the verifier sees it is never 0
+    // nor more than the buffer.
+    let len = ((opt_len.wrapping_sub(1)) & 63) + 1;
+    // SAFETY: `opts` is 64 writable bytes; 1 <= len <= 64.
+    let rc = unsafe {
+        bpf_xdp_load_bytes(
+            ctx.ctx.cast(),
+            (ETH_HLEN + size_of::<Ipv4Hdr>()) as u32,
+            opts.as_mut_ptr().cast(),
+            len as u32,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    let mut sum = 0;
+    for w in opts {
+        sum += (w & 0xffff) + (w >> 16);
+    }
+    Some(sum)
 }
