@@ -185,8 +185,12 @@ pub mod counter {
     /// routed statelessly, or its entry expired): its source rewritten to
     /// the VIP the endpoint names, without per-flow state.
     pub const STATELESS_REPLY: u32 = 11;
+    /// TCP packet without a flow entry dropped while a migration copies
+    /// the old datapath's last flows (`Flood::hold_until`); its sender
+    /// retransmits.
+    pub const HELD: u32 = 12;
     /// Number of counters.
-    pub const COUNT: u32 = 12;
+    pub const COUNT: u32 = 13;
 
     /// Names used by userspace (metrics labels, `lbctl status`).
     pub const NAMES: [&str; COUNT as usize] = [
@@ -202,6 +206,7 @@ pub mod counter {
         "flood_rate",
         "table_full",
         "stateless_reply",
+        "held",
     ];
 
     /// Counters that count a rewritten packet handed to the kernel's
@@ -225,7 +230,12 @@ pub struct Flood {
     /// New flows per second and CPU that may get a flow-table entry; the
     /// rest get a backend by consistent hash and no entry. 0: no limit.
     pub new_flow_rate_per_cpu: u32,
-    pub _pad: u32,
+    /// Until this coarse second (truncated), a TCP packet other than a SYN
+    /// that finds no flow entry is dropped (`counter::HELD`) instead of
+    /// routed by hash: lbd is copying an older datapath's last flows
+    /// (a migration), and the sender's retransmission will find its entry.
+    /// 0: never.
+    pub hold_until: u32,
 }
 
 /// One CPU's new-flow count in the current second (`NEW_FLOW_RATE`).

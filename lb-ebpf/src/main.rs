@@ -265,6 +265,14 @@ fn set_state(flow: *mut Flow, bit: u64) {
 // frame is not stacked on this one).
 #[inline(never)]
 fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat, u32> {
+    let opening = pkt.proto != PROTO_TCP || is_syn(pkt);
+    // A migration is copying the old datapath's last flows: a TCP packet
+    // of one of them waits for its retransmission rather than be hashed
+    // to a backend that may not be the one its SYN went to.
+    if !opening && FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until) > now) {
+        stats::count(counter::HELD);
+        return Err(xdp_action::XDP_DROP);
+    }
     let reply_entry = svc.flags & SVC_F_REPLY_ENTRY != 0;
     // A flow of a service whose replies need their own entry cannot go
     // without one: it is never rate limited, and dropped when full.
@@ -272,11 +280,7 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat,
         // Only a SYN opens a TCP connection; any other TCP packet without
         // an entry belongs to a flow that was routed without one (or whose
         // entry is gone), and gets the stateless answer it had.
-        let id = if pkt.proto != PROTO_TCP || is_syn(pkt) {
-            select::pick(svc, pkt)
-        } else {
-            select::pick_stateless(svc, pkt)
-        };
+        let id = if opening { select::pick(svc, pkt) } else { select::pick_stateless(svc, pkt) };
         match insert_flow(pkt, key, svc, id, now) {
             Insert::Done(nat) => return Ok(nat),
             Insert::NoBackend => return Err(no_backend()),

@@ -4,8 +4,9 @@ mod install;
 mod setup;
 
 use std::{
+    io::Write as _,
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
 };
 
 use anyhow::{Context as _, bail};
@@ -179,7 +180,7 @@ pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
 
 /// True when the command runs and exits 0 (output discarded).
 pub fn succeeds(cmd: &mut Command) -> bool {
-    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).status().is_ok_and(|s| s.success())
+    cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
 }
 
 fn ensure_setup() -> anyhow::Result<()> {
@@ -321,7 +322,53 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         run(cargo().args(["clippy", "--workspace", "--exclude", "lb-ebpf", "--all-targets", "--", "-D", "warnings"]))?;
         lint_ebpf()?;
     }
-    run(cargo().args(["test", "--no-fail-fast"]).args(extra).env("LB_BIN_DIR", bin_dir()))
+    let old_lbd = build_upgrade_from()?;
+    run(cargo()
+        .args(["test", "--no-fail-fast"])
+        .args(extra)
+        .env("LB_BIN_DIR", bin_dir())
+        .env("LB_UPGRADE_FROM_LBD", old_lbd))
+}
+
+/// The release the upgrade test (tests/upgrade.rs) upgrades from: the last
+/// commit before the pinned maps carried a layout version (layout 1).
+const UPGRADE_FROM: &str = "8c0cc042adc34afa60df0c41c441d487944d6142";
+
+/// Build that release's lbd from this repository's history, once, into
+/// target/upgrade-from (its source is extracted with `git archive`);
+/// returns the binary's path.
+fn build_upgrade_from() -> anyhow::Result<PathBuf> {
+    let root = workspace_root();
+    let dir = root.join("target/upgrade-from");
+    let src = dir.join("src");
+    let stamp = src.join(".commit");
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(UPGRADE_FROM) {
+        let _ = std::fs::remove_dir_all(&src);
+        std::fs::create_dir_all(&src)?;
+        let archive = Command::new("git")
+            .args(["archive", "--format=tar", UPGRADE_FROM])
+            .current_dir(&root)
+            .output()
+            .context("running git archive")?;
+        if !archive.status.success() {
+            bail!(
+                "the upgrade test builds lbd from commit {UPGRADE_FROM}, which this clone does not have ({}); clone the repository with its history",
+                String::from_utf8_lossy(&archive.stderr).trim()
+            );
+        }
+        let mut tar = Command::new("tar").args(["-x", "-C"]).arg(&src).stdin(Stdio::piped()).spawn()?;
+        tar.stdin.take().expect("piped").write_all(&archive.stdout)?;
+        if !tar.wait()?.success() {
+            bail!("extracting commit {UPGRADE_FROM} into {} failed", src.display());
+        }
+        std::fs::write(&stamp, UPGRADE_FROM)?;
+    }
+    eprintln!("xtask: building lbd of {} (the upgrade test's old release)", &UPGRADE_FROM[..7]);
+    let mut c = cargo();
+    c.current_dir(&src).args(["build", "-p", "lb-userspace", "--bin", "lbd", "--target-dir"]).arg(dir.join("target"));
+    c.env_remove("CARGO_TARGET_DIR");
+    run(&mut c)?;
+    Ok(dir.join("target/debug/lbd"))
 }
 
 /// Clippy of lb-ebpf for bpfel-unknown-none (what lb-userspace's build

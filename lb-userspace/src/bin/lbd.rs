@@ -155,6 +155,11 @@ async fn serve(
         }
         return Err(e);
     }
+    // A migration from an older pinned layout: the new program is in
+    // place on every interface; take over the old program's last flows.
+    if let Err(e) = agent.dp.finish_migration() {
+        warn!(error = %e, "finishing the migration of the pinned datapath");
+    }
     let agent = Arc::new(Mutex::new(agent));
     let api = tokio::spawn(api::serve(listener, agent.clone()));
     let exporter = tokio::spawn(lb_userspace::metrics::serve(metrics, agent.clone()));

@@ -110,9 +110,9 @@ pub(super) struct Maps {
     pub(super) addr_filter: Array<MapData, u64>,
     pub(super) backends: Array<MapData, Backend>,
     pub(super) select: Array<MapData, u32>,
-    /// Read only by the datapath (the shared round-robin positions); held
-    /// so that every map is taken and checked at load.
-    pub(super) _seq: Array<MapData, u64>,
+    /// The shared round-robin positions: advanced by the datapath, written
+    /// by userspace only when a migration copies them.
+    pub(super) seq: Array<MapData, u64>,
     pub(super) flows: HashMap<MapData, FlowKey, Flow>,
     pub(super) backend_stats: PerCpuArray<MapData, BackendStats>,
     pub(super) counters: PerCpuArray<MapData, u64>,
@@ -138,7 +138,7 @@ impl Maps {
             addr_filter: take(ebpf, names::ADDR_FILTER)?,
             backends: take(ebpf, names::BACKENDS)?,
             select: take(ebpf, names::SELECT)?,
-            _seq: take(ebpf, names::SEQ)?,
+            seq: take(ebpf, names::SEQ)?,
             flows: take(ebpf, names::FLOWS)?,
             backend_stats: take(ebpf, names::BACKEND_STATS)?,
             counters: take(ebpf, names::COUNTERS)?,

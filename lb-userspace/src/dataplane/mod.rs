@@ -40,6 +40,7 @@ mod alloc;
 mod attach;
 mod batch;
 mod endpoints;
+mod layout;
 mod maps;
 mod pin;
 mod program;
@@ -89,6 +90,8 @@ pub enum DataplaneError {
     Netdev(#[from] crate::netdev::NetdevError),
     #[error("interface {0} does not exist")]
     NoInterface(String),
+    #[error("{0}")]
+    Layout(String),
 }
 
 /// What the agent decided for a backend on top of its configuration:
@@ -182,6 +185,11 @@ pub struct Dataplane {
     /// Flood protection in force (`set_flood`).
     flood: FloodConfig,
     conntrack_max: u32,
+    /// A migration from an older pinned layout, finished after attaching.
+    migration: Option<layout::Migration>,
+    /// While migrating: until when (coarse seconds) the datapath holds
+    /// TCP packets without an entry (see `lb_common::Flood::hold_until`).
+    hold_until: u32,
 }
 
 impl Dataplane {
@@ -212,10 +220,28 @@ impl Dataplane {
             .map_max_entries("SELECT", config.table_capacity)
             .override_global("AYA_LOG_LEVEL", &level, false);
         let mut adopting = false;
+        // Old maps to migrate from (moved aside here), or left aside by a
+        // migration that did not finish (its flows are copied again).
+        let mut migrate_from: Option<PathBuf> = None;
+        let mut resume_from: Option<PathBuf> = None;
         let maps_dir = pin.map(|p| p.join("maps"));
         if let (Some(pin), Some(maps_dir)) = (pin, &maps_dir) {
             pin::ensure_bpffs(pin)?;
             adopting = Self::pinned_at(pin);
+            if adopting {
+                // The version first: nothing else pinned is opened before.
+                let found = layout::pinned_version(maps_dir)?;
+                let aside = layout::aside_dir(pin, found);
+                if layout::judge(found, pin)? {
+                    info!(from = found, to = LAYOUT_VERSION, "the pinned datapath has an older map layout: migrating");
+                    std::fs::rename(maps_dir, &aside)
+                        .map_err(|source| DataplaneError::Pin { path: aside.clone(), source })?;
+                    migrate_from = Some(aside);
+                } else {
+                    resume_from =
+                        (1..LAYOUT_VERSION).map(|v| layout::aside_dir(pin, v)).find(|d| d.join(names::FLOWS).exists());
+                }
+            }
             std::fs::create_dir_all(maps_dir)
                 .map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
             // A global-counter map pinned by an older version has fewer
@@ -237,10 +263,47 @@ impl Dataplane {
                 loader.map_pin_path(name, maps_dir.join(name));
             }
         }
+        let loaded = Self::load_program(loader);
+        match (&migrate_from, &maps_dir) {
+            (Some(aside), Some(maps_dir)) => {
+                let dp =
+                    loaded.and_then(|(ebpf, ncpus)| Self::build(config, pin, ebpf, ncpus, true, Some(aside), None));
+                if dp.is_err() {
+                    // Put the old maps back as they were: the old program,
+                    // still attached, never stopped using them.
+                    let _ = std::fs::remove_dir_all(maps_dir);
+                    let _ = std::fs::rename(aside, maps_dir);
+                }
+                dp
+            }
+            _ => {
+                let (ebpf, ncpus) = loaded?;
+                Self::build(config, pin, ebpf, ncpus, adopting, None, resume_from.as_deref())
+            }
+        }
+    }
+
+    fn load_program(mut loader: EbpfLoader<'_>) -> Result<(Ebpf, usize), DataplaneError> {
         let mut ebpf = loader.load(EBPF_OBJECT)?;
         let prog: &mut Xdp = ebpf.program_mut(PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
         prog.load()?;
         let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
+        Ok((ebpf, ncpus))
+    }
+
+    /// The datapath around a loaded program: maps taken, flood settings
+    /// and layout version written, old maps migrated from (`migrate_from`)
+    /// or a stopped migration's flows to copy again (`resume_from`), then
+    /// the pinned state adopted.
+    fn build(
+        config: &Config,
+        pin: Option<&Path>,
+        mut ebpf: Ebpf,
+        ncpus: usize,
+        adopting: bool,
+        migrate_from: Option<&Path>,
+        resume_from: Option<&Path>,
+    ) -> Result<Self, DataplaneError> {
         let maps = Maps::take(&mut ebpf)?;
         let select_memory = SelectMemory::map(&maps.select);
         if select_memory.is_none() {
@@ -270,7 +333,20 @@ impl Dataplane {
             endpoints: HashMap::new(),
             flood: config.flood,
             conntrack_max: config.conntrack_max,
+            migration: None,
+            hold_until: 0,
         };
+        if let Some(dir) = migrate_from {
+            dp.migration = Some(dp.migrate_from_v1(dir)?);
+        } else if let Some(dir) = resume_from {
+            dp.migration = Some(layout::Migration::resume(dir)?);
+        }
+        if dp.migration.is_some() {
+            // Ample for attaching and the last copy; should lbd die in
+            // between, the hold lapses by itself.
+            dp.hold_until = (monotonic_coarse_secs() + layout::HOLD_SECS) as u32;
+        }
+        // Written last: a migration that failed leaves no version-2 mark.
         dp.maps.layout.set(0, LAYOUT_VERSION, 0).map_err(map_err(names::LAYOUT))?;
         dp.set_flood(&config.flood)?;
         dp.read_endpoints()?;
@@ -327,7 +403,8 @@ impl Dataplane {
     /// Put flood protection settings in force (at load, and on reload).
     pub fn set_flood(&mut self, flood: &FloodConfig) -> Result<(), DataplaneError> {
         let rate = flood.rate_per_cpu(self.conntrack_max, self.ncpus);
-        let v = Flood { new_flow_rate_per_cpu: rate, _pad: 0 };
+        let hold_until = if self.migration.is_some() { self.hold_until } else { 0 };
+        let v = Flood { new_flow_rate_per_cpu: rate, hold_until };
         self.maps.flood.set(0, v, 0).map_err(map_err(names::FLOOD))?;
         self.flood = *flood;
         Ok(())

@@ -1,0 +1,278 @@
+//! Layout versions of the pinned datapath, and the migration from an
+//! older one.
+//!
+//! The maps pinned under `pin_path/maps` carry their layout version in the
+//! `LAYOUT` map (`lb_common::LAYOUT_VERSION`); maps pinned before versions
+//! existed have no such map and are version 1. lbd reads the version before
+//! it opens any other pinned map, and then:
+//! - the same version: adopts the maps as they are;
+//! - an older version it knows (1): migrates. The old maps are moved aside
+//!   (`maps` -> `maps-v1`: a rename on bpffs, which reserves names with a
+//!   dot; the running program keeps using them), fresh maps of this layout
+//!   are created and pinned, and what the
+//!   old ones hold is copied over, converted: services, backends, counters,
+//!   endpoints and every flow. The services' tables are rebuilt by the
+//!   first `apply`, before anything is attached. Attaching then swaps the
+//!   program in on its pinned links (one atomic link update per
+//!   interface), and [`Dataplane::finish_migration`] copies the flows the
+//!   old program made meanwhile, brings the flow counts up to date and
+//!   removes the old maps;
+//! - a newer version, or an older one it does not know: refuses, before
+//!   touching anything, with one line that says what to do.
+//!
+//! Old bytes are never read as new types: each old layout's types are
+//! spelled out here, and aya checks their sizes against the pinned maps'.
+use std::{
+    os::fd::AsFd as _,
+    path::{Path, PathBuf},
+};
+
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
+use lb_common::{
+    Backend, BackendStats, Conns, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, FlowKey, LAYOUT_VERSION,
+    MAX_BACKENDS, MAX_SERVICES, Service, VipKey, flow_closed, maps as names,
+};
+use tracing::info;
+
+use super::{Dataplane, DataplaneError, batch, map_err};
+
+/// Seconds the new datapath holds TCP packets that find no entry while
+/// a migration finishes (`lb_common::Flood::hold_until`).
+pub(super) const HOLD_SECS: u64 = 10;
+
+/// The version of the maps pinned in `maps_dir` (1 when they predate
+/// versions).
+pub(super) fn pinned_version(maps_dir: &Path) -> Result<u32, DataplaneError> {
+    let path = maps_dir.join(names::LAYOUT);
+    if !path.exists() {
+        return Ok(1);
+    }
+    let layout: Array<MapData, u32> = open(&path, names::LAYOUT)?;
+    layout.get(&0, 0).map_err(map_err(names::LAYOUT))
+}
+
+/// What to do with a datapath pinned at version `found`: Ok(false) adopt
+/// it, Ok(true) migrate it; Err: refuse, with the line that says why and
+/// what to do.
+pub(super) fn judge(found: u32, pin: &Path) -> Result<bool, DataplaneError> {
+    match found {
+        LAYOUT_VERSION => Ok(false),
+        1 => Ok(true),
+        v if v > LAYOUT_VERSION => Err(DataplaneError::Layout(format!(
+            "the datapath pinned at {} has map layout version {v}, newer than this lbd's ({LAYOUT_VERSION}); \
+             nothing was changed. Run the lbd version that pinned it, or, to start over without its flows, \
+             stop that lbd, remove {} and start this one",
+            pin.display(),
+            pin.display()
+        ))),
+        v => Err(DataplaneError::Layout(format!(
+            "the datapath pinned at {} has map layout version {v}, which this lbd cannot migrate \
+             (it migrates from version 1); nothing was changed. Upgrade through a release that knows it, \
+             or, to start over without its flows, stop that lbd, remove {} and start this one",
+            pin.display(),
+            pin.display()
+        ))),
+    }
+}
+
+/// The directory old maps are moved to during a migration from `version`.
+pub(super) fn aside_dir(pin: &Path, version: u32) -> PathBuf {
+    pin.join(format!("maps-v{version}"))
+}
+
+fn open<T: TryFrom<Map, Error = aya::maps::MapError>>(path: &Path, name: &'static str) -> Result<T, DataplaneError> {
+    let data = MapData::from_pin(path).map_err(map_err(name))?;
+    let map = Map::from_map_data(data).map_err(map_err(name))?;
+    T::try_from(map).map_err(map_err(name))
+}
+
+/// Layout 1's service value: `Service` without the fallback table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct ServiceV1 {
+    service_id: u32,
+    scheduler: u32,
+    table_off: u32,
+    table_len: u32,
+    flags: u32,
+    _pad: u32,
+}
+
+// SAFETY: repr(C), six u32 fields, no padding.
+unsafe impl aya::Pod for ServiceV1 {}
+
+/// A migration in progress: the old maps, set aside, and the flow counts
+/// as they were copied (the old program goes on counting until it is
+/// swapped out).
+pub(super) struct Migration {
+    from: u32,
+    dir: PathBuf,
+    flows: MapData,
+    conns: Array<MapData, Conns>,
+    conns_copied: Vec<Conns>,
+    stats: PerCpuArray<MapData, BackendStats>,
+    /// Per-backend counters as copied (backends that had any).
+    stats_copied: Vec<(u32, PerCpuValues<BackendStats>)>,
+}
+
+impl Migration {
+    /// The old maps a migration left in `dir` before it finished: their
+    /// flows are copied again after attaching (entries already copied
+    /// stand), and the counts are taken as they are now.
+    pub(super) fn resume(dir: &Path) -> Result<Self, DataplaneError> {
+        let flows = MapData::from_pin(dir.join(names::FLOWS)).map_err(map_err(names::FLOWS))?;
+        let conns: Array<MapData, Conns> = open(&dir.join(names::CONNS), names::CONNS)?;
+        let stats: PerCpuArray<MapData, BackendStats> = open(&dir.join(names::BACKEND_STATS), names::BACKEND_STATS)?;
+        let mut conns_copied = vec![Conns::default(); MAX_BACKENDS as usize];
+        let mut stats_copied = Vec::new();
+        for id in 1..MAX_BACKENDS {
+            conns_copied[id as usize] = conns.get(&id, 0).map_err(map_err(names::CONNS))?;
+            stats_copied.push((id, stats.get(&id, 0).map_err(map_err(names::BACKEND_STATS))?));
+        }
+        info!(dir = %dir.display(), "an earlier migration did not finish: its flows are copied again after attaching");
+        Ok(Self { from: 1, dir: dir.to_path_buf(), flows, conns, conns_copied, stats, stats_copied })
+    }
+}
+
+/// Copy every flow of the old table `old` that `new` lacks, converted to
+/// this layout; returns how many.
+fn copy_flows(old: &MapData, new: &mut HashMap<MapData, FlowKey, Flow>) -> Result<u64, DataplaneError> {
+    let mut flows: Vec<(FlowKey, Flow)> = Vec::new();
+    batch::for_each::<FlowKey, Flow>(old.fd().as_fd(), |k, f| flows.push((*k, *f)))
+        .map_err(|source| DataplaneError::Batch { map: names::FLOWS, source })?;
+    let mut copied = 0;
+    for (k, mut f) in flows {
+        // Layout 1 did not track handshakes: an open flow it knew is taken
+        // as established (a half-open one then lives its idle timeout, not
+        // the short one; no live flow is expired early).
+        if !flow_closed(f.state) {
+            f.state |= FLOW_REPLIED | FLOW_ESTABLISHED;
+        }
+        // BPF_NOEXIST: an entry the new program already made stands.
+        match new.insert(k, f, 1) {
+            Ok(()) => copied += 1,
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(DataplaneError::Map { map: names::FLOWS, source: e }),
+        }
+    }
+    Ok(copied)
+}
+
+impl Dataplane {
+    /// Copy what the set-aside layout-1 maps in `dir` hold into this
+    /// datapath's fresh maps (see the module documentation).
+    pub(super) fn migrate_from_v1(&mut self, dir: &Path) -> Result<Migration, DataplaneError> {
+        let at = |name: &str| dir.join(name);
+        let vips: HashMap<MapData, VipKey, ServiceV1> = open(&at(names::VIPS), names::VIPS)?;
+        for item in &vips {
+            let (k, v) = item.map_err(map_err(names::VIPS))?;
+            let s = Service {
+                service_id: v.service_id,
+                scheduler: v.scheduler,
+                table_off: v.table_off,
+                table_len: v.table_len,
+                flags: v.flags,
+                fallback_off: 0,
+                fallback_len: 0,
+                _pad: 0,
+            };
+            self.maps.vips.insert(k, s, 0).map_err(map_err(names::VIPS))?;
+        }
+        let backends: Array<MapData, Backend> = open(&at(names::BACKENDS), names::BACKENDS)?;
+        let conns: Array<MapData, Conns> = open(&at(names::CONNS), names::CONNS)?;
+        let expired: Array<MapData, u64> = open(&at(names::EXPIRED), names::EXPIRED)?;
+        let stats: PerCpuArray<MapData, BackendStats> = open(&at(names::BACKEND_STATS), names::BACKEND_STATS)?;
+        let mut conns_copied = vec![Conns::default(); MAX_BACKENDS as usize];
+        let mut stats_copied = Vec::new();
+        for id in 1..MAX_BACKENDS {
+            let b = backends.get(&id, 0).map_err(map_err(names::BACKENDS))?;
+            if b == Backend::default() {
+                continue;
+            }
+            self.maps.backends.set(id, b, 0).map_err(map_err(names::BACKENDS))?;
+            let c = conns.get(&id, 0).map_err(map_err(names::CONNS))?;
+            self.maps.conns.set(id, c, 0).map_err(map_err(names::CONNS))?;
+            conns_copied[id as usize] = c;
+            let e = expired.get(&id, 0).map_err(map_err(names::EXPIRED))?;
+            self.maps.expired.set(id, e, 0).map_err(map_err(names::EXPIRED))?;
+            let s = stats.get(&id, 0).map_err(map_err(names::BACKEND_STATS))?;
+            let copy = PerCpuValues::try_from(s.to_vec()).expect("one value per CPU");
+            self.maps.backend_stats.set(id, copy, 0).map_err(map_err(names::BACKEND_STATS))?;
+            stats_copied.push((id, s));
+        }
+        let seq: Array<MapData, u64> = open(&at(names::SEQ), names::SEQ)?;
+        for i in 0..MAX_SERVICES {
+            let v = seq.get(&i, 0).map_err(map_err(names::SEQ))?;
+            self.maps.seq.set(i, v, 0).map_err(map_err(names::SEQ))?;
+        }
+        // Global counters: layout 1 had the first 9 of today's.
+        let counters: PerCpuArray<MapData, u64> = open(&at(names::COUNTERS), names::COUNTERS)?;
+        for i in 0..counters.len().min(self.maps.counters.len()) {
+            let v: PerCpuValues<u64> = counters.get(&i, 0).map_err(map_err(names::COUNTERS))?;
+            self.maps.counters.set(i, v, 0).map_err(map_err(names::COUNTERS))?;
+        }
+        let endpoints: HashMap<MapData, EndpointKey, VipKey> = open(&at(names::ENDPOINTS), names::ENDPOINTS)?;
+        for item in &endpoints {
+            let (k, v) = item.map_err(map_err(names::ENDPOINTS))?;
+            self.maps.endpoints.insert(k, v, 0).map_err(map_err(names::ENDPOINTS))?;
+        }
+        let flows = MapData::from_pin(at(names::FLOWS)).map_err(map_err(names::FLOWS))?;
+        let copied = copy_flows(&flows, &mut self.maps.flows)?;
+        info!(flows = copied, from = 1, to = LAYOUT_VERSION, "migrating the pinned datapath: maps copied");
+        Ok(Migration { from: 1, dir: dir.to_path_buf(), flows, conns, conns_copied, stats, stats_copied })
+    }
+
+    /// After attaching (the new program swapped in): copy the flows the
+    /// old program made since the maps were copied, add the flows it
+    /// opened and closed meanwhile to the counts, and remove the old maps.
+    /// Nothing to do unless this lbd migrated.
+    pub fn finish_migration(&mut self) -> Result<(), DataplaneError> {
+        let Some(m) = self.migration.take() else { return Ok(()) };
+        let late = copy_flows(&m.flows, &mut self.maps.flows)?;
+        // Every flow is in: stop holding packets without an entry.
+        let flood = self.flood;
+        self.set_flood(&flood)?;
+        for id in 1..MAX_BACKENDS {
+            let before = m.conns_copied[id as usize];
+            let after = m.conns.get(&id, 0).map_err(map_err(names::CONNS))?;
+            if after == before {
+                continue;
+            }
+            let mut c = self.maps.conns.get(&id, 0).map_err(map_err(names::CONNS))?;
+            c.opened += after.opened.saturating_sub(before.opened);
+            c.closed += after.closed.saturating_sub(before.closed);
+            self.maps.conns.set(id, c, 0).map_err(map_err(names::CONNS))?;
+        }
+        for (id, before) in &m.stats_copied {
+            let after = m.stats.get(id, 0).map_err(map_err(names::BACKEND_STATS))?;
+            let now = self.maps.backend_stats.get(id, 0).map_err(map_err(names::BACKEND_STATS))?;
+            let mut sum = Vec::with_capacity(now.len());
+            let mut moved = false;
+            for ((n, b), a) in now.iter().zip(before.iter()).zip(after.iter()) {
+                let mut v = *n;
+                let delta = BackendStats {
+                    new_flows: a.new_flows.saturating_sub(b.new_flows),
+                    packets_in: a.packets_in.saturating_sub(b.packets_in),
+                    bytes_in: a.bytes_in.saturating_sub(b.bytes_in),
+                    packets_out: a.packets_out.saturating_sub(b.packets_out),
+                    bytes_out: a.bytes_out.saturating_sub(b.bytes_out),
+                };
+                moved |= delta != BackendStats::default();
+                v.add(&delta);
+                sum.push(v);
+            }
+            if moved {
+                let values = PerCpuValues::try_from(sum).expect("one value per CPU");
+                self.maps.backend_stats.set(*id, values, 0).map_err(map_err(names::BACKEND_STATS))?;
+            }
+        }
+        std::fs::remove_dir_all(&m.dir).map_err(|source| DataplaneError::Pin { path: m.dir.clone(), source })?;
+        info!(
+            from = m.from,
+            to = LAYOUT_VERSION,
+            late_flows = late,
+            "migrated the pinned datapath; the old maps are removed"
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,171 @@
+//! An upgrade across a changed map layout, under load (issue 12): lbd from
+//! the last release before layout versions (layout 1: an LRU flow table,
+//! a 24-byte service value) runs the datapath; its binary is replaced by
+//! this build's (layout 2: a preallocated hash table, a service value
+//! with a fallback table, new maps) and restarted in place. The new lbd
+//! migrates the pinned maps, flows included, and swaps its program in:
+//! no request fails, no live connection changes backend, the counters
+//! carry on. A datapath pinned with a layout newer than this build knows
+//! is refused before anything is touched, with one line that says what to
+//! do. Needs root, and the old build, which `cargo xtask test` makes
+//! (`LB_UPGRADE_FROM_LBD`).
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use lb_tests::{
+    harness::{config_dir, serial, socket_for},
+    lab::{Lab, LabSpec},
+    lbd::{Lbd, wait_for, write_config},
+};
+
+const WEB: &str = "  - name: web
+    vip: 10.10.0.100
+    port: 80
+    scheduler: rr
+    backends:
+      - { address: 10.20.0.11, port: 8080, weight: 1 }
+      - { address: 10.20.0.12, port: 8080, weight: 1 }
+      - { address: 10.20.0.13, port: 8080, weight: 1 }
+";
+
+/// The old release's lbd: where `cargo xtask test` built it.
+fn old_lbd(lab: &Lab) -> PathBuf {
+    let path = std::env::var_os("LB_UPGRADE_FROM_LBD")
+        .map_or_else(|| lab.spec.bin_dir.join("../upgrade-from/target/debug/lbd"), PathBuf::from);
+    assert!(
+        path.exists(),
+        "{} is missing: the upgrade test needs the old release's lbd, which `cargo xtask test` builds",
+        path.display()
+    );
+    path
+}
+
+fn total_new_flows(lbd: &Lbd) -> u64 {
+    let s = lbd.status().unwrap();
+    s["services"][0]["backends"].as_array().unwrap().iter().map(|b| b["new_flows"].as_u64().unwrap()).sum()
+}
+
+/// The XDP program attached to the gateway's `eth0`, by id (bpftool's view,
+/// not lbd's).
+fn attached_program(lab: &Lab) -> u64 {
+    let out = lab.cmd("gw", "ip").args(["-j", "-d", "link", "show", "eth0"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v[0]["xdp"]["prog"]["id"].as_u64().unwrap_or_else(|| panic!("no XDP program on eth0: {v}"))
+}
+
+fn set_layout(maps: &Path, version: u32) {
+    let [a, b, c, d] = version.to_le_bytes().map(|x| x.to_string());
+    let pinned = maps.join("LAYOUT");
+    let out = Command::new("bpftool")
+        .args(["map", "update", "pinned"])
+        .arg(&pinned)
+        .args(["key", "0", "0", "0", "0", "value", &a, &b, &c, &d])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layout_is_refused() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-upgrade";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
+    let sock = socket_for(prefix);
+    let config = write_config(&config_dir(prefix), "lbd", &sock, WEB).unwrap();
+    let bin = PathBuf::from(format!("/tmp/{prefix}-bin"));
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = bin.join("lbd");
+    std::fs::copy(old_lbd(&lab), &exe).unwrap();
+    let maps = lab.pin_dir().join("maps");
+
+    let mut lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
+    assert!(!maps.join("LAYOUT").exists(), "the old release pins no layout version");
+    assert!(lbd.status().unwrap().get("flood").is_none(), "not the old release");
+    lab.reset_backend_counts().unwrap();
+    let old_program = lbd.program_id().unwrap();
+
+    std::thread::scope(|scope| {
+        let load = scope.spawn(|| {
+            lab.client(&[
+                "conns",
+                "--target",
+                "10.10.0.100:80",
+                "--concurrency",
+                "10",
+                "--duration-ms",
+                "6000",
+                "--sources-range",
+                "10.10.1.1-10.10.1.250",
+            ])
+            .unwrap()
+        });
+        let long = scope.spawn(|| {
+            lab.client(&[
+                "longlived",
+                "--target",
+                "10.10.0.100:80",
+                "--connections",
+                "20",
+                "--rounds",
+                "100",
+                "--interval-ms",
+                "50",
+                "--sources-range",
+                "10.10.1.1-10.10.1.20",
+            ])
+            .unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(2000));
+        // The new build replaces the old one on disk; the graceful restart
+        // runs it, it migrates the maps and swaps its program in.
+        let staged = bin.join("lbd.new");
+        std::fs::copy(lab.spec.bin_dir.join("lbd"), &staged).unwrap();
+        std::fs::rename(&staged, &exe).unwrap();
+        let new_program = lbd.restart().unwrap();
+        assert_ne!(new_program, old_program);
+        assert_eq!(attached_program(&lab), new_program);
+
+        let r = load.join().unwrap();
+        println!(
+            "new connections through the upgrade: ok {} failed {} per backend {}",
+            r["ok"], r["failed"], r["per_backend"]
+        );
+        assert_eq!(r["failed"], 0, "{r}");
+        assert!(r["ok"].as_u64().unwrap() > 500, "{r}");
+        let r = long.join().unwrap();
+        println!("long-lived connections through the upgrade: {r}");
+        assert_eq!(r["failed"], 0, "{r}");
+        assert_eq!(r["switched"], 0, "a live connection changed backend: {r}");
+    });
+    let log = lbd.log_text();
+    assert!(log.contains("migrated the pinned datapath"), "{log}");
+    let status = lbd.status().unwrap();
+    assert_eq!(status["flood"]["flow_capacity"], 65_536, "{}", status["flood"]);
+    assert!(!lab.pin_dir().join("maps-v1").exists(), "the old maps were not removed");
+    // Counters carried on through the migration: they equal what the backends saw.
+    let counts: u64 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum();
+    let flows = wait_for(5, || Some(total_new_flows(&lbd)).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", total_new_flows(&lbd));
+
+    // A datapath pinned by a newer layout: refused, nothing touched, the
+    // running program keeps forwarding.
+    lbd.kill().unwrap();
+    let program = attached_program(&lab);
+    set_layout(&maps, 99);
+    let err = Lbd::start_binary(&lab, &exe, &config, &sock).err().expect("a newer layout must be refused");
+    let text = format!("{err:#}");
+    assert!(text.contains("has map layout version 99, newer than this lbd's"), "{text}");
+    assert_eq!(attached_program(&lab), program, "the refused lbd changed the attached program");
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "50"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
+    set_layout(&maps, lb_common::LAYOUT_VERSION);
+    let mut lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+    let _ = std::fs::remove_dir_all(&bin);
+}
