@@ -106,10 +106,11 @@ pub mod maps {
     pub const FLOOD: &str = "FLOOD";
     pub const NEW_FLOW_RATE: &str = "NEW_FLOW_RATE";
     pub const LAYOUT: &str = "LAYOUT";
+    pub const SCRATCH: &str = "SCRATCH";
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -128,6 +129,7 @@ pub mod maps {
         FLOOD,
         NEW_FLOW_RATE,
         LAYOUT,
+        SCRATCH,
     ];
 
     /// `a == b`, usable in a constant (the datapath's compile-time check).

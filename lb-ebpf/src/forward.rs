@@ -8,7 +8,7 @@
 use core::mem::{MaybeUninit, size_of};
 
 use aya_ebpf::{
-    bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams, xdp_action},
+    bindings::{BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams, xdp_action},
     helpers::generated::{bpf_csum_diff, bpf_fib_lookup, bpf_redirect, bpf_xdp_load_bytes},
     programs::XdpContext,
 };
@@ -387,10 +387,26 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
 
 /// Ask the kernel FIB for the next hop of the packet as it is now:
 /// (egress ifindex, source MAC, destination MAC).
+#[inline(always)]
+fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<NextHopAddr> {
+    let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
+    (fib_lookup(ctx, pkt, &mut nh) == i64::from(BPF_FIB_LKUP_RET_SUCCESS)).then_some(nh)
+}
+
+/// Whether the packet, as it is now, is addressed to the gateway itself
+/// (the FIB does not forward it: a local, broadcast or multicast address).
+#[inline(always)]
+pub(crate) fn to_gateway(ctx: &XdpContext, pkt: &Packet) -> bool {
+    let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
+    fib_lookup(ctx, pkt, &mut nh) == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
+}
+
+/// The FIB's answer for the packet as it is now (a `BPF_FIB_LKUP_RET_*`
+/// code), and on success the next hop in `out`.
 // Its own stack frame: the 64-byte parameters would otherwise add to the
 // caller's (inlined) frame and overflow the 512-byte BPF stack.
 #[inline(never)]
-fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<NextHopAddr> {
+fn fib_lookup(ctx: &XdpContext, pkt: &Packet, out: &mut NextHopAddr) -> i64 {
     let mut p = MaybeUninit::<FibParams>::uninit();
     // Zero the parameters word by word: `mem::zeroed()` compiles to a call
     // of a byte-loop memset subprogram (about 35 ns). The helper reads the
@@ -417,10 +433,10 @@ fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<NextHopAddr> {
     p.ifindex = ctx.ingress_ifindex() as u32;
     // SAFETY: ctx.ctx is the program's context; p is a valid params struct.
     let rc = unsafe { bpf_fib_lookup(ctx.ctx.cast(), &raw mut p, size_of::<FibParams>() as i32, 0) };
-    if rc != i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-        return None;
+    if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
+        *out = (p.ifindex, p.smac, p.dmac);
     }
-    Some((p.ifindex, p.smac, p.dmac))
+    rc
 }
 
 const _: () = assert!(size_of::<FibParams>().is_multiple_of(8));

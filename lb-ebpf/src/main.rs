@@ -30,7 +30,7 @@ use lb_common::{
     FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_REPLY_ENTRY, Service, VipKey,
     addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_FILTER, BACKENDS, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, VIP_ADDRS, VIPS};
+use maps::{ADDR_FILTER, BACKENDS, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -108,7 +108,7 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
                 // with the flows' replies, the verifier would explore
                 // those (the larger part) once with a cache and once
                 // without.
-                None if no_flow => match stateless_reply(&pkt) {
+                None if no_flow => match stateless_reply(ctx, &pkt) {
                     Some(nat) => return Ok(reply(ctx, &pkt, nat, Hop::Uncached, now)),
                     None => return Ok(xdp_action::XDP_PASS),
                 },
@@ -125,11 +125,16 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
 /// A backend's packet whose flow has no entry (routed without one, or
 /// expired): back to the client as from the VIP its endpoint names.
 /// Looked up again (rare path) rather than kept on the main frame's stack.
+/// None for a packet to the gateway itself (its health probes, anything
+/// local talking to a backend's service port): the kernel's, untouched.
 #[inline(never)]
-fn stateless_reply(pkt: &Packet) -> Option<Nat> {
+fn stateless_reply(ctx: &XdpContext, pkt: &Packet) -> Option<Nat> {
     let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
     // SAFETY: the value is copied at once.
     let vip = unsafe { ENDPOINTS.get(&ep) }.copied()?;
+    if forward::to_gateway(ctx, pkt) {
+        return None;
+    }
     stats::count(counter::STATELESS_REPLY);
     Some(Nat { backend_id: BACKEND_NONE, addr: vip.addr, port: vip.port })
 }
@@ -297,7 +302,15 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat,
     // the flow (and for its SYN's retransmissions).
     let id = select::pick_stateless(svc, pkt);
     match if id == BACKEND_NONE { None } else { BACKENDS.get(id) } {
-        Some(b) => Ok(Nat { backend_id: id, addr: b.addr, port: b.port }),
+        Some(b) => {
+            // A new connection all the same (its backend accepts it): the
+            // new-flow counters keep equal to the connections backends
+            // accept. (Not an active flow: nothing tracks its close.)
+            if opening {
+                stats::new_flow(id);
+            }
+            Ok(Nat { backend_id: id, addr: b.addr, port: b.port })
+        }
         None => Err(no_backend()),
     }
 }
@@ -359,22 +372,30 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) ->
     } else {
         0
     };
-    // One buffer for both entries (stack is scarce).
-    let mut e = Flow {
-        backend_id: id,
-        service_id: svc.service_id,
-        nat_addr: pkt.daddr,
-        nat_port: pkt.dport,
-        dir: DIR_REPLY,
-        _pad: 0,
-        state: 0,
-        last_seen: 0,
-        nh_ifindex: 0,
-        nh_time: 0,
-        nh_smac: [0; 6],
-        nh_dmac: [0; 6],
-        nh_gen: 0,
+    // One buffer for both entries, in this CPU's scratch slot rather than
+    // on the stack (56 bytes the 512-byte stack has no room for).
+    let Some(e) = SCRATCH.get_ptr_mut(0) else {
+        return Insert::Full;
     };
+    // SAFETY: this CPU's slot of a per-CPU map, which only this program
+    // invocation touches while it runs; plain stores.
+    unsafe {
+        e.write(Flow {
+            backend_id: id,
+            service_id: svc.service_id,
+            nat_addr: pkt.daddr,
+            nat_port: pkt.dport,
+            dir: DIR_REPLY,
+            _pad: 0,
+            state: 0,
+            last_seen: 0,
+            nh_ifindex: 0,
+            nh_time: 0,
+            nh_smac: [0; 6],
+            nh_dmac: [0; 6],
+            nh_gen: 0,
+        });
+    }
     let dir = if svc.flags & SVC_F_REPLY_ENTRY != 0 {
         // The backend's endpoint names another service's VIP: this flow's
         // replies need an entry of their own, inserted first so that once
@@ -387,19 +408,25 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) ->
             proto: pkt.proto,
             _pad: [0; 3],
         };
-        if FLOWS.insert(&rev_key, &e, 0).is_err() {
+        // SAFETY: see above; the shared reference lives for the call only,
+        // and nothing writes the slot meanwhile.
+        if FLOWS.insert(&rev_key, unsafe { &*e }, 0).is_err() {
             return Insert::Full;
         }
         DIR_FORWARD
     } else {
         DIR_FLOW
     };
-    e.nat_addr = backend.addr;
-    e.nat_port = backend.port;
-    e.dir = dir;
-    e.state = state;
-    e.last_seen = now;
-    if FLOWS.insert(key, &e, 0).is_err() {
+    // SAFETY: as above.
+    unsafe {
+        (*e).nat_addr = backend.addr;
+        (*e).nat_port = backend.port;
+        (*e).dir = dir;
+        (*e).state = state;
+        (*e).last_seen = now;
+    }
+    // SAFETY: as above.
+    if FLOWS.insert(key, unsafe { &*e }, 0).is_err() {
         return Insert::Full;
     }
     stats::new_flow(id);

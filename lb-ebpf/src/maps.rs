@@ -116,6 +116,11 @@ pub(crate) static FLOOD: Array<Flood> = Array::with_max_entries(1, 0);
 #[map]
 pub(crate) static NEW_FLOW_RATE: PerCpuArray<RateWindow> = PerCpuArray::with_max_entries(1, 0);
 
+/// One flow entry per CPU: where a new flow's entry is built before it is
+/// inserted (the 512-byte stack has no room for it).
+#[map]
+pub(crate) static SCRATCH: PerCpuArray<Flow> = PerCpuArray::with_max_entries(1, 0);
+
 /// The layout version of these maps (`lb_common::LAYOUT_VERSION`), written
 /// by lbd when it creates them; never read by the datapath. A restarted or
 /// upgraded lbd reads it from the pinned map before it reads anything else.
@@ -141,5 +146,6 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::NEXT_HOPS, stringif
 const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOOD, stringify!(FLOOD)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::NEW_FLOW_RATE, stringify!(NEW_FLOW_RATE)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::LAYOUT, stringify!(LAYOUT)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::SCRATCH, stringify!(SCRATCH)));
 // ... and userspace knows every map.
-const _: () = assert!(lb_common::maps::ALL.len() == 18);
+const _: () = assert!(lb_common::maps::ALL.len() == 19);

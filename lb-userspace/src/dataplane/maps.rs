@@ -128,6 +128,9 @@ pub(super) struct Maps {
     /// Written only by the datapath (per-CPU new-flow counts).
     pub(super) _new_flow_rate: PerCpuArray<MapData, RateWindow>,
     pub(super) layout: Array<MapData, u32>,
+    /// The datapath's per-CPU scratch entry; held so that every map is
+    /// taken and checked at load.
+    pub(super) _scratch: PerCpuArray<MapData, Flow>,
 }
 
 impl Maps {
@@ -151,6 +154,7 @@ impl Maps {
             flood: take(ebpf, names::FLOOD)?,
             _new_flow_rate: take(ebpf, names::NEW_FLOW_RATE)?,
             layout: take(ebpf, names::LAYOUT)?,
+            _scratch: take(ebpf, names::SCRATCH)?,
         })
     }
 }

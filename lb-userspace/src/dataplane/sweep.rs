@@ -101,8 +101,12 @@ impl Dataplane {
 }
 
 /// Seconds a closed TCP flow's entries stay (late retransmissions, the
-/// final ACK) before the sweeper removes them.
-pub const CLOSED_LINGER: u64 = 60;
+/// final ACK) before the sweeper removes them. Short, as Cilium's and
+/// IPVS's close timeouts (10 s): the table does not evict, so a closed
+/// flow holds room a new one could use (at 8,000 connections a second,
+/// 60 s of lingering filled a 65,536-entry table and sent new flows down
+/// the stateless path).
+pub const CLOSED_LINGER: u64 = 10;
 
 /// What one sweep did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

@@ -35,6 +35,27 @@ enum Cmd {
     Udp(UdpArgs),
     /// A SYN flood from spoofed sources (raw socket).
     Flood(FloodArgs),
+    /// Open keep-alive connections, one request each, hold them idle, then
+    /// close them all (FIN, or RST with `--reset`).
+    Hold(HoldArgs),
+}
+
+#[derive(Args, Debug)]
+struct HoldArgs {
+    #[arg(long)]
+    target: SocketAddr,
+    #[arg(long, default_value_t = 30)]
+    connections: usize,
+    /// How long the connections stay open and idle after their request.
+    #[arg(long)]
+    hold_ms: u64,
+    /// Close with a reset (SO_LINGER 0) instead of a FIN.
+    #[arg(long)]
+    reset: bool,
+    #[command(flatten)]
+    src: SourceArgs,
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -171,6 +192,7 @@ fn main() {
             Cmd::Conns(a) => run_conns(a).await,
             Cmd::Longlived(a) => run_longlived(a).await,
             Cmd::Udp(a) => run_udp(a).await,
+            Cmd::Hold(a) => run_hold(a).await,
             Cmd::Flood(a) => tokio::task::spawn_blocking(move || {
                 let r = lb_tests::flood::syn_flood(
                     a.target,
@@ -365,6 +387,58 @@ async fn run_conns(a: ConnsArgs) -> anyhow::Result<serde_json::Value> {
         errors: errors.take(),
         elapsed_ms: ms_since(start),
     })?)
+}
+
+// ------------------------------------------------------------------ hold
+
+async fn run_hold(a: HoldArgs) -> anyhow::Result<serde_json::Value> {
+    let sources = a.src.resolve()?;
+    let start = Instant::now();
+    let errors = Errors::default();
+    let mut open = Vec::new();
+    let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
+    let mut failed = 0u64;
+    // One after another: each connection is scheduled knowing the ones
+    // before it (what least-connections is about).
+    for i in 0..a.connections {
+        let step = async {
+            let mut stream = connect(a.target, pick(&sources, i), a.timeout_ms).await?;
+            let mut buf = Vec::new();
+            let req = request(a.target, false);
+            let desc = || format!("request {i} -> {}", a.target);
+            let (backend, _) = timed(desc, a.timeout_ms, round_trip(&mut stream, &mut buf, &req)).await?;
+            Ok::<_, String>((stream, backend))
+        };
+        match step.await {
+            Ok((stream, backend)) => {
+                *per_backend.entry(backend).or_default() += 1;
+                open.push(stream);
+            }
+            Err(e) => {
+                failed += 1;
+                errors.push(e);
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(a.hold_ms)).await;
+    for stream in open.drain(..) {
+        if a.reset {
+            // SO_LINGER with a zero timeout: close() sends a RST (and
+            // does not block).
+            let zero = libc::linger { l_onoff: 1, l_linger: 0 };
+            let _ = nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::Linger, &zero);
+        }
+        drop(stream);
+    }
+    // Give the FINs/RSTs time to leave before the process exits.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    Ok(serde_json::json!({
+        "connections": a.connections,
+        "failed": failed,
+        "per_backend": per_backend,
+        "errors": errors.take(),
+        "elapsed_ms": ms_since(start),
+    }))
 }
 
 // ------------------------------------------------------------- longlived
