@@ -272,8 +272,7 @@ fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_th
         assert_eq!(entries(&mut fx), 4, "a stateless reply makes no entry");
         // ... but not a backend's answer to the gateway itself (a health
         // probe's SYN-ACK): that is the kernel's, untouched.
-        let probe =
-            Frame { dst: std::net::Ipv4Addr::new(10, 20, 0, 1), ..from_backend(8080, 41998, SYN | ACK) }.bytes();
+        let probe = Frame { dst: Ipv4Addr::new(10, 20, 0, 1), ..from_backend(8080, 41998, SYN | ACK) }.bytes();
         assert_eq!(fx.run(&probe, fx.if_b), (XDP_PASS, probe.clone()));
         assert_eq!(fx.counter("stateless_reply"), 1);
         // Closes are tracked from both sides on both kinds of flow.
