@@ -67,9 +67,8 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     // Where the packet goes. One call site each for `forward` and `reply`
     // (both inlined): the paths to them share one stack frame.
     let mut to = None;
-    // The VIP of the backend endpoint this packet comes from, when the
-    // client's flow towards it has no entry at all: the packet may be
-    // rewritten to come from that VIP without one.
+    // Set when the packet comes from a backend endpoint and the client's
+    // flow towards its VIP has no entry at all: it may go back without one.
     let mut no_flow = false;
     if from_backend {
         let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
@@ -103,8 +102,8 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
                 },
                 // A backend's packet whose flow has no entry (routed
                 // without one, or expired): back to the client as from
-                // the VIP its endpoint names, by the FIB each time.
-                // A call site of its own, with no next-hop cache: joined
+                // the VIP its endpoint names, by the FIB each time. A
+                // call site of its own, with no next-hop cache: joined
                 // with the flows' replies, the verifier would explore
                 // those (the larger part) once with a cache and once
                 // without.
@@ -429,7 +428,12 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) ->
     if FLOWS.insert(key, unsafe { &*e }, 0).is_err() {
         return Insert::Full;
     }
-    stats::new_flow(id);
+    // A TCP packet other than a SYN that takes an entry belongs to a
+    // connection already counted (routed without an entry until now):
+    // active from here on, as its close is now tracked, but not new.
+    if pkt.proto != PROTO_TCP || is_syn(pkt) {
+        stats::new_flow(id);
+    }
     stats::flow_opened(id);
     if flow_closed(state) {
         stats::flow_closed(id);

@@ -603,7 +603,10 @@ fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
 
         // A flow routed without an entry: its backend's answer goes back
         // from the VIP without one.
+        let counted = |fx: &Fixture| backends.iter().map(|&(a, _)| fx.new_flows("web", a)).sum::<u64>();
+        let before = counted(&fx);
         let b = fx.forward(&tcp(CLIENT, 50_000, VIP, 80, SYN).bytes());
+        assert_eq!(counted(&fx), before + 1, "a connection routed without an entry is a new flow all the same");
         let (action, out) = fx.run(&from_backend(b, 8080, 50_000, SYN | ACK).bytes(), fx.if_b);
         assert_eq!(action, XDP_REDIRECT);
         assert_checksums_valid(&out);
@@ -622,6 +625,7 @@ fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
         let full = fx.counter("table_full");
         assert_eq!(fx.forward(&tcp(CLIENT, 50_000, VIP, 80, ACK).bytes()), b);
         assert_eq!((fx.counter("table_full"), fx.entries()), (full, 16), "the SYN-ACK's ACK found room");
+        assert_eq!(counted(&fx), before + 1, "taking an entry mid-connection is not a new flow");
         assert_eq!(fx.forward(&tcp(CLIENT, 50_000, VIP, 80, ACK | PSH).bytes()), b);
         assert_eq!((fx.counter("table_full"), fx.entries()), (full, 16), "and kept it");
     });
