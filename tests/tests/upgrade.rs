@@ -145,7 +145,7 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     let log = lbd.log_text();
     assert!(log.contains("migrated the pinned datapath"), "{log}");
     let status = lbd.status().unwrap();
-    assert_eq!(status["flood"]["flow_capacity"], 65_536, "{}", status["flood"]);
+    assert_eq!(status["flood"]["flow_capacity"], 262_144, "{}", status["flood"]);
     assert!(!lab.pin_dir().join("maps-v1").exists(), "the old maps were not removed");
     // Counters carried on through the migration: they equal what the backends saw.
     let counts: u64 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum();
