@@ -103,7 +103,7 @@ pub struct PacketArgs {
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Flow table size in connections. Default 4M, or more when --repeat
-    /// and --fill need it: a new-flow run must never evict.
+    /// and --fill need it: a new-flow run must never find the table full.
     #[arg(long)]
     pub conntrack_max: Option<u32>,
     /// Flows put in the table before the "full table" variant of every
@@ -127,7 +127,8 @@ const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 /// Flow table size: 4M connections, more when the fill and one run make
 /// more entries (a new flow of a service with shared endpoints takes two),
-/// so that no insert ever evicts.
+/// so that no insert ever finds the table full (it would then measure the
+/// stateless path).
 fn conntrack_max(args: &PacketArgs) -> anyhow::Result<u32> {
     let need = args.fill.saturating_add(args.repeat.saturating_mul(2)).saturating_add(16);
     match args.conntrack_max {

@@ -96,7 +96,10 @@ impl Bench {
             table_capacity: 1 << 20,
             tcp_idle_timeout: 900,
             udp_idle_timeout: 300,
-            flood: Default::default(),
+            // No new-flow rate limit: a new-flow run inserts a million
+            // flows a second on one CPU, far above `auto`, and must
+            // measure the insert, not the stateless path.
+            flood: lb_userspace::config::FloodConfig { new_flow_rate_per_cpu: Some(0), ..Default::default() },
             metrics_listen: "127.0.0.1:9464".parse()?,
             services: services(),
         };
@@ -183,6 +186,7 @@ impl Bench {
         ctx[12..16].copy_from_slice(&self.if_a.to_ne_bytes()); // ingress_ifindex
         let mut out = vec![0u8; item.frame.len() + 256];
         ensure!(!self.stop.load(Ordering::Relaxed), "interrupted");
+        let stateless_before = self.stateless_count()?;
         let t0 = Instant::now();
         let res = prog
             .test_run(TestRunOptions {
@@ -200,7 +204,19 @@ impl Bench {
         // already the mean per repeat, in whole ns.
         let kernel_ns = res.duration.as_nanos() as u32;
         let sample = Sample { kernel_ns, ns: f64::from(kernel_ns) + 0.5, wall_ms };
+        // Every new flow measured got its entry: none found the table full
+        // or went above the new-flow rate (that would time the stateless
+        // path instead).
+        let stateless = self.stateless_count()? - stateless_before;
+        ensure!(stateless == 0, "{}: {stateless} flows routed without an entry", item.key);
         Ok(RunOut { retval: res.return_value, out, sample })
+    }
+
+    /// Flows the datapath routed without an entry so far (`table_full`,
+    /// `flood_rate`).
+    fn stateless_count(&self) -> anyhow::Result<u64> {
+        let c = self.dp.counters()?;
+        Ok(c.get("table_full").copied().unwrap_or(0) + c.get("flood_rate").copied().unwrap_or(0))
     }
 
     /// New flows, packets in (client -> backend), packets out (replies).

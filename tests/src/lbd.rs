@@ -203,6 +203,17 @@ impl Lbd {
         Self::backend(status, service, address)?["new_flows"].as_u64()
     }
 
+    /// New flows of every backend of the first service, now.
+    pub fn total_new_flows(&self) -> u64 {
+        let s = self.status().expect("lbctl status");
+        s["services"][0]["backends"]
+            .as_array()
+            .expect("backends")
+            .iter()
+            .map(|b| b["new_flows"].as_u64().unwrap_or(0))
+            .sum()
+    }
+
     /// A backend's state (`up`, `down`, `drain`, ...) now, from `lbctl
     /// status`; empty when lbd does not list it. Panics when lbctl fails.
     pub fn backend_state(&self, service: &str, address: &str) -> String {

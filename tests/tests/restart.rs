@@ -21,11 +21,6 @@ const WEB: &str = "  - name: web
       - { address: 10.20.0.13, port: 8080, weight: 1 }
 ";
 
-fn total_new_flows(lbd: &Lbd) -> u64 {
-    let s = lbd.status().unwrap();
-    s["services"][0]["backends"].as_array().unwrap().iter().map(|b| b["new_flows"].as_u64().unwrap()).sum()
-}
-
 #[test]
 fn kill_restart_and_upgrade_under_load_lose_nothing() {
     lb_tests::require_root().expect("needs root");
@@ -77,23 +72,23 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
         std::thread::sleep(Duration::from_millis(1000));
 
         // 1. Crash: the pinned datapath keeps forwarding without lbd.
-        let before_kill = total_new_flows(&lbd);
+        let before_kill = lbd.total_new_flows();
         lbd.kill().unwrap();
         let c0 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum::<u64>();
         std::thread::sleep(Duration::from_millis(1000));
         let c1 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum::<u64>();
         assert!(c1 > c0, "no connections were balanced while lbd was down ({c0} -> {c1})");
         lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
-        let after_kill = total_new_flows(&lbd);
+        let after_kill = lbd.total_new_flows();
         assert!(after_kill >= before_kill + (c1 - c0), "counters restarted: {before_kill} -> {after_kill}");
         let second_program = lbd.program_id().unwrap();
         assert_ne!(second_program, first_program, "the restarted lbd did not swap in its program");
 
         // 2. Graceful restart.
         std::thread::sleep(Duration::from_millis(1000));
-        let before = total_new_flows(&lbd);
+        let before = lbd.total_new_flows();
         let third_program = lbd.restart().unwrap();
-        assert!(total_new_flows(&lbd) >= before);
+        assert!(lbd.total_new_flows() >= before);
 
         // 3. Upgrade: a new binary replaces the old one on disk, then the
         // graceful restart runs it and it replaces the XDP program.
@@ -118,8 +113,8 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
     });
     // Counters continued across all three: they equal what the backends saw.
     let counts: u64 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum();
-    let flows = wait_for(5, || Some(total_new_flows(&lbd)).filter(|&n| n == counts));
-    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", total_new_flows(&lbd));
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
     let status = lbd.stop().unwrap();
     assert!(status.success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");

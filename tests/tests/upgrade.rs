@@ -17,20 +17,10 @@ use std::{
 };
 
 use lb_tests::{
-    harness::{config_dir, serial, socket_for},
+    harness::{config_dir, serial, socket_for, web},
     lab::{Lab, LabSpec},
     lbd::{Lbd, wait_for, write_config},
 };
-
-const WEB: &str = "  - name: web
-    vip: 10.10.0.100
-    port: 80
-    scheduler: rr
-    backends:
-      - { address: 10.20.0.11, port: 8080, weight: 1 }
-      - { address: 10.20.0.12, port: 8080, weight: 1 }
-      - { address: 10.20.0.13, port: 8080, weight: 1 }
-";
 
 /// The old release's lbd: where `cargo xtask test` built it.
 fn old_lbd(lab: &Lab) -> PathBuf {
@@ -42,11 +32,6 @@ fn old_lbd(lab: &Lab) -> PathBuf {
         path.display()
     );
     path
-}
-
-fn total_new_flows(lbd: &Lbd) -> u64 {
-    let s = lbd.status().unwrap();
-    s["services"][0]["backends"].as_array().unwrap().iter().map(|b| b["new_flows"].as_u64().unwrap()).sum()
 }
 
 /// The XDP program attached to the gateway's `eth0`, by id (bpftool's view,
@@ -76,7 +61,11 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     let prefix = "lbt-upgrade";
     let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
     let sock = socket_for(prefix);
-    let config = write_config(&config_dir(prefix), "lbd", &sock, WEB).unwrap();
+    // Round robin: a flow hashed to another backend in the switch-over
+    // would break, so the test sees it.
+    let config =
+        write_config(&config_dir(prefix), "lbd", &sock, &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]))
+            .unwrap();
     let bin = PathBuf::from(format!("/tmp/{prefix}-bin"));
     std::fs::create_dir_all(&bin).unwrap();
     let exe = bin.join("lbd");
@@ -149,8 +138,8 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     assert!(!lab.pin_dir().join("maps-v1").exists(), "the old maps were not removed");
     // Counters carried on through the migration: they equal what the backends saw.
     let counts: u64 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum();
-    let flows = wait_for(5, || Some(total_new_flows(&lbd)).filter(|&n| n == counts));
-    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", total_new_flows(&lbd));
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
 
     // A datapath pinned by a newer layout: refused, nothing touched, the
     // running program keeps forwarding.
