@@ -345,6 +345,21 @@ fn build_upgrade_from() -> anyhow::Result<PathBuf> {
     if std::fs::read_to_string(&stamp).ok().as_deref() != Some(UPGRADE_FROM) {
         let _ = std::fs::remove_dir_all(&src);
         std::fs::create_dir_all(&src)?;
+        // A shallow clone lacks the commit: fetch it from where this clone
+        // came from (best effort; the archive below says if it failed).
+        let have = Command::new("git")
+            .args(["cat-file", "-e", &format!("{UPGRADE_FROM}^{{commit}}")])
+            .current_dir(&root)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !have {
+            eprintln!("xtask: fetching commit {} (the upgrade test's old release)", &UPGRADE_FROM[..7]);
+            let _ = Command::new("git")
+                .args(["fetch", "--quiet", "--depth", "1", "origin", UPGRADE_FROM])
+                .current_dir(&root)
+                .status();
+        }
         let archive = Command::new("git")
             .args(["archive", "--format=tar", UPGRADE_FROM])
             .current_dir(&root)
@@ -352,7 +367,7 @@ fn build_upgrade_from() -> anyhow::Result<PathBuf> {
             .context("running git archive")?;
         if !archive.status.success() {
             bail!(
-                "the upgrade test builds lbd from commit {UPGRADE_FROM}, which this clone does not have ({}); clone the repository with its history",
+                "the upgrade test builds lbd from commit {UPGRADE_FROM}, which this clone does not have and could not fetch from origin ({}); clone the repository with its history",
                 String::from_utf8_lossy(&archive.stderr).trim()
             );
         }
