@@ -144,20 +144,12 @@ pub(crate) fn backend_port(service: &str) -> u16 {
 }
 
 pub(crate) fn services() -> Vec<ServiceConfig> {
-    let svc = |name: &str, port: u16, protocol: Protocol, scheduler: Scheduler| ServiceConfig {
-        name: name.into(),
-        vip: VIP,
-        port,
-        protocol,
-        scheduler,
-        table_size: 65537,
-        health: Default::default(),
-        slow_start: None,
-        udp_idle_timeout: None,
-        backends: BACKENDS
+    let svc = |name: &str, port: u16, protocol: Protocol, scheduler: Scheduler| {
+        let backends = BACKENDS
             .iter()
             .map(|&address| BackendConfig { address, port: backend_port(name), weight: 1, drain: false })
-            .collect(),
+            .collect();
+        ServiceConfig { protocol, scheduler, ..ServiceConfig::example(name, VIP, port, backends) }
     };
     vec![
         svc("maglev", 80, Protocol::Tcp, Scheduler::Maglev),

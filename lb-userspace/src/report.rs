@@ -147,16 +147,17 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             backends,
         });
     }
+    let (rate, capacity) = dp.flood_limits();
     Ok(Status {
         program_id: dp.program_id(),
         interfaces: dp.attachments(),
         paths: dp.paths().to_vec(),
         counters: dp.counters()?,
         flood: FloodStatus {
-            new_flow_rate_per_cpu: dp.flood_limits().0,
+            new_flow_rate_per_cpu: rate,
             half_open_timeout: agent.config.flood.half_open_timeout,
             flow_entries: agent.flow_entries,
-            flow_capacity: dp.flood_limits().1,
+            flow_capacity: capacity,
             half_open_expired: agent.half_open_expired,
         },
         services,

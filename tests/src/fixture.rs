@@ -157,21 +157,9 @@ pub fn service_with(
     scheduler: Scheduler,
     backends: &[(Ipv4Addr, u16)],
 ) -> ServiceConfig {
-    ServiceConfig {
-        name: name.into(),
-        vip: VIP,
-        port,
-        protocol,
-        scheduler,
-        table_size: 65537,
-        backends: backends
-            .iter()
-            .map(|&(address, port)| BackendConfig { address, port, weight: 1, drain: false })
-            .collect(),
-        health: Default::default(),
-        slow_start: None,
-        udp_idle_timeout: None,
-    }
+    let backends =
+        backends.iter().map(|&(address, port)| BackendConfig { address, port, weight: 1, drain: false }).collect();
+    ServiceConfig { protocol, scheduler, ..ServiceConfig::example(name, VIP, port, backends) }
 }
 
 impl Fixture {

@@ -185,11 +185,10 @@ pub struct ServiceConfig {
     pub backends: Vec<BackendConfig>,
 }
 
-#[cfg(test)]
 impl ServiceConfig {
     /// A Maglev TCP service (table 65,537, no health checks, no slow
-    /// start) for unit tests.
-    pub(crate) fn example(name: &str, vip: Ipv4Addr, port: u16, backends: Vec<BackendConfig>) -> Self {
+    /// start): unit tests, the datapath fixture, the benchmark.
+    pub fn example(name: &str, vip: Ipv4Addr, port: u16, backends: Vec<BackendConfig>) -> Self {
         Self {
             name: name.into(),
             vip,
