@@ -11,7 +11,7 @@ use std::{collections::BTreeMap, process::Command, time::Duration};
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, write_config_with},
+    lbd::{Lbd, write_config_with, xdp_mode_in_use},
 };
 
 const PREFIX: &str = "lbt-flood";
@@ -139,6 +139,14 @@ fn a_syn_flood_at_twice_the_table_per_second_spares_live_and_new_connections() {
     assert!(metric_total > TABLE as f64, "lb_stateless_packets_total: {by_reason:?}");
     let half_open = samples(&text, "lb_half_open_expired_flows_total");
     assert!(half_open.values().sum::<f64>() > 0.0, "lb_half_open_expired_flows_total: {half_open:?}");
+    // The default xdp_mode (auto) ran natively on this topology, and the
+    // connections' packets left by XDP redirect (the answers to spoofed
+    // sources went to the kernel, which blackholed them).
+    for iface in lab.gw_interfaces() {
+        assert_eq!(xdp_mode_in_use(&lab, &iface).unwrap().as_deref(), Some("native"), "{iface}");
+    }
+    let redirected = counters["xdp_redirect"].as_u64().unwrap();
+    assert!(redirected > 10 * ok, "{redirected} packets by XDP redirect for {ok} new connections: {counters}");
     let text = lbd.lbctl(&["status"]).expect("lbctl status");
     assert!(text.contains("flood protection: flow table"), "{text}");
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config_with},
+    lbd::{Lbd, path_counts, wait_for, write_config_with, xdp_mode_in_use},
 };
 
 const PREFIX: &str = "lbt-life";
@@ -144,4 +144,15 @@ fn idle_and_reset_flows_leave_and_active_counts_stay_exact() {
     });
     let zero = wait_for(5, || (active(&lbd, "web").iter().sum::<u64>() == 0).then_some(()));
     assert!(zero.is_some(), "active after the last connections closed: {:?}", active(&lbd, "web"));
+
+    // What the datapath did: the default xdp_mode (auto) runs natively on
+    // this topology, and the packets left by XDP redirect but for the
+    // first ones towards each neighbour (and the late FINs of step 1).
+    for iface in lab.gw_interfaces() {
+        assert_eq!(xdp_mode_in_use(&lab, &iface).unwrap().as_deref(), Some("native"), "{iface}");
+    }
+    let status = lbd.status().unwrap();
+    let (redirected, kernel, _) = path_counts(&status);
+    println!("paths: {redirected} packets by XDP redirect, {kernel} through the kernel");
+    assert!(redirected > 0 && kernel * 20 < redirected, "XDP redirect carried too little: {}", status["counters"]);
 }
