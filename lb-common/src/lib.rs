@@ -51,15 +51,34 @@ pub const SVC_F_NO_BACKEND: u32 = 1;
 /// + `DIR_REPLY`) instead of one entry (`DIR_FLOW`).
 pub const SVC_F_REPLY_ENTRY: u32 = 2;
 
+/// [`Service::flags`]: L2 direct server return (`forwarding: dsr`). Only
+/// the destination MAC changes (to the backend's); the backend holds the
+/// VIP itself and answers the client directly, so no reply ever comes
+/// back through the datapath. Flows get a `DIR_DSR` entry (affinity only).
+pub const SVC_F_DSR: u32 = 4;
+
 /// [`Backend::flags`]: health checks took the backend out; flows pinned to
 /// it are re-dispatched on their next packet.
 pub const BACKEND_F_DOWN: u32 = 1;
+/// [`Backend::flags`]: an IPv6 backend. Its address is in
+/// `BACKEND_ADDRS6` at the same id; [`Backend::addr`] then holds
+/// [`fold6`] of it (never 0, so a used slot is told from an empty one).
+pub const BACKEND_F_V6: u32 = 2;
+
+/// Bits of a `NETDEVS` value above [`NETDEV_MTU_SHIFT`]: the device's MTU.
+pub const NETDEV_MTU_SHIFT: u32 = 16;
+
+/// Most IPv6 extension headers (hop-by-hop, routing, destination options)
+/// the datapath walks before the TCP/UDP header; a packet with more is
+/// dropped (`counter::IPV6_EXT`) when it is for a VIP.
+pub const MAX_IPV6_EXT: u32 = 4;
 
 /// Size of the network-device map (`NETDEVS` in lb-ebpf): devices
 /// of the gateway's network namespace lbd describes to the datapath.
 pub const MAX_NETDEVS: u32 = 4096;
 
-/// Network-device flags, by ifindex, written by lbd. The datapath's program
+/// Network-device flags, by ifindex, written by lbd (low 16 bits; the MTU
+/// sits above them, see [`NETDEV_MTU_SHIFT`]). The datapath's program
 /// runs on this device in generic (skb) mode; without it, native mode is
 /// assumed (and a device lbd has not described is treated as native).
 pub const NETDEV_F_GENERIC: u32 = 1;
@@ -75,6 +94,9 @@ pub const NETDEV_F_XMIT_NATIVE: u32 = 4;
 pub const DIR_FORWARD: u8 = 0;
 /// [`Flow::dir`]: backend -> client, rewritten back to the VIP.
 pub const DIR_REPLY: u8 = 1;
+/// [`Flow::dir`]: the one entry of a flow of a DSR service (`SVC_F_DSR`):
+/// client -> VIP, sent to the backend's MAC unchanged; no replies pass.
+pub const DIR_DSR: u8 = 3;
 /// [`Flow::dir`]: the one entry of a flow, keyed by the client's 5-tuple
 /// like a forward entry. Replies find it through the backend's endpoint
 /// (`ENDPOINTS`: backend address and port -> VIP, from which the client's
@@ -107,10 +129,18 @@ pub mod maps {
     pub const NEW_FLOW_RATE: &str = "NEW_FLOW_RATE";
     pub const LAYOUT: &str = "LAYOUT";
     pub const SCRATCH: &str = "SCRATCH";
+    pub const VIPS6: &str = "VIPS6";
+    pub const VIP_ADDRS6: &str = "VIP_ADDRS6";
+    pub const BACKEND_ADDRS6: &str = "BACKEND_ADDRS6";
+    pub const ENDPOINTS6: &str = "ENDPOINTS6";
+    pub const FLOWS6: &str = "FLOWS6";
+    pub const SCRATCH6: &str = "SCRATCH6";
+    pub const PROGS: &str = "PROGS";
+    pub const MTU_FLOOR: &str = "MTU_FLOOR";
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 27] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -130,6 +160,14 @@ pub mod maps {
         NEW_FLOW_RATE,
         LAYOUT,
         SCRATCH,
+        VIPS6,
+        VIP_ADDRS6,
+        BACKEND_ADDRS6,
+        ENDPOINTS6,
+        FLOWS6,
+        SCRATCH6,
+        PROGS,
+        MTU_FLOOR,
     ];
 
     /// `a == b`, usable in a constant (the datapath's compile-time check).
@@ -191,8 +229,22 @@ pub mod counter {
     /// the old datapath's last flows (`Flood::hold_until`); its sender
     /// retransmits.
     pub const HELD: u32 = 12;
+    /// Packet too big for its egress device's MTU: never redirected (a
+    /// redirected frame above the MTU is dropped silently). With DF set
+    /// (IPv4) or IPv6, answered with ICMP "fragmentation needed" / "packet
+    /// too big" from the VIP; an IPv4 packet without DF goes to the kernel,
+    /// which fragments it.
+    pub const TOO_BIG: u32 = 13;
+    /// IPv6 packet to a VIP with an extension header the datapath does not
+    /// walk (anything but hop-by-hop, routing and destination options, or
+    /// more than [`super::MAX_IPV6_EXT`] of them): dropped.
+    pub const IPV6_EXT: u32 = 14;
+    /// Packet of a DSR service whose backend is not on a directly
+    /// connected network (the FIB names a gateway for it): L2 direct
+    /// server return cannot reach it; dropped.
+    pub const DSR_OFF_LINK: u32 = 15;
     /// Number of counters.
-    pub const COUNT: u32 = 13;
+    pub const COUNT: u32 = 16;
 
     /// Names used by userspace (metrics labels, `lbctl status`).
     pub const NAMES: [&str; COUNT as usize] = [
@@ -209,6 +261,9 @@ pub mod counter {
         "table_full",
         "stateless_reply",
         "held",
+        "too_big",
+        "ipv6_ext",
+        "dsr_off_link",
     ];
 
     /// Counters that count a rewritten packet handed to the kernel's
@@ -401,6 +456,84 @@ pub struct Flow {
     pub nh_gen: u32,
 }
 
+/// Key of the IPv6 VIP map (`VIPS6`), and of the IPv6 endpoint map
+/// (`ENDPOINTS6`, a backend's address, port and protocol, whose value is
+/// the VIP key of the service that owns it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Vip6Key {
+    /// IPv6 address, as the 16 bytes appear on the wire.
+    pub addr: [u32; 4],
+    /// Port, network byte order.
+    pub port: u16,
+    /// IP protocol number (6 TCP, 17 UDP).
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// Key of the IPv6 flow table (`FLOWS6`): a 5-tuple as seen on the wire.
+/// IPv6 flows have their own table so that the IPv4 key stays 16 bytes
+/// (the hash of a 40-byte key costs every IPv4 packet more).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKey6 {
+    pub src_addr: [u32; 4],
+    pub dst_addr: [u32; 4],
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Value of the IPv6 flow table: [`Flow`] with a 16-byte rewrite address.
+/// Same directions, state bits and next-hop cache.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flow6 {
+    pub backend_id: u32,
+    pub service_id: u32,
+    /// Forward: the backend's address; reply: the VIP.
+    pub nat_addr: [u32; 4],
+    pub nat_port: u16,
+    pub dir: u8,
+    pub _pad: u8,
+    pub _pad2: u32,
+    pub state: u64,
+    pub last_seen: u64,
+    pub nh_ifindex: u32,
+    pub nh_time: u32,
+    pub nh_smac: [u8; 6],
+    pub nh_dmac: [u8; 6],
+    pub nh_gen: u32,
+}
+
+/// An IPv6 address folded to 32 bits (never 0): the address filter, the
+/// flow hash and the next-hop cache's address check use it.
+#[inline(always)]
+pub fn fold6(addr: &[u32; 4]) -> u32 {
+    let h = fmix(mix(mix(mix(mix(0x2545_f491, addr[0]), addr[1]), addr[2]), addr[3]));
+    if h == 0 { 1 } else { h }
+}
+
+/// The filter bit of an IPv6 address (see [`addr_filter_bit`]).
+#[inline(always)]
+pub fn addr_filter_bit6(addr: &[u32; 4]) -> u32 {
+    addr_filter_bit(fold6(addr))
+}
+
+/// The flow hash of an IPv6 5-tuple (the selection-table index of a new
+/// IPv6 flow): [`flow_hash`] over the folded addresses.
+#[inline(always)]
+pub fn flow_hash6(src: &[u32; 4], dst: &[u32; 4], src_port: u16, dst_port: u16, proto: u8) -> u32 {
+    flow_hash(fold6(src), fold6(dst), src_port, dst_port, proto)
+}
+
+/// The source hash of an IPv6 client address.
+#[inline(always)]
+pub fn source_hash6(src: &[u32; 4]) -> u32 {
+    source_hash(fold6(src))
+}
+
 /// Bits in the address filter array (a power of two).
 pub const ADDR_FILTER_BITS: u32 = 1 << 16;
 
@@ -504,7 +637,7 @@ mod pod {
             unsafe impl aya::Pod for $t {}
         )*};
     }
-    pod!(VipKey, Service, Backend, FlowKey, Flow, BackendStats, Conns, NextHop, Flood, RateWindow);
+    pod!(VipKey, Service, Backend, FlowKey, Flow, BackendStats, Conns, NextHop, Flood, RateWindow, Vip6Key, FlowKey6, Flow6);
 }
 
 #[cfg(test)]
@@ -524,6 +657,10 @@ mod tests {
         assert_eq!(size_of::<NextHop>(), 32);
         assert_eq!(size_of::<Flood>(), 8);
         assert_eq!(size_of::<RateWindow>(), 16);
+        assert_eq!(size_of::<Vip6Key>(), 20);
+        assert_eq!(size_of::<FlowKey6>(), 40);
+        assert_eq!(size_of::<Flow6>(), 72);
+        assert_eq!(align_of::<Flow6>(), 8);
         assert_eq!(size_of::<BackendStats>(), 40);
         assert_eq!(align_of::<BackendStats>(), 8);
     }

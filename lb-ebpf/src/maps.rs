@@ -8,11 +8,11 @@
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
     macros::map,
-    maps::{Array, HashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    ADDR_FILTER_BITS, Backend, BackendStats, Conns, EndpointKey, Flood, Flow, FlowKey, MAX_BACKENDS, MAX_ENDPOINTS,
-    MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, VipKey, counter,
+    ADDR_FILTER_BITS, Backend, BackendStats, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6, MAX_BACKENDS,
+    MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, Vip6Key, VipKey, counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.
@@ -127,6 +127,46 @@ pub(crate) static SCRATCH: PerCpuArray<Flow> = PerCpuArray::with_max_entries(1, 
 #[map]
 pub(crate) static LAYOUT: Array<u32> = Array::with_max_entries(1, 0);
 
+/// IPv6 (VIP, port, protocol) -> service (the `Service` value is the same
+/// as IPv4's: the selection tables are shared).
+#[map]
+pub(crate) static VIPS6: HashMap<Vip6Key, Service> = HashMap::with_max_entries(MAX_SERVICES, 0);
+
+/// IPv6 addresses that carry at least one VIP (value unused).
+#[map]
+pub(crate) static VIP_ADDRS6: HashMap<[u32; 4], u32> = HashMap::with_max_entries(MAX_SERVICES, 0);
+
+/// IPv6 address of each IPv6 backend (`BACKEND_F_V6`), by backend id.
+#[map]
+pub(crate) static BACKEND_ADDRS6: Array<[u32; 4]> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// IPv6 backend (address, port, protocol) -> the VIP key of the service
+/// whose replies come from it (see `ENDPOINTS`).
+#[map]
+pub(crate) static ENDPOINTS6: HashMap<Vip6Key, Vip6Key> = HashMap::with_max_entries(MAX_ENDPOINTS, 0);
+
+/// IPv6 connection table (see `FLOWS`), sized by userspace from
+/// `conntrack_max`.
+#[map]
+pub(crate) static FLOWS6: HashMap<FlowKey6, Flow6> = HashMap::with_max_entries(1, 0);
+
+/// One IPv6 flow entry per CPU, where a new flow's entry is built.
+#[map]
+pub(crate) static SCRATCH6: PerCpuArray<Flow6> = PerCpuArray::with_max_entries(1, 0);
+
+/// Programs the balancer tail-calls: slot 0 is the IPv6 path
+/// (`lb_xdp6`), written by lbd after loading. A program of its own so
+/// that the verifier checks each family's path once, and IPv4 packets pay
+/// for no IPv6 code.
+#[map]
+pub(crate) static PROGS: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// The smallest MTU of the gateway's devices (one entry, written by lbd
+/// with `NETDEVS`): a packet whose IP length is at most this fits every
+/// egress, and only a longer one has its egress MTU looked up. 0: unknown.
+#[map]
+pub(crate) static MTU_FLOOR: Array<u32> = Array::with_max_entries(1, 0);
+
 // Every map's name is the one userspace looks up (lb_common::maps).
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIPS, stringify!(VIPS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIP_ADDRS, stringify!(VIP_ADDRS)));
@@ -147,5 +187,13 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOOD, stringify!(F
 const _: () = assert!(lb_common::maps::same(lb_common::maps::NEW_FLOW_RATE, stringify!(NEW_FLOW_RATE)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::LAYOUT, stringify!(LAYOUT)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SCRATCH, stringify!(SCRATCH)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::VIPS6, stringify!(VIPS6)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::VIP_ADDRS6, stringify!(VIP_ADDRS6)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKEND_ADDRS6, stringify!(BACKEND_ADDRS6)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::ENDPOINTS6, stringify!(ENDPOINTS6)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS6, stringify!(FLOWS6)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::SCRATCH6, stringify!(SCRATCH6)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::PROGS, stringify!(PROGS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::MTU_FLOOR, stringify!(MTU_FLOOR)));
 // ... and userspace knows every map.
-const _: () = assert!(lb_common::maps::ALL.len() == 19);
+const _: () = assert!(lb_common::maps::ALL.len() == 27);
