@@ -137,10 +137,11 @@ pub mod maps {
     pub const SCRATCH6: &str = "SCRATCH6";
     pub const PROGS: &str = "PROGS";
     pub const MTU_FLOOR: &str = "MTU_FLOOR";
+    pub const KEYS6: &str = "KEYS6";
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 27] = [
+    pub const ALL: [&str; 28] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -168,6 +169,7 @@ pub mod maps {
         SCRATCH6,
         PROGS,
         MTU_FLOOR,
+        KEYS6,
     ];
 
     /// `a == b`, usable in a constant (the datapath's compile-time check).
@@ -637,7 +639,21 @@ mod pod {
             unsafe impl aya::Pod for $t {}
         )*};
     }
-    pod!(VipKey, Service, Backend, FlowKey, Flow, BackendStats, Conns, NextHop, Flood, RateWindow, Vip6Key, FlowKey6, Flow6);
+    pod!(
+        VipKey,
+        Service,
+        Backend,
+        FlowKey,
+        Flow,
+        BackendStats,
+        Conns,
+        NextHop,
+        Flood,
+        RateWindow,
+        Vip6Key,
+        FlowKey6,
+        Flow6
+    );
 }
 
 #[cfg(test)]

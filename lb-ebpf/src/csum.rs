@@ -76,3 +76,45 @@ pub fn fold32(sum: u32) -> u16 {
 pub fn replace4_partial(seed: u16, old: u32, new: u32) -> u16 {
     !replace4(!seed, old, new)
 }
+
+/// Sum of the complements of `old`'s 16-bit words and of `new`'s words:
+/// the delta an IPv6 address change makes to a checksum.
+#[inline(always)]
+fn delta6(old: &[u32; 4], new: &[u32; 4]) -> u32 {
+    let mut sum = 0u32;
+    for i in 0..4 {
+        sum += u32::from(!(old[i] as u16)) + u32::from(!((old[i] >> 16) as u16));
+        sum += (new[i] & 0xffff) + (new[i] >> 16);
+    }
+    sum
+}
+
+/// Checksum after an IPv6 address and a port changed (the L4 checksum
+/// covers the pseudo-header addresses and the port).
+#[inline(always)]
+pub fn replace_addr6_port(check: u16, old: &[u32; 4], new: &[u32; 4], old_port: u16, new_port: u16) -> u16 {
+    // At most 18 words of 16 bits: fold32 then fold is enough.
+    let sum = u32::from(!check) + delta6(old, new) + u32::from(!old_port) + u32::from(new_port);
+    !fold32(sum)
+}
+
+/// An unfinished (partial) checksum field after an IPv6 address changed
+/// (see [`replace4_partial`]).
+#[inline(always)]
+pub fn replace6_partial(seed: u16, old: &[u32; 4], new: &[u32; 4]) -> u16 {
+    fold32(u32::from(seed) + delta6(old, new))
+}
+
+/// The folded sum of the IPv6 pseudo-header (addresses, 32-bit upper-layer
+/// length, next header), raw words as in the packet.
+#[inline(always)]
+pub fn pseudo_header6(saddr: &[u32; 4], daddr: &[u32; 4], proto: u8, l4_len: u32) -> u16 {
+    let mut sum = 0u32;
+    for i in 0..4 {
+        sum += (saddr[i] & 0xffff) + (saddr[i] >> 16) + (daddr[i] & 0xffff) + (daddr[i] >> 16);
+    }
+    let len = l4_len.to_be();
+    sum += (len & 0xffff) + (len >> 16);
+    sum += u32::from(u16::from_ne_bytes([0, proto]));
+    fold32(sum)
+}

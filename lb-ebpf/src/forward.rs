@@ -5,20 +5,27 @@
 //! The next hop comes from the kernel FIB; when the FIB cannot give a
 //! resolved neighbour the rewritten packet goes to the kernel, which
 //! resolves it (ARP) and forwards it.
-use core::mem::{MaybeUninit, size_of};
+use core::mem::{align_of, size_of};
 
 use aya_ebpf::{
-    bindings::{BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams, xdp_action},
-    helpers::generated::{bpf_csum_diff, bpf_fib_lookup, bpf_redirect, bpf_xdp_load_bytes},
+    bindings::{
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
+        bpf_fib_lookup as FibParams, xdp_action,
+    },
+    helpers::generated::{
+        bpf_csum_diff, bpf_fib_lookup, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail, bpf_xdp_load_bytes,
+    },
     programs::XdpContext,
 };
-use lb_common::{Flow, NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE, PROTO_UDP, counter};
+use lb_common::{
+    Flow, Flow6, NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE, NETDEV_MTU_SHIFT, PROTO_UDP, counter,
+};
 
 use lb_ebpf::csum;
 
 use crate::{
-    maps::{NETDEV_GEN, NETDEVS, NEXT_HOPS},
-    parse::{Packet, ptr_at},
+    maps::{MTU_FLOOR, NETDEV_GEN, NETDEVS, NEXT_HOPS, SCRATCH6},
+    parse::{ETH_HLEN, EthHdr, Ipv4Hdr, Packet, ptr_at},
     stats,
 };
 
@@ -66,7 +73,15 @@ pub(crate) fn classify(ctx: &XdpContext, pkt: &Packet) -> L4Csum {
 // Its own frame: the summing loop is only for unfinished checksums.
 #[inline(never)]
 fn classify_slow(ctx: &XdpContext, pkt: &Packet, pseudo: u16) -> L4Csum {
-    if pkt.l4_len > SUM_MAX {
+    classify_segment(ctx, pkt.l4_off, pkt.l4_len, pseudo)
+}
+
+/// The slow half of [`classify`] for either family: the L4 segment at
+/// `l4_off` (`l4_len` bytes) whose checksum field equals the
+/// pseudo-header sum `pseudo`.
+#[inline(always)]
+pub(crate) fn classify_segment(ctx: &XdpContext, l4_off: usize, l4_len: usize, pseudo: u16) -> L4Csum {
+    if l4_len > SUM_MAX {
         // Only generic mode sees segments this long (native frames fit a
         // page): a GSO packet from a local sender, which is always
         // unfinished, or a GRO-merged one, whose checksum the kernel
@@ -78,7 +93,7 @@ fn classify_slow(ctx: &XdpContext, pkt: &Packet, pseudo: u16) -> L4Csum {
         }
         return L4Csum::Full;
     }
-    let Some(segment) = segment_sum(ctx, pkt.l4_off, pkt.l4_len) else {
+    let Some(segment) = segment_sum(ctx, l4_off, l4_len) else {
         return L4Csum::Full;
     };
     // A finished checksum sums, with the pseudo-header, to all ones.
@@ -101,7 +116,7 @@ const SUM_MAX: usize = 18 * CHUNK;
 /// Ones' complement sum of `len` bytes from `off` (the L4 segment, which
 /// parse() checked lies inside the frame). None if the frame ends early.
 #[inline(always)]
-fn segment_sum(ctx: &XdpContext, off: usize, len: usize) -> Option<u16> {
+pub(crate) fn segment_sum(ctx: &XdpContext, off: usize, len: usize) -> Option<u16> {
     let end = off + len;
     let mut off = off;
     let mut sum: u32 = 0;
@@ -158,6 +173,19 @@ fn load_bytes(ctx: &XdpContext, off: usize, buf: &mut [u8; 4], len: u32) -> i64 
 fn csum_diff<T>(p: *mut T, len: usize, seed: u32) -> u32 {
     // SAFETY: `p` points at `len` readable packet bytes (ptr_at checked).
     unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, p.cast::<u32>(), len as u32, seed) as u32 }
+}
+
+/// The packet's IPv4 length (header and payload).
+#[inline(always)]
+fn ip_len(pkt: &Packet) -> u32 {
+    (pkt.l4_off - ETH_HLEN + pkt.l4_len) as u32
+}
+
+/// Whether the IPv4 packet has DF set.
+#[inline(always)]
+fn dont_fragment(pkt: &Packet) -> bool {
+    // SAFETY: bounds-checked by parse().
+    unsafe { u16::from_be((*pkt.ip()).frag_off) & 0x4000 != 0 }
 }
 
 /// Rewrite the destination address and port (client -> backend); the L4
@@ -244,16 +272,32 @@ pub(crate) fn ttl_ok(pkt: &Packet) -> bool {
 /// Seconds a cached next hop is used before the FIB is asked again.
 const NEXT_HOP_TTL: u32 = 1;
 
-/// The flags lbd gave the device `ifindex` (0 for a device it did not describe).
+/// The flags lbd gave the device `ifindex` (0 for a device it did not
+/// describe), with its MTU above `NETDEV_MTU_SHIFT`.
 #[inline(always)]
 fn netdev(ifindex: u32) -> u32 {
     // SAFETY: the value is copied at once.
     unsafe { NETDEVS.get(&ifindex) }.copied().unwrap_or(0)
 }
 
+/// Whether an IP packet of `len` bytes is too big for the device
+/// `ifindex`. One array read for the usual packet, which is no longer than
+/// the smallest MTU of any device (`MTU_FLOOR`); only a longer one has
+/// its egress device's MTU looked up. A device lbd has not described
+/// (MTU 0) is taken to fit.
+#[inline(always)]
+pub(crate) fn too_big(len: u32, ifindex: u32) -> Option<u32> {
+    let floor = MTU_FLOOR.get(0).copied().unwrap_or(0);
+    if floor != 0 && len <= floor {
+        return None;
+    }
+    let mtu = netdev(ifindex) >> NETDEV_MTU_SHIFT;
+    (mtu != 0 && len > mtu).then_some(mtu)
+}
+
 /// Does the program run in generic mode on the packet's ingress device?
 #[inline(always)]
-fn generic_ingress(ctx: &XdpContext) -> bool {
+pub(crate) fn generic_ingress(ctx: &XdpContext) -> bool {
     netdev(ctx.ingress_ifindex() as u32) & NETDEV_F_GENERIC != 0
 }
 
@@ -261,7 +305,7 @@ fn generic_ingress(ctx: &XdpContext) -> bool {
 /// redirect through `egress`? Native XDP needs a device that transmits
 /// redirected frames (NDO_XMIT); generic XDP any Ethernet device that is up.
 #[inline(always)]
-fn can_redirect(ctx: &XdpContext, egress: u32) -> bool {
+pub(crate) fn can_redirect(ctx: &XdpContext, egress: u32) -> bool {
     let need = if generic_ingress(ctx) { NETDEV_F_XMIT_GENERIC } else { NETDEV_F_XMIT_NATIVE };
     netdev(egress) & need != 0
 }
@@ -274,20 +318,22 @@ pub(crate) enum Hop {
     Backend { id: u32, addr: u32 },
     /// Towards a client (replies): the flow entry's own cache.
     Flow(*mut Flow),
+    /// The same, for an IPv6 flow.
+    Flow6(*mut Flow6),
     /// Towards a client, for a reply without a flow entry: no cache, the
     /// FIB is asked every time.
     Uncached,
 }
 
 /// A next hop: egress ifindex, source MAC, destination MAC.
-type NextHopAddr = (u32, [u8; 6], [u8; 6]);
+pub(crate) type NextHopAddr = (u32, [u8; 6], [u8; 6]);
 
 /// The cached next hop, if fresh: looked up under this device generation
 /// less than [`NEXT_HOP_TTL`] seconds ago (and, for a backend's, for this
 /// address and ingress device). Fields are copied out; no reference to
 /// the map value is held (other CPUs refresh it).
 #[inline(always)]
-fn cached_hop(ctx: &XdpContext, hop: Hop, now: u32, generation: u32) -> Option<NextHopAddr> {
+pub(crate) fn cached_hop(ctx: &XdpContext, hop: Hop, now: u32, generation: u32) -> Option<NextHopAddr> {
     let fresh =
         |ifindex: u32, time: u32, g: u32| ifindex != 0 && now.wrapping_sub(time) <= NEXT_HOP_TTL && g == generation;
     match hop {
@@ -305,6 +351,10 @@ fn cached_hop(ctx: &XdpContext, hop: Hop, now: u32, generation: u32) -> Option<N
         Hop::Flow(e) => unsafe {
             fresh((*e).nh_ifindex, (*e).nh_time, (*e).nh_gen).then(|| ((*e).nh_ifindex, (*e).nh_smac, (*e).nh_dmac))
         },
+        // SAFETY: as above.
+        Hop::Flow6(e) => unsafe {
+            fresh((*e).nh_ifindex, (*e).nh_time, (*e).nh_gen).then(|| ((*e).nh_ifindex, (*e).nh_smac, (*e).nh_dmac))
+        },
         Hop::Uncached => None,
     }
 }
@@ -312,7 +362,7 @@ fn cached_hop(ctx: &XdpContext, hop: Hop, now: u32, generation: u32) -> Option<N
 /// Cache a next hop just looked up. Another CPU may read a half-written
 /// one at worst once (when the hop changed); ifindex is written last.
 #[inline(always)]
-fn store_hop(ctx: &XdpContext, hop: Hop, nh: NextHopAddr, now: u32, generation: u32) {
+pub(crate) fn store_hop(ctx: &XdpContext, hop: Hop, nh: NextHopAddr, now: u32, generation: u32) {
     match hop {
         Hop::Backend { id, addr } => {
             if let Some(h) = NEXT_HOPS.get_ptr_mut(id) {
@@ -336,8 +386,25 @@ fn store_hop(ctx: &XdpContext, hop: Hop, nh: NextHopAddr, now: u32, generation: 
             (*e).nh_dmac = nh.2;
             core::ptr::write_volatile(&raw mut (*e).nh_ifindex, nh.0);
         },
+        // SAFETY: as above.
+        Hop::Flow6(e) => unsafe {
+            (*e).nh_time = now;
+            (*e).nh_gen = generation;
+            (*e).nh_smac = nh.1;
+            (*e).nh_dmac = nh.2;
+            core::ptr::write_volatile(&raw mut (*e).nh_ifindex, nh.0);
+        },
         Hop::Uncached => {}
     }
+}
+
+/// Which way a rewritten packet goes, for what happens when it is too big.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Way {
+    /// Client -> backend (destination rewritten).
+    Forward,
+    /// Backend -> client (source rewritten).
+    Reply,
 }
 
 /// Send the (already rewritten) packet to its next hop, decrementing the
@@ -347,21 +414,30 @@ fn store_hop(ctx: &XdpContext, hop: Hop, nh: NextHopAddr, now: u32, generation: 
 /// The kernel path gets the packet with its TTL and MACs as they came (the
 /// kernel decrements the TTL itself), counted by reason.
 #[inline(always)]
-pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop: Hop, now: u64) -> u32 {
+pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop: Hop, now: u64, way: Way) -> u32 {
     let now = now as u32;
     let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
+    let len = ip_len(pkt);
     let (ifindex, smac, dmac) = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
         nh
     } else {
-        let Some(nh) = fib(ctx, pkt) else {
-            return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK);
-        };
+        let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
+        // SAFETY: bounds-checked by parse().
+        let dst = unsafe { (*pkt.ip()).daddr };
+        match fib_lookup(ctx, pkt, dst, false, &mut nh) {
+            FIB_OK => {}
+            FIB_TOO_BIG => return too_big_rewritten(ctx, pkt, &Oversize { rw, cs, way, mtu: nh.0 }),
+            _ => return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK),
+        }
         if !can_redirect(ctx, nh.0) {
             return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
         }
         store_hop(ctx, hop, nh, now, generation);
         nh
     };
+    if let Some(mtu) = too_big(len, ifindex) {
+        return too_big_rewritten(ctx, pkt, &Oversize { rw, cs, way, mtu });
+    }
     let finish = matches!(cs, L4Csum::Partial { .. }) && !generic_ingress(ctx);
     update_l4(pkt, rw, cs, finish);
     // SAFETY: bounds-checked by parse().
@@ -372,71 +448,289 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
         (*ip).ttl -= 1;
         let new = u16::from((*ip).ttl) << 8 | u16::from((*ip).proto);
         (*ip).check = csum::replace2((*ip).check, old.to_be(), new.to_be());
-        // Byte stores: an array assignment here compiles to a call of a
-        // memmove subprogram, which costs more than the copy.
-        let eth = pkt.eth().cast::<u8>();
-        for i in 0..6 {
-            core::ptr::write_volatile(eth.add(i), dmac[i]);
-            core::ptr::write_volatile(eth.add(6 + i), smac[i]);
-        }
     }
+    set_macs(pkt.eth(), smac, dmac);
     stats::count(counter::XDP_REDIRECT);
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(ifindex, 0) as u32 }
 }
 
-/// Ask the kernel FIB for the next hop of the packet as it is now:
-/// (egress ifindex, source MAC, destination MAC).
+/// Write a next hop's MACs into the Ethernet header.
 #[inline(always)]
-fn fib(ctx: &XdpContext, pkt: &Packet) -> Option<NextHopAddr> {
-    let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
-    (fib_lookup(ctx, pkt, &mut nh) == i64::from(BPF_FIB_LKUP_RET_SUCCESS)).then_some(nh)
+pub(crate) fn set_macs(eth: *mut EthHdr, smac: [u8; 6], dmac: [u8; 6]) {
+    let eth = eth.cast::<u8>();
+    // SAFETY: the caller's header was bounds-checked (14 bytes). Byte
+    // stores: an array assignment here compiles to a call of a memmove
+    // subprogram, which costs more than the copy.
+    unsafe {
+        for i in 0..6 {
+            core::ptr::write_volatile(eth.add(i), dmac[i]);
+            core::ptr::write_volatile(eth.add(6 + i), smac[i]);
+        }
+    }
 }
+
+/// A rewritten packet too big for its egress (`mtu`): never redirected,
+/// since a redirected frame above the egress MTU is dropped silently.
+/// Without DF, the kernel gets it rewritten and fragments it. With DF, the
+/// sender must hear "fragmentation needed" about the packet it sent, as
+/// it sent it: a reply goes back to the kernel as it came (backend ->
+/// client), and the kernel's ICMP error reaches the backend with the
+/// header the backend knows; a forward packet is answered here, from the
+/// VIP, since the kernel's own error would name the backend the client
+/// never heard of.
+// Its own frame, off the path of every packet that fits.
+#[inline(never)]
+fn too_big_rewritten(ctx: &XdpContext, pkt: &Packet, o: &Oversize) -> u32 {
+    if !dont_fragment(pkt) {
+        return to_kernel(pkt, o.rw, o.cs, counter::TOO_BIG);
+    }
+    stats::count(counter::TOO_BIG);
+    match o.way {
+        Way::Reply => {
+            rewrite_src(pkt, o.rw.old_addr, o.rw.old_port);
+            xdp_action::XDP_PASS
+        }
+        Way::Forward => {
+            rewrite_dst(pkt, o.rw.old_addr, o.rw.old_port);
+            icmp4_too_big(ctx, o.mtu)
+        }
+    }
+}
+
+/// A rewritten packet found too big, and for which egress MTU.
+pub(crate) struct Oversize {
+    rw: Rewrite,
+    cs: L4Csum,
+    way: Way,
+    mtu: u32,
+}
+
+/// L2 direct server return: the packet leaves unchanged but for its MACs,
+/// towards backend `id` at `addr`, which must be on a directly connected
+/// network; the next hop is cached per backend. The TTL is left alone:
+/// the backend, not this hop, is the packet's destination host on the
+/// VIP's behalf.
+// Its own frame: DSR services are the exception, and the main frame has
+// no room for this path's locals.
+#[inline(never)]
+pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: u64) -> u32 {
+    let now = now as u32;
+    let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
+    let hop = Hop::Backend { id, addr };
+    let (ifindex, smac, dmac) = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
+        nh
+    } else {
+        let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
+        match fib_lookup(ctx, pkt, addr, true, &mut nh) {
+            FIB_OK => {}
+            FIB_TOO_BIG => return dsr_too_big(ctx, pkt, nh.0),
+            // Not resolved yet: the kernel resolves the neighbour when it
+            // forwards; a DSR packet cannot take that path (it is
+            // addressed to the VIP), so ask the kernel to resolve the
+            // backend and drop this one (the sender retransmits).
+            FIB_NO_NEIGH => {
+                stats::count(counter::FIB_FALLBACK);
+                return xdp_action::XDP_DROP;
+            }
+            _ => {
+                stats::count(counter::DSR_OFF_LINK);
+                return xdp_action::XDP_DROP;
+            }
+        }
+        if !can_redirect(ctx, nh.0) {
+            stats::count(counter::DSR_OFF_LINK);
+            return xdp_action::XDP_DROP;
+        }
+        store_hop(ctx, hop, nh, now, generation);
+        nh
+    };
+    if let Some(mtu) = too_big(ip_len(pkt), ifindex) {
+        return dsr_too_big(ctx, pkt, mtu);
+    }
+    set_macs(pkt.eth(), smac, dmac);
+    stats::count(counter::XDP_REDIRECT);
+    // SAFETY: plain helper call.
+    unsafe { bpf_redirect(ifindex, 0) as u32 }
+}
+
+/// A DSR packet too big for the way to its backend: with DF, answered
+/// from the VIP with "fragmentation needed"; without, dropped (the kernel
+/// cannot fragment a packet addressed to the VIP towards the backend).
+#[inline(always)]
+fn dsr_too_big(ctx: &XdpContext, pkt: &Packet, mtu: u32) -> u32 {
+    stats::count(counter::TOO_BIG);
+    if dont_fragment(pkt) { icmp4_too_big(ctx, mtu) } else { xdp_action::XDP_DROP }
+}
+
+/// The ICMP "fragmentation needed" sent for an IPv4 packet, in place of
+/// the packet: IP header + ICMP header + the packet's IP header and first
+/// 8 bytes of payload.
+const ICMP4_TOO_BIG_LEN: usize = 20 + 8 + 20 + 8;
+
+/// Turn the (IPv4, DF, too big) packet into ICMP "fragmentation needed"
+/// (type 3 code 4, next-hop MTU `mtu`) from the address it was sent to,
+/// back to its sender: out of the ingress device by XDP_TX when it can
+/// take it, else through the kernel's forwarding path. A packet with IP
+/// options is dropped instead (rare; the error must quote the header whole).
+///
+/// Built in place: the frame grows by the new IP and ICMP headers in
+/// front, so the packet's own IP header and first 8 bytes of payload,
+/// which the error quotes, stay where they are; the old Ethernet header is
+/// read from where it now sits before the new headers cover it.
+#[inline(never)]
+fn icmp4_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
+    let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN) else {
+        return xdp_action::XDP_DROP;
+    };
+    // SAFETY: bounds-checked just above. The quoted header and 8 bytes of
+    // payload must be there.
+    if unsafe { (*ip).version_ihl } != 0x45 || ptr_at::<[u8; 28]>(ctx, ETH_HLEN).is_none() {
+        return xdp_action::XDP_DROP;
+    }
+    // SAFETY: plain helper calls on the program's own context.
+    unsafe {
+        if bpf_xdp_adjust_head(ctx.ctx.cast(), -(ICMP4_GROW as i32)) != 0 {
+            return xdp_action::XDP_DROP;
+        }
+        let len = (ctx.data_end() - ctx.data()) as i32;
+        if bpf_xdp_adjust_tail(ctx.ctx.cast(), (ETH_HLEN + ICMP4_TOO_BIG_LEN) as i32 - len) != 0 {
+            return xdp_action::XDP_DROP;
+        }
+    }
+    let Some(frame) = ptr_at::<[u16; (ETH_HLEN + ICMP4_TOO_BIG_LEN) / 2]>(ctx, 0) else {
+        return xdp_action::XDP_DROP;
+    };
+    let tx = can_redirect(ctx, ctx.ingress_ifindex() as u32);
+    let w = frame.cast::<u16>();
+    // Word offsets: the old Ethernet header now starts at word 14, the
+    // quoted IP header at word 21 (its source at 27, destination at 29).
+    const OLD_ETH: usize = ICMP4_GROW / 2;
+    const QUOTED: usize = OLD_ETH + ETH_HLEN / 2;
+    // SAFETY: every word index is below the 35 words bounds-checked above.
+    unsafe {
+        // Ethernet first (its source words are the next to be covered).
+        // XDP_TX: back to the sender's MAC; the kernel's path: addressed
+        // to us as it came, for the kernel to route.
+        let swap = if tx { 3 } else { 0 };
+        for i in 0..6 {
+            *w.add(i) = *w.add(OLD_ETH + (i + swap) % 6);
+        }
+        *w.add(6) = crate::parse::ETH_P_IP.to_be();
+        // IP: 0x45, tos 0, length, id 0, no fragment bits, TTL 64,
+        // protocol 1 (ICMP), checksum, source = where the packet went,
+        // destination = its sender.
+        *w.add(7) = u16::from_ne_bytes([0x45, 0]);
+        *w.add(8) = (ICMP4_TOO_BIG_LEN as u16).to_be();
+        *w.add(9) = 0;
+        *w.add(10) = 0;
+        *w.add(11) = u16::from_ne_bytes([64, 1]);
+        *w.add(12) = 0;
+        *w.add(13) = *w.add(QUOTED + 8);
+        *w.add(14) = *w.add(QUOTED + 9);
+        *w.add(15) = *w.add(QUOTED + 6);
+        *w.add(16) = *w.add(QUOTED + 7);
+        // ICMP: type 3 (unreachable), code 4 (fragmentation needed),
+        // checksum, unused, next-hop MTU.
+        *w.add(17) = u16::from_ne_bytes([3, 4]);
+        *w.add(18) = 0;
+        *w.add(19) = 0;
+        *w.add(20) = (mtu.min(0xffff) as u16).to_be();
+        let mut sum: u32 = 0;
+        for i in 7..17 {
+            sum += u32::from(*w.add(i));
+        }
+        *w.add(12) = !csum::fold32(sum);
+        let mut sum: u32 = 0;
+        for i in 17..(ETH_HLEN + ICMP4_TOO_BIG_LEN) / 2 {
+            sum += u32::from(*w.add(i));
+        }
+        *w.add(18) = !csum::fold32(sum);
+    }
+    if tx { xdp_action::XDP_TX } else { xdp_action::XDP_PASS }
+}
+
+/// What the ICMP error adds in front of the quoted packet: IP and ICMP headers.
+const ICMP4_GROW: usize = 20 + 8;
+
+/// `fib_lookup` results: resolved; too big for the route's MTU (the
+/// MTU in the next hop's ifindex slot); no resolved neighbour; anything
+/// else (no route, not forwarded, blackhole...); for DSR, a next hop
+/// that is not the destination itself (a gateway).
+pub(crate) const FIB_OK: i64 = BPF_FIB_LKUP_RET_SUCCESS as i64;
+pub(crate) const FIB_TOO_BIG: i64 = BPF_FIB_LKUP_RET_FRAG_NEEDED as i64;
+pub(crate) const FIB_NO_NEIGH: i64 = aya_ebpf::bindings::BPF_FIB_LKUP_RET_NO_NEIGH as i64;
+pub(crate) const FIB_OFF_LINK: i64 = -1000;
 
 /// Whether the packet, as it is now, is addressed to the gateway itself
 /// (the FIB does not forward it: a local, broadcast or multicast address).
 #[inline(always)]
 pub(crate) fn to_gateway(ctx: &XdpContext, pkt: &Packet) -> bool {
     let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
-    fib_lookup(ctx, pkt, &mut nh) == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
+    // SAFETY: bounds-checked by parse().
+    let dst = unsafe { (*pkt.ip()).daddr };
+    fib_lookup(ctx, pkt, dst, false, &mut nh) == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
 }
 
-/// The FIB's answer for the packet as it is now (a `BPF_FIB_LKUP_RET_*`
-/// code), and on success the next hop in `out`.
+/// The FIB's answer for the packet as it is now, towards `dst` (a
+/// `BPF_FIB_LKUP_RET_*` code, or [`FIB_OFF_LINK`] when `on_link` asks for
+/// a directly connected destination and the FIB names a gateway); on
+/// success the next hop in `out`, when too big the MTU in `out.0`.
 // Its own stack frame: the 64-byte parameters would otherwise add to the
 // caller's (inlined) frame and overflow the 512-byte BPF stack.
 #[inline(never)]
-fn fib_lookup(ctx: &XdpContext, pkt: &Packet, out: &mut NextHopAddr) -> i64 {
-    let mut p = MaybeUninit::<FibParams>::uninit();
+fn fib_lookup(ctx: &XdpContext, pkt: &Packet, dst: u32, on_link: bool, out: &mut NextHopAddr) -> i64 {
+    let Some(p) = fib_params() else {
+        return -1;
+    };
+    // SAFETY: this CPU's scratch slot, zeroed; bounds-checked by parse().
+    let rc = unsafe {
+        let ip = pkt.ip();
+        (*p).family = AF_INET;
+        (*p).l4_protocol = pkt.proto;
+        (*p).__bindgen_anon_1.tot_len = u16::from_be((*ip).tot_len);
+        (*p).__bindgen_anon_2.tos = (*ip).tos;
+        (*p).__bindgen_anon_3.ipv4_src = (*ip).saddr;
+        (*p).__bindgen_anon_4.ipv4_dst = dst;
+        (*p).ifindex = ctx.ingress_ifindex() as u32;
+        bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0)
+    };
+    // SAFETY: the helper wrote its answer into the slot; plain loads.
+    unsafe {
+        if rc == FIB_OK {
+            // The helper wrote the next hop's address (the gateway, if the
+            // route has one) over the destination.
+            if on_link && (*p).__bindgen_anon_4.ipv4_dst != dst {
+                return FIB_OFF_LINK;
+            }
+            *out = ((*p).ifindex, (*p).smac, (*p).dmac);
+        } else if rc == FIB_TOO_BIG {
+            // On this result the helper wrote the MTU into the union.
+            out.0 = u32::from((*p).__bindgen_anon_1.mtu_result);
+        }
+    }
+    rc
+}
+
+/// The FIB helper's parameters, zeroed, in this CPU's scratch slot
+/// (`SCRATCH6`, 72 bytes, otherwise only where an IPv6 flow's entry is
+/// built, which is done before any FIB lookup): 64 bytes the 512-byte
+/// stack has no room for.
+#[inline(always)]
+pub(crate) fn fib_params() -> Option<*mut FibParams> {
+    let p = SCRATCH6.get_ptr_mut(0)?.cast::<FibParams>();
     // Zero the parameters word by word: `mem::zeroed()` compiles to a call
-    // of a byte-loop memset subprogram (about 35 ns). The helper reads the
-    // whole struct, so the verifier needs every byte written.
-    let words = p.as_mut_ptr().cast::<u64>();
-    // SAFETY: FibParams is 64 bytes, 8-aligned (asserted below).
+    // of a byte-loop memset subprogram. The helper reads the whole struct.
+    let words = p.cast::<u64>();
+    // SAFETY: the slot holds 72 bytes, 8-aligned (asserted below).
     unsafe {
         for i in 0..size_of::<FibParams>() / 8 {
             core::ptr::write_volatile(words.add(i), 0);
         }
     }
-    // SAFETY: every byte is initialised above; fields are plain integers.
-    let mut p = unsafe { p.assume_init() };
-    // SAFETY: bounds-checked by parse(); writes to a local struct.
-    unsafe {
-        let ip = pkt.ip();
-        p.family = AF_INET;
-        p.l4_protocol = pkt.proto;
-        p.__bindgen_anon_1.tot_len = u16::from_be((*ip).tot_len);
-        p.__bindgen_anon_2.tos = (*ip).tos;
-        p.__bindgen_anon_3.ipv4_src = (*ip).saddr;
-        p.__bindgen_anon_4.ipv4_dst = (*ip).daddr;
-    }
-    p.ifindex = ctx.ingress_ifindex() as u32;
-    // SAFETY: ctx.ctx is the program's context; p is a valid params struct.
-    let rc = unsafe { bpf_fib_lookup(ctx.ctx.cast(), &raw mut p, size_of::<FibParams>() as i32, 0) };
-    if rc == i64::from(BPF_FIB_LKUP_RET_SUCCESS) {
-        *out = (p.ifindex, p.smac, p.dmac);
-    }
-    rc
+    Some(p)
 }
 
 const _: () = assert!(size_of::<FibParams>().is_multiple_of(8));
+const _: () = assert!(size_of::<FibParams>() <= size_of::<Flow6>());
+const _: () = assert!(align_of::<FibParams>() <= align_of::<Flow6>());

@@ -17,6 +17,7 @@ mod maps;
 mod parse;
 mod select;
 mod stats;
+mod v6;
 
 use core::intrinsics::{AtomicOrdering, atomic_or};
 
@@ -25,12 +26,13 @@ use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use aya_log_ebpf::debug;
 use forward::Hop;
+use forward::Way;
 use lb_common::{
-    BACKEND_F_DOWN, BACKEND_NONE, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED, FLOW_FIN_BACKEND,
-    FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_REPLY_ENTRY, Service, VipKey,
-    addr_filter_bit, counter, flow_closed,
+    BACKEND_F_DOWN, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED,
+    FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
+    Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_FILTER, BACKENDS, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, SCRATCH, VIP_ADDRS, VIPS};
+use maps::{ADDR_FILTER, BACKENDS, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -45,7 +47,17 @@ pub(crate) fn lb_xdp(ctx: XdpContext) -> u32 {
 fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     let pkt = match parse::parse(ctx) {
         Ok(pkt) => pkt,
-        Err(ParseError::NotOurs) => return Ok(xdp_action::XDP_PASS),
+        Err(ParseError::NotOurs) => {
+            // IPv6 has a program of its own (`v6.rs`): the verifier checks
+            // each family's path once, and IPv4 pays for no IPv6 code.
+            if parse::is_ipv6(ctx) {
+                // SAFETY: a tail call with this program's own context;
+                // when slot 0 is empty (lbd has not filled it yet) it
+                // returns and the packet goes to the kernel.
+                unsafe { PROGS.tail_call(ctx, 0) };
+            }
+            return Ok(xdp_action::XDP_PASS);
+        }
         Err(ParseError::Malformed { daddr }) => {
             return Ok(drop_if_vip(ctx, daddr, counter::DROP_MALFORMED));
         }
@@ -97,6 +109,7 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
             // SAFETY: the value is copied before anything can replace it.
             match (unsafe { VIPS.get(&vip) }).copied() {
                 Some(svc) => match new_flow(&pkt, &key, &svc, now) {
+                    Ok(nat) if svc.flags & SVC_F_DSR != 0 => To::Dsr(nat),
                     Ok(nat) => To::Backend(nat),
                     Err(action) => return Ok(action),
                 },
@@ -117,6 +130,7 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     };
     Ok(match to {
         To::Backend(nat) => forward(ctx, &pkt, nat, now),
+        To::Dsr(nat) => dsr(ctx, &pkt, nat, now),
         To::Client(nat, entry) => reply(ctx, &pkt, nat, Hop::Flow(entry), now),
     })
 }
@@ -143,6 +157,8 @@ fn stateless_reply(ctx: &XdpContext, pkt: &Packet) -> Option<Nat> {
 enum To {
     /// Client -> backend (destination rewritten).
     Backend(Nat),
+    /// Client -> backend by L2 direct server return (MACs only).
+    Dsr(Nat),
     /// Backend -> client (source rewritten to the VIP); the entry whose
     /// next-hop cache serves the reply (the flow's entry or its reply
     /// entry).
@@ -180,18 +196,22 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     if down || (is_syn(pkt) && flow_closed(state)) {
         return None;
     }
-    track_close(flow, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
+    track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
     // The client speaking again after the backend answered completes the
     // handshake (for TCP, with anything but a SYN): from now on the flow
-    // is established and only the idle timeout expires it.
-    if state & (FLOW_REPLIED | FLOW_ESTABLISHED) == FLOW_REPLIED && !is_syn(pkt) {
-        set_state(flow, FLOW_ESTABLISHED);
+    // is established and only the idle timeout expires it. A DSR flow
+    // never sees its backend's answers: the client's first packet other
+    // than a SYN (its ACK of the backend's SYN-ACK) says it was answered.
+    let dsr = dir == DIR_DSR;
+    let needs = if dsr { 0 } else { FLOW_REPLIED };
+    if state & (needs | FLOW_ESTABLISHED) == needs && !is_syn(pkt) {
+        set_state(state_of(flow), FLOW_ESTABLISHED);
     }
     if last_seen != now {
         // SAFETY: a valid map value; a plain store of a timestamp.
         unsafe { (*flow).last_seen = now };
     }
-    Some(To::Backend(nat))
+    Some(if dsr { To::Dsr(nat) } else { To::Backend(nat) })
 }
 
 /// A packet we could not parse: dropped (and counted) when it was headed
@@ -210,7 +230,7 @@ fn drop_if_vip(ctx: &XdpContext, daddr: u32, reason: u32) -> u32 {
 
 /// False when `addr` is certainly neither a VIP nor a backend.
 #[inline(always)]
-fn maybe_ours(addr: u32) -> bool {
+pub(crate) fn maybe_ours(addr: u32) -> bool {
     let bit = addr_filter_bit(addr);
     match ADDR_FILTER.get(bit / 64) {
         Some(w) => w & (1u64 << (bit % 64)) != 0,
@@ -219,7 +239,7 @@ fn maybe_ours(addr: u32) -> bool {
 }
 
 #[inline(always)]
-fn backend_down(id: u32) -> bool {
+pub(crate) fn backend_down(id: u32) -> bool {
     match BACKENDS.get(id) {
         Some(b) => b.flags & BACKEND_F_DOWN != 0,
         None => false,
@@ -228,12 +248,18 @@ fn backend_down(id: u32) -> bool {
 
 #[inline(always)]
 fn is_syn(pkt: &Packet) -> bool {
-    pkt.proto == PROTO_TCP && pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    syn_only(pkt.proto, pkt.tcp_flags)
+}
+
+/// A TCP SYN without ACK: a connection's opening.
+#[inline(always)]
+pub(crate) fn syn_only(proto: u8, tcp_flags: u8) -> bool {
+    proto == PROTO_TCP && tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
 }
 
 /// Seconds of the coarse monotonic clock (the flows' idle clock).
 #[inline(always)]
-fn now_secs() -> u64 {
+pub(crate) fn now_secs() -> u64 {
     // SAFETY: plain helper call.
     let ns = unsafe { bpf_ktime_get_coarse_ns() };
     ns / 1_000_000_000
@@ -242,7 +268,7 @@ fn now_secs() -> u64 {
 /// Record a FIN (as `fin_bit`) or RST on a forward flow entry; the packet
 /// that closes the flow counts it closed for its backend, exactly once.
 #[inline(always)]
-fn track_close(flow: *mut Flow, backend_id: u32, tcp_flags: u8, proto: u8, fin_bit: u64) {
+pub(crate) fn track_close(state: *mut u64, backend_id: u32, tcp_flags: u8, proto: u8, fin_bit: u64) {
     if proto != PROTO_TCP || tcp_flags & (TCP_FIN | TCP_RST) == 0 {
         return;
     }
@@ -251,7 +277,7 @@ fn track_close(flow: *mut Flow, backend_id: u32, tcp_flags: u8, proto: u8, fin_b
     // the old value says whether this packet is the one that closed it.
     // SeqCst: the old value is used, see select.rs on relaxed atomics.
     // SAFETY: a valid, aligned u64 inside a map value.
-    let old = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*flow).state, bit) };
+    let old = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(state, bit) };
     if !flow_closed(old) && flow_closed(old | bit) {
         stats::flow_closed(backend_id);
     }
@@ -259,9 +285,16 @@ fn track_close(flow: *mut Flow, backend_id: u32, tcp_flags: u8, proto: u8, fin_b
 
 /// Set `bit` in a flow entry's state, once (atomic OR: other CPUs write it too).
 #[inline(always)]
-fn set_state(flow: *mut Flow, bit: u64) {
+pub(crate) fn set_state(state: *mut u64, bit: u64) {
     // SAFETY: a valid, aligned u64 inside a map value.
-    unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*flow).state, bit) };
+    unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(state, bit) };
+}
+
+/// The state word of a flow entry (the one field several CPUs write).
+#[inline(always)]
+fn state_of(flow: *mut Flow) -> *mut u64 {
+    // SAFETY: only the field's address is taken.
+    unsafe { &raw mut (*flow).state }
 }
 
 // Its own stack frame (flow entry and keys), off the established path; it
@@ -284,7 +317,11 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat,
         // Only a SYN opens a TCP connection; any other TCP packet without
         // an entry belongs to a flow that was routed without one (or whose
         // entry is gone), and gets the stateless answer it had.
-        let id = if opening { select::pick(svc, pkt) } else { select::pick_stateless(svc, pkt) };
+        let id = if opening {
+            select::pick(svc, select::Tuple::v4(pkt))
+        } else {
+            select::pick_stateless(svc, select::Tuple::v4(pkt))
+        };
         match insert_flow(pkt, key, svc, id, now) {
             Insert::Done(nat) => return Ok(nat),
             Insert::NoBackend => return Err(no_backend()),
@@ -299,7 +336,7 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat,
     }
     // No entry: the consistent-hash answer, the same for every packet of
     // the flow (and for its SYN's retransmissions).
-    let id = select::pick_stateless(svc, pkt);
+    let id = select::pick_stateless(svc, select::Tuple::v4(pkt));
     match if id == BACKEND_NONE { None } else { BACKENDS.get(id) } {
         Some(b) => {
             // A new connection all the same (its backend accepts it): the
@@ -315,7 +352,7 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat,
 }
 
 #[inline(always)]
-fn no_backend() -> u32 {
+pub(crate) fn no_backend() -> u32 {
     stats::count(counter::DROP_NO_BACKEND);
     xdp_action::XDP_DROP
 }
@@ -323,7 +360,7 @@ fn no_backend() -> u32 {
 /// Whether this CPU may give one more new flow an entry this second
 /// (`flood.new_flow_rate_per_cpu`); counts it if so.
 #[inline(always)]
-fn rate_ok(now: u64) -> bool {
+pub(crate) fn rate_ok(now: u64) -> bool {
     let limit = match FLOOD.get(0) {
         Some(f) => u64::from(f.new_flow_rate_per_cpu),
         None => 0,
@@ -395,7 +432,9 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) ->
             nh_gen: 0,
         });
     }
-    let dir = if svc.flags & SVC_F_REPLY_ENTRY != 0 {
+    let dir = if svc.flags & SVC_F_DSR != 0 {
+        DIR_DSR
+    } else if svc.flags & SVC_F_REPLY_ENTRY != 0 {
         // The backend's endpoint names another service's VIP: this flow's
         // replies need an entry of their own, inserted first so that once
         // the forward entry exists, replies can come.
@@ -472,7 +511,14 @@ fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
     stats::packet_in(nat.backend_id, pkt.len);
     let cs = forward::classify(ctx, pkt);
     let rw = forward::rewrite_dst(pkt, nat.addr, nat.port);
-    forward::send(ctx, pkt, rw, cs, Hop::Backend { id: nat.backend_id, addr: nat.addr }, now)
+    forward::send(ctx, pkt, rw, cs, Hop::Backend { id: nat.backend_id, addr: nat.addr }, now, Way::Forward)
+}
+
+/// Client -> backend by L2 direct server return: only the MACs change.
+#[inline(always)]
+fn dsr(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
+    stats::packet_in(nat.backend_id, pkt.len);
+    forward::send_dsr(ctx, pkt, nat.backend_id, nat.addr, now)
 }
 
 /// A packet from a backend's endpoint, `vip` the service that owns it: a
@@ -493,21 +539,21 @@ fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
     if dir != DIR_FLOW || nat.addr != pkt.saddr || nat.port != pkt.sport {
         return None;
     }
-    mark_replied(flow);
-    track_close(flow, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
+    mark_replied(state_of(flow));
+    track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
     Some(To::Client(Nat { backend_id: nat.backend_id, addr: vip.addr, port: vip.port }, flow))
 }
 
 /// The backend has answered on this flow entry (set once).
 #[inline(always)]
-fn mark_replied(flow: *mut Flow) -> bool {
+pub(crate) fn mark_replied(state: *mut u64) -> bool {
     // SAFETY: a valid, aligned u64 inside a map value (see known_flow on
     // the volatile read).
-    let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
-    if state & FLOW_REPLIED != 0 {
+    let old = unsafe { core::ptr::read_volatile(state) };
+    if old & FLOW_REPLIED != 0 {
         return false;
     }
-    set_state(flow, FLOW_REPLIED);
+    set_state(state, FLOW_REPLIED);
     true
 }
 
@@ -516,16 +562,16 @@ fn mark_replied(flow: *mut Flow) -> bool {
 /// VIP) tuple. Looked up for the first reply and for a FIN or RST only.
 #[inline(always)]
 fn reply_entry_seen(pkt: &Packet, entry: *mut Flow, nat: Nat) {
-    let first = mark_replied(entry);
+    let first = mark_replied(state_of(entry));
     let closing = pkt.proto == PROTO_TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0;
     if !first && !closing {
         return;
     }
     if let Some(fwd) = FLOWS.get_ptr_mut(&client_key(pkt, nat.addr, nat.port)) {
         if first {
-            set_state(fwd, FLOW_REPLIED);
+            set_state(state_of(fwd), FLOW_REPLIED);
         }
-        track_close(fwd, nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
+        track_close(state_of(fwd), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
     }
 }
 
@@ -557,7 +603,7 @@ fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, hop: Hop, now: u64) -> u32 {
     }
     let cs = forward::classify(ctx, pkt);
     let rw = forward::rewrite_src(pkt, nat.addr, nat.port);
-    forward::send(ctx, pkt, rw, cs, hop, now)
+    forward::send(ctx, pkt, rw, cs, hop, now, Way::Reply)
 }
 
 #[cfg(not(test))]

@@ -154,6 +154,10 @@ pub(crate) static FLOWS6: HashMap<FlowKey6, Flow6> = HashMap::with_max_entries(1
 #[map]
 pub(crate) static SCRATCH6: PerCpuArray<Flow6> = PerCpuArray::with_max_entries(1, 0);
 
+/// The keys of one IPv6 packet's lookups, per CPU (see `v6::Keys6`).
+#[map]
+pub(crate) static KEYS6: PerCpuArray<crate::v6::Keys6> = PerCpuArray::with_max_entries(1, 0);
+
 /// Programs the balancer tail-calls: slot 0 is the IPv6 path
 /// (`lb_xdp6`), written by lbd after loading. A program of its own so
 /// that the verifier checks each family's path once, and IPv4 packets pay
@@ -195,5 +199,6 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS6, stringify!(
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SCRATCH6, stringify!(SCRATCH6)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::PROGS, stringify!(PROGS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::MTU_FLOOR, stringify!(MTU_FLOOR)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::KEYS6, stringify!(KEYS6)));
 // ... and userspace knows every map.
-const _: () = assert!(lb_common::maps::ALL.len() == 27);
+const _: () = assert!(lb_common::maps::ALL.len() == 28);

@@ -8,6 +8,7 @@ use aya_ebpf::{helpers::generated::bpf_xdp_load_bytes, programs::XdpContext};
 use lb_common::{PROTO_TCP, PROTO_UDP};
 
 pub(crate) const ETH_P_IP: u16 = 0x0800;
+pub(crate) const ETH_P_IPV6: u16 = 0x86dd;
 pub(crate) const ETH_HLEN: usize = 14;
 
 #[repr(C)]
@@ -137,6 +138,13 @@ impl Packet {
     pub(crate) fn l4_check(&self) -> *mut u16 {
         self.l4_check
     }
+}
+
+/// Whether the frame is IPv6 (its EtherType; nothing else is read).
+#[inline(always)]
+pub(crate) fn is_ipv6(ctx: &XdpContext) -> bool {
+    // SAFETY: bounds checked by ptr_at.
+    ptr_at::<EthHdr>(ctx, 0).is_some_and(|eth| unsafe { (*eth).proto } == ETH_P_IPV6.to_be())
 }
 
 #[inline(always)]

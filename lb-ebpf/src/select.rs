@@ -18,9 +18,27 @@ use crate::{
     stats,
 };
 
+/// What the hash schedulers hash: a flow's 5-tuple, IPv6 addresses folded
+/// to 32 bits (`lb_common::fold6`), so both families share the tables.
+#[derive(Clone, Copy)]
+pub(crate) struct Tuple {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+}
+
+impl Tuple {
+    #[inline(always)]
+    pub(crate) fn v4(pkt: &Packet) -> Self {
+        Self { saddr: pkt.saddr, daddr: pkt.daddr, sport: pkt.sport, dport: pkt.dport, proto: pkt.proto }
+    }
+}
+
 /// The backend id for a new flow of `svc`, or `BACKEND_NONE`.
 #[inline(always)]
-pub(crate) fn pick(svc: &Service, pkt: &Packet) -> u32 {
+pub(crate) fn pick(svc: &Service, pkt: Tuple) -> u32 {
     let len = svc.table_len;
     if len == 0 || svc.flags & SVC_F_NO_BACKEND != 0 {
         return BACKEND_NONE;
@@ -57,7 +75,7 @@ pub(crate) fn pick(svc: &Service, pkt: &Packet) -> u32 {
 /// packet of it gets the same answer. Hash schedulers answer as always;
 /// the others read the service's consistent-hash fallback table.
 #[inline(always)]
-pub(crate) fn pick_stateless(svc: &Service, pkt: &Packet) -> u32 {
+pub(crate) fn pick_stateless(svc: &Service, pkt: Tuple) -> u32 {
     if matches!(svc.scheduler, SCHED_FLOW_HASH | SCHED_SOURCE_HASH) {
         return pick(svc, pkt);
     }

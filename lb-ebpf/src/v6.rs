@@ -1,0 +1,1051 @@
+//! The IPv6 path: a program of its own (`lb_xdp6`), reached from `lb_xdp`
+//! by a tail call for every IPv6 frame, so that the verifier checks each
+//! family's path once and IPv4 packets pay for none of this.
+//!
+//! It reads like the IPv4 path in `main.rs` (parse -> from a backend: its
+//! flow -> flow table -> new flow: VIP -> pick -> rewrite -> next hop),
+//! over the IPv6 maps (`VIPS6`, `ENDPOINTS6`, `FLOWS6`), sharing the
+//! services' selection tables, the backends, the counters and the
+//! next-hop caches with IPv4. What differs: no IP header checksum; the
+//! hop limit instead of the TTL; a UDP checksum that is never 0;
+//! hop-by-hop, routing and destination-options headers skipped (at most
+//! `MAX_IPV6_EXT`); fragments dropped (`fragment`) and other extension
+//! headers dropped (`ipv6_ext`) when addressed to a VIP.
+use core::mem::size_of;
+
+use aya_ebpf::{
+    bindings::{BPF_FIB_LKUP_RET_NOT_FWDED, bpf_fib_lookup as FibParams, xdp_action},
+    helpers::generated::{bpf_fib_lookup, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
+    macros::xdp,
+    programs::XdpContext,
+};
+use lb_common::{
+    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND,
+    FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow6, FlowKey6, MAX_IPV6_EXT, PROTO_TCP, PROTO_UDP, SVC_F_DSR,
+    SVC_F_REPLY_ENTRY, Service, Vip6Key, counter, flow_closed, fold6,
+};
+use lb_ebpf::csum;
+
+use crate::{
+    backend_down,
+    forward::{
+        FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, cached_hop, can_redirect,
+        generic_ingress, segment_sum, set_macs, store_hop, too_big,
+    },
+    maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, FLOOD, FLOWS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
+    maybe_ours, no_backend, now_secs,
+    parse::{ETH_HLEN, EthHdr, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
+    rate_ok, select, set_state, stats, syn_only, track_close,
+};
+
+const AF_INET6: u8 = 10;
+const ETH_P_IPV6: u16 = 0x86dd;
+const NEXT_HOPOPT: u8 = 0;
+const NEXT_ROUTING: u8 = 43;
+const NEXT_FRAGMENT: u8 = 44;
+const NEXT_DSTOPTS: u8 = 60;
+const NEXT_ICMPV6: u8 = 58;
+/// IPv6 header length.
+const IP6_HLEN: usize = 40;
+/// The smallest MTU IPv6 allows; an ICMPv6 error fits in it.
+const IPV6_MIN_MTU: usize = 1280;
+
+#[repr(C)]
+pub(crate) struct Ipv6Hdr {
+    /// Version, traffic class, flow label (network order).
+    pub vtc_flow: u32,
+    pub payload_len: u16,
+    pub nexthdr: u8,
+    pub hop_limit: u8,
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+}
+
+/// Why an IPv6 packet could not be handled (see `parse::ParseError`).
+enum ParseError {
+    NotOurs,
+    Malformed {
+        daddr: [u32; 4],
+    },
+    Fragment {
+        daddr: [u32; 4],
+    },
+    /// An extension header we do not walk.
+    Ext {
+        daddr: [u32; 4],
+    },
+}
+
+/// One parsed IPv6 packet. As `parse::Packet`: only [`parse`] makes one,
+/// after bounds-checking every header its pointers name.
+struct Packet6 {
+    eth: *mut EthHdr,
+    ip: *mut Ipv6Hdr,
+    ports: *mut [u16; 2],
+    l4_check: *mut u16,
+    proto: u8,
+    tcp_flags: u8,
+    sport: u16,
+    dport: u16,
+    /// The addresses folded to 32 bits (`fold6`): the address filter's
+    /// and the hash schedulers' input.
+    sfold: u32,
+    dfold: u32,
+    /// Frame length, for the byte counters.
+    len: u64,
+    /// Offset of the L4 header, and the L4 length (header and payload).
+    l4_off: usize,
+    l4_len: usize,
+}
+
+impl Packet6 {
+    /// The source address, as the packet holds it now (read in place: a
+    /// copy would cost the stack 16 bytes).
+    #[inline(always)]
+    fn saddr(&self) -> [u32; 4] {
+        // SAFETY: bounds-checked by parse().
+        unsafe { (*self.ip).saddr }
+    }
+
+    /// The destination address, as the packet holds it now.
+    #[inline(always)]
+    fn daddr(&self) -> [u32; 4] {
+        // SAFETY: bounds-checked by parse().
+        unsafe { (*self.ip).daddr }
+    }
+
+    #[inline(always)]
+    fn tuple(&self) -> select::Tuple {
+        select::Tuple { saddr: self.sfold, daddr: self.dfold, sport: self.sport, dport: self.dport, proto: self.proto }
+    }
+
+    #[inline(always)]
+    fn is_syn(&self) -> bool {
+        syn_only(self.proto, self.tcp_flags)
+    }
+
+    /// The IPv6 packet's length (header and payload).
+    #[inline(always)]
+    fn ip_len(&self) -> u32 {
+        (self.l4_off - ETH_HLEN + self.l4_len) as u32
+    }
+}
+
+#[inline(always)]
+fn parse(ctx: &XdpContext) -> Result<Packet6, ParseError> {
+    let eth: *mut EthHdr = ptr_at(ctx, 0).ok_or(ParseError::NotOurs)?;
+    let ip: *mut Ipv6Hdr = ptr_at(ctx, ETH_HLEN).ok_or(ParseError::NotOurs)?;
+    // SAFETY: bounds checked by ptr_at.
+    let (vtc, plen, mut next, daddr) =
+        unsafe { (u32::from_be((*ip).vtc_flow), u16::from_be((*ip).payload_len) as usize, (*ip).nexthdr, (*ip).daddr) };
+    let mut off = ETH_HLEN + IP6_HLEN;
+    // Hop-by-hop, routing and destination options: skipped, at most
+    // MAX_IPV6_EXT of them (each is 8 * (1 + its length byte) long).
+    for _ in 0..MAX_IPV6_EXT {
+        if next != NEXT_HOPOPT && next != NEXT_ROUTING && next != NEXT_DSTOPTS {
+            break;
+        }
+        let ext: *mut [u8; 2] = ptr_at(ctx, off).ok_or(ParseError::Malformed { daddr })?;
+        // SAFETY: bounds checked by ptr_at.
+        let (n, words) = unsafe { ((*ext)[0], (*ext)[1]) };
+        next = n;
+        off += (usize::from(words) + 1) * 8;
+    }
+    match next {
+        PROTO_TCP | PROTO_UDP => {}
+        NEXT_FRAGMENT => return Err(ParseError::Fragment { daddr }),
+        // Too many of the ones we walk, or one we do not (AH, ESP,
+        // mobility, HIP, shim6, experimental): not balanced.
+        NEXT_HOPOPT | NEXT_ROUTING | NEXT_DSTOPTS | 50 | 51 | 135 | 139 | 140 | 253 | 254 => {
+            return Err(ParseError::Ext { daddr });
+        }
+        // ICMPv6 (neighbour discovery, errors, echo) and anything else:
+        // the kernel's.
+        _ => return Err(ParseError::NotOurs),
+    }
+    if vtc >> 28 != 6 {
+        return Err(ParseError::Malformed { daddr });
+    }
+    // Verifier: the L4 offset goes through a map value, which the verifier
+    // does not follow, and comes back as one range whatever number of
+    // extension headers the packet had. Otherwise each count would leave
+    // a different proven offset, and the rest of the program would be
+    // verified once per count. Extension headers beyond the first 457
+    // bytes are not walked (the offset is masked to 511: a packet with more
+    // fails the checks below, as malformed).
+    if off > 0x1ff {
+        return Err(ParseError::Ext { daddr });
+    }
+    let off = opaque(off) & 0x1ff;
+    if off < ETH_HLEN + IP6_HLEN {
+        return Err(ParseError::Malformed { daddr });
+    }
+    let proto = next;
+    let (ports, sport, dport, tcp_flags, l4_check, hdr_len, udp_len, check) = if proto == PROTO_TCP {
+        let tcp: *mut TcpHdr = ptr_at(ctx, off).ok_or(ParseError::Malformed { daddr })?;
+        // SAFETY: bounds checked by ptr_at; every field lies inside *tcp.
+        unsafe {
+            (
+                tcp.cast::<[u16; 2]>(),
+                (*tcp).sport,
+                (*tcp).dport,
+                (*tcp).flags,
+                &raw mut (*tcp).check,
+                ((*tcp).off_res >> 4) as usize * 4,
+                0,
+                1,
+            )
+        }
+    } else {
+        let udp: *mut UdpHdr = ptr_at(ctx, off).ok_or(ParseError::Malformed { daddr })?;
+        // SAFETY: bounds checked by ptr_at; every field lies inside *udp.
+        unsafe {
+            (
+                udp.cast::<[u16; 2]>(),
+                (*udp).sport,
+                (*udp).dport,
+                0,
+                &raw mut (*udp).check,
+                size_of::<UdpHdr>(),
+                u16::from_be((*udp).len) as usize,
+                (*udp).check,
+            )
+        }
+    };
+    let frame_len = ctx.data_end() - ctx.data();
+    // The payload holds the extension headers and the L4 header it
+    // claims, the frame holds the payload, a UDP length lies between its
+    // header and the L4 length, and a UDP checksum is present (IPv6 makes
+    // it mandatory).
+    let ext_len = off - ETH_HLEN - IP6_HLEN;
+    if ETH_HLEN + IP6_HLEN + plen > frame_len || plen < ext_len + hdr_len {
+        return Err(ParseError::Malformed { daddr });
+    }
+    let l4_len = plen - ext_len;
+    if (proto == PROTO_TCP && hdr_len < size_of::<TcpHdr>())
+        || (proto == PROTO_UDP && (udp_len < size_of::<UdpHdr>() || udp_len > l4_len || check == 0))
+    {
+        return Err(ParseError::Malformed { daddr });
+    }
+    Ok(Packet6 {
+        eth,
+        ip,
+        ports,
+        l4_check,
+        proto,
+        tcp_flags,
+        sport,
+        dport,
+        // SAFETY: bounds checked by ptr_at at the start.
+        sfold: fold6(unsafe { &(*ip).saddr }),
+        dfold: fold6(&daddr),
+        len: frame_len as u64,
+        l4_off: off,
+        l4_len,
+    })
+}
+
+/// `v`, by way of this CPU's scratch slot: the same number, of which the
+/// verifier knows nothing.
+#[inline(always)]
+fn opaque(v: usize) -> usize {
+    match SCRATCH6.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot, touched by this invocation only.
+        Some(s) => unsafe {
+            core::ptr::write_volatile(&raw mut (*s)._pad2, v as u32);
+            core::ptr::read_volatile(&raw const (*s)._pad2) as usize
+        },
+        None => v,
+    }
+}
+
+#[xdp]
+pub(crate) fn lb_xdp6(ctx: XdpContext) -> u32 {
+    try_lb(&ctx)
+}
+
+/// Where a packet goes (see `main.rs`'s `To`).
+#[derive(Clone, Copy)]
+enum To {
+    Backend(Nat6),
+    Dsr(Nat6),
+    Client(Nat6, *mut Flow6),
+    /// Backend -> client without a flow entry (no next-hop cache).
+    Stateless(Nat6),
+}
+
+/// What a packet of a flow gets rewritten to, and whose counters it counts in.
+#[derive(Clone, Copy)]
+struct Nat6 {
+    backend_id: u32,
+    addr: [u32; 4],
+    port: u16,
+}
+
+impl Nat6 {
+    /// # Safety
+    /// `f` points at a valid flow-table value.
+    #[inline(always)]
+    unsafe fn of(f: *const Flow6) -> Self {
+        // SAFETY: the caller's promise; plain loads of integers.
+        unsafe { Self { backend_id: (*f).backend_id, addr: (*f).nat_addr, port: (*f).nat_port } }
+    }
+}
+
+#[inline(always)]
+fn try_lb(ctx: &XdpContext) -> u32 {
+    let pkt = match parse(ctx) {
+        Ok(pkt) => pkt,
+        Err(ParseError::NotOurs) => return xdp_action::XDP_PASS,
+        Err(ParseError::Malformed { daddr }) => return drop_if_vip(daddr, counter::DROP_MALFORMED),
+        Err(ParseError::Fragment { daddr }) => return drop_if_vip(daddr, counter::DROP_FRAGMENT),
+        Err(ParseError::Ext { daddr }) => return drop_if_vip(daddr, counter::IPV6_EXT),
+    };
+    let from_backend = maybe_ours(pkt.sfold);
+    if !from_backend && !maybe_ours(pkt.dfold) {
+        return xdp_action::XDP_PASS;
+    }
+    // The keys live in this CPU's scratch slot, not on the stack (see
+    // `Keys6`).
+    let Some(k) = KEYS6.get_ptr_mut(0) else {
+        return xdp_action::XDP_PASS;
+    };
+    let now = now_secs();
+    let mut to = None;
+    let mut no_flow = false;
+    if from_backend {
+        // SAFETY: this CPU's slot, touched by this invocation only; the
+        // shared reference lives for the lookup only.
+        let vip = unsafe {
+            (*k).vip = Vip6Key { addr: pkt.saddr(), port: pkt.sport, proto: pkt.proto, _pad: 0 };
+            ENDPOINTS6.get(&(*k).vip).copied()
+        };
+        if let Some(vip) = vip {
+            // SAFETY: as above.
+            unsafe { (*k).vip = vip };
+            to = reply_of_flow(&pkt, k, &mut no_flow);
+        }
+    }
+    // SAFETY: as above.
+    unsafe {
+        (*k).flow = FlowKey6 {
+            src_addr: pkt.saddr(),
+            dst_addr: pkt.daddr(),
+            src_port: pkt.sport,
+            dst_port: pkt.dport,
+            proto: pkt.proto,
+            _pad: [0; 3],
+        };
+    }
+    if to.is_none()
+        // SAFETY: as above.
+        && let Some(flow) = FLOWS6.get_ptr_mut(unsafe { &(*k).flow })
+    {
+        to = known_flow(&pkt, flow, k, now);
+    }
+    let to = match to {
+        Some(to) => to,
+        None => {
+            // SAFETY: as above; the service is copied into the slot
+            // (off the stack) before anything can replace it.
+            let found = unsafe {
+                (*k).vip = Vip6Key { addr: pkt.daddr(), port: pkt.dport, proto: pkt.proto, _pad: 0 };
+                match VIPS6.get(&(*k).vip) {
+                    Some(svc) => {
+                        (*k).svc = *svc;
+                        true
+                    }
+                    None => false,
+                }
+            };
+            match found {
+                true => match new_flow(&pkt, k, now) {
+                    // SAFETY: as above; a plain load.
+                    Ok(nat) if unsafe { (*k).svc.flags } & SVC_F_DSR != 0 => To::Dsr(nat),
+                    Ok(nat) => To::Backend(nat),
+                    Err(action) => return action,
+                },
+                false if no_flow => match stateless_reply(ctx, &pkt) {
+                    Some(nat) => To::Stateless(nat),
+                    None => return xdp_action::XDP_PASS,
+                },
+                false => return xdp_action::XDP_PASS,
+            }
+        }
+    };
+    transmit(ctx, &pkt, &to, now)
+}
+
+/// Rewrite and send the packet where `to` says. Its own frame: the
+/// rewrite's and the next hop's locals would not fit beside the lookups'
+/// in one 512-byte stack with a new flow's frame on top.
+#[inline(never)]
+fn transmit(ctx: &XdpContext, pkt: &Packet6, to: &To, now: u64) -> u32 {
+    if let To::Dsr(nat) = *to {
+        return dsr(ctx, pkt, nat, now);
+    }
+    // One call site for the checksum's classification.
+    let cs = classify(pkt);
+    match *to {
+        To::Backend(nat) => forward(ctx, pkt, nat, cs, now),
+        To::Client(nat, entry) => reply(ctx, pkt, nat, cs, Hop::Flow6(entry), now),
+        To::Stateless(nat) => reply(ctx, pkt, nat, cs, Hop::Uncached, now),
+        To::Dsr(_) => xdp_action::XDP_PASS,
+    }
+}
+
+/// A packet we could not parse: dropped (and counted) when it was headed
+/// for a VIP address, otherwise left to the kernel.
+#[inline(always)]
+fn drop_if_vip(daddr: [u32; 4], reason: u32) -> u32 {
+    // SAFETY: read-only presence check.
+    if unsafe { VIP_ADDRS6.get(&daddr) }.is_some() {
+        stats::count(reason);
+        xdp_action::XDP_DROP
+    } else {
+        xdp_action::XDP_PASS
+    }
+}
+
+/// A backend's packet whose flow has no entry: back to the client as from
+/// the VIP its endpoint names (see `main.rs`).
+#[inline(never)]
+fn stateless_reply(ctx: &XdpContext, pkt: &Packet6) -> Option<Nat6> {
+    let ep = Vip6Key { addr: pkt.saddr(), port: pkt.sport, proto: pkt.proto, _pad: 0 };
+    // SAFETY: the value is copied at once.
+    let vip = unsafe { ENDPOINTS6.get(&ep) }.copied()?;
+    if fib(ctx, pkt, &pkt.daddr(), false).0 == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED) {
+        return None;
+    }
+    stats::count(counter::STATELESS_REPLY);
+    Some(Nat6 { backend_id: BACKEND_NONE, addr: vip.addr, port: vip.port })
+}
+
+#[inline(always)]
+fn state_of(flow: *mut Flow6) -> *mut u64 {
+    // SAFETY: only the field's address is taken.
+    unsafe { &raw mut (*flow).state }
+}
+
+/// A packet that matched a flow-table entry by its own 5-tuple (see
+/// `main.rs`'s `known_flow`).
+#[inline(always)]
+fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Option<To> {
+    // SAFETY: a valid, aligned map value; plain loads of integers.
+    let (dir, nat, last_seen) = unsafe { ((*flow).dir, Nat6::of(flow), (*flow).last_seen) };
+    if dir == DIR_REPLY {
+        reply_entry_seen(pkt, flow, k, &nat);
+        return Some(To::Client(nat, flow));
+    }
+    // SAFETY: a valid, aligned u64 inside a map value (see main.rs).
+    let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
+    let down = backend_down(nat.backend_id);
+    if down && !flow_closed(state) {
+        stats::flow_closed(nat.backend_id);
+    }
+    if down || (pkt.is_syn() && flow_closed(state)) {
+        return None;
+    }
+    track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
+    let dsr = dir == DIR_DSR;
+    let needs = if dsr { 0 } else { FLOW_REPLIED };
+    if state & (needs | FLOW_ESTABLISHED) == needs && !pkt.is_syn() {
+        set_state(state_of(flow), FLOW_ESTABLISHED);
+    }
+    if last_seen != now {
+        // SAFETY: a valid map value; a plain store of a timestamp.
+        unsafe { (*flow).last_seen = now };
+    }
+    Some(if dsr { To::Dsr(nat) } else { To::Backend(nat) })
+}
+
+#[inline(never)]
+fn new_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> Result<Nat6, u32> {
+    // SAFETY: this CPU's scratch slot, where try_lb copied the service;
+    // nothing writes `svc` while this reference lives.
+    let svc = unsafe { &(*k).svc };
+    let opening = pkt.proto != PROTO_TCP || pkt.is_syn();
+    if !opening && FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until) > now) {
+        stats::count(counter::HELD);
+        return Err(xdp_action::XDP_DROP);
+    }
+    let reply_entry = svc.flags & SVC_F_REPLY_ENTRY != 0;
+    if reply_entry || rate_ok(now) {
+        let id = if opening { select::pick(svc, pkt.tuple()) } else { select::pick_stateless(svc, pkt.tuple()) };
+        match insert_flow(pkt, k, svc, id, now) {
+            Insert::Done(nat) => return Ok(nat),
+            Insert::NoBackend => return Err(no_backend()),
+            Insert::Full if reply_entry => {
+                stats::count(counter::DROP_FLOW_TABLE);
+                return Err(xdp_action::XDP_DROP);
+            }
+            Insert::Full => stats::count(counter::TABLE_FULL),
+        }
+    } else {
+        stats::count(counter::FLOOD_RATE);
+    }
+    let id = select::pick_stateless(svc, pkt.tuple());
+    match backend_addr(id) {
+        Some((addr, port)) => {
+            if opening {
+                stats::new_flow(id);
+            }
+            Ok(Nat6 { backend_id: id, addr, port })
+        }
+        None => Err(no_backend()),
+    }
+}
+
+/// An IPv6 backend's address and port (None for an empty id or an IPv4
+/// backend: a table never mixes them, but a stale id might).
+#[inline(always)]
+fn backend_addr(id: u32) -> Option<([u32; 4], u16)> {
+    if id == BACKEND_NONE {
+        return None;
+    }
+    let b = BACKENDS.get(id)?;
+    if b.flags & BACKEND_F_V6 == 0 {
+        return None;
+    }
+    let port = b.port;
+    Some((*BACKEND_ADDRS6.get(id)?, port))
+}
+
+enum Insert {
+    Done(Nat6),
+    NoBackend,
+    Full,
+}
+
+#[inline(always)]
+fn insert_flow(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64) -> Insert {
+    let Some((addr, port)) = backend_addr(id) else {
+        return Insert::NoBackend;
+    };
+    let state = if pkt.proto != PROTO_TCP {
+        0
+    } else if pkt.tcp_flags & TCP_RST != 0 {
+        FLOW_RST
+    } else if pkt.tcp_flags & TCP_FIN != 0 {
+        FLOW_FIN_CLIENT
+    } else {
+        0
+    };
+    let Some(e) = SCRATCH6.get_ptr_mut(0) else {
+        return Insert::Full;
+    };
+    // SAFETY: this CPU's slot of a per-CPU map, touched by this program
+    // invocation only; plain stores.
+    // Field by field: a whole-struct write is built on the stack first.
+    unsafe {
+        (*e).backend_id = id;
+        (*e).service_id = svc.service_id;
+        (*e).nat_addr = pkt.daddr();
+        (*e).nat_port = pkt.dport;
+        (*e).dir = DIR_REPLY;
+        (*e)._pad = 0;
+        (*e)._pad2 = 0;
+        (*e).state = 0;
+        (*e).last_seen = 0;
+        (*e).nh_ifindex = 0;
+        (*e).nh_time = 0;
+        (*e).nh_smac = [0; 6];
+        (*e).nh_dmac = [0; 6];
+        (*e).nh_gen = 0;
+    }
+    let dir = if svc.flags & SVC_F_DSR != 0 {
+        DIR_DSR
+    } else if svc.flags & SVC_F_REPLY_ENTRY != 0 {
+        // SAFETY: see above (both slots); the shared references live for
+        // the call only.
+        let inserted = unsafe {
+            (*k).other = FlowKey6 {
+                src_addr: addr,
+                dst_addr: pkt.saddr(),
+                src_port: port,
+                dst_port: pkt.sport,
+                proto: pkt.proto,
+                _pad: [0; 3],
+            };
+            FLOWS6.insert(&(*k).other, &*e, 0)
+        };
+        if inserted.is_err() {
+            return Insert::Full;
+        }
+        DIR_FORWARD
+    } else {
+        DIR_FLOW
+    };
+    // SAFETY: as above.
+    unsafe {
+        (*e).nat_addr = addr;
+        (*e).nat_port = port;
+        (*e).dir = dir;
+        (*e).state = state;
+        (*e).last_seen = now;
+    }
+    // SAFETY: as above.
+    if FLOWS6.insert(unsafe { &(*k).flow }, unsafe { &*e }, 0).is_err() {
+        return Insert::Full;
+    }
+    if pkt.proto != PROTO_TCP || pkt.is_syn() {
+        stats::new_flow(id);
+    }
+    stats::flow_opened(id);
+    if flow_closed(state) {
+        stats::flow_closed(id);
+    }
+    Insert::Done(Nat6 { backend_id: id, addr, port })
+}
+
+/// A packet from a backend's endpoint, `vip` the service that owns it (see
+/// `main.rs`'s `reply_of_flow`).
+#[inline(always)]
+fn reply_of_flow(pkt: &Packet6, k: *mut Keys6, no_flow: &mut bool) -> Option<To> {
+    // SAFETY: this CPU's scratch slot (see try_lb); plain copies.
+    let vip = unsafe { (*k).vip };
+    let Some(flow) = FLOWS6.get_ptr_mut(client_key(pkt, k, &vip.addr, vip.port)) else {
+        *no_flow = true;
+        return None;
+    };
+    // SAFETY: a valid, aligned map value; plain loads of integers.
+    let (dir, nat) = unsafe { ((*flow).dir, Nat6::of(flow)) };
+    if dir != DIR_FLOW || nat.addr != pkt.saddr() || nat.port != pkt.sport {
+        return None;
+    }
+    crate::mark_replied(state_of(flow));
+    track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
+    Some(To::Client(Nat6 { backend_id: nat.backend_id, addr: vip.addr, port: vip.port }, flow))
+}
+
+/// A packet that matched a reply entry (see `main.rs`).
+#[inline(always)]
+fn reply_entry_seen(pkt: &Packet6, entry: *mut Flow6, k: *mut Keys6, nat: &Nat6) {
+    let first = crate::mark_replied(state_of(entry));
+    let closing = pkt.proto == PROTO_TCP && pkt.tcp_flags & (TCP_FIN | TCP_RST) != 0;
+    if !first && !closing {
+        return;
+    }
+    if let Some(fwd) = FLOWS6.get_ptr_mut(client_key(pkt, k, &nat.addr, nat.port)) {
+        if first {
+            set_state(state_of(fwd), FLOW_REPLIED);
+        }
+        track_close(state_of(fwd), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
+    }
+}
+
+/// The client's 5-tuple towards the VIP, from a backend -> client packet,
+/// written into the scratch slot's second key.
+#[inline(always)]
+fn client_key<'a>(pkt: &Packet6, k: *mut Keys6, vip_addr: &[u32; 4], vip_port: u16) -> &'a FlowKey6 {
+    // SAFETY: this CPU's scratch slot (see try_lb); the reference is used
+    // for one lookup, and nothing writes the slot meanwhile.
+    unsafe {
+        (*k).other = FlowKey6 {
+            src_addr: pkt.daddr(),
+            dst_addr: *vip_addr,
+            src_port: pkt.dport,
+            dst_port: vip_port,
+            proto: pkt.proto,
+            _pad: [0; 3],
+        };
+        &(*k).other
+    }
+}
+
+/// The keys of one packet's lookups, in a per-CPU scratch slot
+/// (`KEYS6`): 120 bytes the 512-byte stack has no room for. `flow` is
+/// the packet's own 5-tuple; `other` the client's tuple of a backend's
+/// packet, or a new flow's reply entry; `vip` a VIP or endpoint key.
+#[repr(C)]
+pub(crate) struct Keys6 {
+    pub flow: FlowKey6,
+    pub other: FlowKey6,
+    pub vip: Vip6Key,
+    pub rw: Rewrite6,
+    /// The service of a new flow.
+    pub svc: Service,
+}
+
+/// What a NAT rewrite changed, for the L4 checksum update.
+#[derive(Clone, Copy)]
+pub(crate) struct Rewrite6 {
+    old_addr: [u32; 4],
+    new_addr: [u32; 4],
+    old_port: u16,
+    new_port: u16,
+}
+
+#[inline(always)]
+fn hop_limit_ok(pkt: &Packet6) -> bool {
+    // SAFETY: bounds-checked by parse().
+    unsafe { (*pkt.ip).hop_limit > 1 }
+}
+
+/// Client -> backend: destination becomes the backend.
+#[inline(always)]
+fn forward(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, cs: L4Csum, now: u64) -> u32 {
+    if !hop_limit_ok(pkt) {
+        stats::count(counter::TTL_EXPIRED);
+        return xdp_action::XDP_PASS;
+    }
+    stats::packet_in(nat.backend_id, pkt.len);
+    let Some(rw) = rewrite(pkt, nat.addr, nat.port, Way::Forward) else {
+        return xdp_action::XDP_PASS;
+    };
+    send(ctx, pkt, rw, cs, Hop::Backend { id: nat.backend_id, addr: fold6(&nat.addr) }, now, Way::Forward)
+}
+
+/// Backend -> client: source becomes the VIP again.
+#[inline(always)]
+fn reply(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, cs: L4Csum, hop: Hop, now: u64) -> u32 {
+    if !hop_limit_ok(pkt) {
+        stats::count(counter::TTL_EXPIRED);
+        return xdp_action::XDP_PASS;
+    }
+    if nat.backend_id != BACKEND_NONE {
+        stats::packet_out(nat.backend_id, pkt.len);
+    }
+    let Some(rw) = rewrite(pkt, nat.addr, nat.port, Way::Reply) else {
+        return xdp_action::XDP_PASS;
+    };
+    send(ctx, pkt, rw, cs, hop, now, Way::Reply)
+}
+
+/// The L4 checksum as it arrived (see `forward::classify`). One that
+/// equals the pseudo-header sum is taken as unfinished without summing
+/// the segment to confirm it (IPv4 confirms): the summing loop, followed
+/// by the verifier through this program's larger state, does not fit its
+/// budget. An unfinished IPv6 checksum is therefore never finished here:
+/// such a packet takes the kernel's forwarding path, which finishes it
+/// (counted `csum_partial` and `kernel_egress`). A finished checksum that
+/// equals the pseudo-header sum by chance (1 in 65,536) goes that way too
+/// and arrives with a wrong checksum: its sender retransmits.
+#[inline(always)]
+fn classify(pkt: &Packet6) -> L4Csum {
+    // SAFETY: bounds-checked by parse().
+    let field = unsafe { *pkt.l4_check };
+    let pseudo = csum::pseudo_header6(&pkt.saddr(), &pkt.daddr(), pkt.proto, pkt.l4_len as u32);
+    if field != pseudo {
+        return L4Csum::Full;
+    }
+    stats::count(counter::CSUM_PARTIAL);
+    L4Csum::Partial { done: None }
+}
+
+/// Rewrite the destination (forward) or source (reply) address and port.
+#[inline(always)]
+fn rewrite<'a>(pkt: &Packet6, addr: [u32; 4], port: u16, way: Way) -> Option<&'a Rewrite6> {
+    // What changed is kept in this CPU's scratch slot (`Keys6::rw`), off
+    // the stack.
+    let k = KEYS6.get_ptr_mut(0)?;
+    // SAFETY: every pointer in Packet6 was bounds-checked by parse(); the
+    // scratch slot is this invocation's, and the reference handed out is
+    // the only one until the packet is sent.
+    unsafe {
+        let ip = pkt.ip;
+        let (a, p) = match way {
+            Way::Forward => (&raw mut (*ip).daddr, &raw mut (*pkt.ports)[1]),
+            Way::Reply => (&raw mut (*ip).saddr, &raw mut (*pkt.ports)[0]),
+        };
+        (*k).rw = Rewrite6 { old_addr: *a, new_addr: addr, old_port: *p, new_port: port };
+        *a = addr;
+        *p = port;
+        Some(&(*k).rw)
+    }
+}
+
+/// Bring the L4 checksum in line with the rewrite (see `forward::update_l4`).
+#[inline(always)]
+fn update_l4(pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, finish: bool) {
+    // SAFETY: l4_check was bounds-checked by parse().
+    unsafe {
+        let mut old = *pkt.l4_check;
+        match cs {
+            L4Csum::Partial { done: Some(done) } if finish => old = done,
+            L4Csum::Partial { .. } => {
+                *pkt.l4_check = csum::replace6_partial(old, &rw.old_addr, &rw.new_addr);
+                return;
+            }
+            L4Csum::Full => {}
+        }
+        let mut new = csum::replace_addr6_port(old, &rw.old_addr, &rw.new_addr, rw.old_port, rw.new_port);
+        if pkt.proto == PROTO_UDP && new == 0 {
+            new = 0xffff;
+        }
+        *pkt.l4_check = new;
+    }
+}
+
+/// The kernel's forwarding path, the packet as rewritten so far.
+#[inline(always)]
+fn to_kernel(pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, reason: u32) -> u32 {
+    update_l4(pkt, rw, cs, false);
+    stats::count(reason);
+    xdp_action::XDP_PASS
+}
+
+/// Send the rewritten packet to its next hop (see `forward::send`).
+#[inline(always)]
+fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, now: u64, way: Way) -> u32 {
+    let now = now as u32;
+    let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
+    // The egress only: the MACs are copied into the frame at the end,
+    // from wherever the hop is kept (held in locals across the checks
+    // below, their bytes cost this frame more than it has).
+    let ifindex = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
+        nh.0
+    } else {
+        // SAFETY: bounds-checked by parse().
+        let dst = unsafe { (*pkt.ip).daddr };
+        let (rc, nh) = fib(ctx, pkt, &dst, false);
+        match rc {
+            FIB_OK => {}
+            FIB_TOO_BIG => return too_big_rewritten(ctx, pkt, rw, way, nh.0),
+            _ => return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK),
+        }
+        if !can_redirect(ctx, nh.0) {
+            return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
+        }
+        store_hop(ctx, hop, nh, now, generation);
+        nh.0
+    };
+    if let Some(mtu) = too_big(pkt.ip_len(), ifindex) {
+        return too_big_rewritten(ctx, pkt, rw, way, mtu);
+    }
+    // Native mode must finish an unfinished checksum before a redirect,
+    // which this path cannot (see `classify`): the kernel's path.
+    if matches!(cs, L4Csum::Partial { .. }) && !generic_ingress(ctx) {
+        return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
+    }
+    update_l4(pkt, rw, cs, false);
+    // SAFETY: bounds-checked by parse().
+    unsafe { (*pkt.ip).hop_limit -= 1 };
+    copy_macs(hop, pkt.eth);
+    stats::count(counter::XDP_REDIRECT);
+    // SAFETY: plain helper call.
+    unsafe { bpf_redirect(ifindex, 0) as u32 }
+}
+
+/// Write the MACs of the next hop `hop` names into the frame: from its
+/// cache, or for an uncached hop from the FIB's answer in the scratch slot
+/// (nothing has used the slot since).
+#[inline(always)]
+fn copy_macs(hop: Hop, eth: *mut EthHdr) {
+    // SAFETY: valid map values (a cache just found fresh or filled, the
+    // scratch slot); plain loads; eth was bounds-checked by parse().
+    unsafe {
+        match hop {
+            Hop::Backend { id, .. } => {
+                if let Some(h) = crate::maps::NEXT_HOPS.get_ptr(id) {
+                    set_macs(eth, (*h).smac, (*h).dmac);
+                }
+            }
+            Hop::Flow(e) => set_macs(eth, (*e).nh_smac, (*e).nh_dmac),
+            Hop::Flow6(e) => set_macs(eth, (*e).nh_smac, (*e).nh_dmac),
+            Hop::Uncached => {
+                if let Some(p) = SCRATCH6.get_ptr(0) {
+                    let p = p.cast::<FibParams>();
+                    set_macs(eth, (*p).smac, (*p).dmac);
+                }
+            }
+        }
+    }
+}
+
+/// A rewritten packet too big for its egress: never redirected. A reply
+/// goes back to the kernel as it came (backend -> client), whose "packet
+/// too big" reaches the backend quoting what the backend sent; a forward
+/// packet is answered here from the VIP (see `forward::too_big_rewritten`).
+#[inline(always)]
+fn too_big_rewritten(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, way: Way, mtu: u32) -> u32 {
+    stats::count(counter::TOO_BIG);
+    // SAFETY: every pointer in Packet6 was bounds-checked by parse().
+    unsafe {
+        match way {
+            Way::Forward => {
+                (*pkt.ip).daddr = rw.old_addr;
+                (*pkt.ports)[1] = rw.old_port;
+            }
+            Way::Reply => {
+                (*pkt.ip).saddr = rw.old_addr;
+                (*pkt.ports)[0] = rw.old_port;
+            }
+        }
+    }
+    match way {
+        Way::Reply => xdp_action::XDP_PASS,
+        Way::Forward => icmp6_too_big(ctx, mtu),
+    }
+}
+
+/// Client -> backend by L2 direct server return (see `forward::send_dsr`).
+#[inline(always)]
+fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
+    stats::packet_in(nat.backend_id, pkt.len);
+    let now = now as u32;
+    let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
+    let hop = Hop::Backend { id: nat.backend_id, addr: fold6(&nat.addr) };
+    let (ifindex, smac, dmac) = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
+        nh
+    } else {
+        let (rc, nh) = fib(ctx, pkt, &nat.addr, true);
+        match rc {
+            FIB_OK => {}
+            FIB_TOO_BIG => {
+                stats::count(counter::TOO_BIG);
+                return icmp6_too_big(ctx, nh.0);
+            }
+            FIB_NO_NEIGH => {
+                stats::count(counter::FIB_FALLBACK);
+                return xdp_action::XDP_DROP;
+            }
+            _ => {
+                stats::count(counter::DSR_OFF_LINK);
+                return xdp_action::XDP_DROP;
+            }
+        }
+        if !can_redirect(ctx, nh.0) {
+            stats::count(counter::DSR_OFF_LINK);
+            return xdp_action::XDP_DROP;
+        }
+        store_hop(ctx, hop, nh, now, generation);
+        nh
+    };
+    if let Some(mtu) = too_big(pkt.ip_len(), ifindex) {
+        stats::count(counter::TOO_BIG);
+        return icmp6_too_big(ctx, mtu);
+    }
+    set_macs(pkt.eth, smac, dmac);
+    stats::count(counter::XDP_REDIRECT);
+    // SAFETY: plain helper call.
+    unsafe { bpf_redirect(ifindex, 0) as u32 }
+}
+
+/// Turn the (too big) IPv6 packet into ICMPv6 "packet too big" (type 2,
+/// MTU `mtu`) from the address it was sent to, back to its sender,
+/// quoting as much of it as fits in 1,280 bytes: out of the ingress device
+/// by XDP_TX when it can take it, else through the kernel's forwarding
+/// path. Built in place, as `forward::icmp4_too_big` is.
+#[inline(never)]
+fn icmp6_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
+    // SAFETY: plain helper calls on the program's own context.
+    unsafe {
+        if bpf_xdp_adjust_head(ctx.ctx.cast(), -(ICMP6_GROW as i32)) != 0 {
+            return xdp_action::XDP_DROP;
+        }
+        let len = ctx.data_end() - ctx.data();
+        if len > ETH_HLEN + IPV6_MIN_MTU
+            && bpf_xdp_adjust_tail(ctx.ctx.cast(), (ETH_HLEN + IPV6_MIN_MTU) as i32 - len as i32) != 0
+        {
+            return xdp_action::XDP_DROP;
+        }
+    }
+    let len = ctx.data_end() - ctx.data();
+    // The new headers, then the old Ethernet and IPv6 headers.
+    let Some(frame) = ptr_at::<[u16; (ICMP6_GROW + ETH_HLEN + IP6_HLEN) / 2]>(ctx, 0) else {
+        return xdp_action::XDP_DROP;
+    };
+    if len > ETH_HLEN + IPV6_MIN_MTU {
+        return xdp_action::XDP_DROP;
+    }
+    let icmp_len = len - ETH_HLEN - IP6_HLEN;
+    let tx = can_redirect(ctx, ctx.ingress_ifindex() as u32);
+    let w = frame.cast::<u16>();
+    // Word offsets: the old Ethernet header now starts at word 24, the
+    // quoted IPv6 header at word 31 (source at 35, destination at 43).
+    const OLD_ETH: usize = ICMP6_GROW / 2;
+    const QUOTED: usize = OLD_ETH + ETH_HLEN / 2;
+    // SAFETY: every index is below the 55 words bounds-checked above;
+    // each word is read before anything is written over it.
+    unsafe {
+        let swap = if tx { 3 } else { 0 };
+        for i in 0..6 {
+            *w.add(i) = *w.add(OLD_ETH + (i + swap) % 6);
+        }
+        *w.add(6) = ETH_P_IPV6.to_be();
+        // Version 6, no traffic class or flow label; payload length;
+        // next header ICMPv6, hop limit 64.
+        *w.add(7) = u16::from_ne_bytes([0x60, 0]);
+        *w.add(8) = 0;
+        *w.add(9) = (icmp_len as u16).to_be();
+        *w.add(10) = u16::from_ne_bytes([NEXT_ICMPV6, 64]);
+        // Source = where the packet went, destination = its sender.
+        for i in 0..8 {
+            *w.add(11 + i) = *w.add(QUOTED + 12 + i);
+            *w.add(19 + i) = *w.add(QUOTED + 4 + i);
+        }
+        // Type 2 (packet too big), code 0, checksum 0 for now; the MTU.
+        *w.add(27) = u16::from_ne_bytes([2, 0]);
+        *w.add(28) = 0;
+        *w.add(29) = ((mtu >> 16) as u16).to_be();
+        *w.add(30) = (mtu as u16).to_be();
+    }
+    let Some(body) = segment_sum(ctx, ETH_HLEN + IP6_HLEN, icmp_len) else {
+        return xdp_action::XDP_DROP;
+    };
+    // The pseudo-header: both addresses (their sum is the same either
+    // way round), the ICMPv6 length, the next header.
+    let Some(ip) = ptr_at::<Ipv6Hdr>(ctx, ETH_HLEN) else {
+        return xdp_action::XDP_DROP;
+    };
+    // SAFETY: bounds-checked just above; w[28] lies inside the frame
+    // checked above.
+    unsafe {
+        let pseudo = csum::pseudo_header6(&(*ip).saddr, &(*ip).daddr, NEXT_ICMPV6, icmp_len as u32);
+        *w.add(28) = !csum::add(pseudo, body);
+    }
+    if tx { xdp_action::XDP_TX } else { xdp_action::XDP_PASS }
+}
+
+/// What the ICMPv6 error adds in front of the quoted packet.
+const ICMP6_GROW: usize = IP6_HLEN + 8;
+
+/// Ask the FIB about the packet towards `dst`: the parameters and the
+/// answer live in this CPU's scratch slot (`forward::fib_params`), not on
+/// the stack. Ok(next hop); Err(the `BPF_FIB_LKUP_RET_*` code, or
+/// [`FIB_OFF_LINK`]), with the MTU in the first slot for [`FIB_TOO_BIG`].
+#[inline(always)]
+fn fib(ctx: &XdpContext, pkt: &Packet6, dst: &[u32; 4], on_link: bool) -> (i64, NextHopAddr) {
+    let Some(p) = crate::forward::fib_params() else {
+        return (-1, (0, [0; 6], [0; 6]));
+    };
+    // SAFETY: this CPU's zeroed scratch slot.
+    unsafe { (*p).__bindgen_anon_4.ipv6_dst = *dst };
+    let rc = fib_lookup(ctx, pkt, on_link);
+    // SAFETY: as above; the helper's answer (plain loads).
+    unsafe {
+        match rc {
+            FIB_OK => (rc, ((*p).ifindex, (*p).smac, (*p).dmac)),
+            FIB_TOO_BIG => (rc, (u32::from((*p).__bindgen_anon_1.mtu_result), [0; 6], [0; 6])),
+            _ => (rc, (0, [0; 6], [0; 6])),
+        }
+    }
+}
+
+/// The lookup itself, on the parameters [`fib`] started (destination
+/// set). Its own frame, as in `forward`.
+#[inline(never)]
+fn fib_lookup(ctx: &XdpContext, pkt: &Packet6, on_link: bool) -> i64 {
+    let Some(p) = SCRATCH6.get_ptr_mut(0) else {
+        return -1;
+    };
+    let p = p.cast::<FibParams>();
+    // SAFETY: this CPU's scratch slot, which `fib` zeroed and gave the
+    // destination; plain stores and loads.
+    unsafe {
+        let dst = (*p).__bindgen_anon_4.ipv6_dst;
+        (*p).family = AF_INET6;
+        (*p).l4_protocol = pkt.proto;
+        (*p).__bindgen_anon_1.tot_len = pkt.ip_len() as u16;
+        (*p).__bindgen_anon_3.ipv6_src = pkt.saddr();
+        (*p).ifindex = ctx.ingress_ifindex() as u32;
+        let rc = bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0);
+        // The helper wrote the next hop's address (a gateway, if the
+        // route has one) over the destination.
+        if rc == FIB_OK && on_link && (*p).__bindgen_anon_4.ipv6_dst != dst {
+            return FIB_OFF_LINK;
+        }
+        rc
+    }
+}
