@@ -9,6 +9,8 @@
 //! [`sysctl`] changes a kernel setting for a benchmark's run and puts it
 //! back, also after a kill.
 pub mod frame;
+pub mod frame6;
 pub mod sysctl;
 
 pub use frame::{Frame, L4Checksum, ParseError, Proto};
+pub use frame6::Frame6;
