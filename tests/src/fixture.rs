@@ -7,7 +7,7 @@
 //! bpf_fib_lookup answers as it would on a gateway; it is removed on drop.
 //! Needs root.
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     path::PathBuf,
     process::Command,
     sync::atomic::{AtomicU32, Ordering},
@@ -24,6 +24,7 @@ use lb_userspace::{
 
 pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
 pub const XDP_REDIRECT: u32 = 4;
 
 pub const XMIT_ALL: u32 = NETDEV_F_XMIT_GENERIC | NETDEV_F_XMIT_NATIVE;
@@ -38,6 +39,14 @@ pub const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 1, 1);
 pub const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 11);
 /// A backend without a neighbour entry: the FIB answers "no neighbour".
 pub const BACKEND_UNRESOLVED: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 12);
+
+pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x100);
+pub const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 1, 1);
+pub const BACKEND6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 0x11);
+/// An IPv6 backend without a neighbour entry.
+pub const BACKEND6_UNRESOLVED: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 0x12);
+/// A backend behind a router (not on a directly connected network).
+pub const BACKEND_ROUTED: Ipv4Addr = Ipv4Addr::new(10, 30, 0, 11);
 
 // ---------------------------------------------------------------- netns
 
@@ -82,6 +91,14 @@ impl Netns {
             format!("ip -n {n} neigh replace {CLIENT} lladdr {} dev gwa nud permanent", mac(CLIENT_MAC)),
             format!("ip -n {n} neigh replace {BACKEND} lladdr {} dev gwb nud permanent", mac(BACKEND_MAC)),
             format!("ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"),
+            format!("ip netns exec {n} sysctl -qw net.ipv6.conf.all.forwarding=1"),
+            format!("ip -n {n} addr add fd00:10::1/64 dev gwa nodad"),
+            format!("ip -n {n} addr add fd00:20::1/64 dev gwb nodad"),
+            format!("ip -n {n} neigh replace {CLIENT6} lladdr {} dev gwa nud permanent", mac(CLIENT_MAC)),
+            format!("ip -n {n} neigh replace {BACKEND6} lladdr {} dev gwb nud permanent", mac(BACKEND_MAC)),
+            // A router on the backend side, and a network behind it.
+            format!("ip -n {n} neigh replace 10.20.0.254 lladdr {} dev gwb nud permanent", mac(BACKEND_MAC)),
+            format!("ip -n {n} route add 10.30.0.0/24 via 10.20.0.254 dev gwb"),
         ] {
             sh(&cmd.split(' ').collect::<Vec<_>>());
         }

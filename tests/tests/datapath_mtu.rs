@@ -1,0 +1,124 @@
+//! Packet fixtures (BPF_PROG_TEST_RUN, as `datapath.rs`) for packets too
+//! big for their egress: a redirected frame above the egress MTU is
+//! dropped silently by the kernel, so the datapath must never send one,
+//! and the sender must learn the path MTU from an ICMP error that names
+//! what it sent.
+//!
+//! The fixture's backend side (`gwb`) gets an MTU of 1,280; the client
+//! side keeps 1,500. ICMP errors are read back and their checksums
+//! verified by etherparse (`lb_testkit::frame6`), not by code of ours.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
+use lb_common::NETDEV_MTU_SHIFT;
+use lb_testkit::{
+    Frame,
+    frame::{
+        ETH_LEN, IPV4_LEN,
+        tcp::{ACK, SYN},
+    },
+    frame6::parse_frag_needed,
+};
+use lb_tests::fixture::*;
+use lb_userspace::config::Protocol;
+
+const SMALL_MTU: u32 = 1280;
+
+/// A fixture whose backend-side device has the small MTU, described to
+/// the datapath with its MTU as lbd describes it.
+fn small_backend_mtu() -> Fixture {
+    sh(&["ip", "link", "set", "dev", "gwb", "mtu", &SMALL_MTU.to_string()]);
+    let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+    mtus(&mut fx, 1500, SMALL_MTU);
+    fx
+}
+
+fn mtus(fx: &mut Fixture, a: u32, b: u32) {
+    fx.netdevs(a << NETDEV_MTU_SHIFT, XMIT_ALL, b << NETDEV_MTU_SHIFT, XMIT_ALL);
+}
+
+/// A client -> VIP segment whose IP packet is `ip_len` bytes long.
+fn big(sport: u16, flags: u8, ip_len: usize, df: bool) -> Frame {
+    let mut f = tcp(CLIENT, sport, VIP, 80, flags);
+    f.payload = vec![0x5a; ip_len - IPV4_LEN - lb_testkit::frame::TCP_LEN];
+    f.dont_fragment = df;
+    f
+}
+
+/// The ICMP "fragmentation needed" the datapath answers `sent` with: from
+/// the VIP to the client, quoting the packet as the client sent it.
+fn assert_frag_needed(out: &[u8], sent: &Frame, action: u32) {
+    let icmp = parse_frag_needed(out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
+    assert_eq!((icmp.src, icmp.dst), (VIP, CLIENT), "from the address the client sent to, back to the client");
+    assert_eq!(u32::from(icmp.mtu), SMALL_MTU);
+    let bytes = sent.bytes();
+    assert_eq!(icmp.quoted, bytes[ETH_LEN..ETH_LEN + IPV4_LEN + 8], "quotes the IP header and 8 bytes as sent");
+    // Out of the ingress device by XDP_TX (it can take it): back to the
+    // client's MAC.
+    assert_eq!(action, XDP_TX);
+    assert_eq!((icmp.dmac, icmp.smac), (CLIENT_MAC, GW_A_MAC));
+}
+
+#[test]
+fn a_forward_packet_too_big_for_the_backend_side_is_answered_with_fragmentation_needed() {
+    in_netns(|| {
+        let fx = small_backend_mtu();
+        let syn = tcp(CLIENT, 42000, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT, "a small packet goes through");
+        // The hop is cached now: the check is the device's MTU.
+        let p = big(42000, ACK, 1400, true);
+        let (action, out) = fx.run(&p.bytes(), fx.if_a);
+        assert_frag_needed(&out, &p, action);
+        assert_eq!(fx.counter("too_big"), 1);
+        // Exactly the MTU fits.
+        let fits = big(42000, ACK, SMALL_MTU as usize, true);
+        let (action, out) = fx.run(&fits.bytes(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        assert_eq!(dst_of(&out), BACKEND);
+        assert_eq!(fx.counter("too_big"), 1);
+    });
+}
+
+#[test]
+fn the_first_packet_of_a_flow_too_big_is_caught_by_the_fib() {
+    in_netns(|| {
+        let fx = small_backend_mtu();
+        // No next hop cached yet: the FIB lookup itself reports the MTU.
+        let p = big(42001, SYN, 1400, true);
+        let (action, out) = fx.run(&p.bytes(), fx.if_a);
+        assert_frag_needed(&out, &p, action);
+        assert_eq!(fx.counter("too_big"), 1);
+        assert_eq!(fx.counter("xdp_redirect"), 0);
+    });
+}
+
+#[test]
+fn a_packet_too_big_without_df_goes_to_the_kernel_rewritten_to_be_fragmented() {
+    in_netns(|| {
+        let fx = small_backend_mtu();
+        let syn = tcp(CLIENT, 42002, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let p = big(42002, ACK, 1400, false);
+        let (action, out) = fx.run(&p.bytes(), fx.if_a);
+        assert_eq!(action, XDP_PASS);
+        assert_eq!(out, Frame { dst: BACKEND, dport: 8080, ..p }.bytes(), "rewritten, TTL and MACs as they came");
+        assert_eq!(fx.counter("too_big"), 1);
+    });
+}
+
+#[test]
+fn a_reply_too_big_for_the_client_side_goes_back_to_the_kernel_as_it_came() {
+    in_netns(|| {
+        sh(&["ip", "link", "set", "dev", "gwa", "mtu", &SMALL_MTU.to_string()]);
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        mtus(&mut fx, SMALL_MTU, 1500);
+        let syn = tcp(CLIENT, 42003, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let mut reply = Frame::tcp(BACKEND, 8080, CLIENT, 42003, ACK).macs(GW_B_MAC, BACKEND_MAC);
+        reply.payload = vec![0xa5; 1400 - IPV4_LEN - lb_testkit::frame::TCP_LEN];
+        let (action, out) = fx.run(&reply.bytes(), fx.if_b);
+        // Untouched: the kernel's own "fragmentation needed" then quotes
+        // the header the backend sent, and reaches the backend.
+        assert_eq!(action, XDP_PASS);
+        assert_eq!(out, reply.bytes());
+        assert_eq!(fx.counter("too_big"), 1);
+    });
+}
