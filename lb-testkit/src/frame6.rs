@@ -88,7 +88,13 @@ impl Frame6 {
 
     /// A UDP datagram with the payload `query`.
     pub fn udp(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16) -> Self {
-        Self { proto: Proto::Udp, seq: 0, window: 0, payload: b"query".to_vec(), ..Self::tcp(src, sport, dst, dport, 0) }
+        Self {
+            proto: Proto::Udp,
+            seq: 0,
+            window: 0,
+            payload: b"query".to_vec(),
+            ..Self::tcp(src, sport, dst, dport, 0)
+        }
     }
 
     #[must_use]
