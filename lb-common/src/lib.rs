@@ -136,12 +136,11 @@ pub mod maps {
     pub const FLOWS6: &str = "FLOWS6";
     pub const SCRATCH6: &str = "SCRATCH6";
     pub const PROGS: &str = "PROGS";
-    pub const MTU_FLOOR: &str = "MTU_FLOOR";
     pub const KEYS6: &str = "KEYS6";
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 28] = [
+    pub const ALL: [&str; 27] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -168,7 +167,6 @@ pub mod maps {
         FLOWS6,
         SCRATCH6,
         PROGS,
-        MTU_FLOOR,
         KEYS6,
     ];
 

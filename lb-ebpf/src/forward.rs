@@ -24,7 +24,7 @@ use lb_common::{
 use lb_ebpf::csum;
 
 use crate::{
-    maps::{MTU_FLOOR, NETDEV_GEN, NETDEVS, NEXT_HOPS, SCRATCH6},
+    maps::{NETDEV_GEN, NETDEVS, NEXT_HOPS, SCRATCH6},
     parse::{ETH_HLEN, EthHdr, Ipv4Hdr, Packet, ptr_at},
     stats,
 };
@@ -175,12 +175,6 @@ fn csum_diff<T>(p: *mut T, len: usize, seed: u32) -> u32 {
     unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, p.cast::<u32>(), len as u32, seed) as u32 }
 }
 
-/// The packet's IPv4 length (header and payload).
-#[inline(always)]
-fn ip_len(pkt: &Packet) -> u32 {
-    (pkt.l4_off - ETH_HLEN + pkt.l4_len) as u32
-}
-
 /// Whether the IPv4 packet has DF set.
 #[inline(always)]
 fn dont_fragment(pkt: &Packet) -> bool {
@@ -280,19 +274,20 @@ fn netdev(ifindex: u32) -> u32 {
     unsafe { NETDEVS.get(&ifindex) }.copied().unwrap_or(0)
 }
 
-/// Whether an IP packet of `len` bytes is too big for the device
-/// `ifindex`. One array read for the usual packet, which is no longer than
-/// the smallest MTU of any device (`MTU_FLOOR`); only a longer one has
-/// its egress device's MTU looked up. A device lbd has not described
-/// (MTU 0) is taken to fit.
+/// Whether a next hop through `egress` may be cached for packets arriving
+/// on this packet's ingress device: only when the egress MTU is at least
+/// the ingress one, so that no packet that arrives can be too big for it.
+/// A hop through a narrower egress is looked up in the FIB for every
+/// packet, and the FIB compares each packet's length with the route's MTU
+/// (`FIB_TOO_BIG`). That costs the flows that cross into a smaller MTU a
+/// lookup per packet, and every other packet nothing: a per-packet length
+/// check on the cached path costs the verifier a second exploration of
+/// everything after it. A device lbd has not described (MTU 0) is taken
+/// to be as wide as any.
 #[inline(always)]
-pub(crate) fn too_big(len: u32, ifindex: u32) -> Option<u32> {
-    let floor = MTU_FLOOR.get(0).copied().unwrap_or(0);
-    if floor != 0 && len <= floor {
-        return None;
-    }
-    let mtu = netdev(ifindex) >> NETDEV_MTU_SHIFT;
-    (mtu != 0 && len > mtu).then_some(mtu)
+pub(crate) fn may_cache(ctx: &XdpContext, egress: u32) -> bool {
+    let out = netdev(egress) >> NETDEV_MTU_SHIFT;
+    out == 0 || out >= netdev(ctx.ingress_ifindex() as u32) >> NETDEV_MTU_SHIFT
 }
 
 /// Does the program run in generic mode on the packet's ingress device?
@@ -417,7 +412,6 @@ pub(crate) enum Way {
 pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop: Hop, now: u64, way: Way) -> u32 {
     let now = now as u32;
     let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
-    let len = ip_len(pkt);
     let (ifindex, smac, dmac) = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
         nh
     } else {
@@ -432,12 +426,11 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
         if !can_redirect(ctx, nh.0) {
             return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
         }
-        store_hop(ctx, hop, nh, now, generation);
+        if may_cache(ctx, nh.0) {
+            store_hop(ctx, hop, nh, now, generation);
+        }
         nh
     };
-    if let Some(mtu) = too_big(len, ifindex) {
-        return too_big_rewritten(ctx, pkt, &Oversize { rw, cs, way, mtu });
-    }
     let finish = matches!(cs, L4Csum::Partial { .. }) && !generic_ingress(ctx);
     update_l4(pkt, rw, cs, finish);
     // SAFETY: bounds-checked by parse().
@@ -542,12 +535,11 @@ pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: 
             stats::count(counter::DSR_OFF_LINK);
             return xdp_action::XDP_DROP;
         }
-        store_hop(ctx, hop, nh, now, generation);
+        if may_cache(ctx, nh.0) {
+            store_hop(ctx, hop, nh, now, generation);
+        }
         nh
     };
-    if let Some(mtu) = too_big(ip_len(pkt), ifindex) {
-        return dsr_too_big(ctx, pkt, mtu);
-    }
     set_macs(pkt.eth(), smac, dmac);
     stats::count(counter::XDP_REDIRECT);
     // SAFETY: plain helper call.

@@ -165,12 +165,6 @@ pub(crate) static KEYS6: PerCpuArray<crate::v6::Keys6> = PerCpuArray::with_max_e
 #[map]
 pub(crate) static PROGS: ProgramArray = ProgramArray::with_max_entries(1, 0);
 
-/// The smallest MTU of the gateway's devices (one entry, written by lbd
-/// with `NETDEVS`): a packet whose IP length is at most this fits every
-/// egress, and only a longer one has its egress MTU looked up. 0: unknown.
-#[map]
-pub(crate) static MTU_FLOOR: Array<u32> = Array::with_max_entries(1, 0);
-
 // Every map's name is the one userspace looks up (lb_common::maps).
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIPS, stringify!(VIPS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIP_ADDRS, stringify!(VIP_ADDRS)));
@@ -198,7 +192,6 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::ENDPOINTS6, stringi
 const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS6, stringify!(FLOWS6)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SCRATCH6, stringify!(SCRATCH6)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::PROGS, stringify!(PROGS)));
-const _: () = assert!(lb_common::maps::same(lb_common::maps::MTU_FLOOR, stringify!(MTU_FLOOR)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::KEYS6, stringify!(KEYS6)));
 // ... and userspace knows every map.
-const _: () = assert!(lb_common::maps::ALL.len() == 28);
+const _: () = assert!(lb_common::maps::ALL.len() == 27);

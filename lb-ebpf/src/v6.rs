@@ -30,7 +30,7 @@ use crate::{
     backend_down,
     forward::{
         FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, cached_hop, can_redirect,
-        generic_ingress, segment_sum, set_macs, store_hop, too_big,
+        generic_ingress, may_cache, segment_sum, set_macs, store_hop,
     },
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, FLOOD, FLOWS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     maybe_ours, no_backend, now_secs,
@@ -807,12 +807,11 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
         if !can_redirect(ctx, nh.0) {
             return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
         }
-        store_hop(ctx, hop, nh, now, generation);
+        if may_cache(ctx, nh.0) {
+            store_hop(ctx, hop, nh, now, generation);
+        }
         nh.0
     };
-    if let Some(mtu) = too_big(pkt.ip_len(), ifindex) {
-        return too_big_rewritten(ctx, pkt, rw, way, mtu);
-    }
     // Native mode must finish an unfinished checksum before a redirect,
     // which this path cannot (see `classify`): the kernel's path.
     if matches!(cs, L4Csum::Partial { .. }) && !generic_ingress(ctx) {
@@ -909,13 +908,11 @@ fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
             stats::count(counter::DSR_OFF_LINK);
             return xdp_action::XDP_DROP;
         }
-        store_hop(ctx, hop, nh, now, generation);
+        if may_cache(ctx, nh.0) {
+            store_hop(ctx, hop, nh, now, generation);
+        }
         nh
     };
-    if let Some(mtu) = too_big(pkt.ip_len(), ifindex) {
-        stats::count(counter::TOO_BIG);
-        return icmp6_too_big(ctx, mtu);
-    }
     set_macs(pkt.eth, smac, dmac);
     stats::count(counter::XDP_REDIRECT);
     // SAFETY: plain helper call.
