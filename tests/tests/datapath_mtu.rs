@@ -63,7 +63,8 @@ fn a_forward_packet_too_big_for_the_backend_side_is_answered_with_fragmentation_
         let fx = small_backend_mtu();
         let syn = tcp(CLIENT, 42000, VIP, 80, SYN);
         assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT, "a small packet goes through");
-        // The hop is cached now: the check is the device's MTU.
+        // The egress is narrower than the ingress, so its hop is never
+        // cached: the FIB compares every packet with the route's MTU.
         let p = big(42000, ACK, 1400, true);
         let (action, out) = fx.run(&p.bytes(), fx.if_a);
         assert_frag_needed(&out, &p, action);
@@ -81,7 +82,7 @@ fn a_forward_packet_too_big_for_the_backend_side_is_answered_with_fragmentation_
 fn the_first_packet_of_a_flow_too_big_is_caught_by_the_fib() {
     in_netns(|| {
         let fx = small_backend_mtu();
-        // No next hop cached yet: the FIB lookup itself reports the MTU.
+        // The first packet of the flow, already too big.
         let p = big(42001, SYN, 1400, true);
         let (action, out) = fx.run(&p.bytes(), fx.if_a);
         assert_frag_needed(&out, &p, action);
