@@ -65,6 +65,15 @@ pub const BACKEND_F_DOWN: u32 = 1;
 /// [`fold6`] of it (never 0, so a used slot is told from an empty one).
 pub const BACKEND_F_V6: u32 = 2;
 
+/// The programs the balancer (`lb_xdp`) reaches by tail call, by their
+/// slot in its program array (`PROGS`): lbd loads each and writes its fd
+/// into its slot before attaching.
+pub const TAIL_CALLS: [(u32, &str); 3] = [(0, "lb_xdp6"), (1, "lb_icmp"), (2, "lb_icmp6")];
+/// Slots of [`TAIL_CALLS`].
+pub const PROG_V6: u32 = 0;
+pub const PROG_ICMP: u32 = 1;
+pub const PROG_ICMP6: u32 = 2;
+
 /// Bits of a `NETDEVS` value above [`NETDEV_MTU_SHIFT`]: the device's MTU.
 pub const NETDEV_MTU_SHIFT: u32 = 16;
 
@@ -243,8 +252,16 @@ pub mod counter {
     /// connected network (the FIB names a gateway for it): L2 direct
     /// server return cannot reach it; dropped.
     pub const DSR_OFF_LINK: u32 = 15;
+    /// ICMP error from the backend side about a client -> backend packet
+    /// of a balanced flow: its quoted header rewritten back to the VIP,
+    /// on its way to the client.
+    pub const ICMP_TO_CLIENT: u32 = 16;
+    /// ICMP error from the client side about a reply (addressed to the
+    /// VIP): sent on to the flow's backend (NAT: rewritten to it; DSR:
+    /// "fragmentation needed" / "packet too big" only, unchanged, to its MAC).
+    pub const ICMP_TO_BACKEND: u32 = 17;
     /// Number of counters.
-    pub const COUNT: u32 = 16;
+    pub const COUNT: u32 = 18;
 
     /// Names used by userspace (metrics labels, `lbctl status`).
     pub const NAMES: [&str; COUNT as usize] = [
@@ -264,6 +281,8 @@ pub mod counter {
         "too_big",
         "ipv6_ext",
         "dsr_off_link",
+        "icmp_to_client",
+        "icmp_to_backend",
     ];
 
     /// Counters that count a rewritten packet handed to the kernel's

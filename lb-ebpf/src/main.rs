@@ -13,6 +13,7 @@
 #![expect(clippy::needless_borrows_for_generic_args, reason = "keys by reference keep them off the BPF stack")]
 
 mod forward;
+mod icmp;
 mod maps;
 mod parse;
 mod select;
@@ -54,7 +55,10 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
                 // SAFETY: a tail call with this program's own context;
                 // when slot 0 is empty (lbd has not filled it yet) it
                 // returns and the packet goes to the kernel.
-                unsafe { PROGS.tail_call(ctx, 0) };
+                unsafe { PROGS.tail_call(ctx, lb_common::PROG_V6) };
+            } else if parse::is_icmp4(ctx) {
+                // SAFETY: as above (ICMP errors about balanced flows).
+                unsafe { PROGS.tail_call(ctx, lb_common::PROG_ICMP) };
             }
             return Ok(xdp_action::XDP_PASS);
         }

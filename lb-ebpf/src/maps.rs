@@ -158,12 +158,12 @@ pub(crate) static SCRATCH6: PerCpuArray<Flow6> = PerCpuArray::with_max_entries(1
 #[map]
 pub(crate) static KEYS6: PerCpuArray<crate::v6::Keys6> = PerCpuArray::with_max_entries(1, 0);
 
-/// Programs the balancer tail-calls: slot 0 is the IPv6 path
-/// (`lb_xdp6`), written by lbd after loading. A program of its own so
-/// that the verifier checks each family's path once, and IPv4 packets pay
-/// for no IPv6 code.
+/// Programs the balancer tail-calls (`lb_common::TAIL_CALLS`): the IPv6
+/// path (`lb_xdp6`) and the ICMP error translators, written by lbd after
+/// loading. Programs of their own so that the verifier checks each path
+/// once, and TCP/UDP over IPv4 pays for none of them.
 #[map]
-pub(crate) static PROGS: ProgramArray = ProgramArray::with_max_entries(1, 0);
+pub(crate) static PROGS: ProgramArray = ProgramArray::with_max_entries(lb_common::TAIL_CALLS.len() as u32, 0);
 
 // Every map's name is the one userspace looks up (lb_common::maps).
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIPS, stringify!(VIPS)));

@@ -147,6 +147,16 @@ pub(crate) fn is_ipv6(ctx: &XdpContext) -> bool {
     ptr_at::<EthHdr>(ctx, 0).is_some_and(|eth| unsafe { (*eth).proto } == ETH_P_IPV6.to_be())
 }
 
+/// Whether the frame is IPv4 ICMP (EtherType and protocol only).
+#[inline(always)]
+pub(crate) fn is_icmp4(ctx: &XdpContext) -> bool {
+    match (ptr_at::<EthHdr>(ctx, 0), ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN)) {
+        // SAFETY: bounds checked by ptr_at.
+        (Some(eth), Some(ip)) => unsafe { (*eth).proto == ETH_P_IP.to_be() && (*ip).proto == 1 },
+        _ => false,
+    }
+}
+
 #[inline(always)]
 pub(crate) fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
     let eth: *mut EthHdr = ptr_at(ctx, 0).ok_or(ParseError::NotOurs)?;

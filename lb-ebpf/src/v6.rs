@@ -64,6 +64,8 @@ pub(crate) struct Ipv6Hdr {
 /// Why an IPv6 packet could not be handled (see `parse::ParseError`).
 enum ParseError {
     NotOurs,
+    /// ICMPv6.
+    Icmp,
     Malformed {
         daddr: [u32; 4],
     },
@@ -159,8 +161,9 @@ fn parse(ctx: &XdpContext) -> Result<Packet6, ParseError> {
         NEXT_HOPOPT | NEXT_ROUTING | NEXT_DSTOPTS | 50 | 51 | 135 | 139 | 140 | 253 | 254 => {
             return Err(ParseError::Ext { daddr });
         }
-        // ICMPv6 (neighbour discovery, errors, echo) and anything else:
-        // the kernel's.
+        // ICMPv6 errors (types 1-4) about balanced flows: their own
+        // program; neighbour discovery, echo and the rest: the kernel's.
+        NEXT_ICMPV6 => return Err(ParseError::Icmp),
         _ => return Err(ParseError::NotOurs),
     }
     if vtc >> 28 != 6 {
@@ -297,6 +300,12 @@ fn try_lb(ctx: &XdpContext) -> u32 {
     let pkt = match parse(ctx) {
         Ok(pkt) => pkt,
         Err(ParseError::NotOurs) => return xdp_action::XDP_PASS,
+        Err(ParseError::Icmp) => {
+            // SAFETY: a tail call with this program's context; returns
+            // only if the slot is empty.
+            unsafe { crate::maps::PROGS.tail_call(ctx, lb_common::PROG_ICMP6) };
+            return xdp_action::XDP_PASS;
+        }
         Err(ParseError::Malformed { daddr }) => return drop_if_vip(daddr, counter::DROP_MALFORMED),
         Err(ParseError::Fragment { daddr }) => return drop_if_vip(daddr, counter::DROP_FRAGMENT),
         Err(ParseError::Ext { daddr }) => return drop_if_vip(daddr, counter::IPV6_EXT),

@@ -1,0 +1,417 @@
+//! ICMP errors about balanced flows, translated both ways as the kernel's
+//! conntrack does for related ICMP: programs of their own (`lb_icmp`,
+//! `lb_icmp6`), tail-called by the balancer for every ICMP error it sees,
+//! so that the verifier checks them apart and TCP/UDP packets pay nothing.
+//!
+//! - An error from the backend side about a client -> backend packet (the
+//!   quoted header runs from the client to a backend endpoint, and the
+//!   client's flow towards the VIP the endpoint names has that backend):
+//!   the quoted destination is rewritten back to the VIP and port, so the
+//!   client's stack finds its socket. The error then goes on to the client.
+//! - An error from the client side about a reply (addressed to the VIP,
+//!   quoting VIP -> client): the flow's backend is found (flow table, or
+//!   the consistent hash when it has no entry). NAT: the quoted source and
+//!   the destination become the backend's, and the kernel routes it there.
+//!   DSR: "fragmentation needed" / "packet too big" goes unchanged to the
+//!   backend's MAC (the backend holds the VIP and sent the reply).
+//!
+//! Every checksum stays valid: the quoted IPv4 header's, the quoted
+//! TCP/UDP checksum when the quote holds it, the ICMP checksum (and for
+//! ICMPv6 its pseudo-header). A quote with IPv4 options or IPv6 extension
+//! headers, and errors about anything else, go to the kernel untouched.
+use aya_ebpf::{bindings::xdp_action, helpers::generated::bpf_redirect, macros::xdp, programs::XdpContext};
+use lb_common::{
+    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_REPLY, FlowKey, FlowKey6, PROTO_TCP, PROTO_UDP, SVC_F_DSR, Service,
+    Vip6Key, VipKey, counter, fold6,
+};
+use lb_ebpf::csum;
+
+use crate::{
+    forward::{FIB_OK, can_redirect, fib_params, set_macs},
+    maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS, ENDPOINTS6, FLOWS, FLOWS6, KEYS6, VIPS, VIPS6},
+    parse::{ETH_HLEN, EthHdr, ptr_at},
+    select, stats,
+};
+
+use aya_ebpf::{bindings::bpf_fib_lookup as FibParams, helpers::generated::bpf_fib_lookup};
+use core::mem::size_of;
+
+const ICMP_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAM_PROBLEM: u8 = 12;
+const ICMP_FRAG_NEEDED: u8 = 4;
+const ICMP6_UNREACH: u8 = 1;
+const ICMP6_TOO_BIG: u8 = 2;
+const ICMP6_TIME_EXCEEDED: u8 = 3;
+const ICMP6_PARAM_PROBLEM: u8 = 4;
+
+/// Offsets in an IPv4 ICMP error without IP options, quoting a header
+/// without options.
+const IP: usize = ETH_HLEN;
+const ICMP: usize = IP + 20;
+const Q_IP: usize = ICMP + 8;
+const Q_L4: usize = Q_IP + 20;
+
+/// The same for IPv6 (no extension headers outside or in the quote).
+const IP6: usize = ETH_HLEN;
+const ICMP6: usize = IP6 + 40;
+const Q_IP6: usize = ICMP6 + 8;
+const Q_L46: usize = Q_IP6 + 40;
+
+/// Byte offset of the checksum in a TCP and a UDP header.
+const TCP_CHECK: usize = 16;
+const UDP_CHECK: usize = 6;
+
+#[inline(always)]
+fn word(ctx: &XdpContext, off: usize) -> Option<*mut u16> {
+    ptr_at::<u16>(ctx, off)
+}
+
+#[inline(always)]
+fn addr4(ctx: &XdpContext, off: usize) -> Option<*mut u32> {
+    ptr_at::<u32>(ctx, off)
+}
+
+/// Replace the 16-bit word at `off` and fold the change into the
+/// checksums at `sums` (each a word offset, 0 for none).
+#[inline(always)]
+fn set16(ctx: &XdpContext, off: usize, new: u16, sums: [usize; 2]) -> Option<()> {
+    let p = word(ctx, off)?;
+    // SAFETY: bounds-checked by ptr_at.
+    let old = unsafe { *p };
+    // SAFETY: as above.
+    unsafe { *p = new };
+    for s in sums {
+        if s != 0 {
+            let c = word(ctx, s)?;
+            // SAFETY: bounds-checked by ptr_at.
+            unsafe { *c = csum::replace2(*c, old, new) };
+        }
+    }
+    Some(())
+}
+
+/// Replace the 32-bit word at `off` and fold the change into the
+/// checksums at `sums`.
+#[inline(always)]
+fn set32(ctx: &XdpContext, off: usize, new: u32, sums: [usize; 3]) -> Option<()> {
+    let p = addr4(ctx, off)?;
+    // SAFETY: bounds-checked by ptr_at.
+    let old = unsafe { *p };
+    // SAFETY: as above.
+    unsafe { *p = new };
+    for s in sums {
+        if s != 0 {
+            let c = word(ctx, s)?;
+            // SAFETY: bounds-checked by ptr_at.
+            unsafe { *c = csum::replace4(*c, old, new) };
+        }
+    }
+    Some(())
+}
+
+/// The offset of the quoted TCP/UDP checksum if the quote holds it (and,
+/// for UDP, if it is not "none"), else 0.
+#[inline(always)]
+fn quoted_l4_check(ctx: &XdpContext, l4: usize, proto: u8) -> usize {
+    let off = l4 + if proto == PROTO_TCP { TCP_CHECK } else { UDP_CHECK };
+    match word(ctx, off) {
+        // SAFETY: bounds-checked by ptr_at.
+        Some(c) if proto == PROTO_TCP || unsafe { *c } != 0 => off,
+        _ => 0,
+    }
+}
+
+#[xdp]
+pub(crate) fn lb_icmp(ctx: XdpContext) -> u32 {
+    icmp4(&ctx).unwrap_or(xdp_action::XDP_PASS)
+}
+
+#[inline(always)]
+fn icmp4(ctx: &XdpContext) -> Option<u32> {
+    // The outer header without options, an error type, a quoted header
+    // without options for TCP/UDP, and its ports.
+    let hdr = ptr_at::<[u8; Q_L4 + 4]>(ctx, 0)?;
+    // SAFETY: bounds-checked by ptr_at.
+    let h = unsafe { &*hdr };
+    let kind = h[ICMP];
+    let proto = h[Q_IP + 9];
+    if h[IP] != 0x45
+        || h[IP + 9] != 1
+        || !matches!(kind, ICMP_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAM_PROBLEM)
+        || h[Q_IP] != 0x45
+        || (proto != PROTO_TCP && proto != PROTO_UDP)
+    {
+        return None;
+    }
+    let frag_needed = kind == ICMP_UNREACH && h[ICMP + 1] == ICMP_FRAG_NEEDED;
+    // SAFETY: bounds-checked above (the whole range up to the ports).
+    let (outer_dst, q_src, q_dst, q_sport, q_dport) = unsafe {
+        (
+            *addr4(ctx, IP + 16)?,
+            *addr4(ctx, Q_IP + 12)?,
+            *addr4(ctx, Q_IP + 16)?,
+            *word(ctx, Q_L4)?,
+            *word(ctx, Q_L4 + 2)?,
+        )
+    };
+    let q_check = quoted_l4_check(ctx, Q_L4, proto);
+    // About a client -> backend packet: the quoted destination is a
+    // backend endpoint whose client flow has that backend.
+    let ep = EndpointKey4 { addr: q_dst, port: q_dport, proto, _pad: 0 };
+    // SAFETY: the value is copied at once.
+    if let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
+        let key =
+            FlowKey { src_addr: q_src, dst_addr: vip.addr, src_port: q_sport, dst_port: vip.port, proto, _pad: [0; 3] };
+        // SAFETY: as above; plain loads.
+        let owned = unsafe { FLOWS.get(&key) }
+            .is_some_and(|f| f.dir != DIR_REPLY && f.nat_addr == q_dst && f.nat_port == q_dport);
+        if owned {
+            // Quoted destination back to the VIP: the quoted IP header's
+            // checksum, the quoted L4 checksum (its pseudo-header and its
+            // port) and the ICMP checksum follow.
+            let (qip, icmp) = (Q_IP + 10, ICMP + 2);
+            let old = quoted_checks(ctx, qip, q_check)?;
+            set32(ctx, Q_IP + 16, vip.addr, [qip, icmp, q_check])?;
+            set16(ctx, Q_L4 + 2, vip.port, [icmp, q_check])?;
+            refold(ctx, icmp, [qip, q_check], old)?;
+            stats::count(counter::ICMP_TO_CLIENT);
+            return Some(xdp_action::XDP_PASS);
+        }
+    }
+    // About a reply: addressed to the VIP the quote comes from.
+    let vk = VipKey { addr: q_src, port: q_sport, proto, _pad: 0 };
+    if outer_dst != q_src {
+        return None;
+    }
+    // SAFETY: the value is copied at once.
+    let svc = unsafe { VIPS.get(&vk) }.copied()?;
+    let key = FlowKey { src_addr: q_dst, dst_addr: q_src, src_port: q_dport, dst_port: q_sport, proto, _pad: [0; 3] };
+    // SAFETY: plain loads of a copied value.
+    let (id, dsr) = match unsafe { FLOWS.get(&key) }.copied() {
+        Some(f) if f.dir != DIR_REPLY => (f.backend_id, f.dir == DIR_DSR),
+        _ => {
+            let t = select::Tuple { saddr: q_dst, daddr: q_src, sport: q_dport, dport: q_sport, proto };
+            (select::pick_stateless(&svc, t), svc.flags & SVC_F_DSR != 0)
+        }
+    };
+    let b = if id == BACKEND_NONE { None } else { BACKENDS.get(id).copied() }?;
+    if dsr {
+        // The backend sent the reply from the VIP itself; only the "too
+        // big" news is its business, unchanged, at its MAC.
+        if !frag_needed {
+            return None;
+        }
+        stats::count(counter::ICMP_TO_BACKEND);
+        return Some(to_mac4(ctx, b.addr));
+    }
+    let (ip, qip, icmp) = (IP + 10, Q_IP + 10, ICMP + 2);
+    let old = quoted_checks(ctx, qip, q_check)?;
+    set32(ctx, IP + 16, b.addr, [ip, 0, 0])?;
+    set32(ctx, Q_IP + 12, b.addr, [qip, icmp, q_check])?;
+    set16(ctx, Q_L4, b.port, [icmp, q_check])?;
+    refold(ctx, icmp, [qip, q_check], old)?;
+    stats::count(counter::ICMP_TO_BACKEND);
+    Some(xdp_action::XDP_PASS)
+}
+
+/// The quoted checksums (at word offsets `a`, `b`; 0 for none) before a
+/// rewrite, for [`refold`].
+#[inline(always)]
+fn quoted_checks(ctx: &XdpContext, a: usize, b: usize) -> Option<[u16; 2]> {
+    let mut out = [0u16; 2];
+    for (i, off) in [a, b].into_iter().enumerate() {
+        if off != 0 {
+            // SAFETY: bounds-checked by ptr_at.
+            out[i] = unsafe { *word(ctx, off)? };
+        }
+    }
+    Some(out)
+}
+
+/// The quoted checksums changed with the fields they cover: the ICMP
+/// checksum at `icmp`, which covers them too, takes their change.
+#[inline(always)]
+fn refold(ctx: &XdpContext, icmp: usize, fields: [usize; 2], old: [u16; 2]) -> Option<()> {
+    let c = word(ctx, icmp)?;
+    for (i, off) in fields.into_iter().enumerate() {
+        if off != 0 {
+            // SAFETY: bounds-checked by ptr_at.
+            unsafe { *c = csum::replace2(*c, old[i], *word(ctx, off)?) };
+        }
+    }
+    Some(())
+}
+
+type EndpointKey4 = VipKey;
+
+/// Send the (unchanged) frame to the MAC of `addr`, on a directly
+/// connected network, or drop it.
+#[inline(never)]
+fn to_mac4(ctx: &XdpContext, addr: u32) -> u32 {
+    let Some(p) = fib_params() else {
+        return xdp_action::XDP_DROP;
+    };
+    // SAFETY: this CPU's zeroed scratch slot; plain stores and loads.
+    unsafe {
+        (*p).family = 2;
+        (*p).__bindgen_anon_4.ipv4_dst = addr;
+        (*p).ifindex = ctx.ingress_ifindex() as u32;
+        let rc = bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0);
+        if rc != FIB_OK || (*p).__bindgen_anon_4.ipv4_dst != addr || !can_redirect(ctx, (*p).ifindex) {
+            stats::count(counter::DSR_OFF_LINK);
+            return xdp_action::XDP_DROP;
+        }
+        let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
+            return xdp_action::XDP_DROP;
+        };
+        set_macs(eth, (*p).smac, (*p).dmac);
+        bpf_redirect((*p).ifindex, 0) as u32
+    }
+}
+
+#[xdp]
+pub(crate) fn lb_icmp6(ctx: XdpContext) -> u32 {
+    icmp6(&ctx).unwrap_or(xdp_action::XDP_PASS)
+}
+
+#[inline(always)]
+fn icmp6(ctx: &XdpContext) -> Option<u32> {
+    let hdr = ptr_at::<[u8; Q_L46 + 4]>(ctx, 0)?;
+    // SAFETY: bounds-checked by ptr_at.
+    let h = unsafe { &*hdr };
+    let kind = h[ICMP6];
+    let proto = h[Q_IP6 + 6];
+    if h[IP6 + 6] != 58
+        || !matches!(kind, ICMP6_UNREACH | ICMP6_TOO_BIG | ICMP6_TIME_EXCEEDED | ICMP6_PARAM_PROBLEM)
+        || (proto != PROTO_TCP && proto != PROTO_UDP)
+    {
+        return None;
+    }
+    let k = KEYS6.get_ptr_mut(0)?;
+    // SAFETY: bounds-checked above; plain loads of the addresses and ports.
+    let (outer_dst, q_src, q_dst, q_sport, q_dport) = unsafe {
+        (
+            *ptr_at::<[u32; 4]>(ctx, IP6 + 24)?,
+            *ptr_at::<[u32; 4]>(ctx, Q_IP6 + 8)?,
+            *ptr_at::<[u32; 4]>(ctx, Q_IP6 + 24)?,
+            *word(ctx, Q_L46)?,
+            *word(ctx, Q_L46 + 2)?,
+        )
+    };
+    let q_check = quoted_l4_check(ctx, Q_L46, proto);
+    let icmp = ICMP6 + 2;
+    // SAFETY: this CPU's scratch slot (see v6::Keys6); the references
+    // live for one lookup each.
+    let vip = unsafe {
+        (*k).vip = Vip6Key { addr: q_dst, port: q_dport, proto, _pad: 0 };
+        ENDPOINTS6.get(&(*k).vip).copied()
+    };
+    if let Some(vip) = vip {
+        // SAFETY: as above.
+        let owned = unsafe {
+            (*k).flow = FlowKey6 {
+                src_addr: q_src,
+                dst_addr: vip.addr,
+                src_port: q_sport,
+                dst_port: vip.port,
+                proto,
+                _pad: [0; 3],
+            };
+            FLOWS6.get(&(*k).flow).is_some_and(|f| f.dir != DIR_REPLY && f.nat_addr == q_dst && f.nat_port == q_dport)
+        };
+        if owned {
+            let old = quoted_checks(ctx, q_check, 0)?;
+            set128(ctx, Q_IP6 + 24, &vip.addr, [icmp, q_check])?;
+            set16(ctx, Q_L46 + 2, vip.port, [icmp, q_check])?;
+            refold(ctx, icmp, [q_check, 0], old)?;
+            stats::count(counter::ICMP_TO_CLIENT);
+            return Some(xdp_action::XDP_PASS);
+        }
+    }
+    if outer_dst != q_src {
+        return None;
+    }
+    // SAFETY: as above; the service is copied into the slot.
+    let svc: Service = unsafe {
+        (*k).vip = Vip6Key { addr: q_src, port: q_sport, proto, _pad: 0 };
+        *VIPS6.get(&(*k).vip)?
+    };
+    // SAFETY: as above.
+    let entry = unsafe {
+        (*k).flow =
+            FlowKey6 { src_addr: q_dst, dst_addr: q_src, src_port: q_dport, dst_port: q_sport, proto, _pad: [0; 3] };
+        FLOWS6.get(&(*k).flow).map(|f| (f.dir, f.backend_id))
+    };
+    let (id, dsr) = match entry {
+        Some((dir, id)) if dir != DIR_REPLY => (id, dir == DIR_DSR),
+        _ => {
+            let t = select::Tuple { saddr: fold6(&q_dst), daddr: fold6(&q_src), sport: q_dport, dport: q_sport, proto };
+            (select::pick_stateless(&svc, t), svc.flags & SVC_F_DSR != 0)
+        }
+    };
+    let b = if id == BACKEND_NONE { None } else { BACKENDS.get(id).copied() }?;
+    if b.flags & BACKEND_F_V6 == 0 {
+        return None;
+    }
+    let addr = *BACKEND_ADDRS6.get(id)?;
+    if dsr {
+        if kind != ICMP6_TOO_BIG {
+            return None;
+        }
+        stats::count(counter::ICMP_TO_BACKEND);
+        return Some(to_mac6(ctx, &addr));
+    }
+    // The outer destination is in the ICMPv6 pseudo-header.
+    let old = quoted_checks(ctx, q_check, 0)?;
+    set128(ctx, IP6 + 24, &addr, [icmp, 0])?;
+    set128(ctx, Q_IP6 + 8, &addr, [icmp, q_check])?;
+    set16(ctx, Q_L46, b.port, [icmp, q_check])?;
+    refold(ctx, icmp, [q_check, 0], old)?;
+    stats::count(counter::ICMP_TO_BACKEND);
+    Some(xdp_action::XDP_PASS)
+}
+
+/// Replace the 16 bytes at `off` with `new`, folding the change into the
+/// checksums at `sums`.
+#[inline(always)]
+fn set128(ctx: &XdpContext, off: usize, new: &[u32; 4], sums: [usize; 2]) -> Option<()> {
+    let p = ptr_at::<[u32; 4]>(ctx, off)?;
+    // SAFETY: bounds-checked by ptr_at.
+    let old = unsafe { *p };
+    // SAFETY: as above.
+    unsafe { *p = *new };
+    for s in sums {
+        if s != 0 {
+            let c = word(ctx, s)?;
+            // SAFETY: bounds-checked by ptr_at.
+            unsafe { *c = csum::replace_addr6_port(*c, &old, new, 0, 0) };
+        }
+    }
+    Some(())
+}
+
+/// Send the (unchanged) IPv6 frame to the MAC of `addr`, on a directly
+/// connected network, or drop it.
+#[inline(never)]
+fn to_mac6(ctx: &XdpContext, addr: &[u32; 4]) -> u32 {
+    let Some(p) = fib_params() else {
+        return xdp_action::XDP_DROP;
+    };
+    // SAFETY: this CPU's zeroed scratch slot; plain stores and loads.
+    unsafe {
+        (*p).family = 10;
+        (*p).__bindgen_anon_4.ipv6_dst = *addr;
+        (*p).ifindex = ctx.ingress_ifindex() as u32;
+        let rc = bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0);
+        if rc != FIB_OK || (*p).__bindgen_anon_4.ipv6_dst != *addr || !can_redirect(ctx, (*p).ifindex) {
+            stats::count(counter::DSR_OFF_LINK);
+            return xdp_action::XDP_DROP;
+        }
+        let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
+            return xdp_action::XDP_DROP;
+        };
+        set_macs(eth, (*p).smac, (*p).dmac);
+        bpf_redirect((*p).ifindex, 0) as u32
+    }
+}
