@@ -147,7 +147,12 @@ pub(crate) fn services() -> Vec<ServiceConfig> {
     let svc = |name: &str, port: u16, protocol: Protocol, scheduler: Scheduler| {
         let backends = BACKENDS
             .iter()
-            .map(|&address| BackendConfig { address, port: backend_port(name), weight: 1, drain: false })
+            .map(|&address| BackendConfig {
+                address: address.into(),
+                port: backend_port(name),
+                weight: 1,
+                drain: false,
+            })
             .collect();
         ServiceConfig { protocol, scheduler, ..ServiceConfig::example(name, VIP, port, backends) }
     };

@@ -9,7 +9,7 @@
 //! written back to the file atomically, so it survives a restart.
 use std::{
     collections::HashMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     time::{Duration, Instant},
 };
@@ -29,7 +29,7 @@ use crate::{
 const SLOW_START_SCALE: u32 = 10;
 
 /// One backend: (service name, address, port).
-pub type BackendKey = (String, Ipv4Addr, u16);
+pub type BackendKey = (String, IpAddr, u16);
 
 pub struct Agent {
     pub dp: Dataplane,
@@ -74,29 +74,29 @@ pub struct ReloadSummary {
 pub enum Change {
     BackendAdd {
         service: String,
-        address: Ipv4Addr,
+        address: IpAddr,
         port: u16,
         weight: u32,
     },
     BackendRemove {
         service: String,
-        address: Ipv4Addr,
+        address: IpAddr,
         port: u16,
     },
     BackendWeight {
         service: String,
-        address: Ipv4Addr,
+        address: IpAddr,
         port: u16,
         weight: u32,
     },
     BackendDrain {
         service: String,
-        address: Ipv4Addr,
+        address: IpAddr,
         port: u16,
     },
     BackendEnable {
         service: String,
-        address: Ipv4Addr,
+        address: IpAddr,
         port: u16,
     },
     /// A service given with the config file's keys (validated as the file is).
@@ -155,7 +155,7 @@ impl Agent {
         self.health = keep;
     }
 
-    pub fn health_of(&self, service: &str, address: Ipv4Addr, port: u16) -> Health {
+    pub fn health_of(&self, service: &str, address: IpAddr, port: u16) -> Health {
         self.health.get(&(service.to_owned(), address, port)).map_or(Health::Up, Checker::state)
     }
 
@@ -193,7 +193,7 @@ impl Agent {
     }
 
     /// A backend's recent probe response time, when measured.
-    pub fn response_time_of(&self, service: &str, address: Ipv4Addr, port: u16) -> Option<Duration> {
+    pub fn response_time_of(&self, service: &str, address: IpAddr, port: u16) -> Option<Duration> {
         self.health.get(&(service.to_owned(), address, port)).and_then(Checker::response_time)
     }
 
@@ -268,14 +268,14 @@ impl Agent {
     }
 
     /// What the health checker should probe: (key, probe address, config).
-    pub fn probe_targets(&self) -> Vec<(BackendKey, SocketAddrV4, config::HealthConfig)> {
+    pub fn probe_targets(&self) -> Vec<(BackendKey, SocketAddr, config::HealthConfig)> {
         let mut v = Vec::new();
         for s in &self.config.services {
             if s.health.kind == ProbeKind::None {
                 continue;
             }
             for b in &s.backends {
-                v.push(((s.name.clone(), b.address, b.port), SocketAddrV4::new(b.address, b.port), s.health.clone()));
+                v.push(((s.name.clone(), b.address, b.port), SocketAddr::new(b.address, b.port), s.health.clone()));
             }
         }
         v
@@ -421,7 +421,7 @@ fn edit(cfg: &mut Config, change: &Change) -> Result<(), ReloadError> {
     let service = |cfg: &mut Config, name: &str| -> Result<usize, ReloadError> {
         cfg.services.iter().position(|s| s.name == name).ok_or_else(|| not_found(format!("no service named {name:?}")))
     };
-    let backend = |s: &ServiceConfig, a: Ipv4Addr, p: u16| -> Result<usize, ReloadError> {
+    let backend = |s: &ServiceConfig, a: IpAddr, p: u16| -> Result<usize, ReloadError> {
         s.backends
             .iter()
             .position(|b| b.address == a && b.port == p)

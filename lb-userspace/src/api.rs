@@ -5,7 +5,7 @@
 //! Response: `{"ok":true,"result":{...}}` or `{"ok":false,"error":"..."}`
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    net::SocketAddrV4,
+    net::SocketAddr,
     os::unix::{fs::PermissionsExt as _, net::UnixStream as StdUnixStream},
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
@@ -69,8 +69,10 @@ fn one() -> u32 {
     1
 }
 
-fn backend_addr(s: &str) -> Result<SocketAddrV4, String> {
-    s.parse().map_err(|_| format!("backend {s:?} is not ADDRESS:PORT (an IPv4 address and a port)"))
+/// `ADDRESS:PORT`: `10.20.0.11:8080`, or `[fd00:20::11]:8080` for IPv6.
+fn backend_addr(s: &str) -> Result<SocketAddr, String> {
+    s.parse()
+        .map_err(|_| format!("backend {s:?} is not ADDRESS:PORT (an IPv4 address and a port, or [IPv6 address]:port)"))
 }
 
 impl Request {
@@ -81,23 +83,23 @@ impl Request {
             Self::Status | Self::Reload => return Ok(None),
             Self::BackendAdd { service, backend, weight } => {
                 let a = b(backend)?;
-                Change::BackendAdd { service: service.clone(), address: *a.ip(), port: a.port(), weight: *weight }
+                Change::BackendAdd { service: service.clone(), address: a.ip(), port: a.port(), weight: *weight }
             }
             Self::BackendRemove { service, backend } => {
                 let a = b(backend)?;
-                Change::BackendRemove { service: service.clone(), address: *a.ip(), port: a.port() }
+                Change::BackendRemove { service: service.clone(), address: a.ip(), port: a.port() }
             }
             Self::BackendWeight { service, backend, weight } => {
                 let a = b(backend)?;
-                Change::BackendWeight { service: service.clone(), address: *a.ip(), port: a.port(), weight: *weight }
+                Change::BackendWeight { service: service.clone(), address: a.ip(), port: a.port(), weight: *weight }
             }
             Self::BackendDrain { service, backend } => {
                 let a = b(backend)?;
-                Change::BackendDrain { service: service.clone(), address: *a.ip(), port: a.port() }
+                Change::BackendDrain { service: service.clone(), address: a.ip(), port: a.port() }
             }
             Self::BackendEnable { service, backend } => {
                 let a = b(backend)?;
-                Change::BackendEnable { service: service.clone(), address: *a.ip(), port: a.port() }
+                Change::BackendEnable { service: service.clone(), address: a.ip(), port: a.port() }
             }
             Self::ServiceAdd { spec } => Change::ServiceAdd { spec: spec.clone() },
             Self::ServiceRemove { service } => Change::ServiceRemove { service: service.clone() },

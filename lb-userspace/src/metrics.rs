@@ -430,7 +430,7 @@ mod tests {
 
     fn backend(last: u8, new_flows: u64, state: BackendState) -> BackendStatus {
         BackendStatus {
-            address: std::net::Ipv4Addr::new(10, 20, 0, last),
+            address: std::net::Ipv4Addr::new(10, 20, 0, last).into(),
             port: 8080,
             weight: 2,
             effective_weight: if state == BackendState::Down { 0 } else { 2 },
@@ -482,7 +482,7 @@ mod tests {
             },
             services: vec![ServiceStatus {
                 name: "web".into(),
-                vip: std::net::Ipv4Addr::new(10, 10, 0, 100),
+                vip: std::net::Ipv4Addr::new(10, 10, 0, 100).into(),
                 port: 80,
                 protocol: Protocol::Tcp,
                 scheduler: Scheduler::Maglev,

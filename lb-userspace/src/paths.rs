@@ -181,6 +181,10 @@ pub fn netdev_flags(links: &[Link], modes: &BTreeMap<String, Mode>) -> BTreeMap<
             if l.up && l.is_ethernet() && l.native_xmit() {
                 f |= NETDEV_F_XMIT_NATIVE;
             }
+            // The MTU above the flags: a next hop into a device narrower
+            // than the packet's ingress is not cached (see the datapath's
+            // `forward::may_cache`).
+            f |= l.mtu.min(0xffff) << lb_common::NETDEV_MTU_SHIFT;
             (l.ifindex, f)
         })
         .collect()
@@ -239,6 +243,7 @@ mod tests {
             link_type: 1,
             master: None,
             up: true,
+            mtu: 1500,
             xdp_features: features,
         }
     }
@@ -279,9 +284,11 @@ mod tests {
         let modes: BTreeMap<String, Mode> =
             [("eth0".to_owned(), Mode::Native), ("br0".to_owned(), Mode::Generic)].into();
         let flags = netdev_flags(&links, &modes);
-        assert_eq!(flags[&2], NETDEV_F_XMIT_GENERIC | NETDEV_F_XMIT_NATIVE);
-        assert_eq!(flags[&4], NETDEV_F_GENERIC | NETDEV_F_XMIT_GENERIC);
-        assert_eq!(flags[&6], 0);
+        // Each device's MTU rides above its flags.
+        let mtu = 1500 << lb_common::NETDEV_MTU_SHIFT;
+        assert_eq!(flags[&2], NETDEV_F_XMIT_GENERIC | NETDEV_F_XMIT_NATIVE | mtu);
+        assert_eq!(flags[&4], NETDEV_F_GENERIC | NETDEV_F_XMIT_GENERIC | mtu);
+        assert_eq!(flags[&6], mtu);
         let rows = report(&links, &modes);
         let path = |i: &str, e: &str| rows.iter().find(|r| r.ingress == i && r.egress == e).unwrap().path;
         assert_eq!(path("eth0", "br0"), Path::Kernel);

@@ -11,7 +11,7 @@ use std::{
     borrow::Cow,
     fs::{self, File},
     io::{self, Write as _},
-    net::Ipv4Addr,
+    net::IpAddr,
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
     time::Duration,
@@ -20,7 +20,7 @@ use std::{
 use serde::Serialize;
 
 use crate::{
-    config::{BackendConfig, Config, HealthConfig, ProbeKind, Protocol, ServiceConfig, XdpMode},
+    config::{BackendConfig, Config, Forwarding, HealthConfig, ProbeKind, Protocol, ServiceConfig, XdpMode},
     sched::Scheduler,
 };
 
@@ -66,9 +66,12 @@ enum Rate {
 #[derive(Serialize)]
 struct ServiceView<'a> {
     name: &'a str,
-    vip: Ipv4Addr,
+    vip: IpAddr,
     port: u16,
     protocol: Protocol,
+    /// Only when not the default (`nat`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    forwarding: Option<Forwarding>,
     scheduler: Scheduler,
     table_size: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -106,7 +109,7 @@ enum Expect {
 
 #[derive(Serialize)]
 struct BackendView {
-    address: Ipv4Addr,
+    address: IpAddr,
     port: u16,
     weight: u32,
     #[serde(skip_serializing_if = "is_false")]
@@ -151,6 +154,7 @@ fn service(s: &ServiceConfig) -> ServiceView<'_> {
         vip: s.vip,
         port: s.port,
         protocol: s.protocol,
+        forwarding: (s.forwarding != Forwarding::Nat).then_some(s.forwarding),
         scheduler: s.scheduler,
         table_size: s.table_size,
         // A zero slow start means none (the parser reads `0s` as `None`).
@@ -237,7 +241,6 @@ pub fn write_atomic(path: &Path, text: &str) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
 
     use super::*;
     use crate::config::{
@@ -255,7 +258,7 @@ mod tests {
         }
     }
 
-    fn ip(s: &str) -> Ipv4Addr {
+    fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
     }
 

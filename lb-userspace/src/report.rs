@@ -3,7 +3,7 @@
 //! Jain's fairness index; the forwarding paths and datapath counters). Its
 //! own module so that the API that serves it and the exporter that reads
 //! it both depend on it, and it on neither.
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::{collections::BTreeMap, net::IpAddr};
 
 use serde::{Deserialize, Serialize};
 
@@ -16,7 +16,7 @@ use crate::{
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct BackendStatus {
-    pub address: Ipv4Addr,
+    pub address: IpAddr,
     pub port: u16,
     /// Configured weight.
     pub weight: u32,
@@ -45,7 +45,7 @@ pub struct BackendStatus {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ServiceStatus {
     pub name: String,
-    pub vip: Ipv4Addr,
+    pub vip: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
     pub scheduler: Scheduler,

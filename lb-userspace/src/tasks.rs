@@ -9,7 +9,7 @@
 //! blocking pool under the lock.
 use std::{
     collections::HashMap,
-    net::SocketAddrV4,
+    net::SocketAddr,
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
 };
@@ -27,7 +27,7 @@ use crate::{
 /// What the loops need from the running state.
 pub trait Driven: Send + 'static {
     /// Every backend to probe now: key, probe address, probe settings.
-    fn probe_targets(&self) -> Vec<(BackendKey, SocketAddrV4, HealthConfig)>;
+    fn probe_targets(&self) -> Vec<(BackendKey, SocketAddr, HealthConfig)>;
     /// One probe result (how long it took, or why it failed).
     fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>);
     /// True while some backend's slow start is still ramping.
@@ -41,7 +41,7 @@ pub trait Driven: Send + 'static {
 }
 
 impl Driven for Agent {
-    fn probe_targets(&self) -> Vec<(BackendKey, SocketAddrV4, HealthConfig)> {
+    fn probe_targets(&self) -> Vec<(BackendKey, SocketAddr, HealthConfig)> {
         Self::probe_targets(self)
     }
     fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) {
@@ -149,7 +149,7 @@ fn interval(period: Duration) -> tokio::time::Interval {
 async fn supervise_probes<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
     // The probe loops, aborted with this task (dropping a JoinHandle only
     // detaches its task).
-    struct Loops(HashMap<BackendKey, (HealthConfig, SocketAddrV4, JoinHandle<()>)>);
+    struct Loops(HashMap<BackendKey, (HealthConfig, SocketAddr, JoinHandle<()>)>);
     impl Drop for Loops {
         fn drop(&mut self) {
             for (_, _, task) in self.0.values() {
@@ -162,7 +162,7 @@ async fn supervise_probes<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
     let mut tick = interval(period);
     loop {
         tick.tick().await;
-        let wanted: HashMap<BackendKey, (SocketAddrV4, HealthConfig)> =
+        let wanted: HashMap<BackendKey, (SocketAddr, HealthConfig)> =
             lock(&state).probe_targets().into_iter().map(|(k, a, c)| (k, (a, c))).collect();
         running.retain(|k, (cfg, addr, task)| {
             let keep = wanted.get(k).is_some_and(|(a, c)| a == addr && c == cfg);
@@ -181,7 +181,7 @@ async fn supervise_probes<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
 }
 
 /// Probe one backend every `cfg.interval` and report each result.
-async fn probe_loop<D: Driven>(state: Arc<Mutex<D>>, key: BackendKey, addr: SocketAddrV4, cfg: HealthConfig) {
+async fn probe_loop<D: Driven>(state: Arc<Mutex<D>>, key: BackendKey, addr: SocketAddr, cfg: HealthConfig) {
     let mut tick = interval(cfg.interval);
     loop {
         tick.tick().await;
@@ -243,7 +243,7 @@ async fn sweep_flows<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
+    use std::net::{IpAddr, Ipv4Addr};
 
     use super::*;
     use crate::config::ProbeKind;
@@ -251,7 +251,7 @@ mod tests {
     /// Records what the loops asked of it.
     #[derive(Default)]
     struct Fake {
-        targets: Vec<(BackendKey, SocketAddrV4, HealthConfig)>,
+        targets: Vec<(BackendKey, SocketAddr, HealthConfig)>,
         observed: Vec<(BackendKey, bool)>,
         ramp_left: u32,
         reprograms: u32,
@@ -261,7 +261,7 @@ mod tests {
     }
 
     impl Driven for Fake {
-        fn probe_targets(&self) -> Vec<(BackendKey, SocketAddrV4, HealthConfig)> {
+        fn probe_targets(&self) -> Vec<(BackendKey, SocketAddr, HealthConfig)> {
             self.targets.clone()
         }
         fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) {
@@ -312,13 +312,12 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn probes_follow_the_targets() {
         let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let std::net::SocketAddr::V4(up_addr) = up.local_addr().unwrap() else { unreachable!() };
+        let up_addr = up.local_addr().unwrap();
         let closed = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let std::net::SocketAddr::V4(a) = l.local_addr().unwrap() else { unreachable!() };
-            a
+            l.local_addr().unwrap()
         };
-        let k = |port: u16| -> BackendKey { ("web".into(), Ipv4Addr::LOCALHOST, port) };
+        let k = |port: u16| -> BackendKey { ("web".into(), IpAddr::V4(Ipv4Addr::LOCALHOST), port) };
         let state = Arc::new(Mutex::new(Fake {
             targets: vec![(k(1), up_addr, tcp(20)), (k(2), closed, tcp(20))],
             ..Fake::default()

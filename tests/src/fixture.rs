@@ -7,7 +7,7 @@
 //! bpf_fib_lookup answers as it would on a gateway; it is removed on drop.
 //! Needs root.
 use std::{
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
     process::Command,
     sync::atomic::{AtomicU32, Ordering},
@@ -167,16 +167,23 @@ pub fn service(name: &str, port: u16, protocol: Protocol, backends: &[(Ipv4Addr,
     service_with(name, port, protocol, Scheduler::Maglev, backends)
 }
 
-pub fn service_with(
+pub fn service_with<A: Into<IpAddr> + Copy>(
     name: &str,
     port: u16,
     protocol: Protocol,
     scheduler: Scheduler,
-    backends: &[(Ipv4Addr, u16)],
+    backends: &[(A, u16)],
 ) -> ServiceConfig {
-    let backends =
-        backends.iter().map(|&(address, port)| BackendConfig { address, port, weight: 1, drain: false }).collect();
+    let backends = backends
+        .iter()
+        .map(|&(address, port)| BackendConfig { address: address.into(), port, weight: 1, drain: false })
+        .collect();
     ServiceConfig { protocol, scheduler, ..ServiceConfig::example(name, VIP, port, backends) }
+}
+
+/// An IPv6 service at [`VIP6`] (Maglev).
+pub fn service6(name: &str, port: u16, protocol: Protocol, backends: &[(Ipv6Addr, u16)]) -> ServiceConfig {
+    ServiceConfig { vip: VIP6.into(), ..service_with(name, port, protocol, Scheduler::Maglev, backends) }
 }
 
 impl Fixture {

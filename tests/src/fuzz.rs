@@ -146,7 +146,7 @@ pub fn service_configs() -> Vec<ServiceConfig> {
         .iter()
         .map(|s| {
             let proto = if s.proto == TCP { Protocol::Tcp } else { Protocol::Udp };
-            ServiceConfig { vip: s.vip, ..service_with(s.name, s.port, proto, s.scheduler, s.backends) }
+            ServiceConfig { vip: s.vip.into(), ..service_with(s.name, s.port, proto, s.scheduler, s.backends) }
         })
         .collect()
 }

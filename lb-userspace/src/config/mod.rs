@@ -7,7 +7,7 @@
 use std::{
     collections::{BTreeMap, HashMap},
     fmt,
-    net::Ipv4Addr,
+    net::IpAddr,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -103,9 +103,32 @@ impl fmt::Display for Protocol {
     }
 }
 
+/// How a service's packets reach its backends (`forwarding:`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Forwarding {
+    /// Destination rewritten to the backend, replies rewritten back to the
+    /// VIP on their way through the balancer.
+    #[default]
+    Nat,
+    /// L2 direct server return: only the destination MAC changes; the
+    /// backend holds the VIP and answers the client directly.
+    Dsr,
+}
+
+impl fmt::Display for Forwarding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Nat => "nat",
+            Self::Dsr => "dsr",
+        })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BackendConfig {
-    pub address: Ipv4Addr,
+    /// IPv4 or IPv6, the family of its service's VIP.
+    pub address: IpAddr,
     pub port: u16,
     pub weight: u32,
     /// Administratively drained: no new flows, existing ones continue;
@@ -169,9 +192,12 @@ impl Default for HealthConfig {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServiceConfig {
     pub name: String,
-    pub vip: Ipv4Addr,
+    /// IPv4 or IPv6: a service is one address family.
+    pub vip: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
+    #[serde(default)]
+    pub forwarding: Forwarding,
     pub scheduler: Scheduler,
     /// Maglev table size (a prime).
     pub table_size: u32,
@@ -188,12 +214,13 @@ pub struct ServiceConfig {
 impl ServiceConfig {
     /// A Maglev TCP service (table 65,537, no health checks, no slow
     /// start): unit tests, the datapath fixture, the benchmark.
-    pub fn example(name: &str, vip: Ipv4Addr, port: u16, backends: Vec<BackendConfig>) -> Self {
+    pub fn example(name: &str, vip: impl Into<IpAddr>, port: u16, backends: Vec<BackendConfig>) -> Self {
         Self {
             name: name.into(),
-            vip,
+            vip: vip.into(),
             port,
             protocol: Protocol::Tcp,
+            forwarding: Forwarding::Nat,
             scheduler: Scheduler::Maglev,
             table_size: 65537,
             health: HealthConfig::default(),

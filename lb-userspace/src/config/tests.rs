@@ -64,7 +64,7 @@ fn unknown_key_is_named_with_its_path() {
 fn invalid_address_is_rejected() {
     let p = only(&GOOD.replace("10.20.0.12", "10.20.0.300"));
     assert_eq!(p.field, "services[0].backends[1].address");
-    assert!(p.reason.contains("not an IPv4 address"), "{p}");
+    assert!(p.reason.contains("not an IPv4 or IPv6 address"), "{p}");
     let p = only(&GOOD.replace("vip: 10.10.0.100", "vip: 224.0.0.1"));
     assert_eq!(p.field, "services[0].vip");
 }

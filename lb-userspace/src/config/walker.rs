@@ -81,16 +81,38 @@ impl Walker<'_> {
         }
     }
 
-    fn ipv4(&mut self, v: &Value, field: &str) -> Option<Ipv4Addr> {
+    /// A unicast IPv4 or IPv6 address. IPv6 link-local addresses are
+    /// refused: they mean nothing without an interface, and the datapath's
+    /// FIB lookups have none to give.
+    fn ip(&mut self, v: &Value, field: &str) -> Option<IpAddr> {
         let s = self.string(v, field)?;
-        match s.parse::<Ipv4Addr>() {
-            Ok(a) if a.is_unspecified() || a.is_broadcast() || a.is_multicast() => {
+        match s.parse::<IpAddr>() {
+            Ok(IpAddr::V4(a)) if a.is_unspecified() || a.is_broadcast() || a.is_multicast() => {
                 self.problem(field, format!("{s} is not a unicast address"));
+                None
+            }
+            Ok(IpAddr::V6(a)) if a.is_unspecified() || a.is_multicast() || a.is_loopback() => {
+                self.problem(field, format!("{s} is not a unicast address"));
+                None
+            }
+            Ok(IpAddr::V6(a)) if a.is_unicast_link_local() => {
+                self.problem(field, format!("{s} is link-local; use a global or unique-local address"));
                 None
             }
             Ok(a) => Some(a),
             Err(_) => {
-                self.problem(field, format!("{s:?} is not an IPv4 address"));
+                self.problem(field, format!("{s:?} is not an IPv4 or IPv6 address"));
+                None
+            }
+        }
+    }
+
+    fn forwarding(&mut self, v: &Value, field: &str) -> Option<Forwarding> {
+        match self.string(v, field)? {
+            "nat" => Some(Forwarding::Nat),
+            "dsr" => Some(Forwarding::Dsr),
+            other => {
+                self.problem(field, format!("{other:?} is not one of nat, dsr"));
                 None
             }
         }
@@ -158,12 +180,11 @@ impl Walker<'_> {
             },
         };
 
-        if let Some(v) = m.get("forwarding") {
-            match self.string(v, "forwarding") {
-                Some("nat") | None => {}
-                Some(other) => self.problem("forwarding", format!("{other:?} is not supported (supported: nat)")),
-            }
-        }
+        // The services' default; each may say otherwise.
+        let forwarding = match m.get("forwarding") {
+            Some(v) => self.forwarding(v, "forwarding").unwrap_or_default(),
+            None => Forwarding::Nat,
+        };
 
         let control_socket = match m.get("control_socket") {
             None => PathBuf::from(DEFAULT_CONTROL_SOCKET),
@@ -231,7 +252,7 @@ impl Walker<'_> {
             None | Some(Value::Null) => {}
             Some(Value::Sequence(seq)) => {
                 for (i, s) in seq.iter().enumerate() {
-                    if let Some(svc) = self.service(s, &format!("services[{i}]")) {
+                    if let Some(svc) = self.service(s, &format!("services[{i}]"), forwarding) {
                         services.push((i, svc));
                     }
                 }
@@ -276,12 +297,13 @@ impl Walker<'_> {
         f
     }
 
-    fn service(&mut self, v: &Value, path: &str) -> Option<ServiceConfig> {
+    fn service(&mut self, v: &Value, path: &str, default_forwarding: Forwarding) -> Option<ServiceConfig> {
         const KEYS: &[&str] = &[
             "name",
             "vip",
             "port",
             "protocol",
+            "forwarding",
             "scheduler",
             "table_size",
             "health",
@@ -301,8 +323,15 @@ impl Walker<'_> {
                 format!("{n:?} is not a valid name (1-64 letters, digits, '-' or '_')"),
             );
         }
-        let vip = self.required(m, path, "vip").and_then(|v| self.ipv4(v, &Self::field(path, "vip")));
+        let vip = self.required(m, path, "vip").and_then(|v| self.ip(v, &Self::field(path, "vip")));
         let port = self.required(m, path, "port").and_then(|v| self.uint(v, &Self::field(path, "port"), 1, 65535));
+        let forwarding = match m.get("forwarding") {
+            None => Some(default_forwarding),
+            Some(v) => self.forwarding(v, &Self::field(path, "forwarding")),
+        };
+        // DSR cannot translate ports: a backend's port is the service's
+        // (and may be left out).
+        let dsr_port = (forwarding == Some(Forwarding::Dsr)).then_some(port).flatten().map(|p| p as u16);
         let protocol = match m.get("protocol") {
             None => Some(Protocol::Tcp),
             Some(v) => match self.string(v, &Self::field(path, "protocol")) {
@@ -372,9 +401,31 @@ impl Walker<'_> {
             Some(Value::Sequence(seq)) => {
                 for (i, b) in seq.iter().enumerate() {
                     let field = format!("{bpath}[{i}]");
-                    if let Some(b) = self.backend(b, &field) {
+                    if let Some(b) = self.backend(b, &field, dsr_port) {
+                        if let Some(vip) = vip
+                            && vip.is_ipv4() != b.address.is_ipv4()
+                        {
+                            self.problem(
+                                &format!("{field}.address"),
+                                format!(
+                                    "{} is not of the VIP's address family ({vip}): a service is all IPv4 or all IPv6",
+                                    b.address
+                                ),
+                            );
+                        }
+                        if let Some(p) = dsr_port
+                            && b.port != p
+                        {
+                            self.problem(
+                                &format!("{field}.port"),
+                                format!("{} differs from the service's port {p}: direct server return cannot translate ports", b.port),
+                            );
+                        }
                         if backends.iter().any(|o: &BackendConfig| o.address == b.address && o.port == b.port) {
-                            self.problem(&field, format!("backend {}:{} is listed twice", b.address, b.port));
+                            self.problem(
+                                &field,
+                                format!("backend {} is listed twice", std::net::SocketAddr::new(b.address, b.port)),
+                            );
                         } else {
                             backends.push(b);
                         }
@@ -400,6 +451,7 @@ impl Walker<'_> {
             vip: vip?,
             port: port? as u16,
             protocol: protocol?,
+            forwarding: forwarding?,
             scheduler: scheduler?,
             table_size: table_size?,
             health: health?,
@@ -511,10 +563,15 @@ impl Walker<'_> {
         (self.problems.len() == before).then_some(h)
     }
 
-    fn backend(&mut self, v: &Value, path: &str) -> Option<BackendConfig> {
+    /// One backend; `default_port` (DSR services: the service's port) is
+    /// its port when the entry names none.
+    fn backend(&mut self, v: &Value, path: &str, default_port: Option<u16>) -> Option<BackendConfig> {
         let m = self.mapping(v, path, &["address", "port", "weight", "drain"])?;
-        let address = self.required(m, path, "address").and_then(|v| self.ipv4(v, &Self::field(path, "address")));
-        let port = self.required(m, path, "port").and_then(|v| self.uint(v, &Self::field(path, "port"), 1, 65535));
+        let address = self.required(m, path, "address").and_then(|v| self.ip(v, &Self::field(path, "address")));
+        let port = match (m.get("port"), default_port) {
+            (None, Some(p)) => Some(u64::from(p)),
+            _ => self.required(m, path, "port").and_then(|v| self.uint(v, &Self::field(path, "port"), 1, 65535)),
+        };
         let weight = match m.get("weight") {
             None => Some(1),
             Some(v) => self.uint(v, &Self::field(path, "weight"), 0, u64::from(MAX_WEIGHT)),
@@ -532,7 +589,7 @@ impl Walker<'_> {
 
     fn cross_service(&mut self, services: &[(usize, ServiceConfig)], table_capacity: u32) {
         let mut names: HashMap<&str, usize> = HashMap::new();
-        let mut vips: BTreeMap<(Ipv4Addr, u16, Protocol), usize> = BTreeMap::new();
+        let mut vips: BTreeMap<(IpAddr, u16, Protocol), usize> = BTreeMap::new();
         for (i, s) in services {
             if let Some(first) = names.insert(&s.name, *i) {
                 self.problem(
@@ -543,7 +600,11 @@ impl Walker<'_> {
             if let Some(first) = vips.insert((s.vip, s.port, s.protocol), *i) {
                 self.problem(
                     &format!("services[{i}].vip"),
-                    format!("duplicate VIP {}:{}/{}: already used by services[{first}]", s.vip, s.port, s.protocol),
+                    format!(
+                        "duplicate VIP {}/{}: already used by services[{first}]",
+                        std::net::SocketAddr::new(s.vip, s.port),
+                        s.protocol
+                    ),
                 );
             }
         }

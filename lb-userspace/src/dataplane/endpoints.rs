@@ -13,45 +13,97 @@
 //! flows to it may still be open. An endpoint no service lists keeps its
 //! entry too (the flows of a removed service still reply) until another
 //! service needs it or the map needs the room.
-use std::collections::{HashMap, HashSet};
+use std::{
+    collections::{HashMap, HashSet},
+    net::{IpAddr, Ipv6Addr},
+};
 
-use lb_common::{EndpointKey, MAX_ENDPOINTS, VipKey, maps as names};
+use lb_common::{MAX_ENDPOINTS, Vip6Key, VipKey, maps as names};
 
 use super::{Dataplane, DataplaneError, map_err};
-use crate::config::ServiceConfig;
+use crate::config::{Forwarding, ServiceConfig};
 
-/// The VIP key of a service.
-pub(super) fn vip_key(cfg: &ServiceConfig) -> VipKey {
-    VipKey { addr: u32::from(cfg.vip).to_be(), port: cfg.port.to_be(), proto: cfg.protocol.number(), _pad: 0 }
+/// An (address, port, protocol) of either family: a service's VIP key, or
+/// a backend's endpoint. Written to the IPv4 maps (`VipKey`) or the IPv6
+/// ones (`Vip6Key`) by its address's family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) struct Key {
+    pub(super) addr: IpAddr,
+    /// Host byte order.
+    pub(super) port: u16,
+    pub(super) proto: u8,
 }
 
-/// The endpoints of a service's backends.
-fn endpoints_of(cfg: &ServiceConfig) -> impl Iterator<Item = EndpointKey> + '_ {
+/// The 16 bytes of an IPv6 address as the datapath's maps hold them.
+pub(crate) fn words6(a: &Ipv6Addr) -> [u32; 4] {
+    let o = a.octets();
+    std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
+}
+
+/// The IPv6 address the datapath's 16 bytes hold.
+pub(crate) fn addr6(w: &[u32; 4]) -> Ipv6Addr {
+    let mut o = [0u8; 16];
+    for (i, x) in w.iter().enumerate() {
+        o[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+    }
+    Ipv6Addr::from(o)
+}
+
+impl Key {
+    pub(super) fn v4(&self) -> Option<VipKey> {
+        match self.addr {
+            IpAddr::V4(a) => {
+                Some(VipKey { addr: u32::from(a).to_be(), port: self.port.to_be(), proto: self.proto, _pad: 0 })
+            }
+            IpAddr::V6(_) => None,
+        }
+    }
+
+    pub(super) fn v6(&self) -> Option<Vip6Key> {
+        match self.addr {
+            IpAddr::V6(a) => Some(Vip6Key { addr: words6(&a), port: self.port.to_be(), proto: self.proto, _pad: 0 }),
+            IpAddr::V4(_) => None,
+        }
+    }
+
+    pub(super) fn from_v4(k: &VipKey) -> Self {
+        Self { addr: IpAddr::V4(u32::from_be(k.addr).into()), port: u16::from_be(k.port), proto: k.proto }
+    }
+
+    pub(super) fn from_v6(k: &Vip6Key) -> Self {
+        Self { addr: IpAddr::V6(addr6(&k.addr)), port: u16::from_be(k.port), proto: k.proto }
+    }
+}
+
+/// The VIP key of a service.
+pub(super) fn vip_key(cfg: &ServiceConfig) -> Key {
+    Key { addr: cfg.vip, port: cfg.port, proto: cfg.protocol.number() }
+}
+
+/// The endpoints of a service's backends whose replies come back through
+/// the datapath (none for direct server return).
+fn endpoints_of(cfg: &ServiceConfig) -> impl Iterator<Item = Key> + '_ {
     let proto = cfg.protocol.number();
-    cfg.backends.iter().map(move |b| EndpointKey {
-        addr: u32::from(b.address).to_be(),
-        port: b.port.to_be(),
-        proto,
-        _pad: 0,
-    })
+    let nat = cfg.forwarding == Forwarding::Nat;
+    cfg.backends.iter().filter(move |_| nat).map(move |b| Key { addr: b.address, port: b.port, proto })
 }
 
 /// What the endpoint map should hold for a set of services.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(super) struct Plan {
     /// The whole map, after the change.
-    pub(super) owners: HashMap<EndpointKey, VipKey>,
+    pub(super) owners: HashMap<Key, Key>,
     /// Services that use an endpoint another service owns: their new flows
     /// keep a reply entry.
-    pub(super) reply_entry: HashSet<VipKey>,
+    pub(super) reply_entry: HashSet<Key>,
 }
 
 /// Decide the endpoint map for `services` (in configuration order), given
 /// what it holds now. See the module documentation for the rules.
-pub(super) fn plan(current: &HashMap<EndpointKey, VipKey>, services: &[ServiceConfig], capacity: usize) -> Plan {
-    let live: HashSet<VipKey> = services.iter().map(vip_key).collect();
+pub(super) fn plan(current: &HashMap<Key, Key>, services: &[ServiceConfig], capacity: usize) -> Plan {
+    let live: HashSet<Key> = services.iter().map(vip_key).collect();
     let mut owners = current.clone();
-    let mut used: HashSet<EndpointKey> = HashSet::new();
+    let mut used: HashSet<Key> = HashSet::new();
     for s in services {
         let key = vip_key(s);
         for ep in endpoints_of(s) {
@@ -69,9 +121,9 @@ pub(super) fn plan(current: &HashMap<EndpointKey, VipKey>, services: &[ServiceCo
     // Room: endpoints no service lists go first, those of gone services
     // before those of live ones.
     if owners.len() > capacity {
-        let mut spare: Vec<(bool, EndpointKey)> =
+        let mut spare: Vec<(bool, Key)> =
             owners.iter().filter(|(ep, _)| !used.contains(ep)).map(|(ep, owner)| (live.contains(owner), *ep)).collect();
-        spare.sort_by_key(|&(is_live, ep)| (is_live, ep.addr, ep.port, ep.proto));
+        spare.sort();
         for (_, ep) in spare.into_iter().take(owners.len() - capacity) {
             owners.remove(&ep);
         }
@@ -91,7 +143,11 @@ impl Dataplane {
         let mut found = HashMap::new();
         for item in &self.maps.endpoints {
             let (k, v) = item.map_err(map_err(names::ENDPOINTS))?;
-            found.insert(k, v);
+            found.insert(Key::from_v4(&k), Key::from_v4(&v));
+        }
+        for item in &self.maps.endpoints6 {
+            let (k, v) = item.map_err(map_err(names::ENDPOINTS6))?;
+            found.insert(Key::from_v6(&k), Key::from_v6(&v));
         }
         self.endpoints = found;
         Ok(())
@@ -105,10 +161,18 @@ impl Dataplane {
     /// services changed.
     pub(super) fn write_endpoints(&mut self, services: &[ServiceConfig]) -> Result<Plan, DataplaneError> {
         let plan = plan(&self.endpoints, services, MAX_ENDPOINTS as usize);
-        let map = &mut self.maps.endpoints;
         for (ep, owner) in &plan.owners {
             if self.endpoints.get(ep) != Some(owner) {
-                map.insert(ep, owner, 0).map_err(map_err(names::ENDPOINTS))?;
+                match (ep.v4(), owner.v4(), ep.v6(), owner.v6()) {
+                    (Some(e), Some(o), _, _) => {
+                        self.maps.endpoints.insert(e, o, 0).map_err(map_err(names::ENDPOINTS))?;
+                    }
+                    (_, _, Some(e), Some(o)) => {
+                        self.maps.endpoints6.insert(e, o, 0).map_err(map_err(names::ENDPOINTS6))?;
+                    }
+                    // A service is one family (the config says so).
+                    _ => continue,
+                }
                 self.endpoints.insert(*ep, *owner);
             }
         }
@@ -116,11 +180,15 @@ impl Dataplane {
     }
 
     /// Remove the entries the plan (`owners`) dropped.
-    pub(super) fn prune_endpoints(&mut self, owners: &HashMap<EndpointKey, VipKey>) -> Result<(), DataplaneError> {
-        let gone: Vec<EndpointKey> = self.endpoints.keys().filter(|ep| !owners.contains_key(ep)).copied().collect();
-        let map = &mut self.maps.endpoints;
+    pub(super) fn prune_endpoints(&mut self, owners: &HashMap<Key, Key>) -> Result<(), DataplaneError> {
+        let gone: Vec<Key> = self.endpoints.keys().filter(|ep| !owners.contains_key(ep)).copied().collect();
         for ep in gone {
-            map.remove(&ep).map_err(map_err(names::ENDPOINTS))?;
+            if let Some(k) = ep.v4() {
+                self.maps.endpoints.remove(&k).map_err(map_err(names::ENDPOINTS))?;
+            }
+            if let Some(k) = ep.v6() {
+                self.maps.endpoints6.remove(&k).map_err(map_err(names::ENDPOINTS6))?;
+            }
             self.endpoints.remove(&ep);
         }
         Ok(())
@@ -138,7 +206,7 @@ mod tests {
         let backends = backends
             .iter()
             .map(|&(last, p)| BackendConfig {
-                address: Ipv4Addr::new(10, 1, 0, last),
+                address: Ipv4Addr::new(10, 1, 0, last).into(),
                 port: p,
                 weight: 1,
                 drain: false,
@@ -147,8 +215,8 @@ mod tests {
         ServiceConfig::example(name, Ipv4Addr::new(10, 0, 0, 100), port, backends)
     }
 
-    fn ep(last: u8, port: u16) -> EndpointKey {
-        EndpointKey { addr: u32::from(Ipv4Addr::new(10, 1, 0, last)).to_be(), port: port.to_be(), proto: 6, _pad: 0 }
+    fn ep(last: u8, port: u16) -> Key {
+        Key { addr: Ipv4Addr::new(10, 1, 0, last).into(), port, proto: 6 }
     }
 
     #[test]

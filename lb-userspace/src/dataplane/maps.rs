@@ -5,11 +5,11 @@ use std::{os::fd::AsFd as _, ptr::NonNull};
 
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray},
+    maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    Backend, BackendStats, Conns, EndpointKey, Flood, Flow, FlowKey, NextHop, RateWindow, Service, VipKey,
-    maps as names,
+    Backend, BackendStats, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6, NextHop, RateWindow, Service,
+    Vip6Key, VipKey, maps as names,
 };
 
 use super::DataplaneError;
@@ -20,6 +20,15 @@ const BPF_F_MMAPABLE: u32 = 1 << 10;
 /// A failed operation on the map `map`.
 pub(super) fn map_err(map: &'static str) -> impl FnOnce(MapError) -> DataplaneError {
     move |source| DataplaneError::Map { map, source }
+}
+
+/// Take map `name` out of `ebpf` untyped (a map whose value type only the
+/// datapath knows).
+fn take_raw(ebpf: &mut Ebpf, name: &'static str) -> Result<MapData, DataplaneError> {
+    match ebpf.take_map(name) {
+        Some(aya::maps::Map::PerCpuArray(m)) => Ok(m),
+        _ => Err(DataplaneError::Map { map: name, source: MapError::InvalidName { name: name.to_owned() } }),
+    }
 }
 
 /// Take map `name` out of `ebpf` as `T`.
@@ -131,6 +140,18 @@ pub(super) struct Maps {
     /// The datapath's per-CPU scratch entry; held so that every map is
     /// taken and checked at load.
     pub(super) _scratch: PerCpuArray<MapData, Flow>,
+    pub(super) vips6: HashMap<MapData, Vip6Key, Service>,
+    pub(super) vip_addrs6: HashMap<MapData, [u32; 4], u32>,
+    pub(super) backend_addrs6: Array<MapData, [u32; 4]>,
+    pub(super) endpoints6: HashMap<MapData, Vip6Key, Vip6Key>,
+    pub(super) flows6: HashMap<MapData, FlowKey6, Flow6>,
+    /// Per-CPU scratch of the IPv6 path (and of FIB lookups); held so
+    /// that every map is taken and checked at load.
+    pub(super) _scratch6: PerCpuArray<MapData, Flow6>,
+    /// The programs the balancer tail-calls (`lb_common::TAIL_CALLS`).
+    pub(super) progs: ProgramArray<MapData>,
+    /// Per-CPU lookup keys of the IPv6 path (the datapath's own type).
+    pub(super) _keys6: MapData,
 }
 
 impl Maps {
@@ -155,6 +176,14 @@ impl Maps {
             _new_flow_rate: take(ebpf, names::NEW_FLOW_RATE)?,
             layout: take(ebpf, names::LAYOUT)?,
             _scratch: take(ebpf, names::SCRATCH)?,
+            vips6: take(ebpf, names::VIPS6)?,
+            vip_addrs6: take(ebpf, names::VIP_ADDRS6)?,
+            backend_addrs6: take(ebpf, names::BACKEND_ADDRS6)?,
+            endpoints6: take(ebpf, names::ENDPOINTS6)?,
+            flows6: take(ebpf, names::FLOWS6)?,
+            _scratch6: take(ebpf, names::SCRATCH6)?,
+            progs: take(ebpf, names::PROGS)?,
+            _keys6: take_raw(ebpf, names::KEYS6)?,
         })
     }
 }

@@ -14,7 +14,7 @@
 //! a clean shutdown ([`Dataplane::shutdown`]) detaches and unpins.
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
-    net::Ipv4Addr,
+    net::IpAddr,
     os::fd::AsFd as _,
     path::{Path, PathBuf},
 };
@@ -26,8 +26,8 @@ use aya::{
     util::nr_cpus,
 };
 use lb_common::{
-    BackendStats, EndpointKey, Flood, Flow, FlowKey, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, VipKey, counter,
-    maps as names,
+    BACKEND_F_V6, BackendStats, Flood, Flow, Flow6, FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES,
+    TAIL_CALLS, counter, maps as names,
 };
 use tracing::{info, warn};
 
@@ -117,7 +117,7 @@ struct Adopted {
     region: Option<(u32, u32)>,
     /// The consistent-hash fallback table's, when it is not `region`.
     fallback_region: Option<(u32, u32)>,
-    backends: Vec<(Ipv4Addr, u16, u32)>,
+    backends: Vec<(IpAddr, u16, u32)>,
 }
 
 /// Where XDP is attached and how.
@@ -144,7 +144,7 @@ pub struct AppliedService {
     pub id: u32,
     pub config: ServiceConfig,
     pub backends: Vec<AppliedBackend>,
-    key: VipKey,
+    key: endpoints::Key,
     region: Option<(u32, u32)>,
     table: Vec<u32>,
     /// The consistent-hash fallback table, for schedulers whose own table
@@ -163,7 +163,7 @@ pub struct Dataplane {
     /// bpffs directory of this datapath; None for a private, unpinned one.
     pin: Option<PathBuf>,
     /// Services found in adopted maps, not yet claimed by the config.
-    adopted: HashMap<VipKey, Adopted>,
+    adopted: HashMap<endpoints::Key, Adopted>,
     services: BTreeMap<String, AppliedService>,
     service_ids: Ids,
     backend_ids: Ids,
@@ -172,12 +172,12 @@ pub struct Dataplane {
     ncpus: usize,
     /// Every backend address programmed in this datapath's life (replies
     /// of flows to a removed backend still need the datapath).
-    known_backends: HashSet<u32>,
+    known_backends: HashSet<IpAddr>,
     /// What ADDR_FILTER holds, word by word.
     filter: Vec<u64>,
     filter_written: bool,
     /// What ENDPOINTS holds.
-    endpoints: HashMap<EndpointKey, VipKey>,
+    endpoints: HashMap<endpoints::Key, endpoints::Key>,
     /// What NETDEVS holds, and the path report derived with it.
     netdevs: BTreeMap<u32, u32>,
     netdevs_written: bool,
@@ -216,7 +216,8 @@ impl Dataplane {
         let level: u8 = if tracing::enabled!(tracing::Level::DEBUG) { 4 } else { 2 };
         let mut loader = EbpfLoader::new();
         loader
-            .map_max_entries("FLOWS", config.conntrack_max)
+            .map_max_entries(names::FLOWS, config.conntrack_max)
+            .map_max_entries(names::FLOWS6, config.conntrack_max)
             .map_max_entries("SELECT", config.table_capacity)
             .override_global("AYA_LOG_LEVEL", &level, false);
         let mut adopting = false;
@@ -287,6 +288,12 @@ impl Dataplane {
         let mut ebpf = loader.load(EBPF_OBJECT)?;
         let prog: &mut Xdp = ebpf.program_mut(PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
         prog.load()?;
+        // The programs it tail-calls; their slots are written once the
+        // maps are taken (`set_tail_calls`).
+        for (_, name) in TAIL_CALLS {
+            let prog: &mut Xdp = ebpf.program_mut(name).ok_or(ProgramError::NotLoaded)?.try_into()?;
+            prog.load()?;
+        }
         let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
         Ok((ebpf, ncpus))
     }
@@ -304,7 +311,16 @@ impl Dataplane {
         migrate_from: Option<&Path>,
         resume_from: Option<&Path>,
     ) -> Result<Self, DataplaneError> {
-        let maps = Maps::take(&mut ebpf)?;
+        let mut maps = Maps::take(&mut ebpf)?;
+        // The tail-called programs into their slots, before anything is
+        // attached (an adopted program array gets this build's programs:
+        // the old program calls them until its link is swapped, which the
+        // shared maps allow).
+        for (slot, name) in TAIL_CALLS {
+            let prog: &Xdp = ebpf.program(name).ok_or(ProgramError::NotLoaded)?.try_into()?;
+            let fd = prog.fd()?.try_clone().map_err(|e| DataplaneError::Pin { path: name.into(), source: e })?;
+            maps.progs.set(slot, &fd, 0).map_err(map_err(names::PROGS))?;
+        }
         let select_memory = SelectMemory::map(&maps.select);
         if select_memory.is_none() {
             warn!(
@@ -360,18 +376,22 @@ impl Dataplane {
     /// their ids and table regions, backends with their ids, so that the
     /// first `apply` keeps ids (and so counters) and frees nothing in use.
     fn adopt(&mut self) -> Result<(), DataplaneError> {
-        let mut found: HashMap<VipKey, Adopted> = HashMap::new();
-        {
-            let vips = &self.maps.vips;
-            for item in vips {
-                let (k, v) = item.map_err(map_err(names::VIPS))?;
-                let region = (v.table_len > 0).then_some((v.table_off, v.table_len));
-                let fallback = (v.fallback_len > 0).then_some((v.fallback_off, v.fallback_len));
-                let fallback_region = fallback.filter(|&f| Some(f) != region);
-                found.insert(k, Adopted { service_id: v.service_id, region, fallback_region, backends: Vec::new() });
-            }
+        let mut found: HashMap<endpoints::Key, Adopted> = HashMap::new();
+        let adopted = |v: &lb_common::Service| {
+            let region = (v.table_len > 0).then_some((v.table_off, v.table_len));
+            let fallback = (v.fallback_len > 0).then_some((v.fallback_off, v.fallback_len));
+            let fallback_region = fallback.filter(|&f| Some(f) != region);
+            Adopted { service_id: v.service_id, region, fallback_region, backends: Vec::new() }
+        };
+        for item in &self.maps.vips {
+            let (k, v) = item.map_err(map_err(names::VIPS))?;
+            found.insert(endpoints::Key::from_v4(&k), adopted(&v));
         }
-        let by_service: HashMap<u32, VipKey> = found.iter().map(|(k, a)| (a.service_id, *k)).collect();
+        for item in &self.maps.vips6 {
+            let (k, v) = item.map_err(map_err(names::VIPS6))?;
+            found.insert(endpoints::Key::from_v6(&k), adopted(&v));
+        }
+        let by_service: HashMap<u32, endpoints::Key> = found.iter().map(|(k, a)| (a.service_id, *k)).collect();
         {
             let arr = &self.maps.backends;
             for id in 1..MAX_BACKENDS {
@@ -379,10 +399,16 @@ impl Dataplane {
                 if b.addr == 0 {
                     continue;
                 }
-                self.known_backends.insert(b.addr);
+                let addr = if b.flags & BACKEND_F_V6 != 0 {
+                    let w = self.maps.backend_addrs6.get(&id, 0).map_err(map_err(names::BACKEND_ADDRS6))?;
+                    IpAddr::V6(endpoints::addr6(&w))
+                } else {
+                    IpAddr::V4(u32::from_be(b.addr).into())
+                };
+                self.known_backends.insert(addr);
                 if let Some(key) = by_service.get(&b.service_id) {
                     let a = found.get_mut(key).expect("indexed above");
-                    a.backends.push((Ipv4Addr::from(u32::from_be(b.addr)), u16::from_be(b.port), id));
+                    a.backends.push((addr, u16::from_be(b.port), id));
                 }
             }
         }
@@ -465,8 +491,11 @@ impl Dataplane {
     /// Empty the flow table (for benchmarks: flows are forgotten without
     /// being counted closed or expired). Returns the entries removed.
     pub fn flush_flows(&mut self) -> Result<u64, DataplaneError> {
-        batch::drain::<FlowKey, Flow>(self.maps.flows.map().fd().as_fd())
-            .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })
+        let v4 = batch::drain::<FlowKey, Flow>(self.maps.flows.map().fd().as_fd())
+            .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
+        let v6 = batch::drain::<FlowKey6, Flow6>(self.maps.flows6.map().fd().as_fd())
+            .map_err(|e| DataplaneError::Batch { map: names::FLOWS6, source: e })?;
+        Ok(v4 + v6)
     }
 
     /// Active flows of a backend: opened - closed - expired.
@@ -487,6 +516,17 @@ impl Drop for Dataplane {
 
 /// A backend's identity for Maglev: its address and port, so the same
 /// backend gets the same permutation on every agent and every restart.
-pub fn backend_key(addr: Ipv4Addr, port: u16) -> u64 {
-    (u64::from(u32::from(addr)) << 16) | u64::from(port)
+/// IPv4: the address above the port (as ever). IPv6: the address's two
+/// halves mixed (a fixed function of the bytes, the same everywhere)
+/// above the port.
+pub fn backend_key(addr: IpAddr, port: u16) -> u64 {
+    match addr {
+        IpAddr::V4(a) => (u64::from(u32::from(a)) << 16) | u64::from(port),
+        IpAddr::V6(a) => {
+            let v = u128::from(a);
+            let (hi, lo) = ((v >> 64) as u64, v as u64);
+            let mixed = (hi ^ lo.rotate_left(29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            (mixed << 16) | u64::from(port)
+        }
+    }
 }

@@ -1,19 +1,22 @@
 //! Turning the desired pool into map contents: services (VIP entries and
 //! their selection tables, flipped atomically), backends, the address
 //! filter and the VIP address set.
-use std::collections::HashSet;
+use std::{collections::HashSet, net::IpAddr};
 
 use aya::maps::PerCpuValues;
 use lb_common::{
-    BACKEND_F_DOWN, Backend, BackendStats, Conns, SVC_F_NO_BACKEND, SVC_F_REPLY_ENTRY, Service, maps as names,
+    BACKEND_F_DOWN, BACKEND_F_V6, Backend, BackendStats, Conns, SVC_F_DSR, SVC_F_NO_BACKEND, SVC_F_REPLY_ENTRY,
+    Service, fold6, maps as names,
 };
 use tracing::info;
 
 use super::{
-    AppliedBackend, AppliedService, BackendRuntime, Dataplane, DataplaneError, backend_key, endpoints::vip_key, map_err,
+    AppliedBackend, AppliedService, BackendRuntime, Dataplane, DataplaneError, backend_key,
+    endpoints::{Key, vip_key, words6},
+    map_err,
 };
 use crate::{
-    config::{BackendConfig, ServiceConfig},
+    config::{BackendConfig, Forwarding, ServiceConfig},
     sched::Member,
 };
 
@@ -35,11 +38,11 @@ impl Dataplane {
             self.remove_service(&name)?;
         }
         // New addresses enter the filter before anything can send to them.
-        let mut addrs: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
+        let mut addrs: HashSet<IpAddr> = self.services.values().map(|s| s.key.addr).collect();
         for s in services {
-            addrs.insert(u32::from(s.vip).to_be());
+            addrs.insert(s.vip);
             for b in &s.backends {
-                self.known_backends.insert(u32::from(b.address).to_be());
+                self.known_backends.insert(b.address);
             }
         }
         addrs.extend(self.known_backends.iter().copied());
@@ -52,8 +55,7 @@ impl Dataplane {
         }
         // Adopted services the config no longer has.
         for (key, a) in std::mem::take(&mut self.adopted) {
-            let vips = &mut self.maps.vips;
-            let _ = vips.remove(&key);
+            self.remove_vip(&key)?;
             if let Some((o, l)) = a.region {
                 self.regions.free(o, l);
             }
@@ -156,12 +158,24 @@ impl Dataplane {
         {
             let arr = &mut self.maps.backends;
             for b in backends.iter().filter(|b| fresh.contains(&b.id) || changed.contains(&b.id)) {
+                let mut flags = if b.runtime.down { BACKEND_F_DOWN } else { 0 };
+                let addr = match b.config.address {
+                    IpAddr::V4(a) => u32::from(a).to_be(),
+                    IpAddr::V6(a) => {
+                        // The address first: the datapath reads it once
+                        // the backend's slot says IPv6.
+                        let w = words6(&a);
+                        self.maps.backend_addrs6.set(b.id, w, 0).map_err(map_err(names::BACKEND_ADDRS6))?;
+                        flags |= BACKEND_F_V6;
+                        fold6(&w)
+                    }
+                };
                 let v = Backend {
-                    addr: u32::from(b.config.address).to_be(),
+                    addr,
                     port: b.config.port.to_be(),
                     _pad: 0,
                     service_id: id,
-                    flags: if b.runtime.down { BACKEND_F_DOWN } else { 0 },
+                    flags,
                     weight: b.runtime.weight,
                     _pad2: 0,
                 };
@@ -195,7 +209,9 @@ impl Dataplane {
             _ => cfg.scheduler.build(&members, cfg.table_size),
         };
         let mut flags = if table.iter().all(|&b| b == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
-        if reply_entry {
+        if cfg.forwarding == Forwarding::Dsr {
+            flags |= SVC_F_DSR;
+        } else if reply_entry {
             flags |= SVC_F_REPLY_ENTRY;
         }
         let fallback = match &prev {
@@ -229,15 +245,12 @@ impl Dataplane {
             fallback_len: stateless.map_or(0, |r| r.1),
             _pad: 0,
         };
+        // The flip: one whole-value replace.
+        self.insert_vip(&key, value)?;
+        if let Some(p) = &prev
+            && p.key != key
         {
-            let vips = &mut self.maps.vips;
-            // The flip: one whole-value replace.
-            vips.insert(key, value, 0).map_err(map_err(names::VIPS))?;
-            if let Some(p) = &prev
-                && p.key != key
-            {
-                vips.remove(&p.key).map_err(map_err(names::VIPS))?;
-            }
+            self.remove_vip(&p.key)?;
         }
         if let Some(p) = &prev {
             for (old, new) in [(p.region, region), (p.fallback_region, fallback_region)] {
@@ -294,10 +307,31 @@ impl Dataplane {
         Ok(Some((off, len)))
     }
 
+    /// Put a service's value under its VIP key (VIPS or VIPS6).
+    fn insert_vip(&mut self, key: &Key, value: Service) -> Result<(), DataplaneError> {
+        match (key.v4(), key.v6()) {
+            (Some(k), _) => self.maps.vips.insert(k, value, 0).map_err(map_err(names::VIPS)),
+            (_, Some(k)) => self.maps.vips6.insert(k, value, 0).map_err(map_err(names::VIPS6)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Remove a VIP key (absent: nothing to do).
+    fn remove_vip(&mut self, key: &Key) -> Result<(), DataplaneError> {
+        let r = match (key.v4(), key.v6()) {
+            (Some(k), _) => self.maps.vips.remove(&k).map_err(map_err(names::VIPS)),
+            (_, Some(k)) => self.maps.vips6.remove(&k).map_err(map_err(names::VIPS6)),
+            _ => Ok(()),
+        };
+        match r {
+            Err(DataplaneError::Map { source: aya::maps::MapError::KeyNotFound, .. }) => Ok(()),
+            r => r,
+        }
+    }
+
     fn remove_service(&mut self, name: &str) -> Result<(), DataplaneError> {
         let Some(s) = self.services.remove(name) else { return Ok(()) };
-        let vips = &mut self.maps.vips;
-        vips.remove(&s.key).map_err(map_err(names::VIPS))?;
+        self.remove_vip(&s.key)?;
         for (o, l) in s.region.into_iter().chain(s.fallback_region) {
             self.regions.free(o, l);
         }
@@ -309,12 +343,15 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Make ADDR_FILTER hold exactly `addrs` (network order), writing only
-    /// the words that change.
-    fn write_filter(&mut self, addrs: &HashSet<u32>) -> Result<(), DataplaneError> {
+    /// Make ADDR_FILTER hold exactly `addrs`, writing only the words that
+    /// change.
+    fn write_filter(&mut self, addrs: &HashSet<IpAddr>) -> Result<(), DataplaneError> {
         let mut words = vec![0u64; self.filter.len()];
         for &a in addrs {
-            let bit = lb_common::addr_filter_bit(a);
+            let bit = match a {
+                IpAddr::V4(a) => lb_common::addr_filter_bit(u32::from(a).to_be()),
+                IpAddr::V6(a) => lb_common::addr_filter_bit6(&words6(&a)),
+            };
             words[(bit / 64) as usize] |= 1u64 << (bit % 64);
         }
         let arr = &mut self.maps.addr_filter;
@@ -331,20 +368,38 @@ impl Dataplane {
     }
 
     fn sync_vip_addrs(&mut self) -> Result<(), DataplaneError> {
-        let mut all: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
+        let mut all: HashSet<IpAddr> = self.services.values().map(|s| s.key.addr).collect();
         all.extend(self.known_backends.iter().copied());
         self.write_filter(&all)?;
-        let want: HashSet<u32> = self.services.values().map(|s| s.key.addr).collect();
+        let want: HashSet<IpAddr> = self.services.values().map(|s| s.key.addr).collect();
+        let want4: HashSet<u32> = want
+            .iter()
+            .filter_map(|a| if let IpAddr::V4(a) = a { Some(u32::from(*a).to_be()) } else { None })
+            .collect();
+        let want6: HashSet<[u32; 4]> =
+            want.iter().filter_map(|a| if let IpAddr::V6(a) = a { Some(words6(a)) } else { None }).collect();
         let addrs = &mut self.maps.vip_addrs;
         let have: Vec<u32> = addrs.keys().filter_map(Result::ok).collect();
         for a in &have {
-            if !want.contains(a) {
+            if !want4.contains(a) {
                 addrs.remove(a).map_err(map_err(names::VIP_ADDRS))?;
             }
         }
-        for a in want {
+        for a in want4 {
             if !have.contains(&a) {
                 addrs.insert(a, 1, 0).map_err(map_err(names::VIP_ADDRS))?;
+            }
+        }
+        let addrs = &mut self.maps.vip_addrs6;
+        let have: Vec<[u32; 4]> = addrs.keys().filter_map(Result::ok).collect();
+        for a in &have {
+            if !want6.contains(a) {
+                addrs.remove(a).map_err(map_err(names::VIP_ADDRS6))?;
+            }
+        }
+        for a in want6 {
+            if !have.contains(&a) {
+                addrs.insert(a, 1, 0).map_err(map_err(names::VIP_ADDRS6))?;
             }
         }
         Ok(())

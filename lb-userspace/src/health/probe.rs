@@ -3,7 +3,7 @@
 //! (for http, the time to the response's first line).
 use std::{
     fmt, io,
-    net::SocketAddrV4,
+    net::SocketAddr,
     time::{Duration, Instant},
 };
 
@@ -82,11 +82,11 @@ fn shorten(s: &str) -> String {
 /// - `None`: Ok at once, without connecting.
 ///
 /// The whole probe is bounded by `cfg.timeout`. Returns how long it took.
-pub async fn probe(cfg: &HealthConfig, addr: SocketAddrV4) -> Result<Duration, ProbeError> {
+pub async fn probe(cfg: &HealthConfig, addr: SocketAddr) -> Result<Duration, ProbeError> {
     if cfg.kind == ProbeKind::None {
         return Ok(Duration::ZERO);
     }
-    let target = SocketAddrV4::new(*addr.ip(), cfg.port.unwrap_or_else(|| addr.port()));
+    let target = SocketAddr::new(addr.ip(), cfg.port.unwrap_or_else(|| addr.port()));
     let started = Instant::now();
     let work = async {
         match cfg.kind {
@@ -102,16 +102,16 @@ pub async fn probe(cfg: &HealthConfig, addr: SocketAddrV4) -> Result<Duration, P
     }
 }
 
-async fn connect(target: SocketAddrV4) -> Result<TcpStream, ProbeError> {
+async fn connect(target: SocketAddr) -> Result<TcpStream, ProbeError> {
     TcpStream::connect(target).await.map_err(|e| ProbeError::Connect(io_text(&e)))
 }
 
-async fn tcp_probe(target: SocketAddrV4) -> Result<(), ProbeError> {
+async fn tcp_probe(target: SocketAddr) -> Result<(), ProbeError> {
     // Dropping the stream closes it.
     connect(target).await.map(drop)
 }
 
-async fn http_probe(cfg: &HealthConfig, target: SocketAddrV4) -> Result<(), ProbeError> {
+async fn http_probe(cfg: &HealthConfig, target: SocketAddr) -> Result<(), ProbeError> {
     let mut stream = connect(target).await?;
     let path = if cfg.path.is_empty() { "/" } else { cfg.path.as_str() };
     let request = format!(
@@ -300,11 +300,8 @@ mod tests {
         }
     }
 
-    fn v4(l: &TcpListener) -> SocketAddrV4 {
-        match l.local_addr().unwrap() {
-            std::net::SocketAddr::V4(a) => a,
-            other => panic!("not v4: {other}"),
-        }
+    fn v4(l: &TcpListener) -> SocketAddr {
+        l.local_addr().unwrap()
     }
 
     async fn listener() -> TcpListener {
@@ -312,7 +309,7 @@ mod tests {
     }
 
     /// A local address nobody listens on (bound, then released).
-    async fn closed_addr() -> SocketAddrV4 {
+    async fn closed_addr() -> SocketAddr {
         let l = listener().await;
         let a = v4(&l);
         drop(l);
@@ -445,7 +442,7 @@ mod tests {
     async fn probe_port_override() {
         let l = listener().await;
         let port = v4(&l).port();
-        let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, closed_addr().await.port());
+        let addr = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), closed_addr().await.port());
         let _server = serve_http(l, "HTTP/1.1 200 OK");
 
         // The address's own port is closed...

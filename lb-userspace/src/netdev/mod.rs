@@ -52,6 +52,8 @@ pub struct Link {
     pub master: Option<u32>,
     /// IFF_UP set.
     pub up: bool,
+    /// IFLA_MTU (0 when not reported).
+    pub mtu: u32,
     /// netdev genetlink NETDEV_A_DEV_XDP_FEATURES bits (`XDP_ACT_*`); None
     /// when the kernel has no netdev family or did not report the device.
     pub xdp_features: Option<u64>,
@@ -136,9 +138,11 @@ fn parse_link(body: &[u8]) -> Option<Link> {
     let mut name = None;
     let mut kind = None;
     let mut master = None;
+    let mut mtu = 0;
     for (t, v) in attributes(&body[IFINFOMSG_LEN..])? {
         match t {
             IFLA_IFNAME => name = Some(c_string(v)),
+            IFLA_MTU => mtu = u32_of(v)?,
             IFLA_MASTER => master = Some(u32_of(v)?),
             IFLA_LINKINFO => {
                 for (it, iv) in attributes(v)? {
@@ -150,7 +154,7 @@ fn parse_link(body: &[u8]) -> Option<Link> {
             _ => {}
         }
     }
-    Some(Link { ifindex, name: name?, kind, link_type, master, up: flags & IFF_UP != 0, xdp_features: None })
+    Some(Link { ifindex, name: name?, kind, link_type, master, up: flags & IFF_UP != 0, mtu, xdp_features: None })
 }
 
 fn rt_links() -> Result<Vec<Link>, NetdevError> {

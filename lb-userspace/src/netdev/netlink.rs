@@ -32,6 +32,7 @@ pub(super) const RTM_NEWLINK: u16 = 16;
 pub(super) const RTM_GETLINK: u16 = 18;
 pub(super) const IFINFOMSG_LEN: usize = 16;
 pub(super) const IFLA_IFNAME: u16 = 3;
+pub(super) const IFLA_MTU: u16 = 4;
 pub(super) const IFLA_MASTER: u16 = 10;
 pub(super) const IFLA_LINKINFO: u16 = 18;
 pub(super) const IFLA_EXT_MASK: u16 = 29;

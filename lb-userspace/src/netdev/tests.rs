@@ -30,6 +30,7 @@ fn link_attributes_parse_with_padding_and_nesting() {
             link_type: 1,
             master: Some(3),
             up: true,
+            mtu: 0,
             xdp_features: None
         }
     );
@@ -85,6 +86,7 @@ fn genl_answers_parse() {
         link_type: 1,
         master: None,
         up: true,
+        mtu: 1500,
         xdp_features: Some(f),
     };
     assert!(l.native_xdp() && l.native_xmit());
