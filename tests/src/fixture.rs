@@ -267,7 +267,8 @@ impl Fixture {
         self.dp.counters().unwrap()[name]
     }
 
-    pub fn new_flows(&self, service: &str, backend: Ipv4Addr) -> u64 {
+    pub fn new_flows(&self, service: &str, backend: impl Into<IpAddr>) -> u64 {
+        let backend = backend.into();
         let s = self.dp.services().find(|s| s.config.name == service).unwrap();
         let b = s.backends.iter().find(|b| b.config.address == backend).unwrap();
         self.dp.backend_stats(b.id).unwrap().new_flows

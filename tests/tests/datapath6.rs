@@ -1,0 +1,326 @@
+//! Packet fixtures (BPF_PROG_TEST_RUN, as `datapath.rs`) for IPv6, L2
+//! direct server return and ICMP errors about balanced flows. Frames are
+//! built and read back by `lb-testkit` (etherparse): every checksum in an
+//! expected frame is computed by etherparse, never by our code, so a
+//! byte-for-byte match checks the datapath's incremental updates.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use etherparse::{Icmpv4Type, Icmpv6Type, Ipv4Header, PacketBuilder, icmpv4::DestUnreachableHeader};
+use lb_common::NETDEV_MTU_SHIFT;
+use lb_testkit::{
+    Frame, Frame6, L4Checksum,
+    frame::{
+        ETH_LEN, IPV4_LEN, TCP_LEN,
+        tcp::{ACK, SYN},
+    },
+    frame6::{Ext, IPV6_LEN, parse_frag_needed, parse_too_big6},
+};
+use lb_tests::fixture::*;
+use lb_userspace::config::{Forwarding, Protocol, ServiceConfig};
+
+fn tcp6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, flags: u8) -> Frame6 {
+    Frame6::tcp(src, sport, dst, dport, flags).macs(GW_A_MAC, CLIENT_MAC)
+}
+
+/// The client's packet as the datapath sends it on to the backend.
+fn to_backend6(p: &Frame6) -> Frame6 {
+    Frame6 { dst: BACKEND6, dport: 8080, hop_limit: p.hop_limit - 1, dmac: BACKEND_MAC, smac: GW_B_MAC, ..p.clone() }
+}
+
+fn web6() -> Fixture {
+    Fixture::new(vec![service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)])])
+}
+
+fn assert_valid6(out: &[u8]) -> Frame6 {
+    let f = Frame6::parse(out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
+    assert_eq!(f.l4_checksum, L4Checksum::Full, "L4 checksum not finished");
+    f
+}
+
+// ---------------------------------------------------------------- IPv6 NAT
+
+#[test]
+fn ipv6_tcp_is_rewritten_both_ways_byte_for_byte() {
+    in_netns(|| {
+        let mut fx = web6();
+        let syn = tcp6(CLIENT6, 40000, VIP6, 80, SYN);
+        let (action, out) = fx.run(&syn.bytes(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        assert_eq!(out, to_backend6(&syn).bytes(), "the forward rewrite differs from etherparse's frame");
+        assert_valid6(&out);
+        assert_eq!(fx.new_flows("web6", BACKEND6), 1);
+        // The backend's answer goes back as from the VIP.
+        let synack = Frame6::tcp(BACKEND6, 8080, CLIENT6, 40000, SYN | ACK).macs(GW_B_MAC, BACKEND_MAC);
+        let (action, out) = fx.run(&synack.bytes(), fx.if_b);
+        assert_eq!(action, XDP_REDIRECT);
+        let back = Frame6 { src: VIP6, sport: 80, hop_limit: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..synack };
+        assert_eq!(out, back.bytes(), "the reply rewrite differs from etherparse's frame");
+        // The rest of the flow: same backend, no new schedule.
+        let ack = Frame6 { tcp_flags: ACK, ..syn };
+        let (action, out) = fx.run(&ack.bytes(), fx.if_a);
+        assert_eq!((action, out), (XDP_REDIRECT, to_backend6(&ack).bytes()));
+        assert_eq!(fx.new_flows("web6", BACKEND6), 1);
+        assert_eq!(fx.counter("xdp_redirect"), 3);
+        assert_eq!(fx.entries(), 1, "one flow-table entry");
+    });
+}
+
+#[test]
+fn ipv6_udp_is_rewritten_with_its_checksum_and_an_ipv4_service_works_beside_it() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![
+            service6("dns6", 53, Protocol::Udp, &[(BACKEND6, 5353)]),
+            service("dns4", 53, Protocol::Udp, &[(BACKEND, 5353)]),
+        ]);
+        let q = Frame6::udp(CLIENT6, 40001, VIP6, 53).macs(GW_A_MAC, CLIENT_MAC);
+        let (action, out) = fx.run(&q.bytes(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        let want = Frame6 { dst: BACKEND6, dport: 5353, hop_limit: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..q.clone() };
+        assert_eq!(out, want.bytes());
+        let a = Frame6::udp(BACKEND6, 5353, CLIENT6, 40001).macs(GW_B_MAC, BACKEND_MAC);
+        let (action, out) = fx.run(&a.bytes(), fx.if_b);
+        assert_eq!(action, XDP_REDIRECT);
+        assert_eq!(out, Frame6 { src: VIP6, sport: 53, hop_limit: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..a }.bytes());
+        let q4 = udp(CLIENT, 40001, VIP, 53);
+        assert_eq!(fx.forward(&q4.bytes()), BACKEND);
+        assert_eq!(fx.new_flows("dns6", BACKEND6), 1);
+        assert_eq!(fx.new_flows("dns4", BACKEND), 1);
+    });
+}
+
+#[test]
+fn ipv6_extension_headers_are_walked_and_kept() {
+    in_netns(|| {
+        let fx = web6();
+        let mut syn = tcp6(CLIENT6, 40002, VIP6, 80, SYN);
+        syn.ext = vec![Ext::padded(0, 0), Ext::padded(43, 1), Ext::padded(60, 2)];
+        let (action, out) = fx.run(&syn.bytes(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        assert_eq!(out, to_backend6(&syn).bytes());
+        assert_eq!(fx.new_flows("web6", BACKEND6), 1);
+    });
+}
+
+#[test]
+fn ipv6_fragments_and_unwalked_extension_headers_to_a_vip_are_dropped_and_counted() {
+    in_netns(|| {
+        let fx = web6();
+        let mut frag = tcp6(CLIENT6, 40003, VIP6, 80, SYN);
+        frag.ext = vec![Ext { kind: 44, body: vec![0, 0, 0, 0, 0, 1] }];
+        assert_eq!(fx.run(&frag.bytes(), fx.if_a).0, XDP_DROP);
+        assert_eq!(fx.counter("fragment"), 1);
+        // Authentication header, and five walkable headers (one too many).
+        let mut ah = tcp6(CLIENT6, 40004, VIP6, 80, SYN);
+        ah.ext = vec![Ext::padded(51, 1)];
+        assert_eq!(fx.run(&ah.bytes(), fx.if_a).0, XDP_DROP);
+        let mut many = tcp6(CLIENT6, 40005, VIP6, 80, SYN);
+        many.ext = vec![Ext::padded(60, 0); 5];
+        assert_eq!(fx.run(&many.bytes(), fx.if_a).0, XDP_DROP);
+        assert_eq!(fx.counter("ipv6_ext"), 2);
+        // Not to a VIP: the kernel's.
+        let mut other = tcp6(CLIENT6, 40006, BACKEND6_UNRESOLVED, 80, SYN);
+        other.ext = vec![Ext::padded(51, 1)];
+        assert_eq!(fx.run(&other.bytes(), fx.if_a).0, XDP_PASS);
+        assert_eq!(fx.new_flows("web6", BACKEND6), 0);
+    });
+}
+
+#[test]
+fn broken_ipv6_packets_are_never_forwarded() {
+    in_netns(|| {
+        let fx = web6();
+        let mut syn = tcp6(CLIENT6, 40007, VIP6, 80, SYN);
+        syn.ext = vec![Ext::padded(0, 0)];
+        let whole = syn.bytes();
+        // Cut at every length: inside Ethernet, the IPv6 header, the
+        // extension header, the TCP header, the payload.
+        for len in 0..whole.len() {
+            let (action, _) = fx.run(&whole[..len.max(14)], fx.if_a);
+            assert_ne!(action, XDP_REDIRECT, "a frame cut at {len} bytes was forwarded");
+        }
+        // Truncated past the IPv6 header: the datapath knew it was for a
+        // VIP, and counted the drops.
+        assert!(fx.counter("malformed") > 0);
+        // A payload length beyond the frame, a zero payload length, a UDP
+        // checksum of 0 (which IPv6 forbids).
+        let mut long = whole.clone();
+        long[ETH_LEN + 4..ETH_LEN + 6].copy_from_slice(&2000u16.to_be_bytes());
+        let mut zero = whole.clone();
+        zero[ETH_LEN + 4..ETH_LEN + 6].copy_from_slice(&0u16.to_be_bytes());
+        let mut q = Frame6::udp(CLIENT6, 40008, VIP6, 80).macs(GW_A_MAC, CLIENT_MAC);
+        q.l4_checksum = L4Checksum::None;
+        let before = fx.counter("malformed");
+        for f in [long, zero, q.bytes()] {
+            assert_eq!(fx.run(&f, fx.if_a).0, XDP_DROP);
+        }
+        assert_eq!(fx.counter("malformed"), before + 3);
+        assert_eq!(fx.new_flows("web6", BACKEND6), 0);
+        assert_eq!(fx.counter("xdp_redirect"), 0);
+    });
+}
+
+#[test]
+fn an_ipv6_packet_too_big_for_the_backend_side_is_answered_with_packet_too_big() {
+    in_netns(|| {
+        sh(&["ip", "link", "set", "dev", "gwb", "mtu", "1280"]);
+        let mut fx = web6();
+        fx.netdevs(1500 << NETDEV_MTU_SHIFT, XMIT_ALL, 1280 << NETDEV_MTU_SHIFT, XMIT_ALL);
+        let mut p = tcp6(CLIENT6, 40009, VIP6, 80, SYN);
+        p.payload = vec![7; 1400 - IPV6_LEN - TCP_LEN];
+        let sent = p.bytes();
+        let (action, out) = fx.run(&sent, fx.if_a);
+        assert_eq!(action, XDP_TX);
+        let icmp = parse_too_big6(&out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
+        assert_eq!((icmp.src, icmp.dst, icmp.mtu), (VIP6, CLIENT6, 1280));
+        assert_eq!((icmp.dmac, icmp.smac), (CLIENT_MAC, GW_A_MAC));
+        // As much of the packet as fits in 1,280 bytes, as the client sent it.
+        assert_eq!(icmp.quoted, sent[ETH_LEN..ETH_LEN + 1280 - IPV6_LEN - 8]);
+        assert_eq!(fx.counter("too_big"), 1);
+    });
+}
+
+// ---------------------------------------------------------------- DSR
+
+fn dsr(svc: ServiceConfig) -> ServiceConfig {
+    ServiceConfig { forwarding: Forwarding::Dsr, ..svc }
+}
+
+#[test]
+fn dsr_changes_only_the_macs_and_the_replies_never_come_back() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![
+            dsr(service("web", 80, Protocol::Tcp, &[(BACKEND, 80)])),
+            dsr(service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 80)])),
+        ]);
+        let syn = tcp(CLIENT, 40010, VIP, 80, SYN);
+        let (action, out) = fx.run(&syn.bytes(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        assert_eq!(out, Frame { dmac: BACKEND_MAC, smac: GW_B_MAC, ..syn.clone() }.bytes(), "TTL, addresses unchanged");
+        let syn6 = tcp6(CLIENT6, 40010, VIP6, 80, SYN);
+        let (action, out) = fx.run(&syn6.bytes(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        assert_eq!(out, Frame6 { dmac: BACKEND_MAC, smac: GW_B_MAC, ..syn6.clone() }.bytes());
+        // The flow keeps its backend (and is established by the client's ACK).
+        let ack = Frame { tcp_flags: ACK, ..syn };
+        assert_eq!(
+            fx.run(&ack.bytes(), fx.if_a),
+            (XDP_REDIRECT, Frame { dmac: BACKEND_MAC, smac: GW_B_MAC, ..ack }.bytes())
+        );
+        assert_eq!(fx.new_flows("web", BACKEND), 1);
+        assert_eq!(fx.new_flows("web6", BACKEND6), 1);
+        // A backend's answer from the VIP is none of the datapath's business.
+        let answer = Frame::tcp(VIP, 80, CLIENT, 40010, SYN | ACK).macs(GW_B_MAC, BACKEND_MAC);
+        assert_eq!(fx.run(&answer.bytes(), fx.if_b), (XDP_PASS, answer.bytes()));
+    });
+}
+
+#[test]
+fn a_dsr_backend_behind_a_router_is_refused_and_counted() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![dsr(service("web", 80, Protocol::Tcp, &[(BACKEND_ROUTED, 80)]))]);
+        let syn = tcp(CLIENT, 40011, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_DROP);
+        assert_eq!(fx.counter("dsr_off_link"), 1);
+    });
+}
+
+// ---------------------------------------------------------------- ICMP
+
+/// An ICMP "fragmentation needed" from `src` to `dst` quoting `quoted`
+/// (built and checksummed by etherparse), arriving from `smac`.
+fn frag_needed(src: Ipv4Addr, dst: Ipv4Addr, quoted: &[u8], macs: ([u8; 6], [u8; 6])) -> Vec<u8> {
+    let t = Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::FragmentationNeeded { next_hop_mtu: 1200 });
+    let b = PacketBuilder::ethernet2(macs.1, macs.0).ipv4(src.octets(), dst.octets(), 64).icmpv4(t);
+    let mut out = Vec::new();
+    b.write(&mut out, quoted).expect("write to a Vec");
+    out
+}
+
+fn quoted_ip(q: &[u8]) -> Ipv4Header {
+    let (ip, _) = Ipv4Header::from_slice(q).expect("quoted IPv4 header");
+    assert_eq!(ip.header_checksum, ip.calc_header_checksum(), "the quoted header's checksum");
+    ip
+}
+
+#[test]
+fn an_icmp_error_about_a_forwarded_packet_reaches_the_client_naming_the_vip() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        let mut syn = tcp(CLIENT, 40012, VIP, 80, SYN);
+        syn.payload = vec![1; 200];
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        // A router on the backend side could not pass the (rewritten)
+        // packet: it quotes it, header and the first 28 bytes of TCP
+        // (checksum included).
+        let sent_on = Frame { dst: BACKEND, dport: 8080, ttl: 63, ..syn.clone() }.bytes();
+        let quote = &sent_on[ETH_LEN..ETH_LEN + IPV4_LEN + 28];
+        let err = frag_needed(Ipv4Addr::new(10, 20, 0, 254), CLIENT, quote, (GW_B_MAC, BACKEND_MAC));
+        let (action, out) = fx.run(&err, fx.if_b);
+        assert_eq!(action, XDP_PASS, "on to the client through the kernel");
+        let icmp = parse_frag_needed(&out).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((icmp.src, icmp.dst), (Ipv4Addr::new(10, 20, 0, 254), CLIENT));
+        // What the client sent, as it sent it (but for the TTL the hop
+        // took): to the VIP and its port, its checksums valid.
+        let as_sent = Frame { ttl: 63, ..syn }.bytes();
+        assert_eq!(icmp.quoted, as_sent[ETH_LEN..ETH_LEN + IPV4_LEN + 28]);
+        quoted_ip(&icmp.quoted);
+        assert_eq!(fx.counter("icmp_to_client"), 1);
+    });
+}
+
+#[test]
+fn an_icmp_error_about_a_reply_reaches_the_backend_naming_it() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        let syn = tcp(CLIENT, 40013, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        // The reply as it left the balancer (from the VIP); a router on
+        // the client side sends the error to the VIP.
+        let mut reply = Frame::tcp(VIP, 80, CLIENT, 40013, ACK);
+        reply.ttl = 63;
+        reply.payload = vec![2; 200];
+        let r = reply.bytes();
+        let err = frag_needed(
+            Ipv4Addr::new(10, 10, 0, 254),
+            VIP,
+            &r[ETH_LEN..ETH_LEN + IPV4_LEN + 8],
+            (GW_A_MAC, CLIENT_MAC),
+        );
+        let (action, out) = fx.run(&err, fx.if_a);
+        assert_eq!(action, XDP_PASS, "on to the backend through the kernel");
+        let icmp = parse_frag_needed(&out).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(icmp.dst, BACKEND);
+        // The reply as the backend sent it: from its own address and port.
+        let as_sent = Frame { src: BACKEND, sport: 8080, ..reply }.bytes();
+        assert_eq!(icmp.quoted, as_sent[ETH_LEN..ETH_LEN + IPV4_LEN + 8]);
+        quoted_ip(&icmp.quoted);
+        assert_eq!(fx.counter("icmp_to_backend"), 1);
+    });
+}
+
+#[test]
+fn an_icmpv6_packet_too_big_about_a_reply_reaches_the_backend_naming_it() {
+    in_netns(|| {
+        let fx = web6();
+        let syn = tcp6(CLIENT6, 40014, VIP6, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let mut reply = Frame6::tcp(VIP6, 80, CLIENT6, 40014, ACK);
+        reply.hop_limit = 63;
+        reply.payload = vec![3; 100];
+        let r = reply.bytes();
+        let router: Ipv6Addr = "fd00:10::fe".parse().unwrap();
+        let b = PacketBuilder::ethernet2(CLIENT_MAC, GW_A_MAC)
+            .ipv6(router.octets(), VIP6.octets(), 64)
+            .icmpv6(Icmpv6Type::PacketTooBig { mtu: 1280 });
+        let mut err = Vec::new();
+        b.write(&mut err, &r[ETH_LEN..]).expect("write to a Vec");
+        let (action, out) = fx.run(&err, fx.if_a);
+        assert_eq!(action, XDP_PASS);
+        let icmp = parse_too_big6(&out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
+        assert_eq!((icmp.src, icmp.dst, icmp.mtu), (router, BACKEND6, 1280));
+        let as_sent = Frame6 { src: BACKEND6, sport: 8080, ..reply }.bytes();
+        assert_eq!(icmp.quoted, as_sent[ETH_LEN..]);
+        assert_eq!(fx.counter("icmp_to_backend"), 1);
+    });
+}
