@@ -232,14 +232,14 @@ impl Agent {
     /// Record a probe result; on a transition, log it and reprogram.
     pub fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) {
         let Some(s) = self.config.services.iter().find(|s| s.name == key.0) else { return };
-        self.health_metrics.record(&key.0, &format!("{}:{}", key.1, key.2), &result);
+        self.health_metrics.record(&key.0, &SocketAddr::new(key.1, key.2).to_string(), &result);
         let (rise, fall) = (s.health.rise, s.health.fall);
         let Some(c) = self.health.get_mut(key) else { return };
         if let Ok(took) = result {
             c.record_response(took);
         }
         let transition = c.observe(result.is_ok(), rise, fall);
-        let backend = format!("{}:{}", key.1, key.2);
+        let backend = SocketAddr::new(key.1, key.2).to_string();
         match (&transition, &result) {
             (None, _) => {}
             (Some(Health::Down), Err(e)) => warn!(service = %key.0, backend = %backend, reason = %e, "backend down"),

@@ -151,7 +151,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
     for s in &status.services {
         let mut total = 0u64;
         for b in &s.backends {
-            let be = format!("{}:{}", b.address, b.port);
+            let be = std::net::SocketAddr::new(b.address, b.port).to_string();
             let l = labels(&[("service", &s.name), ("backend", &be)]);
             conns.push(l.clone(), Value::Counter(b.new_flows));
             for (dir, p, by) in [("in", b.packets_in, b.bytes_in), ("out", b.packets_out, b.bytes_out)] {
@@ -485,6 +485,7 @@ mod tests {
                 vip: std::net::Ipv4Addr::new(10, 10, 0, 100).into(),
                 port: 80,
                 protocol: Protocol::Tcp,
+                forwarding: Default::default(),
                 scheduler: Scheduler::Maglev,
                 new_flows: 12,
                 fairness: Some(0.98),
@@ -536,7 +537,7 @@ mod tests {
         for s in &status.services {
             let mut total = 0u64;
             for b in &s.backends {
-                let be = format!("{}:{}", b.address, b.port);
+                let be = std::net::SocketAddr::new(b.address, b.port).to_string();
                 let l = labels(&[("service", &s.name), ("backend", &be)]);
                 conns.get_or_create(&l).inc_by(b.new_flows);
                 for (dir, p, by) in [("in", b.packets_in, b.bytes_in), ("out", b.packets_out, b.bytes_out)] {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     agent::{Agent, BackendState},
-    config::Protocol,
+    config::{Forwarding, Protocol},
     dataplane::Attachment,
     sched::Scheduler,
 };
@@ -48,6 +48,9 @@ pub struct ServiceStatus {
     pub vip: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
+    /// `nat` or `dsr`.
+    #[serde(default)]
+    pub forwarding: Forwarding,
     pub scheduler: Scheduler,
     pub new_flows: u64,
     /// Jain's fairness index over weight-normalised new flows; None before
@@ -141,6 +144,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             vip: s.config.vip,
             port: s.config.port,
             protocol: s.config.protocol,
+            forwarding: s.config.forwarding,
             scheduler: s.config.scheduler,
             new_flows,
             fairness: jain(&normalised),

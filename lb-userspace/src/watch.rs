@@ -122,7 +122,7 @@ fn sample(s: &Status) -> Sample {
     for svc in &s.services {
         for b in &svc.backends {
             per.insert(
-                (svc.name.clone(), format!("{}:{}", b.address, b.port)),
+                (svc.name.clone(), std::net::SocketAddr::new(b.address, b.port).to_string()),
                 (b.new_flows, b.packets_in + b.packets_out, b.bytes_in + b.bytes_out),
             );
         }
@@ -146,8 +146,14 @@ pub fn screen(s: &Status, prev: Option<&Sample>, cols: usize) -> String {
     let mid = cols >= 64;
     for svc in &s.services {
         let fair = svc.fairness.map_or("-".to_owned(), |f| format!("{f:.4}"));
-        let head =
-            format!("{} {}:{}/{} {} fairness {}", svc.name, svc.vip, svc.port, svc.protocol, svc.scheduler, fair);
+        let head = format!(
+            "{} {}/{} {} fairness {}",
+            svc.name,
+            std::net::SocketAddr::new(svc.vip, svc.port),
+            svc.protocol,
+            svc.scheduler,
+            fair
+        );
         let _ = writeln!(out, "\n{}", &head[..head.len().min(cols.max(20))]);
         let mut hdr = format!("{:<21} {:<5} {:>6} {:>8}", "BACKEND", "STATE", "WEIGHT", "CONN/S");
         if mid {
@@ -158,7 +164,7 @@ pub fn screen(s: &Status, prev: Option<&Sample>, cols: usize) -> String {
         }
         let _ = writeln!(out, "{hdr}");
         for b in &svc.backends {
-            let be = format!("{}:{}", b.address, b.port);
+            let be = std::net::SocketAddr::new(b.address, b.port).to_string();
             let key = (svc.name.clone(), be.clone());
             let (c, p, by) = now.per[&key];
             let rate = |cur: u64, f: fn(&(u64, u64, u64)) -> u64| match (prev.and_then(|p| p.per.get(&key)), dt) {

@@ -146,6 +146,7 @@ fn failed_up_leaves_nothing_behind() {
         client_sources: 10,
         bin_dir: dir.clone(),
         topology: lb_tests::lab::Topology::Tuned,
+        dsr: false,
     };
     let err = Lab::up(spec).err().expect("up must fail");
     let msg = format!("{err:#}");

@@ -183,8 +183,14 @@ fn render(s: &Status) -> String {
         let fairness = svc.fairness.map_or_else(|| "-".to_owned(), |f| format!("{f:.4}"));
         let _ = writeln!(
             out,
-            "\nservice {}  {}:{}/{}  scheduler {}  new flows {}  fairness {}",
-            svc.name, svc.vip, svc.port, svc.protocol, svc.scheduler, svc.new_flows, fairness
+            "\nservice {}  {}/{}  {}  scheduler {}  new flows {}  fairness {}",
+            svc.name,
+            std::net::SocketAddr::new(svc.vip, svc.port),
+            svc.protocol,
+            svc.forwarding,
+            svc.scheduler,
+            svc.new_flows,
+            fairness
         );
         let _ = writeln!(
             out,
@@ -207,7 +213,7 @@ fn render(s: &Status) -> String {
             let _ = writeln!(
                 out,
                 "  {:<21} {:<5} {:>6} {:>9} {:>7.1}% {:>7.1}% {:>10} {:>7} {:>10} {:>12} {:>10} {:>12} {:>9}",
-                format!("{}:{}", b.address, b.port),
+                std::net::SocketAddr::new(b.address, b.port).to_string(),
                 format!("{:?}", b.state).to_lowercase(),
                 b.weight,
                 b.effective_weight,

@@ -65,7 +65,9 @@ impl Dataplane {
             self.service_ids.release(a.service_id);
         }
         self.prune_endpoints(&endpoints.owners)?;
-        self.sync_vip_addrs()
+        self.sync_vip_addrs()?;
+        resolve_dsr_neighbours(services);
+        Ok(())
     }
 
     /// [`apply`](Self::apply) with configuration-only weights.
@@ -125,7 +127,7 @@ impl Dataplane {
                         changed.push(o.id);
                     }
                     if o.config.weight != b.weight && o.runtime.weight != u32::MAX {
-                        info!(service = %cfg.name, backend = %format!("{}:{}", b.address, b.port),
+                        info!(service = %cfg.name, backend = %std::net::SocketAddr::new(b.address, b.port),
                               from = o.config.weight, to = b.weight, "weight changed");
                     }
                     o.id
@@ -403,6 +405,27 @@ impl Dataplane {
             }
         }
         Ok(())
+    }
+}
+
+/// Have the kernel resolve the link-layer address of every DSR backend.
+/// The datapath sends a DSR packet to its backend's MAC and cannot fall
+/// back on the kernel's forwarding (the packet is addressed to the VIP),
+/// so without a neighbour entry it drops the packet (`fib_fallback`)
+/// until something else (a health probe) made one. An empty datagram to
+/// the discard port makes the kernel ask (ARP, neighbour discovery).
+fn resolve_dsr_neighbours(services: &[ServiceConfig]) {
+    for s in services.iter().filter(|s| s.forwarding == Forwarding::Dsr) {
+        for b in &s.backends {
+            let any: IpAddr = if b.address.is_ipv4() {
+                std::net::Ipv4Addr::UNSPECIFIED.into()
+            } else {
+                std::net::Ipv6Addr::UNSPECIFIED.into()
+            };
+            if let Ok(sock) = std::net::UdpSocket::bind((any, 0)) {
+                let _ = sock.send_to(&[], (b.address, 9));
+            }
+        }
     }
 }
 

@@ -63,6 +63,10 @@ impl Table for V6 {
     }
 }
 
+/// A flow the sweep removes: its key, its reply entry's key if it has
+/// one, its backend if it expired open, and whether it was half-open.
+type Doomed<K> = (K, Option<K>, Option<u32>, bool);
+
 /// What a sweep decides, for the limits in force.
 struct Limits<'a> {
     now: u64,
@@ -80,9 +84,7 @@ fn sweep_table<T: Table>(
     report: &mut SweepReport,
     expired_by: &mut HashMap<u32, u64>,
 ) -> Result<(), DataplaneError> {
-    // (forward key, its reply entry's key if it has one, backend if it
-    // expired open, half-open)
-    let mut doomed: Vec<(T::K, Option<T::K>, Option<u32>, bool)> = Vec::new();
+    let mut doomed: Vec<Doomed<T::K>> = Vec::new();
     let read = batch::for_each::<T::K, T::V>(fd, |k, f| {
         report.entries += 1;
         let (dir, proto, state, last_seen, backend, service) = T::view(k, f);

@@ -19,9 +19,10 @@ struct Args {
     /// Name reported in responses (`X-Backend`) and stats.
     #[arg(long)]
     name: String,
-    /// TCP and UDP address to serve, e.g. 10.20.0.11:8080.
-    #[arg(long)]
-    listen: SocketAddr,
+    /// TCP and UDP addresses to serve, e.g. 10.20.0.11:8080 (repeat the
+    /// option for more: the IPv6 address, a DSR VIP held on loopback).
+    #[arg(long, required = true)]
+    listen: Vec<SocketAddr>,
     /// Address of the stats/control API.
     #[arg(long, default_value = "127.0.0.1:9000")]
     stats: SocketAddr,
@@ -71,14 +72,15 @@ async fn main() -> anyhow::Result<()> {
     let state = Arc::new(State::default());
 
     // Bound once here so that a bad address fails at start.
-    let main_l = tcp_listener(args.listen)?;
-    let udp = UdpSocket::bind(args.listen).await.with_context(|| format!("binding UDP {}", args.listen))?;
+    for &addr in &args.listen {
+        let main_l = tcp_listener(addr)?;
+        let udp = UdpSocket::bind(addr).await.with_context(|| format!("binding UDP {addr}"))?;
+        tokio::spawn(serve_main(main_l, addr, name.clone(), state.clone()));
+        tokio::spawn(serve_udp(udp, name.clone(), state.clone()));
+    }
     let stats_l = tcp_listener(args.stats)?;
-
-    tokio::spawn(serve_main(main_l, args.listen, name.clone(), state.clone()));
-    tokio::spawn(serve_udp(udp, name.clone(), state.clone()));
     tokio::spawn(serve_stats(stats_l, name.clone(), state.clone()));
-    eprintln!("lab-backend {name}: serving {} (tcp+udp), stats on {}", args.listen, args.stats);
+    eprintln!("lab-backend {name}: serving {:?} (tcp+udp), stats on {}", args.listen, args.stats);
 
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
@@ -166,6 +168,23 @@ async fn handle_main_conn(mut stream: TcpStream, name: &str, state: &State, conn
 
         req_no += 1;
         state.requests.fetch_add(1, Ordering::Relaxed);
+        // A download: `GET /bytes/N` answers N bytes (streamed).
+        if let Some(n) = target.strip_prefix("/bytes/").and_then(|n| n.parse::<u64>().ok()) {
+            let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {n}\r\nX-Backend: {name}\r\n\r\n");
+            stream.write_all(head.as_bytes()).await?;
+            let chunk = vec![b'x'; 64 * 1024];
+            let mut left = n;
+            while left > 0 {
+                let k = left.min(chunk.len() as u64) as usize;
+                stream.write_all(&chunk[..k]).await?;
+                left -= k as u64;
+            }
+            if !keep_alive {
+                stream.shutdown().await?;
+                return Ok(());
+            }
+            continue;
+        }
         let delay = state.delay_ms.load(Ordering::Relaxed);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;

@@ -38,6 +38,21 @@ enum Cmd {
     /// Open keep-alive connections, one request each, hold them idle, then
     /// close them all (FIN, or RST with `--reset`).
     Hold(HoldArgs),
+    /// Download BYTES over one connection (`GET /bytes/N`).
+    Download(DownloadArgs),
+}
+
+#[derive(Args, Debug)]
+struct DownloadArgs {
+    #[arg(long)]
+    target: SocketAddr,
+    #[arg(long)]
+    bytes: u64,
+    #[command(flatten)]
+    src: SourceArgs,
+    /// Bound on the whole download.
+    #[arg(long, default_value_t = 120_000)]
+    timeout_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -76,16 +91,17 @@ struct FloodArgs {
 
 #[derive(Args, Debug, Clone)]
 struct SourceArgs {
-    /// Source addresses to bind (round robin), comma separated.
+    /// Source addresses to bind (round robin), comma separated; IPv4 or
+    /// IPv6 (of the target's family).
     #[arg(long, value_delimiter = ',', conflicts_with = "sources_range")]
-    sources: Vec<Ipv4Addr>,
+    sources: Vec<IpAddr>,
     /// Inclusive source range A-B; host parts .0 and .255 are skipped.
     #[arg(long)]
     sources_range: Option<String>,
 }
 
 impl SourceArgs {
-    fn resolve(&self) -> anyhow::Result<Vec<Ipv4Addr>> {
+    fn resolve(&self) -> anyhow::Result<Vec<IpAddr>> {
         let Some(range) = &self.sources_range else {
             return Ok(self.sources.clone());
         };
@@ -99,7 +115,8 @@ impl SourceArgs {
         if b - a > 1 << 20 {
             bail!("--sources-range {range:?}: too many addresses");
         }
-        let v: Vec<Ipv4Addr> = (a..=b).filter(|x| !matches!(x & 0xff, 0 | 255)).map(Ipv4Addr::from).collect();
+        let v: Vec<IpAddr> =
+            (a..=b).filter(|x| !matches!(x & 0xff, 0 | 255)).map(|x| IpAddr::V4(Ipv4Addr::from(x))).collect();
         if v.is_empty() {
             bail!("--sources-range {range:?} holds no usable address");
         }
@@ -193,6 +210,7 @@ fn main() {
             Cmd::Longlived(a) => run_longlived(a).await,
             Cmd::Udp(a) => run_udp(a).await,
             Cmd::Hold(a) => run_hold(a).await,
+            Cmd::Download(a) => run_download(a).await,
             Cmd::Flood(a) => tokio::task::spawn_blocking(move || {
                 let r = lb_tests::flood::syn_flood(
                     a.target,
@@ -230,12 +248,13 @@ async fn timed<T>(
     }
 }
 
-async fn connect(target: SocketAddr, src: Option<Ipv4Addr>, timeout_ms: u64) -> Result<TcpStream, String> {
+async fn connect(target: SocketAddr, src: Option<IpAddr>, timeout_ms: u64) -> Result<TcpStream, String> {
     let what = || match src {
         Some(s) => format!("connect {s} -> {target}"),
         None => format!("connect -> {target}"),
     };
-    let sock = TcpSocket::new_v4().map_err(|e| format!("{}: socket: {e}", what()))?;
+    let sock = if target.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }
+        .map_err(|e| format!("{}: socket: {e}", what()))?;
     if let Some(s) = src {
         // Defer port choice to connect() so the 4-tuple, not the bare
         // (address, port), has to be unique; this avoids ephemeral-port
@@ -251,7 +270,7 @@ async fn connect(target: SocketAddr, src: Option<Ipv4Addr>, timeout_ms: u64) -> 
                 size_of::<libc::c_int>() as libc::socklen_t,
             );
         }
-        sock.bind(SocketAddr::new(IpAddr::V4(s), 0)).map_err(|e| format!("{}: bind: {e}", what()))?;
+        sock.bind(SocketAddr::new(s, 0)).map_err(|e| format!("{}: bind: {e}", what()))?;
     }
     let stream = timed(what, timeout_ms, sock.connect(target)).await?;
     let _ = stream.set_nodelay(true);
@@ -290,7 +309,7 @@ async fn wait_eof(stream: &mut TcpStream) -> std::io::Result<()> {
     Ok(())
 }
 
-fn pick(sources: &[Ipv4Addr], i: usize) -> Option<Ipv4Addr> {
+fn pick(sources: &[IpAddr], i: usize) -> Option<IpAddr> {
     (!sources.is_empty()).then(|| sources[i % sources.len()])
 }
 
@@ -308,7 +327,7 @@ struct ConnsAgg {
     per_source: BTreeMap<String, BTreeSet<String>>,
 }
 
-async fn one_conn(target: SocketAddr, src: Option<Ipv4Addr>, timeout_ms: u64) -> Result<(String, String), String> {
+async fn one_conn(target: SocketAddr, src: Option<IpAddr>, timeout_ms: u64) -> Result<(String, String), String> {
     let mut stream = connect(target, src, timeout_ms).await?;
     let local = stream.local_addr().map_or_else(|_| "?".into(), |a| a.ip().to_string());
     let mut buf = Vec::new();
@@ -539,17 +558,55 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
     }))
 }
 
+// -------------------------------------------------------------- download
+
+async fn run_download(a: DownloadArgs) -> anyhow::Result<serde_json::Value> {
+    use tokio::io::AsyncReadExt as _;
+    let start = Instant::now();
+    let src = a.src.resolve()?.first().copied();
+    let work = async {
+        let mut stream = connect(a.target, src, a.timeout_ms).await.map_err(anyhow::Error::msg)?;
+        let req = format!("GET /bytes/{} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", a.bytes, a.target);
+        stream.write_all(req.as_bytes()).await?;
+        let mut buf = Vec::new();
+        let head = http1::read_head(&mut stream, &mut buf).await?.context("connection closed before a response")?;
+        let len = head.content_length()?;
+        let backend = head.header("x-backend").unwrap_or("?").to_string();
+        // What came with the head, then the rest, counted not kept.
+        let mut got = buf.len() as u64;
+        let mut chunk = vec![0u8; 256 * 1024];
+        while got < len as u64 {
+            let n = stream.read(&mut chunk).await?;
+            if n == 0 {
+                break;
+            }
+            got += n as u64;
+        }
+        anyhow::Ok((backend, got, len as u64))
+    };
+    let (backend, got, len) = tokio::time::timeout(Duration::from_millis(a.timeout_ms), work)
+        .await
+        .map_err(|_| anyhow::anyhow!("download from {} timed out after {} ms", a.target, a.timeout_ms))??;
+    let ms = ms_since(start);
+    Ok(serde_json::json!({
+        "backend": backend, "bytes": got, "expected": len, "complete": got == len,
+        "ms": ms, "mbit_per_s": got as f64 * 8.0 / 1000.0 / ms.max(1) as f64,
+    }))
+}
+
 // ------------------------------------------------------------------- udp
 
 /// One UDP flow: `n` request/reply rounds from one socket. Returns the
 /// backend of every answer, and whether any answer came from another address.
 async fn one_udp(
     target: SocketAddr,
-    src: Option<Ipv4Addr>,
+    src: Option<IpAddr>,
     timeout_ms: u64,
     n: usize,
 ) -> Result<(Vec<String>, bool), String> {
-    let bind = SocketAddr::new(IpAddr::V4(src.unwrap_or(Ipv4Addr::UNSPECIFIED)), 0);
+    let any =
+        if target.is_ipv4() { IpAddr::V4(Ipv4Addr::UNSPECIFIED) } else { IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED) };
+    let bind = SocketAddr::new(src.unwrap_or(any), 0);
     let what = || format!("udp {} -> {target}", bind.ip());
     let sock = UdpSocket::bind(bind).await.map_err(|e| format!("{}: bind: {e}", what()))?;
     let mut backends = Vec::new();

@@ -32,7 +32,7 @@
 use std::ffi::OsStr;
 use std::fmt::Write as _;
 use std::fs::File;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
@@ -45,6 +45,22 @@ mod sys;
 use sys::*;
 
 const STATS_URL: &str = "http://127.0.0.1:9000";
+
+/// The gateway's IPv6 addresses on the client and backend sides.
+pub const GW6_CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 1);
+pub const GW6_BACKEND: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 1);
+/// The client's main IPv6 address.
+pub const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 2);
+/// IPv6 VIPs live in this prefix, routed by the client to the gateway.
+pub const VIPS6_NET: &str = "fd00:10::100/124";
+/// The first IPv6 VIP (`fd00:10::100`).
+pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x100);
+/// The DSR VIPs every backend holds on loopback in a DSR lab.
+pub const DSR_VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 110);
+pub const DSR_VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x10a);
+/// The client's addresses on the backends' network in a DSR lab (the bypass).
+pub const CLIENT_BYPASS: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 2);
+pub const CLIENT_BYPASS6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 2);
 const BACKEND_PORT: u16 = 8080;
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_BACKENDS: usize = 200;
@@ -145,6 +161,11 @@ pub struct LabSpec {
     pub bin_dir: PathBuf,
     /// How the gateway is wired.
     pub topology: Topology,
+    /// Direct server return wiring (see the module documentation): the
+    /// DSR VIPs on every backend's loopback, and a path from the backends
+    /// to the client that bypasses the gateway, taken by packets from a
+    /// DSR VIP. Not with `bridge-backend` (the gateway holds the bridge).
+    pub dsr: bool,
 }
 
 impl Default for LabSpec {
@@ -155,6 +176,7 @@ impl Default for LabSpec {
             client_sources: 250,
             bin_dir: default_bin_dir(),
             topology: Topology::Tuned,
+            dsr: false,
         }
     }
 }
@@ -356,6 +378,17 @@ impl Lab {
         client_source_addrs(self.spec.client_sources)
     }
 
+    /// `[fd00:20::11, fd00:20::12, ...]`.
+    pub fn backend_addrs6(&self) -> Vec<Ipv6Addr> {
+        (1..=self.spec.backends).map(|i| Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 0x10 + i as u16)).collect()
+    }
+
+    /// The extra IPv6 client source addresses: fd00:10::1:1, fd00:10::1:2,
+    /// ... (as many as IPv4 ones, at most 1,000).
+    pub fn client_sources6(&self) -> Vec<Ipv6Addr> {
+        (1..=self.spec.client_sources.min(1000)).map(|i| Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 1, i as u16)).collect()
+    }
+
     /// Counters of every backend, in backend order.
     pub fn backend_counts(&self) -> anyhow::Result<Vec<BackendCounts>> {
         (0..self.spec.backends)
@@ -547,11 +580,24 @@ impl Lab {
                 gw.push_str("addr add 10.10.0.1/16 dev eth0\naddr add 10.20.0.1/24 dev eth0\nlink set eth0 up\n");
             }
         }
+        // IPv6 beside IPv4, on the same devices.
+        let (v6_client_side, v6_backend_side) = match topo {
+            Topology::Tuned | Topology::Default | Topology::Mixed => ("eth0", "eth1"),
+            Topology::BridgeBackend => ("eth0", "br0"),
+            Topology::BridgeClient => ("br0", "eth1"),
+            Topology::OneArm => ("eth0", "eth0"),
+        };
+        writeln!(gw, "addr add {GW6_CLIENT}/64 dev {v6_client_side} nodad").unwrap();
+        writeln!(gw, "addr add {GW6_BACKEND}/64 dev {v6_backend_side} nodad").unwrap();
         self.ip_batch("gw", &gw)?;
-        let mut sysctls: Vec<String> =
-            ["net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"]
-                .map(String::from)
-                .into();
+        let mut sysctls: Vec<String> = [
+            "net.ipv4.ip_forward=1",
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0",
+            "net.ipv6.conf.all.forwarding=1",
+        ]
+        .map(String::from)
+        .into();
         for i in self.gw_interfaces() {
             sysctls.push(format!("net.ipv4.conf.{i}.rp_filter=0"));
         }
@@ -572,6 +618,11 @@ impl Lab {
             writeln!(cl, "addr add {a}/16 dev eth0").unwrap();
         }
         cl.push_str("route add 10.10.0.96/28 via 10.10.0.1\nroute add 10.20.0.0/24 via 10.10.0.1\n");
+        writeln!(cl, "addr add {CLIENT6}/64 dev eth0 nodad").unwrap();
+        for a in self.client_sources6() {
+            writeln!(cl, "addr add {a}/64 dev eth0 nodad").unwrap();
+        }
+        writeln!(cl, "route add {VIPS6_NET} via {GW6_CLIENT}\nroute add fd00:20::/64 via {GW6_CLIENT}").unwrap();
         self.ip_batch("client", &cl)?;
         self.ns_exec(
             "client",
@@ -589,13 +640,47 @@ impl Lab {
             self.ip_ns("sw", &["link", "set", "dev", "p0", "xdpdrv", "pinned", &pin.to_string_lossy()])?;
         }
 
+        if self.spec.dsr {
+            self.dsr_bypass()?;
+        }
+
         // Backends.
-        for (i, addr) in (1..=n).zip(self.backend_addrs()) {
+        for (i, (addr, addr6)) in (1..=n).zip(self.backend_addrs().into_iter().zip(self.backend_addrs6())) {
             let role = format!("be{i}");
             self.ip_batch(
                 &role,
-                &format!("addr add {addr}/24 dev eth0\nlink set eth0 up\nroute add default via 10.20.0.1\n"),
+                &format!(
+                    "addr add {addr}/24 dev eth0\nlink set eth0 up\nroute add default via 10.20.0.1\naddr add {addr6}/64 dev eth0 nodad\nroute add default via {GW6_BACKEND}\n"
+                ),
             )?;
+            if self.spec.dsr {
+                // The DSR VIPs on loopback, never announced on eth0 (ARP
+                // answers only for eth0's own addresses; IPv6 neighbour
+                // discovery never answers for loopback's), and the
+                // answers from them to the clients by the bypass.
+                self.ip_batch(
+                    &role,
+                    &format!(
+                        "addr add {DSR_VIP}/32 dev lo\naddr add {DSR_VIP6}/128 dev lo nodad\nrule add from {DSR_VIP} table 100\nroute add default via {CLIENT_BYPASS} table 100\n"
+                    ),
+                )?;
+                // (Not in the batch: `ip -batch` takes no family option.)
+                let (vip6, bypass6) = (DSR_VIP6.to_string(), CLIENT_BYPASS6.to_string());
+                self.ip_ns(&role, &["-6", "rule", "add", "from", &vip6, "table", "100"])?;
+                self.ip_ns(&role, &["-6", "route", "add", "default", "via", &bypass6, "table", "100"])?;
+                self.ns_exec(
+                    &role,
+                    "sysctl",
+                    &[
+                        "-q",
+                        "-w",
+                        "net.ipv4.conf.all.arp_ignore=1",
+                        "net.ipv4.conf.all.arp_announce=2",
+                        "net.ipv4.conf.eth0.arp_ignore=1",
+                        "net.ipv4.conf.eth0.arp_announce=2",
+                    ],
+                )?;
+            }
             if topo == Topology::Tuned {
                 self.ns_exec(&role, "ethtool", &["-K", "eth0", "tx", "off"])?;
             }
@@ -609,6 +694,36 @@ impl Lab {
         Ok(())
     }
 
+    /// The DSR bypass: a second client interface (`eth1`) on the backends'
+    /// bridge, holding an address on the backends' network, so that
+    /// backends answer DSR clients without the gateway.
+    fn dsr_bypass(&self) -> anyhow::Result<()> {
+        if self.spec.topology == Topology::BridgeBackend {
+            bail!("the DSR lab needs the backends' bridge outside the gateway (not bridge-backend)");
+        }
+        let sw_ns = self.ns("sw");
+        self.ip_ns("client", &["link", "add", "eth1", "type", "veth", "peer", "name", "pb", "netns", &sw_ns])?;
+        self.ip_batch("sw", "link set pb master br0\nlink set pb up\n")?;
+        self.ip_batch(
+            "client",
+            &format!(
+                "addr add {CLIENT_BYPASS}/24 dev eth1\naddr add {CLIENT_BYPASS6}/64 dev eth1 nodad\nlink set eth1 up\n"
+            ),
+        )?;
+        // Answers from a VIP arrive on eth1, while the VIP routes by eth0.
+        self.ns_exec(
+            "client",
+            "sysctl",
+            &[
+                "-q",
+                "-w",
+                "net.ipv4.conf.all.rp_filter=0",
+                "net.ipv4.conf.eth1.rp_filter=0",
+                "net.ipv4.conf.default.rp_filter=0",
+            ],
+        )
+    }
+
     fn log_path(&self, idx: usize) -> PathBuf {
         PathBuf::from(format!("/tmp/{}-be{}.log", self.spec.prefix, idx + 1))
     }
@@ -616,12 +731,21 @@ impl Lab {
     fn spawn_backend(&self, idx: usize) -> anyhow::Result<()> {
         let exe = self.spec.bin_dir.join("lab-backend");
         let name = format!("be{}", idx + 1);
-        let listen = format!("{}:{BACKEND_PORT}", self.backend_addrs()[idx]);
+        let mut listen = vec![
+            SocketAddr::new(self.backend_addrs()[idx].into(), BACKEND_PORT),
+            SocketAddr::new(self.backend_addrs6()[idx].into(), BACKEND_PORT),
+        ];
+        if self.spec.dsr {
+            listen.push(SocketAddr::new(DSR_VIP.into(), BACKEND_PORT));
+            listen.push(SocketAddr::new(DSR_VIP6.into(), BACKEND_PORT));
+        }
+        let listen: Vec<String> = listen.iter().flat_map(|a| ["--listen".to_owned(), a.to_string()]).collect();
         let log_path = self.log_path(idx);
         let log = File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
         let child = self
             .cmd(&name, &exe)
-            .args(["--name", &name, "--listen", &listen, "--stats", "0.0.0.0:9000"])
+            .args(["--name", &name, "--stats", "0.0.0.0:9000"])
+            .args(&listen)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

@@ -1,0 +1,128 @@
+//! L2 direct server return in the lab (issue 13): the backends hold the
+//! DSR VIPs on loopback and answer clients by a path that bypasses the
+//! gateway (`LabSpec::dsr`). DSR services of both families, TCP and UDP,
+//! beside a NAT service in the same lbd: every connection and flow
+//! succeeds with exact per-backend counts, and a 100 MB download through
+//! each DSR VIP completes while the datapath counts only the client's
+//! packets (the replies never passed it). Needs root; one lab at a time.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
+use std::net::{IpAddr, SocketAddr};
+
+use lb_tests::{
+    harness::{config_dir, serial, socket_for, web},
+    lab::{DSR_VIP, DSR_VIP6, Lab, LabSpec},
+    lbd::{Lbd, write_config_for, xdp_mode_in_use},
+};
+
+const PREFIX: &str = "lbt-dsr";
+const PORT: u16 = 8080;
+const DOWNLOAD: u64 = 100 * 1024 * 1024;
+
+fn services(lab: &Lab) -> String {
+    let mut s = web("", &[(1, 1), (2, 1), (3, 1)]);
+    let v4: Vec<IpAddr> = lab.backend_addrs().into_iter().map(IpAddr::from).collect();
+    let v6: Vec<IpAddr> = lab.backend_addrs6().into_iter().map(IpAddr::from).collect();
+    for (name, vip, proto, backends) in [
+        ("dsr4", IpAddr::from(DSR_VIP), "tcp", &v4),
+        ("dsr6", IpAddr::from(DSR_VIP6), "tcp", &v6),
+        ("dsr4u", IpAddr::from(DSR_VIP), "udp", &v4),
+        ("dsr6u", IpAddr::from(DSR_VIP6), "udp", &v6),
+    ] {
+        // Backends without a port: DSR gives them the service's.
+        s.push_str(&format!(
+            "  - name: {name}\n    vip: \"{vip}\"\n    port: {PORT}\n    protocol: {proto}\n    forwarding: dsr\n    backends:\n"
+        ));
+        for a in backends {
+            s.push_str(&format!("      - {{ address: \"{a}\" }}\n"));
+        }
+    }
+    s
+}
+
+fn backends_of(lab: &Lab, v6: bool) -> Vec<IpAddr> {
+    if v6 {
+        lab.backend_addrs6().into_iter().map(IpAddr::from).collect()
+    } else {
+        lab.backend_addrs().into_iter().map(IpAddr::from).collect()
+    }
+}
+
+/// (new flows, packets out, bytes in) of each backend of `service`.
+fn counts(lbd: &Lbd, service: &str, addrs: &[IpAddr]) -> Vec<(u64, u64, u64)> {
+    let status = lbd.status().unwrap();
+    addrs
+        .iter()
+        .map(|a| {
+            let b = Lbd::backend(&status, service, &a.to_string()).unwrap_or_else(|| panic!("{service} {a}"));
+            let n = |k: &str| b[k].as_u64().unwrap();
+            (n("new_flows"), n("packets_out"), n("bytes_in"))
+        })
+        .collect()
+}
+
+#[test]
+fn dsr_services_balance_exactly_and_their_replies_bypass_the_balancer() {
+    let _serial = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    let lab = Lab::up(LabSpec { prefix: PREFIX.into(), backends: 3, dsr: true, ..LabSpec::default() }).expect("lab up");
+    let sock = socket_for(PREFIX);
+    let config = write_config_for(&config_dir(PREFIX), "lbd", &sock, &lab.gw_interfaces(), &services(&lab)).unwrap();
+    let lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
+    let sources4 = "10.10.1.1-10.10.1.100";
+    let sources6: Vec<String> = lab.client_sources6().iter().take(100).map(ToString::to_string).collect();
+    let sources6 = sources6.join(",");
+
+    for (service, vip, v6) in [("dsr4", IpAddr::from(DSR_VIP), false), ("dsr6", IpAddr::from(DSR_VIP6), true)] {
+        let target = SocketAddr::new(vip, PORT).to_string();
+        let src: [&str; 2] = if v6 { ["--sources", &sources6] } else { ["--sources-range", sources4] };
+        let addrs = backends_of(&lab, v6);
+
+        // 1,000 HTTP connections, exact per backend.
+        lab.reset_backend_counts().unwrap();
+        let r = lab.client(&["conns", "--target", &target, "--count", "1000", src[0], src[1]]).unwrap();
+        assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(1000), Some(0)), "{service}: {}", r["errors"]);
+        let ours: Vec<u64> = counts(&lbd, service, &addrs).iter().map(|c| c.0).collect();
+        let theirs: Vec<u64> = lab.backend_counts().unwrap().iter().map(|c| c.connections).collect();
+        println!("{service}: 1,000 connections, new flows {ours:?}, backends accepted {theirs:?}");
+        assert_eq!(ours, theirs, "{service}: lbd's per-backend counts are the backends' own");
+
+        // 1,000 UDP flows of 3 datagrams, each on one backend.
+        let udp = format!("{service}u");
+        let r =
+            lab.client(&["udp", "--target", &target, "--count", "1000", "--per-socket", "3", src[0], src[1]]).unwrap();
+        assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(3000), Some(0)), "{udp}: {}", r["errors"]);
+        assert_eq!((r["flows_switched"].as_u64(), r["replies_from_other_addr"].as_u64()), (Some(0), Some(0)), "{r}");
+        let ours: Vec<u64> = counts(&lbd, &udp, &addrs).iter().map(|c| c.0).collect();
+        let datagrams: Vec<u64> = lab.backend_counts().unwrap().iter().map(|c| c.udp_datagrams).collect();
+        println!("{udp}: 1,000 flows, new flows {ours:?}, datagrams received {datagrams:?}");
+        assert_eq!(ours.iter().map(|n| n * 3).collect::<Vec<_>>(), datagrams, "{udp}: 3 datagrams per flow");
+
+        // A 100 MB download: the replies (the 100 MB) never pass the
+        // datapath, which sees only the client's ACKs.
+        let before = counts(&lbd, service, &addrs);
+        let bytes = DOWNLOAD.to_string();
+        let d = lab.client(&["download", "--target", &target, "--bytes", &bytes, src[0], src[1]]).unwrap();
+        println!("{service}: download {d}");
+        assert_eq!((d["complete"].as_bool(), d["bytes"].as_u64()), (Some(true), Some(DOWNLOAD)), "{d}");
+        let after = counts(&lbd, service, &addrs);
+        let bytes_in: u64 = after.iter().zip(&before).map(|(a, b)| a.2 - b.2).sum();
+        let packets_out: u64 = after.iter().map(|a| a.1).sum();
+        println!("{service}: during the download the datapath saw {bytes_in} bytes client -> server, 0 back");
+        assert_eq!(packets_out, 0, "{service}: no reply passed the datapath");
+        assert!(
+            bytes_in > 0 && bytes_in < DOWNLOAD / 20,
+            "{service}: {bytes_in} bytes in for a {DOWNLOAD}-byte download"
+        );
+    }
+
+    // The NAT service beside them works as ever.
+    let r =
+        lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "300", "--sources-range", sources4]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{}", r["errors"]);
+    for iface in lab.gw_interfaces() {
+        assert_eq!(xdp_mode_in_use(&lab, &iface).unwrap().as_deref(), Some("native"), "{iface}");
+    }
+    let status = lbd.status().unwrap();
+    println!("counters: {}", status["counters"]);
+    assert_eq!(status["counters"]["dsr_off_link"], 0);
+}
