@@ -110,16 +110,22 @@ fn set32(ctx: &XdpContext, off: usize, new: u32, sums: [usize; 3]) -> Option<()>
     Some(())
 }
 
-/// The offset of the quoted TCP/UDP checksum if the quote holds it (and,
-/// for UDP, if it is not "none"), else 0.
+/// The offset of the quoted TCP/UDP checksum if the quote (which ends at
+/// `end`, the outer packet's end) holds it (and, for UDP, if it is not
+/// "none"), else 0.
 #[inline(always)]
-fn quoted_l4_check(ctx: &XdpContext, l4: usize, proto: u8) -> usize {
+fn quoted_l4_check(ctx: &XdpContext, l4: usize, proto: u8, end: usize) -> usize {
     let off = l4 + if proto == PROTO_TCP { TCP_CHECK } else { UDP_CHECK };
-    match word(ctx, off) {
-        // SAFETY: bounds-checked by ptr_at.
-        Some(c) if proto == PROTO_TCP || unsafe { *c } != 0 => off,
-        _ => 0,
-    }
+    // Verifier: the frame bound first, then the packet's own end. The
+    // other way round the compiler drops the frame check as implied (end
+    // lies inside the frame), and the verifier, which does not follow
+    // `end`, refuses the read.
+    let Some(c) = word(ctx, off) else {
+        return 0;
+    };
+    // SAFETY: bounds-checked by ptr_at.
+    let v = unsafe { core::ptr::read_volatile(c) };
+    if off + 2 > end || (proto == PROTO_UDP && v == 0) { 0 } else { off }
 }
 
 #[xdp]
@@ -145,6 +151,12 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
         return None;
     }
     let frag_needed = kind == ICMP_UNREACH && h[ICMP + 1] == ICMP_FRAG_NEEDED;
+    // The packet holds what it claims, and its claim holds the quoted
+    // ports: nothing past its end (padding) is touched.
+    let end = ETH_HLEN + usize::from(u16::from_be_bytes([h[IP + 2], h[IP + 3]]));
+    if end < Q_L4 + 4 || end > ctx.data_end() - ctx.data() {
+        return None;
+    }
     // SAFETY: bounds-checked above (the whole range up to the ports).
     let (outer_dst, q_src, q_dst, q_sport, q_dport) = unsafe {
         (
@@ -155,7 +167,7 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
             *word(ctx, Q_L4 + 2)?,
         )
     };
-    let q_check = quoted_l4_check(ctx, Q_L4, proto);
+    let q_check = quoted_l4_check(ctx, Q_L4, proto, end);
     // About a client -> backend packet: the quoted destination is a
     // backend endpoint whose client flow has that backend.
     let ep = EndpointKey4 { addr: q_dst, port: q_dport, proto, _pad: 0 };
@@ -288,6 +300,10 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
     {
         return None;
     }
+    let end = ETH_HLEN + 40 + usize::from(u16::from_be_bytes([h[IP6 + 4], h[IP6 + 5]]));
+    if end < Q_L46 + 4 || end > ctx.data_end() - ctx.data() {
+        return None;
+    }
     let k = KEYS6.get_ptr_mut(0)?;
     // SAFETY: bounds-checked above; plain loads of the addresses and ports.
     let (outer_dst, q_src, q_dst, q_sport, q_dport) = unsafe {
@@ -299,7 +315,7 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
             *word(ctx, Q_L46 + 2)?,
         )
     };
-    let q_check = quoted_l4_check(ctx, Q_L46, proto);
+    let q_check = quoted_l4_check(ctx, Q_L46, proto, end);
     let icmp = ICMP6 + 2;
     // SAFETY: this CPU's scratch slot (see v6::Keys6); the references
     // live for one lookup each.

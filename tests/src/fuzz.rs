@@ -28,6 +28,17 @@
 //!      MACs of the next hop (the neighbour of the new destination). On
 //!      the kernel path (XDP_PASS) TTL and MACs are as they came.
 //! 4. No XDP_ABORTED, and no action other than PASS, DROP, TX, REDIRECT.
+//! 5. An ICMP error (IPv4 ICMP type 3, 11 or 12, without options, quoting
+//!    an IPv4 TCP/UDP header without options) is passed untouched, or
+//!    passed translated: same length; only the outer destination, the
+//!    quoted addresses, ports and checksums and the checksums over them
+//!    changed; every checksum (outer header, ICMP message, quoted header)
+//!    as valid as it was; and either the quoted destination went from a
+//!    backend endpoint to the VIP and port of a service of that endpoint
+//!    (an error about a forwarded packet, on to the client), or the quoted
+//!    source went from a service's VIP and port to one of its backends and
+//!    the outer destination from that VIP to that backend (an error about
+//!    a reply, on to the backend).
 //!
 //! A run counts packets per action and per outcome (passed untouched,
 //! dropped, forward and reply rewrites, transmitted or for the kernel) and
@@ -279,6 +290,8 @@ pub enum Outcome {
     Reply {
         transmitted: bool,
     },
+    /// An ICMP error about a balanced flow, translated (rule 5).
+    IcmpTranslated,
 }
 
 /// A broken rule: which (the key a run groups cases by) and how.
@@ -391,6 +404,9 @@ fn field_name(off: usize, ihl: usize, proto: u8, end: usize) -> &'static str {
 /// Judge one run of the program: `input` received, `action` returned,
 /// `output` the frame as the program left it.
 pub fn check(input: &[u8], action: u32, output: &[u8]) -> Result<Outcome, Violation> {
+    if let Some(r) = check_icmp(input, action, output) {
+        return r;
+    }
     let addrs = ipv4_addrs(input);
     let for_vip = addrs.is_some_and(|(_, d)| is_vip_addr(d));
     let from_backend = addrs.is_some_and(|(s, _)| is_backend_addr(s));
@@ -418,6 +434,74 @@ pub fn check(input: &[u8], action: u32, output: &[u8]) -> Result<Outcome, Violat
     }
     let outcome = check_rewrite(input, output, transmitted)?;
     Ok(if action == XDP_DROP { Outcome::Dropped } else { outcome })
+}
+
+/// Rule 5, for an ICMP error quoting a TCP/UDP header (None for any other
+/// frame: the other rules judge it).
+fn check_icmp(input: &[u8], action: u32, output: &[u8]) -> Option<Result<Outcome, Violation>> {
+    const ICMP: usize = ETH_LEN + 20;
+    const Q: usize = ICMP + 8;
+    const QL4: usize = Q + 20;
+    if input.len() < QL4 + 8
+        || u16_at(input, 12) != 0x0800
+        || input[ETH_LEN] != 0x45
+        || input[ETH_LEN + 9] != 1
+        || !matches!(input[ICMP], 3 | 11 | 12)
+        || input[Q] != 0x45
+        || !matches!(input[Q + 9], TCP | UDP)
+    {
+        return None;
+    }
+    if action == XDP_PASS && output == input {
+        return Some(Ok(Outcome::Passed));
+    }
+    let v = |rule: &str, detail: String| Some(Err(violation(format!("icmp: {rule}"), detail)));
+    if action != XDP_PASS {
+        return v("translated but not passed", action_name(action));
+    }
+    if output.len() != input.len() {
+        return v("length changed", first_difference(input, output));
+    }
+    let proto = input[Q + 9];
+    let q_check = QL4 + if proto == TCP { 16 } else { 6 };
+    let may_change = |o: usize| {
+        (ETH_LEN + 10..ETH_LEN + 12).contains(&o)
+            || (ETH_LEN + 16..ETH_LEN + 20).contains(&o)
+            || (ICMP + 2..ICMP + 4).contains(&o)
+            || (Q + 10..Q + 20).contains(&o)
+            || (QL4..QL4 + 4).contains(&o)
+            || (q_check..q_check + 2).contains(&o)
+    };
+    if let Some(o) = (0..input.len()).find(|&o| input[o] != output[o] && !may_change(o)) {
+        return v("a byte outside the translated fields changed", format!("byte {o}"));
+    }
+    // Each checksum as valid as it was (the receiver's test: all ones).
+    let end = (ETH_LEN + usize::from(u16_at(input, ETH_LEN + 2))).min(input.len());
+    let valid = |f: &[u8], a: usize, b: usize| a < b && folded(Sum16BitWords::new().add_slice(&f[a..b])) == 0xffff;
+    for (what, a, b) in [("outer IPv4 header", ETH_LEN, ICMP), ("ICMP message", ICMP, end), ("quoted header", Q, QL4)] {
+        if valid(input, a, b) != valid(output, a, b) {
+            return v(
+                "checksum validity changed",
+                format!("{what}: {} -> {}", valid(input, a, b), valid(output, a, b)),
+            );
+        }
+    }
+    let ep = |f: &[u8], o: usize, p: usize| (addr_at(f, o), u16_at(f, p));
+    let (qs_in, qd_in) = (ep(input, Q + 12, QL4), ep(input, Q + 16, QL4 + 2));
+    let (qs_out, qd_out) = (ep(output, Q + 12, QL4), ep(output, Q + 16, QL4 + 2));
+    let (dst_in, dst_out) = (addr_at(input, ETH_LEN + 16), addr_at(output, ETH_LEN + 16));
+    let what = format!("quoted {qs_in:?} -> {qd_in:?} became {qs_out:?} -> {qd_out:?}, outer to {dst_in} -> {dst_out}");
+    let about_forward = qs_in == qs_out
+        && dst_in == dst_out
+        && services_of_endpoint(qd_in.0, qd_in.1, proto).any(|s| (s.vip, s.port) == qd_out);
+    let about_reply = qd_in == qd_out
+        && dst_in == qs_in.0
+        && dst_out == qs_out.0
+        && service_at(qs_in.0, qs_in.1, proto).is_some_and(|s| s.backends.contains(&qs_out));
+    if !about_forward && !about_reply {
+        return v("neither about a forwarded packet nor about a reply", what);
+    }
+    Some(Ok(Outcome::IcmpTranslated))
 }
 
 fn first_difference(input: &[u8], output: &[u8]) -> String {
@@ -1357,6 +1441,8 @@ pub struct Outcomes {
     pub forward_kernel: u64,
     pub reply_transmitted: u64,
     pub reply_kernel: u64,
+    /// ICMP errors about balanced flows, translated (rule 5).
+    pub icmp_translated: u64,
 }
 
 pub struct Summary {
@@ -1409,6 +1495,7 @@ impl Summary {
             Ok(Outcome::Forward { transmitted: false, .. }) => o.forward_kernel += 1,
             Ok(Outcome::Reply { transmitted: true }) => o.reply_transmitted += 1,
             Ok(Outcome::Reply { transmitted: false }) => o.reply_kernel += 1,
+            Ok(Outcome::IcmpTranslated) => o.icmp_translated += 1,
             Err(v) => {
                 let f = self.findings.entry(v.rule).or_insert_with(|| Finding {
                     count: 0,
@@ -1450,7 +1537,7 @@ impl Summary {
         let o = &self.outcomes;
         let _ = writeln!(
             s,
-            "\n  outcomes:  passed untouched {}, dropped {}, forwards {} (transmitted {}, kernel path {}), replies {} (transmitted {}, kernel path {})",
+            "\n  outcomes:  passed untouched {}, dropped {}, forwards {} (transmitted {}, kernel path {}), replies {} (transmitted {}, kernel path {}), ICMP errors translated {}",
             thousands(o.passed),
             thousands(o.dropped),
             thousands(o.forward_transmitted + o.forward_kernel),
@@ -1459,6 +1546,7 @@ impl Summary {
             thousands(o.reply_transmitted + o.reply_kernel),
             thousands(o.reply_transmitted),
             thousands(o.reply_kernel),
+            thousands(o.icmp_translated),
         );
         let _ = writeln!(
             s,

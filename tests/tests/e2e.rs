@@ -188,7 +188,7 @@ fn invalid_configs_are_rejected_before_anything_is_attached() {
             "bad-address",
             "10.20.0.12",
             "10.20.0.312",
-            "services[0].backends[1].address: \"10.20.0.312\" is not an IPv4 address",
+            "services[0].backends[1].address: \"10.20.0.312\" is not an IPv4 or IPv6 address",
         ),
         (
             "negative-weight",

@@ -40,6 +40,8 @@ enum Cmd {
     Hold(HoldArgs),
     /// Download BYTES over one connection (`GET /bytes/N`).
     Download(DownloadArgs),
+    /// Upload BYTES over one connection (a POST body).
+    Upload(DownloadArgs),
 }
 
 #[derive(Args, Debug)]
@@ -211,6 +213,7 @@ fn main() {
             Cmd::Udp(a) => run_udp(a).await,
             Cmd::Hold(a) => run_hold(a).await,
             Cmd::Download(a) => run_download(a).await,
+            Cmd::Upload(a) => run_upload(a).await,
             Cmd::Flood(a) => tokio::task::spawn_blocking(move || {
                 let r = lb_tests::flood::syn_flood(
                     a.target,
@@ -594,21 +597,67 @@ async fn run_download(a: DownloadArgs) -> anyhow::Result<serde_json::Value> {
     }))
 }
 
+async fn run_upload(a: DownloadArgs) -> anyhow::Result<serde_json::Value> {
+    let start = Instant::now();
+    let src = a.src.resolve()?.first().copied();
+    let work = async {
+        let mut stream = connect(a.target, src, a.timeout_ms).await.map_err(anyhow::Error::msg)?;
+        let head = format!(
+            "POST /upload HTTP/1.1\r\nHost: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            a.target, a.bytes
+        );
+        stream.write_all(head.as_bytes()).await?;
+        let chunk = vec![b'u'; 64 * 1024];
+        let mut left = a.bytes;
+        while left > 0 {
+            let k = left.min(chunk.len() as u64) as usize;
+            stream.write_all(&chunk[..k]).await?;
+            left -= k as u64;
+        }
+        let mut buf = Vec::new();
+        let (backend, _) = round_trip_read(&mut stream, &mut buf).await?;
+        anyhow::Ok(backend)
+    };
+    let backend = tokio::time::timeout(Duration::from_millis(a.timeout_ms), work)
+        .await
+        .map_err(|_| anyhow::anyhow!("upload to {} timed out after {} ms", a.target, a.timeout_ms))??;
+    let ms = ms_since(start);
+    Ok(serde_json::json!({ "backend": backend, "bytes": a.bytes, "complete": true, "ms": ms }))
+}
+
+/// Read one response (status 200) and return its backend.
+async fn round_trip_read(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<(String, bool)> {
+    use std::io::{Error, ErrorKind};
+    let head = http1::read_head(stream, buf)
+        .await?
+        .ok_or_else(|| Error::new(ErrorKind::UnexpectedEof, "connection closed before a response"))?;
+    let status = head.status()?;
+    let len = head.content_length()?;
+    http1::read_body(stream, buf, len).await?;
+    if status != 200 {
+        return Err(Error::other(format!("HTTP status {status}")));
+    }
+    Ok((head.header("x-backend").unwrap_or("?").to_string(), head.connection_has("close")))
+}
+
 // ------------------------------------------------------------------- udp
 
 /// One UDP flow: `n` request/reply rounds from one socket. Returns the
-/// backend of every answer, and whether any answer came from another address.
+/// backend of every answer, whether any answer came from another address,
+/// and the socket's own address (two sockets one after the other may get
+/// the same one: the same 5-tuple, which a balancer takes for one flow).
 async fn one_udp(
     target: SocketAddr,
     src: Option<IpAddr>,
     timeout_ms: u64,
     n: usize,
-) -> Result<(Vec<String>, bool), String> {
+) -> Result<(Vec<String>, bool, SocketAddr), String> {
     let any =
         if target.is_ipv4() { IpAddr::V4(Ipv4Addr::UNSPECIFIED) } else { IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED) };
     let bind = SocketAddr::new(src.unwrap_or(any), 0);
     let what = || format!("udp {} -> {target}", bind.ip());
     let sock = UdpSocket::bind(bind).await.map_err(|e| format!("{}: bind: {e}", what()))?;
+    let local = sock.local_addr().map_err(|e| format!("{}: local address: {e}", what()))?;
     let mut backends = Vec::new();
     let mut other = false;
     for _ in 0..n.max(1) {
@@ -621,7 +670,7 @@ async fn one_udp(
         backends.push(backend.to_string());
         other |= from != target;
     }
-    Ok((backends, other))
+    Ok((backends, other, local))
 }
 
 async fn run_udp(a: UdpArgs) -> anyhow::Result<serde_json::Value> {
@@ -629,9 +678,10 @@ async fn run_udp(a: UdpArgs) -> anyhow::Result<serde_json::Value> {
     let start = Instant::now();
     let next = Arc::new(AtomicUsize::new(0));
     let errors = Errors::default();
+    let tuples: Arc<Mutex<BTreeSet<SocketAddr>>> = Arc::default();
     let mut workers = Vec::new();
     for _ in 0..a.concurrency.max(1).min(a.count.max(1)) {
-        let (sources, next, errors) = (sources.clone(), next.clone(), errors.clone());
+        let (sources, next, errors, tuples) = (sources.clone(), next.clone(), errors.clone(), tuples.clone());
         let (target, count, timeout_ms, per_socket) = (a.target, a.count, a.timeout_ms, a.per_socket);
         workers.push(tokio::spawn(async move {
             let (mut ok, mut failed, mut other, mut switched) = (0u64, 0u64, 0u64, 0u64);
@@ -642,7 +692,8 @@ async fn run_udp(a: UdpArgs) -> anyhow::Result<serde_json::Value> {
                     break;
                 }
                 match one_udp(target, pick(&sources, i), timeout_ms, per_socket).await {
-                    Ok((backends, from_other)) => {
+                    Ok((backends, from_other, local)) => {
+                        tuples.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(local);
                         ok += backends.len() as u64;
                         other += u64::from(from_other);
                         switched += u64::from(backends.iter().any(|b| *b != backends[0]));
@@ -677,6 +728,7 @@ async fn run_udp(a: UdpArgs) -> anyhow::Result<serde_json::Value> {
         "per_backend": per_backend,
         "replies_from_other_addr": other,
         "flows_switched": switched,
+        "distinct_flows": tuples.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len(),
         "errors": errors.take(),
         "elapsed_ms": ms_since(start),
     }))

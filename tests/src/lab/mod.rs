@@ -58,9 +58,10 @@ pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x100);
 /// The DSR VIPs every backend holds on loopback in a DSR lab.
 pub const DSR_VIP: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 110);
 pub const DSR_VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x10a);
-/// The client's addresses on the backends' network in a DSR lab (the bypass).
-pub const CLIENT_BYPASS: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 2);
-pub const CLIENT_BYPASS6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 2);
+/// The bypass router's addresses on the backends' network in a DSR lab:
+/// the backends' next hop for answers from a DSR VIP.
+pub const BYPASS_ROUTER: Ipv4Addr = Ipv4Addr::new(10, 20, 0, 3);
+pub const BYPASS_ROUTER6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 3);
 const BACKEND_PORT: u16 = 8080;
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_BACKENDS: usize = 200;
@@ -492,6 +493,9 @@ impl Lab {
 
     fn all_roles(&self) -> Vec<String> {
         let mut v: Vec<String> = ["client", "gw", "sw"].map(String::from).into();
+        if self.spec.dsr {
+            v.push("rt".into());
+        }
         v.extend(self.backend_names());
         v
     }
@@ -661,11 +665,11 @@ impl Lab {
                 self.ip_batch(
                     &role,
                     &format!(
-                        "addr add {DSR_VIP}/32 dev lo\naddr add {DSR_VIP6}/128 dev lo nodad\nrule add from {DSR_VIP} table 100\nroute add default via {CLIENT_BYPASS} table 100\n"
+                        "addr add {DSR_VIP}/32 dev lo\naddr add {DSR_VIP6}/128 dev lo nodad\nrule add from {DSR_VIP} table 100\nroute add default via {BYPASS_ROUTER} table 100\n"
                     ),
                 )?;
                 // (Not in the batch: `ip -batch` takes no family option.)
-                let (vip6, bypass6) = (DSR_VIP6.to_string(), CLIENT_BYPASS6.to_string());
+                let (vip6, bypass6) = (DSR_VIP6.to_string(), BYPASS_ROUTER6.to_string());
                 self.ip_ns(&role, &["-6", "rule", "add", "from", &vip6, "table", "100"])?;
                 self.ip_ns(&role, &["-6", "route", "add", "default", "via", &bypass6, "table", "100"])?;
                 self.ns_exec(
@@ -694,21 +698,41 @@ impl Lab {
         Ok(())
     }
 
-    /// The DSR bypass: a second client interface (`eth1`) on the backends'
-    /// bridge, holding an address on the backends' network, so that
-    /// backends answer DSR clients without the gateway.
+    /// The DSR bypass: a router namespace (`rt`) between the backends'
+    /// bridge (`b0`, 10.20.0.3 / fd00:20::3) and a second client interface
+    /// (`eth1` <-> `c0`, 10.30.0.0/24 and fd00:30::/64). Backends send
+    /// answers from a DSR VIP to it; it routes the client networks to the
+    /// client and everything else (a VIP, for its ICMP errors) to the
+    /// gateway, as a real network's router would.
     fn dsr_bypass(&self) -> anyhow::Result<()> {
         if self.spec.topology == Topology::BridgeBackend {
             bail!("the DSR lab needs the backends' bridge outside the gateway (not bridge-backend)");
         }
-        let sw_ns = self.ns("sw");
-        self.ip_ns("client", &["link", "add", "eth1", "type", "veth", "peer", "name", "pb", "netns", &sw_ns])?;
+        let (sw_ns, rt_ns) = (self.ns("sw"), self.ns("rt"));
+        self.ip_ns("client", &["link", "add", "eth1", "type", "veth", "peer", "name", "c0", "netns", &rt_ns])?;
+        self.ip_ns("rt", &["link", "add", "b0", "type", "veth", "peer", "name", "pb", "netns", &sw_ns])?;
         self.ip_batch("sw", "link set pb master br0\nlink set pb up\n")?;
         self.ip_batch(
-            "client",
+            "rt",
             &format!(
-                "addr add {CLIENT_BYPASS}/24 dev eth1\naddr add {CLIENT_BYPASS6}/64 dev eth1 nodad\nlink set eth1 up\n"
+                "addr add 10.30.0.1/24 dev c0\naddr add fd00:30::1/64 dev c0 nodad\nlink set c0 up\naddr add {BYPASS_ROUTER}/24 dev b0\naddr add {BYPASS_ROUTER6}/64 dev b0 nodad\nlink set b0 up\nroute add 10.10.0.0/16 via 10.30.0.2\nroute add fd00:10::/64 via fd00:30::2\nroute add default via 10.20.0.1\nroute add default via {GW6_BACKEND}\n"
             ),
+        )?;
+        self.ns_exec(
+            "rt",
+            "sysctl",
+            &[
+                "-q",
+                "-w",
+                "net.ipv4.ip_forward=1",
+                "net.ipv6.conf.all.forwarding=1",
+                "net.ipv4.conf.all.rp_filter=0",
+                "net.ipv4.conf.default.rp_filter=0",
+            ],
+        )?;
+        self.ip_batch(
+            "client",
+            "addr add 10.30.0.2/24 dev eth1\naddr add fd00:30::2/64 dev eth1 nodad\nlink set eth1 up\n",
         )?;
         // Answers from a VIP arrive on eth1, while the VIP routes by eth0.
         self.ns_exec(
@@ -722,6 +746,17 @@ impl Lab {
                 "net.ipv4.conf.default.rp_filter=0",
             ],
         )
+    }
+
+    /// Set the MTU of `dev` in the namespace of `role` (both ends of a
+    /// link must agree: a veth drops a frame above its receiver's MTU).
+    pub fn set_mtu(&self, role: &str, dev: &str, mtu: u32) -> anyhow::Result<()> {
+        self.ip_ns(role, &["link", "set", "dev", dev, "mtu", &mtu.to_string()])
+    }
+
+    /// Run `ip ARGS` in the namespace of `role`.
+    pub fn ip(&self, role: &str, args: &[&str]) -> anyhow::Result<()> {
+        self.ip_ns(role, args)
     }
 
     fn log_path(&self, idx: usize) -> PathBuf {

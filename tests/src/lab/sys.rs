@@ -78,7 +78,7 @@ pub(super) fn is_lab_ns(prefix: &str, ns: &str) -> bool {
     let Some(role) = ns.strip_prefix(prefix).and_then(|r| r.strip_prefix('-')) else {
         return false;
     };
-    matches!(role, "client" | "gw" | "sw")
+    matches!(role, "client" | "gw" | "sw" | "rt")
         || role.strip_prefix("be").is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
 }
 
