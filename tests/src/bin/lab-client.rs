@@ -3,7 +3,7 @@
 #![expect(unused_crate_dependencies, reason = "used by the lab library and the tests")]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -97,7 +97,8 @@ struct SourceArgs {
     /// IPv6 (of the target's family).
     #[arg(long, value_delimiter = ',', conflicts_with = "sources_range")]
     sources: Vec<IpAddr>,
-    /// Inclusive source range A-B; host parts .0 and .255 are skipped.
+    /// Inclusive source range A-B: IPv4 with host parts .0 and .255
+    /// skipped, or IPv6 (every address, e.g. fd00:10::1:1-fd00:10::1:64).
     #[arg(long)]
     sources_range: Option<String>,
 }
@@ -108,6 +109,16 @@ impl SourceArgs {
             return Ok(self.sources.clone());
         };
         let (a, b) = range.split_once('-').with_context(|| format!("--sources-range {range:?}: expected A-B"))?;
+        if let (Ok(a), Ok(b)) = (a.trim().parse::<Ipv6Addr>(), b.trim().parse::<Ipv6Addr>()) {
+            let (a, b) = (u128::from(a), u128::from(b));
+            if a > b {
+                bail!("--sources-range {range:?}: start is after end");
+            }
+            if b - a > 1 << 20 {
+                bail!("--sources-range {range:?}: too many addresses");
+            }
+            return Ok((a..=b).map(|x| IpAddr::V6(Ipv6Addr::from(x))).collect());
+        }
         let a: Ipv4Addr = a.trim().parse().with_context(|| format!("bad address {a:?}"))?;
         let b: Ipv4Addr = b.trim().parse().with_context(|| format!("bad address {b:?}"))?;
         let (a, b) = (u32::from(a), u32::from(b));
@@ -652,8 +663,7 @@ async fn one_udp(
     timeout_ms: u64,
     n: usize,
 ) -> Result<(Vec<String>, bool, SocketAddr), String> {
-    let any =
-        if target.is_ipv4() { IpAddr::V4(Ipv4Addr::UNSPECIFIED) } else { IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED) };
+    let any = if target.is_ipv4() { IpAddr::V4(Ipv4Addr::UNSPECIFIED) } else { IpAddr::V6(Ipv6Addr::UNSPECIFIED) };
     let bind = SocketAddr::new(src.unwrap_or(any), 0);
     let what = || format!("udp {} -> {target}", bind.ip());
     let sock = UdpSocket::bind(bind).await.map_err(|e| format!("{}: bind: {e}", what()))?;

@@ -28,6 +28,46 @@
 //! gateway, which forwards (ip_forward=1, rp_filter=0; send_redirects=0 in
 //! one-arm). Each backend namespace runs `lab-backend` with its stats API on
 //! port 9000 (all addresses: health checks use it).
+//!
+//! IPv6 beside IPv4, on the same devices in every topology:
+//!
+//! ```text
+//!  client eth0 fd00:10::2/64        gw  fd00:10::1/64 (client side)
+//!   + fd00:10::1:1.. /64 (deprecated:     fd00:20::1/64 (backend side)
+//!     bound explicitly, never picked  beN eth0 fd00:20::(10+N)/64, e.g. be1 fd00:20::11
+//!     as a default source)
+//! ```
+//!
+//! IPv6 VIPs live in fd00:10::100/124, routed by the client to fd00:10::1
+//! like fd00:20::/64; the gateway forwards (net.ipv6.conf.all.forwarding=1).
+//! Every address is added `nodad` and every namespace has accept_dad=0, so
+//! nothing (link-local addresses included) waits for duplicate address
+//! detection. In one-arm the client and the backends ignore ICMPv6
+//! redirects (IPv6 has no send_redirects). `lab-backend` serves its port
+//! 8080 on the backend's IPv4 and IPv6 addresses.
+//!
+//! Direct server return ([`LabSpec::dsr`]; not with bridge-backend):
+//!
+//! ```text
+//!  client eth0 ── gw ── sw br0 ─ pN ── beN eth0  (the forward path, as above)
+//!  client eth1 10.30.0.2 ── c0 {p}-rt b0 10.20.0.3 ── pb ┘
+//!              fd00:30::2      10.30.0.1  fd00:20::3
+//!                              fd00:30::1
+//!  beN lo: 10.10.0.110/32, fd00:10::10a/128 (the DSR VIPs)
+//!  beN: from a DSR VIP -> table 100: default via 10.20.0.3 / fd00:20::3
+//! ```
+//!
+//! The gateway reaches the backends on-link (the balancer changes only the
+//! destination MAC). Each backend holds the DSR VIPs on loopback, where
+//! nobody on eth0 learns of them (net.ipv4.conf.all.arp_ignore=1 and
+//! arp_announce=2; IPv6 neighbour discovery answers only for the receiving
+//! device's own addresses), and `lab-backend` also serves port 8080 on
+//! them. Its answers from a DSR VIP take a policy route to a router
+//! namespace `{p}-rt` on the backends' bridge, which routes the client
+//! networks to a second client interface: the gateway never sees a reply.
+//! Everything else a backend sends (NAT replies, from its own address)
+//! still goes by the gateway. The client has rp_filter=0 (the answers from
+//! a VIP arrive on eth1, the VIP routes by eth0).
 
 use std::ffi::OsStr;
 use std::fmt::Write as _;
@@ -69,8 +109,9 @@ const MAX_BACKENDS: usize = 200;
 const MAX_CLIENT_SOURCES: usize = 255 * 254;
 
 /// How the gateway is wired: the lab variants for real-world conditions.
-/// Every one keeps the same addresses (clients 10.10.0.0/16, backends
-/// 10.20.0.0/24, gateway .1 in both, VIPs 10.10.0.96/28 routed to it) and,
+/// Every one keeps the same addresses (clients 10.10.0.0/16 and
+/// fd00:10::/64, backends 10.20.0.0/24 and fd00:20::/64, gateway .1 / ::1
+/// in each, VIPs 10.10.0.96/28 and fd00:10::100/124 routed to it) and,
 /// except `Tuned`, leaves every device's offloads at kernel defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Topology {
@@ -525,6 +566,17 @@ impl Lab {
         for role in self.all_roles() {
             run(Command::new("ip").args(["netns", "add"]).arg(self.ns(&role)))?;
             self.ip_ns(&role, &["link", "set", "lo", "up"])?;
+            // No duplicate address detection on any device made from here
+            // on, link-local addresses included: `nodad` covers only the
+            // addresses we add, and while a device's link-local address is
+            // tentative (1-2 s after it comes up) the kernel sends no
+            // neighbour solicitation from it, so the first IPv6 packets
+            // forwarded through the gateway waited that long.
+            self.ns_exec(
+                &role,
+                "sysctl",
+                &["-q", "-w", "net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0"],
+            )?;
         }
 
         let topo = self.spec.topology;
@@ -615,6 +667,28 @@ impl Lab {
         let mut args = vec!["-q", "-w"];
         args.extend(sysctls.iter().map(String::as_str));
         self.ns_exec("gw", "sysctl", &args)?;
+        if topo == Topology::OneArm {
+            // IPv6 has no send_redirects: the gateway still sends its
+            // redirects (Icmp6OutRedirects counts them), and the hosts
+            // ignore them, so that their IPv6 keeps going by the gateway
+            // as their IPv4 does (accepted, a redirect made the client's
+            // route to a backend on-link).
+            let mut hosts = vec!["client".to_owned()];
+            hosts.extend(self.backend_names());
+            for role in hosts {
+                self.ns_exec(
+                    &role,
+                    "sysctl",
+                    &[
+                        "-q",
+                        "-w",
+                        "net.ipv6.conf.all.accept_redirects=0",
+                        "net.ipv6.conf.default.accept_redirects=0",
+                        "net.ipv6.conf.eth0.accept_redirects=0",
+                    ],
+                )?;
+            }
+        }
 
         // Client.
         let mut cl = String::from("addr add 10.10.0.2/16 dev eth0\nlink set eth0 up\n");
@@ -623,8 +697,11 @@ impl Lab {
         }
         cl.push_str("route add 10.10.0.96/28 via 10.10.0.1\nroute add 10.20.0.0/24 via 10.10.0.1\n");
         writeln!(cl, "addr add {CLIENT6}/64 dev eth0 nodad").unwrap();
+        // The extra sources deprecated (preferred_lft 0): bound explicitly
+        // they work, but the kernel never picks one by itself, so
+        // fd00:10::2 is the default source as 10.10.0.2 is for IPv4.
         for a in self.client_sources6() {
-            writeln!(cl, "addr add {a}/64 dev eth0 nodad").unwrap();
+            writeln!(cl, "addr add {a}/64 dev eth0 nodad preferred_lft 0").unwrap();
         }
         writeln!(cl, "route add {VIPS6_NET} via {GW6_CLIENT}\nroute add fd00:20::/64 via {GW6_CLIENT}").unwrap();
         self.ip_batch("client", &cl)?;
