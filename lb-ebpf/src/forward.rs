@@ -562,9 +562,12 @@ const ICMP4_TOO_BIG_LEN: usize = 20 + 8 + 20 + 8;
 
 /// Turn the (IPv4, DF, too big) packet into ICMP "fragmentation needed"
 /// (type 3 code 4, next-hop MTU `mtu`) from the address it was sent to,
-/// back to its sender: out of the ingress device by XDP_TX when it can
-/// take it, else through the kernel's forwarding path. A packet with IP
-/// options is dropped instead (rare; the error must quote the header whole).
+/// for its sender, handed to the kernel's forwarding path (which routes it
+/// back; the frame keeps its MACs, addressed to this gateway). Not XDP_TX:
+/// on a veth pair in native mode the frame sent back never reached the
+/// sender in the lab (the kernel path did), and an error is rare enough
+/// for the kernel's routing. A packet with IP options is dropped instead
+/// (rare; the error must quote the header whole).
 ///
 /// Built in place: the frame grows by the new IP and ICMP headers in
 /// front, so the packet's own IP header and first 8 bytes of payload,
@@ -593,7 +596,6 @@ fn icmp4_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
     let Some(frame) = ptr_at::<[u16; (ETH_HLEN + ICMP4_TOO_BIG_LEN) / 2]>(ctx, 0) else {
         return xdp_action::XDP_DROP;
     };
-    let tx = can_redirect(ctx, ctx.ingress_ifindex() as u32);
     let w = frame.cast::<u16>();
     // Word offsets: the old Ethernet header now starts at word 14, the
     // quoted IP header at word 21 (its source at 27, destination at 29).
@@ -601,12 +603,10 @@ fn icmp4_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
     const QUOTED: usize = OLD_ETH + ETH_HLEN / 2;
     // SAFETY: every word index is below the 35 words bounds-checked above.
     unsafe {
-        // Ethernet first (its source words are the next to be covered).
-        // XDP_TX: back to the sender's MAC; the kernel's path: addressed
-        // to us as it came, for the kernel to route.
-        let swap = if tx { 3 } else { 0 };
+        // Ethernet first (its words are the next to be covered), as it
+        // came: addressed to this gateway, for the kernel to route.
         for i in 0..6 {
-            *w.add(i) = *w.add(OLD_ETH + (i + swap) % 6);
+            *w.add(i) = *w.add(OLD_ETH + i);
         }
         *w.add(6) = crate::parse::ETH_P_IP.to_be();
         // IP: 0x45, tos 0, length, id 0, no fragment bits, TTL 64,
@@ -639,7 +639,7 @@ fn icmp4_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
         }
         *w.add(18) = !csum::fold32(sum);
     }
-    if tx { xdp_action::XDP_TX } else { xdp_action::XDP_PASS }
+    xdp_action::XDP_PASS
 }
 
 /// What the ICMP error adds in front of the quoted packet: IP and ICMP headers.

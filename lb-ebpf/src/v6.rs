@@ -930,9 +930,9 @@ fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
 
 /// Turn the (too big) IPv6 packet into ICMPv6 "packet too big" (type 2,
 /// MTU `mtu`) from the address it was sent to, back to its sender,
-/// quoting as much of it as fits in 1,280 bytes: out of the ingress device
-/// by XDP_TX when it can take it, else through the kernel's forwarding
-/// path. Built in place, as `forward::icmp4_too_big` is.
+/// quoting as much of it as fits in 1,280 bytes, handed to the kernel's
+/// forwarding path. Built in place, as `forward::icmp4_too_big` is (see
+/// there why not XDP_TX).
 #[inline(never)]
 fn icmp6_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
     // SAFETY: plain helper calls on the program's own context.
@@ -956,7 +956,6 @@ fn icmp6_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
         return xdp_action::XDP_DROP;
     }
     let icmp_len = len - ETH_HLEN - IP6_HLEN;
-    let tx = can_redirect(ctx, ctx.ingress_ifindex() as u32);
     let w = frame.cast::<u16>();
     // Word offsets: the old Ethernet header now starts at word 24, the
     // quoted IPv6 header at word 31 (source at 35, destination at 43).
@@ -965,9 +964,8 @@ fn icmp6_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
     // SAFETY: every index is below the 55 words bounds-checked above;
     // each word is read before anything is written over it.
     unsafe {
-        let swap = if tx { 3 } else { 0 };
         for i in 0..6 {
-            *w.add(i) = *w.add(OLD_ETH + (i + swap) % 6);
+            *w.add(i) = *w.add(OLD_ETH + i);
         }
         *w.add(6) = ETH_P_IPV6.to_be();
         // Version 6, no traffic class or flow label; payload length;
@@ -1001,7 +999,7 @@ fn icmp6_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
         let pseudo = csum::pseudo_header6(&(*ip).saddr, &(*ip).daddr, NEXT_ICMPV6, icmp_len as u32);
         *w.add(28) = !csum::add(pseudo, body);
     }
-    if tx { xdp_action::XDP_TX } else { xdp_action::XDP_PASS }
+    xdp_action::XDP_PASS
 }
 
 /// What the ICMPv6 error adds in front of the quoted packet.

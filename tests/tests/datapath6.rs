@@ -170,10 +170,10 @@ fn an_ipv6_packet_too_big_for_the_backend_side_is_answered_with_packet_too_big()
         p.payload = vec![7; 1400 - IPV6_LEN - TCP_LEN];
         let sent = p.bytes();
         let (action, out) = fx.run(&sent, fx.if_a);
-        assert_eq!(action, XDP_TX);
+        assert_eq!(action, XDP_PASS, "to the kernel, which routes it to the client");
         let icmp = parse_too_big6(&out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
         assert_eq!((icmp.src, icmp.dst, icmp.mtu), (VIP6, CLIENT6, 1280));
-        assert_eq!((icmp.dmac, icmp.smac), (CLIENT_MAC, GW_A_MAC));
+        assert_eq!((icmp.dmac, icmp.smac), (GW_A_MAC, CLIENT_MAC));
         // As much of the packet as fits in 1,280 bytes, as the client sent it.
         assert_eq!(icmp.quoted, sent[ETH_LEN..ETH_LEN + 1280 - IPV6_LEN - 8]);
         assert_eq!(fx.counter("too_big"), 1);

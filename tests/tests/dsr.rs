@@ -60,6 +60,90 @@ fn counts(lbd: &Lbd, service: &str, addrs: &[IpAddr]) -> Vec<(u64, u64, u64)> {
         .collect()
 }
 
+/// The gateway's forwarded-packet counters: (IPv4, IPv6).
+fn gw_forwarded(lab: &Lab) -> (u64, u64) {
+    let text = |file: &str| {
+        let out = lab.cmd("gw", "cat").arg(file).output().expect("cat");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let snmp = text("/proc/net/snmp");
+    let mut ip = snmp.lines().filter(|l| l.starts_with("Ip: "));
+    let (names, values) = (ip.next().expect("Ip header"), ip.next().expect("Ip values"));
+    let i = names.split_whitespace().position(|n| n == "ForwDatagrams").expect("ForwDatagrams");
+    let v4 = values.split_whitespace().nth(i).expect("value").parse().expect("number");
+    let snmp6 = text("/proc/net/snmp6");
+    let v6 = snmp6
+        .lines()
+        .find_map(|l| l.strip_prefix("Ip6OutForwDatagrams"))
+        .expect("Ip6OutForwDatagrams")
+        .trim()
+        .parse()
+        .expect("number");
+    (v4, v6)
+}
+
+/// The lab's DSR wiring by itself, the gateway's kernel standing in for
+/// the balancer: a host route sends each DSR VIP to be1, the packets
+/// still addressed to the VIP as L2 DSR leaves them. be1 takes them on
+/// its loopback VIP and answers past the gateway: a 100 MB download per
+/// family arrives on the client's bypass interface while the gateway
+/// forwards only the client's packets. Nobody on the backends' network
+/// answers ARP or neighbour solicitations for a DSR VIP.
+#[test]
+fn the_dsr_wiring_answers_past_the_gateway() {
+    let _serial = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    let lab = Lab::up(LabSpec {
+        prefix: "lbt-dsrlab".into(),
+        backends: 2,
+        client_sources: 4,
+        dsr: true,
+        ..LabSpec::default()
+    })
+    .expect("lab up");
+    let backend_side = lab.gw_interfaces().last().expect("an interface").clone();
+    let (be1, be1_6) = (lab.backend_addrs()[0].to_string(), lab.backend_addrs6()[0].to_string());
+    lab.ip("gw", &["route", "add", &format!("{DSR_VIP}/32"), "via", &be1]).unwrap();
+    lab.ip("gw", &["-6", "route", "add", &format!("{DSR_VIP6}/128"), "via", &be1_6]).unwrap();
+    for vip in [IpAddr::from(DSR_VIP), IpAddr::from(DSR_VIP6)] {
+        let target = SocketAddr::new(vip, PORT).to_string();
+        let (fwd_before, eth0_before, eth1_before) =
+            (gw_forwarded(&lab), lab.link_bytes("client", "eth0").unwrap(), lab.link_bytes("client", "eth1").unwrap());
+        let d = lab.client(&["download", "--target", &target, "--bytes", &DOWNLOAD.to_string()]).unwrap();
+        let (fwd, eth0, eth1) =
+            (gw_forwarded(&lab), lab.link_bytes("client", "eth0").unwrap(), lab.link_bytes("client", "eth1").unwrap());
+        assert_eq!(
+            (d["complete"].as_bool(), d["bytes"].as_u64(), d["backend"].as_str()),
+            (Some(true), Some(DOWNLOAD), Some("be1")),
+            "{d}"
+        );
+        let forwarded = (fwd.0 - fwd_before.0) + (fwd.1 - fwd_before.1);
+        let (by_gw, by_bypass) = (eth0.0 - eth0_before.0, eth1.0 - eth1_before.0);
+        println!(
+            "{vip}: {DOWNLOAD} bytes in {} ms; the client received {by_bypass} bytes on the bypass, {by_gw} from the gateway, which forwarded {forwarded} packets (the client's)",
+            d["ms"]
+        );
+        assert!(by_bypass >= DOWNLOAD, "{vip}: only {by_bypass} bytes came by the bypass");
+        assert!(by_gw < DOWNLOAD / 100, "{vip}: {by_gw} bytes came by the gateway");
+        assert!(forwarded > 0, "{vip}: the client's packets went by the gateway");
+    }
+    // The gateway asking its backend side for the VIPs themselves (an
+    // on-link route): no backend answers, the connections fail, and the
+    // neighbour entries stay without a link-layer address.
+    lab.ip("gw", &["route", "replace", &format!("{DSR_VIP}/32"), "dev", &backend_side]).unwrap();
+    lab.ip("gw", &["-6", "route", "replace", &format!("{DSR_VIP6}/128"), "dev", &backend_side]).unwrap();
+    for vip in [IpAddr::from(DSR_VIP), IpAddr::from(DSR_VIP6)] {
+        let url = format!("http://{}/", SocketAddr::new(vip, PORT));
+        let out = lab.cmd("gw", "curl").args(["-s", "--max-time", "2", &url]).output().unwrap();
+        assert!(!out.status.success(), "{vip} answered on the backends' network: {out:?}");
+        let out = lab.cmd("gw", "ip").args(["-j", "neigh", "show", "to", &vip.to_string()]).output().unwrap();
+        let neigh: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let learned: Vec<&serde_json::Value> =
+            neigh.as_array().unwrap().iter().filter(|n| n.get("lladdr").is_some()).collect();
+        assert!(learned.is_empty(), "a backend announced {vip}: {neigh}");
+    }
+}
+
 #[test]
 fn dsr_services_balance_exactly_and_their_replies_bypass_the_balancer() {
     let _serial = serial();

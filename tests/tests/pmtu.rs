@@ -79,7 +79,25 @@ fn transfers_across_a_narrower_link_complete_because_icmp_errors_reach_the_sende
     }
     settle();
     let before = counter(&lbd, "too_big");
-    let r = lab.client(&["upload", "--target", "10.10.0.100:80", "--bytes", SIZE, "--timeout-ms", "60000"]).unwrap();
+    let r = lab
+        .client(&["upload", "--target", "10.10.0.100:80", "--bytes", SIZE, "--timeout-ms", "15000"])
+        .unwrap_or_else(|e| {
+            let st = lbd.status().unwrap();
+            panic!(
+                "{e:#}\ncounters {}\npaths {}\n{}",
+                st["counters"],
+                st["paths"],
+                lab.cmd("client", "nstat")
+                    .args(["-az"])
+                    .output()
+                    .map(|o| String::from_utf8_lossy(&o.stdout)
+                        .lines()
+                        .filter(|l| !l.contains(" 0 "))
+                        .collect::<Vec<_>>()
+                        .join("\n"))
+                    .unwrap_or_default()
+            )
+        });
     let answered = counter(&lbd, "too_big") - before;
     println!("NAT upload across a {NARROW}-byte backend side: {r}, {answered} too-big packets answered");
     assert!(ok(&r), "{r}");
@@ -109,7 +127,9 @@ fn transfers_across_a_narrower_link_complete_because_icmp_errors_reach_the_sende
     settle();
     let before = counter(&lbd, "icmp_to_backend");
     let target = format!("{DSR_VIP}:8080");
-    let r = lab.client(&["download", "--target", &target, "--bytes", SIZE, "--timeout-ms", "60000"]).unwrap();
+    let r = lab
+        .client(&["download", "--target", &target, "--bytes", SIZE, "--timeout-ms", "20000"])
+        .unwrap_or_else(|e| panic!("{e:#}\ncounters {}", lbd.status().unwrap()["counters"]));
     let relayed = counter(&lbd, "icmp_to_backend") - before;
     println!(
         "DSR download across a {NARROW}-byte link on the answers' path: {r}, {relayed} ICMP errors sent on to the backend"

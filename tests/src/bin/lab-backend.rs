@@ -1,10 +1,18 @@
 //! Backend server for the namespace lab: HTTP/1.1 + UDP echo-ish service on
-//! `--listen`, and a small stats/control HTTP API on `--stats`.
+//! every `--listen` address, and a small stats/control HTTP API on `--stats`.
+//!
+//! The stats count the backend as a whole and, under `per_address`, each
+//! served address apart (`10.20.0.11:8080`, `[fd00:20::11]:8080`, a DSR
+//! VIP's): a balancer's per-backend counts are per service, and a lab
+//! backend serves one service per address (and protocol). UDP is counted in
+//! datagrams and in flows: distinct (address, port) peers since the last
+//! reset, what a balancer counts as new flows.
 #![expect(unused_crate_dependencies, reason = "used by the lab library and the tests")]
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -38,6 +46,8 @@ struct State {
     requests: AtomicU64,
     /// UDP datagrams received since start / last reset.
     udp_datagrams: AtomicU64,
+    /// Each served address's own counters, in `--listen` order.
+    per_address: Vec<AddressCounts>,
     /// Per-process connection sequence number (never reset).
     conn_seq: AtomicU64,
     /// Delay before each response on the main listener.
@@ -47,6 +57,25 @@ struct State {
     /// The service port is closed (the process, its open connections and
     /// the stats port stay).
     closed: AtomicBool,
+}
+
+/// What one served address counted since start / last reset.
+struct AddressCounts {
+    addr: SocketAddr,
+    connections: AtomicU64,
+    udp_datagrams: AtomicU64,
+    /// Distinct UDP peers (address and port): the flows.
+    udp_peers: Mutex<HashSet<SocketAddr>>,
+}
+
+impl AddressCounts {
+    fn new(addr: SocketAddr) -> Self {
+        Self { addr, connections: AtomicU64::new(0), udp_datagrams: AtomicU64::new(0), udp_peers: Mutex::default() }
+    }
+
+    fn peers(&self) -> std::sync::MutexGuard<'_, HashSet<SocketAddr>> {
+        self.udp_peers.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 struct ActiveGuard(Arc<State>);
@@ -69,14 +98,17 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     lb_tests::raise_nofile_limit();
     let name: Arc<str> = Arc::from(args.name.as_str());
-    let state = Arc::new(State::default());
+    let state = Arc::new(State {
+        per_address: args.listen.iter().map(|&a| AddressCounts::new(a)).collect(),
+        ..State::default()
+    });
 
     // Bound once here so that a bad address fails at start.
-    for &addr in &args.listen {
+    for (idx, &addr) in args.listen.iter().enumerate() {
         let main_l = tcp_listener(addr)?;
         let udp = UdpSocket::bind(addr).await.with_context(|| format!("binding UDP {addr}"))?;
-        tokio::spawn(serve_main(main_l, addr, name.clone(), state.clone()));
-        tokio::spawn(serve_udp(udp, name.clone(), state.clone()));
+        tokio::spawn(serve_main(main_l, idx, name.clone(), state.clone()));
+        tokio::spawn(serve_udp(udp, idx, name.clone(), state.clone()));
     }
     let stats_l = tcp_listener(args.stats)?;
     tokio::spawn(serve_stats(stats_l, name.clone(), state.clone()));
@@ -107,7 +139,9 @@ async fn accept_backoff(e: std::io::Error, what: &str) {
 /// open one whether to close.
 const LISTEN_POLL: Duration = Duration::from_millis(50);
 
-async fn serve_main(first: TcpListener, addr: SocketAddr, name: Arc<str>, state: Arc<State>) {
+/// Serves `--listen` address number `idx`.
+async fn serve_main(first: TcpListener, idx: usize, name: Arc<str>, state: Arc<State>) {
+    let addr = state.per_address[idx].addr;
     let mut l = Some(first);
     loop {
         // Closed on request (POST /listen?on=0): no listener, so connects
@@ -137,6 +171,7 @@ async fn serve_main(first: TcpListener, addr: SocketAddr, name: Arc<str>, state:
             None => {}
             Some(Ok((stream, _peer))) => {
                 state.connections.fetch_add(1, Ordering::Relaxed);
+                state.per_address[idx].connections.fetch_add(1, Ordering::Relaxed);
                 state.active.fetch_add(1, Ordering::Relaxed);
                 let conn_no = state.conn_seq.fetch_add(1, Ordering::Relaxed) + 1;
                 let guard = ActiveGuard(state.clone());
@@ -212,13 +247,16 @@ async fn handle_main_conn(mut stream: TcpStream, name: &str, state: &State, conn
     }
 }
 
-async fn serve_udp(sock: UdpSocket, name: Arc<str>, state: Arc<State>) {
+async fn serve_udp(sock: UdpSocket, idx: usize, name: Arc<str>, state: Arc<State>) {
     let reply = format!("backend={name}\n");
     let mut buf = vec![0u8; 65536];
+    let counts = &state.per_address[idx];
     loop {
         match sock.recv_from(&mut buf).await {
             Ok((_, peer)) => {
                 state.udp_datagrams.fetch_add(1, Ordering::Relaxed);
+                counts.udp_datagrams.fetch_add(1, Ordering::Relaxed);
+                counts.peers().insert(peer);
                 if let Err(e) = sock.send_to(reply.as_bytes(), peer).await {
                     eprintln!("udp: reply to {peer} failed: {e}");
                 }
@@ -264,12 +302,26 @@ async fn handle_stats_conn(mut stream: TcpStream, name: &str, state: &State) -> 
 }
 
 fn stats_json(name: &str, state: &State) -> String {
+    let per_address: serde_json::Map<String, serde_json::Value> = state
+        .per_address
+        .iter()
+        .map(|c| {
+            let v = serde_json::json!({
+                "connections": c.connections.load(Ordering::Relaxed),
+                "udp_datagrams": c.udp_datagrams.load(Ordering::Relaxed),
+                "udp_flows": c.peers().len(),
+            });
+            (c.addr.to_string(), v)
+        })
+        .collect();
     serde_json::json!({
         "name": name,
         "connections": state.connections.load(Ordering::Relaxed),
         "active": state.active.load(Ordering::Relaxed),
         "requests": state.requests.load(Ordering::Relaxed),
         "udp_datagrams": state.udp_datagrams.load(Ordering::Relaxed),
+        "udp_flows": state.per_address.iter().map(|c| c.peers().len()).sum::<usize>(),
+        "per_address": per_address,
         "delay_ms": state.delay_ms.load(Ordering::Relaxed),
         "status": state.status.load(Ordering::Relaxed),
         "closed": state.closed.load(Ordering::Relaxed),
@@ -296,6 +348,11 @@ fn route_stats(head: &Head, name: &str, state: &State) -> Result<String, (&'stat
             state.connections.store(0, Ordering::Relaxed);
             state.requests.store(0, Ordering::Relaxed);
             state.udp_datagrams.store(0, Ordering::Relaxed);
+            for c in &state.per_address {
+                c.connections.store(0, Ordering::Relaxed);
+                c.udp_datagrams.store(0, Ordering::Relaxed);
+                c.peers().clear();
+            }
             Ok(stats_json(name, state))
         }
         ("POST", "/delay") => {

@@ -255,7 +255,8 @@ pub fn ensure_bpffs() -> anyhow::Result<()> {
     run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS])).map(drop)
 }
 
-/// Counters reported by one backend's stats API.
+/// Counters reported by one backend's stats API: the whole backend, and
+/// each address it serves apart ([`BackendCounts::at`]).
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
 pub struct BackendCounts {
     pub name: String,
@@ -263,6 +264,34 @@ pub struct BackendCounts {
     pub active: u64,
     pub requests: u64,
     pub udp_datagrams: u64,
+    /// Distinct UDP peers (address, port) of every served address.
+    #[serde(default)]
+    pub udp_flows: u64,
+    /// By served address (`10.20.0.11:8080`, `[fd00:20::11]:8080`, a DSR
+    /// VIP's): one service's share of the backend.
+    #[serde(default)]
+    pub per_address: std::collections::BTreeMap<String, AddressCounts>,
+}
+
+/// What a backend counted on one of its addresses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+pub struct AddressCounts {
+    pub connections: u64,
+    pub udp_datagrams: u64,
+    /// Distinct UDP peers (address, port): the flows a balancer counts.
+    pub udp_flows: u64,
+}
+
+impl BackendCounts {
+    /// The counters of the service address `addr` (port 8080 in the lab).
+    /// Panics when the backend does not serve it (a test comparing with
+    /// zeros it never counted would prove nothing).
+    pub fn at(&self, addr: std::net::IpAddr) -> AddressCounts {
+        let key = SocketAddr::new(addr, BACKEND_PORT).to_string();
+        *self.per_address.get(&key).unwrap_or_else(|| {
+            panic!("backend {} does not serve {key} (it serves {:?})", self.name, self.per_address.keys())
+        })
+    }
 }
 
 /// A running lab. Dropping it tears everything down unless [`Lab::keep`] was called.
@@ -779,8 +808,8 @@ impl Lab {
     /// bridge (`b0`, 10.20.0.3 / fd00:20::3) and a second client interface
     /// (`eth1` <-> `c0`, 10.30.0.0/24 and fd00:30::/64). Backends send
     /// answers from a DSR VIP to it; it routes the client networks to the
-    /// client and everything else (a VIP, for its ICMP errors) to the
-    /// gateway, as a real network's router would.
+    /// client, and the VIPs (its ICMP errors about the answers) and
+    /// everything else to the gateway, as a real network's router would.
     fn dsr_bypass(&self) -> anyhow::Result<()> {
         if self.spec.topology == Topology::BridgeBackend {
             bail!("the DSR lab needs the backends' bridge outside the gateway (not bridge-backend)");
@@ -792,7 +821,7 @@ impl Lab {
         self.ip_batch(
             "rt",
             &format!(
-                "addr add 10.30.0.1/24 dev c0\naddr add fd00:30::1/64 dev c0 nodad\nlink set c0 up\naddr add {BYPASS_ROUTER}/24 dev b0\naddr add {BYPASS_ROUTER6}/64 dev b0 nodad\nlink set b0 up\nroute add 10.10.0.0/16 via 10.30.0.2\nroute add fd00:10::/64 via fd00:30::2\nroute add default via 10.20.0.1\nroute add default via {GW6_BACKEND}\n"
+                "addr add 10.30.0.1/24 dev c0\naddr add fd00:30::1/64 dev c0 nodad\nlink set c0 up\naddr add {BYPASS_ROUTER}/24 dev b0\naddr add {BYPASS_ROUTER6}/64 dev b0 nodad\nlink set b0 up\nroute add 10.10.0.0/16 via 10.30.0.2\nroute add fd00:10::/64 via fd00:30::2\nroute add 10.10.0.96/28 via 10.20.0.1\nroute add {VIPS6_NET} via {GW6_BACKEND}\nroute add default via 10.20.0.1\nroute add default via {GW6_BACKEND}\n"
             ),
         )?;
         self.ns_exec(
@@ -834,6 +863,16 @@ impl Lab {
     /// Run `ip ARGS` in the namespace of `role`.
     pub fn ip(&self, role: &str, args: &[&str]) -> anyhow::Result<()> {
         self.ip_ns(role, args)
+    }
+
+    /// (received, sent) bytes of device `dev` in the namespace of `role`,
+    /// as the kernel counts them (`ip -s link`).
+    pub fn link_bytes(&self, role: &str, dev: &str) -> anyhow::Result<(u64, u64)> {
+        let out = run(Command::new("ip").arg("-n").arg(self.ns(role)).args(["-j", "-s", "link", "show", "dev", dev]))?;
+        let v: serde_json::Value = serde_json::from_str(&out).with_context(|| format!("ip -j -s link: {out:?}"))?;
+        let stats = &v[0]["stats64"];
+        let n = |dir: &str| stats[dir]["bytes"].as_u64().with_context(|| format!("no {dir} bytes for {dev}: {out}"));
+        Ok((n("rx")?, n("tx")?))
     }
 
     fn log_path(&self, idx: usize) -> PathBuf {
