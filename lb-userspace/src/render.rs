@@ -650,4 +650,28 @@ services:
         // A missing directory is an error, not a panic.
         assert!(write_atomic(&dir.path().join("missing/lbd.yaml"), "text").is_err());
     }
+
+    use crate::config::tests::MIXED;
+
+    #[test]
+    fn ipv6_and_dsr_render_back_to_the_same_config() {
+        let c = parse(MIXED, "lab.yaml", &AnyInterface).unwrap();
+        let text = render(&c);
+        assert!(text.contains("forwarding: dsr"), "{text}");
+        assert_eq!(parse(&text, "rendered.yaml", &AnyInterface).unwrap(), c, "{text}");
+    }
+
+    #[test]
+    fn the_global_forwarding_key_is_the_services_default() {
+        let text = MIXED.replace("interfaces: [eth0, eth1]\n", "interfaces: [eth0, eth1]\nforwarding: dsr\n");
+        let text =
+            text.replace("      - { address: 10.20.0.11, port: 8080 }", "      - { address: 10.20.0.11, port: 80 }");
+        let text = text.replace(
+            "fd00:20::11\", port: 8080 }\n      - { address: \"fd00:20::12\", port: 8080, weight: 3 }",
+            "fd00:20::11\" }\n      - { address: \"fd00:20::12\", weight: 3 }",
+        );
+        let c = parse(&text, "lab.yaml", &AnyInterface).unwrap();
+        assert!(c.services.iter().all(|s| s.forwarding == Forwarding::Dsr));
+        assert_eq!(parse(&render(&c), "rendered.yaml", &AnyInterface).unwrap(), c);
+    }
 }

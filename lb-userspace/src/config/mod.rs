@@ -407,4 +407,4 @@ pub fn table_entries(s: &ServiceConfig) -> u64 {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -198,3 +198,71 @@ fn not_yaml_is_reported_with_location() {
     assert_eq!(p.file, "lab.yaml");
     assert!(p.reason.starts_with("not valid YAML"), "{p}");
 }
+
+/// IPv4, IPv6 and DSR services in one file (also rendered back in `render`).
+pub(crate) const MIXED: &str = r#"
+interfaces: [eth0, eth1]
+services:
+  - name: web
+    vip: 10.10.0.100
+    port: 80
+    backends:
+      - { address: 10.20.0.11, port: 8080 }
+  - name: web6
+    vip: "fd00:10::100"
+    port: 80
+    backends:
+      - { address: "fd00:20::11", port: 8080 }
+      - { address: "fd00:20::12", port: 8080, weight: 3 }
+  - name: dsr6
+    vip: "fd00:10::10a"
+    port: 8080
+    forwarding: dsr
+    backends:
+      - { address: "fd00:20::11" }
+      - { address: "fd00:20::12", port: 8080 }
+"#;
+
+#[test]
+fn ipv6_and_dsr_services_parse_beside_ipv4_ones() {
+    let c = parse(MIXED, "lab.yaml", &Fake).unwrap();
+    let [web, web6, dsr6] = &c.services[..] else { panic!("three services") };
+    assert_eq!((web.vip.is_ipv4(), web.forwarding), (true, Forwarding::Nat));
+    assert_eq!(web6.vip, "fd00:10::100".parse::<IpAddr>().unwrap());
+    assert_eq!(web6.backends[1].address, "fd00:20::12".parse::<IpAddr>().unwrap());
+    assert_eq!(web6.backends[1].weight, 3);
+    assert_eq!(dsr6.forwarding, Forwarding::Dsr);
+    // A DSR backend without a port takes the service's.
+    assert_eq!(dsr6.backends[0].port, 8080);
+}
+
+#[test]
+fn a_service_is_one_address_family() {
+    let p = only(&MIXED.replace(r#""fd00:20::11", port: 8080 }"#, "10.20.0.11, port: 8080 }"));
+    assert_eq!(p.field, "services[1].backends[0].address");
+    assert!(p.reason.contains("address family"), "{p}");
+}
+
+#[test]
+fn dsr_cannot_translate_ports() {
+    let p = only(&MIXED.replace(r#""fd00:20::12", port: 8080 }"#, r#""fd00:20::12", port: 9090 }"#));
+    assert_eq!(p.field, "services[2].backends[1].port");
+    assert!(p.reason.contains("cannot translate ports"), "{p}");
+    // Without DSR the same port is required as ever.
+    let p = only(&MIXED.replace("    forwarding: dsr\n", ""));
+    assert_eq!(p.field, "services[2].backends[0].port");
+}
+
+#[test]
+fn unusable_ipv6_addresses_are_refused() {
+    for (bad, why) in [("fe80::1", "link-local"), ("ff02::1", "unicast"), ("::", "unicast"), ("::1", "unicast")] {
+        let p = only(&MIXED.replace("fd00:10::100", bad));
+        assert_eq!(p.field, "services[1].vip");
+        assert!(p.reason.contains(why), "{bad}: {p}");
+    }
+    // An unknown forwarding (and so no DSR port default for the backend
+    // that names none).
+    let p = problems(&MIXED.replace("forwarding: dsr", "forwarding: tunnel"));
+    assert_eq!(p[0].field, "services[2].forwarding");
+    assert!(p[0].reason.contains("not one of nat, dsr"), "{}", p[0]);
+}

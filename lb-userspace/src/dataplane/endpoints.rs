@@ -276,4 +276,47 @@ mod tests {
         // Kept: b's own unlisted endpoint (a live service) over a's.
         assert_eq!(p.owners[&ep(3, 8080)], vip_key(&b2));
     }
+
+    #[test]
+    fn ipv6_endpoints_are_planned_and_dsr_services_have_none() {
+        let b6 = |last: u16| BackendConfig {
+            address: Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, last).into(),
+            port: 8080,
+            weight: 1,
+            drain: false,
+        };
+        let v6 = ServiceConfig::example(
+            "v6",
+            Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x100),
+            80,
+            vec![b6(0x11), b6(0x12)],
+        );
+        let dsr = ServiceConfig {
+            forwarding: Forwarding::Dsr,
+            ..ServiceConfig::example("dsr", Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x10a), 8080, vec![b6(0x11)])
+        };
+        let p = plan(&HashMap::new(), &[v6.clone(), dsr], 100);
+        assert_eq!(p.owners.len(), 2, "the DSR service's backends reply around the datapath");
+        let key = Key { addr: b6(0x11).address, port: 8080, proto: 6 };
+        assert_eq!(p.owners[&key], vip_key(&v6));
+        assert!(p.reply_entry.is_empty());
+        // The map keys round-trip through the datapath's layout.
+        let k6 = key.v6().unwrap();
+        assert_eq!(Key::from_v6(&k6), key);
+        assert_eq!(addr6(&words6(&"fd00:20::11".parse().unwrap())), "fd00:20::11".parse::<Ipv6Addr>().unwrap());
+    }
+
+    #[test]
+    fn backend_keys_keep_ipv4_tables_and_tell_ipv6_backends_apart() {
+        use super::super::backend_key;
+        // IPv4: the key every earlier release used (adopted tables stay).
+        let a: Ipv4Addr = "10.20.0.11".parse().unwrap();
+        assert_eq!(backend_key(a.into(), 8080), (u64::from(u32::from(a)) << 16) | 8080);
+        let k = |s: &str, p| backend_key(s.parse().unwrap(), p);
+        assert_eq!(k("fd00:20::11", 8080), k("fd00:20::11", 8080));
+        let keys = [k("fd00:20::11", 8080), k("fd00:20::12", 8080), k("fd00:20::11", 8081), k("fd00:21::11", 8080)];
+        for (i, x) in keys.iter().enumerate() {
+            assert!(keys[i + 1..].iter().all(|y| y != x), "{keys:x?}");
+        }
+    }
 }
