@@ -11,7 +11,7 @@ use std::net::{IpAddr, SocketAddr};
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
     lab::{Lab, LabSpec, VIP6},
-    lbd::{Lbd, path_counts, write_config_for, xdp_mode_in_use},
+    lbd::{Lbd, path_counts, wait_for, write_config_for, xdp_mode_in_use},
 };
 
 const PREFIX: &str = "lbt-v6";
@@ -57,6 +57,13 @@ fn ipv6_http_and_udp_are_balanced_exactly_beside_ipv4() {
     let sources6: Vec<String> = lab.client_sources6().iter().take(100).map(ToString::to_string).collect();
     let sources6 = sources6.join(",");
     let target6 = SocketAddr::new(VIP6.into(), 80).to_string();
+    // The IPv6 health probes find every backend up.
+    let up = wait_for(10, || v6.iter().all(|a| lbd.backend_state("web6", &a.to_string()) == "up").then_some(()));
+    assert!(
+        up.is_some(),
+        "IPv6 backends not up: {:?}",
+        v6.iter().map(|a| lbd.backend_state("web6", &a.to_string())).collect::<Vec<_>>()
+    );
     lab.reset_backend_counts().unwrap();
 
     // 1. 1,000 IPv6 HTTP connections from 100 source addresses while 500
