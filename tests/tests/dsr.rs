@@ -11,7 +11,7 @@ use std::net::{IpAddr, SocketAddr};
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
     lab::{DSR_VIP, DSR_VIP6, Lab, LabSpec},
-    lbd::{Lbd, write_config_for, xdp_mode_in_use},
+    lbd::{Lbd, path_counts, write_config_for, xdp_mode_in_use},
 };
 
 const PREFIX: &str = "lbt-dsr";
@@ -47,15 +47,31 @@ fn backends_of(lab: &Lab, v6: bool) -> Vec<IpAddr> {
     }
 }
 
-/// (new flows, packets out, bytes in) of each backend of `service`.
-fn counts(lbd: &Lbd, service: &str, addrs: &[IpAddr]) -> Vec<(u64, u64, u64)> {
+/// What lbd counted for one backend of a service.
+#[derive(Debug, Clone, Copy)]
+struct Counted {
+    new_flows: u64,
+    packets_in: u64,
+    bytes_in: u64,
+    packets_out: u64,
+    bytes_out: u64,
+}
+
+/// lbd's counts of each backend of `service`, in `addrs` order.
+fn counts(lbd: &Lbd, service: &str, addrs: &[IpAddr]) -> Vec<Counted> {
     let status = lbd.status().unwrap();
     addrs
         .iter()
         .map(|a| {
             let b = Lbd::backend(&status, service, &a.to_string()).unwrap_or_else(|| panic!("{service} {a}"));
-            let n = |k: &str| b[k].as_u64().unwrap();
-            (n("new_flows"), n("packets_out"), n("bytes_in"))
+            let n = |k: &str| b[k].as_u64().unwrap_or_else(|| panic!("no {k} in {b}"));
+            Counted {
+                new_flows: n("new_flows"),
+                packets_in: n("packets_in"),
+                bytes_in: n("bytes_in"),
+                packets_out: n("packets_out"),
+                bytes_out: n("bytes_out"),
+            }
         })
         .collect()
 }
@@ -165,10 +181,13 @@ fn dsr_services_balance_exactly_and_their_replies_bypass_the_balancer() {
         lab.reset_backend_counts().unwrap();
         let r = lab.client(&["conns", "--target", &target, "--count", "1000", src[0], src[1]]).unwrap();
         assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(1000), Some(0)), "{service}: {}", r["errors"]);
-        let ours: Vec<u64> = counts(&lbd, service, &addrs).iter().map(|c| c.0).collect();
-        let theirs: Vec<u64> = lab.backend_counts().unwrap().iter().map(|c| c.connections).collect();
+        let ours: Vec<u64> = counts(&lbd, service, &addrs).iter().map(|c| c.new_flows).collect();
+        // What each backend accepted on the VIP itself (the only address
+        // the DSR service reaches).
+        let theirs: Vec<u64> = lab.backend_counts().unwrap().iter().map(|c| c.at(vip).connections).collect();
         println!("{service}: 1,000 connections, new flows {ours:?}, backends accepted {theirs:?}");
         assert_eq!(ours, theirs, "{service}: lbd's per-backend counts are the backends' own");
+        assert!(ours.iter().all(|&n| n > 0), "{service}: a backend got nothing: {ours:?}");
 
         // 1,000 UDP flows of 3 datagrams, each on one backend.
         let udp = format!("{service}u");
@@ -176,41 +195,69 @@ fn dsr_services_balance_exactly_and_their_replies_bypass_the_balancer() {
             lab.client(&["udp", "--target", &target, "--count", "1000", "--per-socket", "3", src[0], src[1]]).unwrap();
         assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(3000), Some(0)), "{udp}: {}", r["errors"]);
         assert_eq!((r["flows_switched"].as_u64(), r["replies_from_other_addr"].as_u64()), (Some(0), Some(0)), "{r}");
-        let ours: Vec<u64> = counts(&lbd, &udp, &addrs).iter().map(|c| c.0).collect();
-        let datagrams: Vec<u64> = lab.backend_counts().unwrap().iter().map(|c| c.udp_datagrams).collect();
+        let ours: Vec<u64> = counts(&lbd, &udp, &addrs).iter().map(|c| c.new_flows).collect();
+        let backends = lab.backend_counts().unwrap();
+        let datagrams: Vec<u64> = backends.iter().map(|c| c.udp_datagrams).collect();
+        let flows: Vec<u64> = backends.iter().map(|c| c.at(vip).udp_flows).collect();
         let answered: Vec<u64> =
             ["be1", "be2", "be3"].iter().map(|b| r["per_backend"][b].as_u64().unwrap_or(0)).collect();
         println!("{udp}: 1,000 flows, new flows {ours:?}, datagrams received {datagrams:?}");
         // A later socket may reuse an earlier one's port: one 5-tuple, one flow.
         assert_eq!(ours.iter().sum::<u64>(), r["distinct_flows"].as_u64().unwrap(), "{udp}: one new flow per 5-tuple");
         assert_eq!(datagrams, answered, "{udp}: each backend answered what it received");
+        assert_eq!(ours, flows, "{udp}: per backend, lbd's new flows are the distinct peers it saw on the VIP");
 
         // A 100 MB download: the replies (the 100 MB) never pass the
         // datapath, which sees only the client's ACKs.
         let before = counts(&lbd, service, &addrs);
+        let (eth0_before, eth1_before) =
+            (lab.link_bytes("client", "eth0").unwrap(), lab.link_bytes("client", "eth1").unwrap());
         let bytes = DOWNLOAD.to_string();
         let d = lab.client(&["download", "--target", &target, "--bytes", &bytes, src[0], src[1]]).unwrap();
         println!("{service}: download {d}");
         assert_eq!((d["complete"].as_bool(), d["bytes"].as_u64()), (Some(true), Some(DOWNLOAD)), "{d}");
         let after = counts(&lbd, service, &addrs);
-        let bytes_in: u64 = after.iter().zip(&before).map(|(a, b)| a.2 - b.2).sum();
-        let packets_out: u64 = after.iter().map(|a| a.1).sum();
-        println!("{service}: during the download the datapath saw {bytes_in} bytes client -> server, 0 back");
-        assert_eq!(packets_out, 0, "{service}: no reply passed the datapath");
+        let (eth0, eth1) = (lab.link_bytes("client", "eth0").unwrap(), lab.link_bytes("client", "eth1").unwrap());
+        let packets_in: u64 = after.iter().zip(&before).map(|(a, b)| a.packets_in - b.packets_in).sum();
+        let bytes_in: u64 = after.iter().zip(&before).map(|(a, b)| a.bytes_in - b.bytes_in).sum();
+        let (packets_out, bytes_out): (u64, u64) =
+            after.iter().fold((0, 0), |(p, b), a| (p + a.packets_out, b + a.bytes_out));
+        let (by_gw, by_bypass) = (eth0.0 - eth0_before.0, eth1.0 - eth1_before.0);
+        println!(
+            "{service}: during the download the datapath saw {packets_in} packets, {bytes_in} bytes client -> server and {packets_out} back; the client received {by_bypass} bytes by the bypass, {by_gw} from the gateway"
+        );
+        assert_eq!((packets_out, bytes_out), (0, 0), "{service}: no reply passed the datapath");
+        assert!(packets_in > 0, "{service}: the client's packets passed the datapath");
         assert!(
             bytes_in > 0 && bytes_in < DOWNLOAD / 20,
             "{service}: {bytes_in} bytes in for a {DOWNLOAD}-byte download"
         );
+        // The kernel's own count agrees: the download came by the bypass.
+        assert!(by_bypass >= DOWNLOAD, "{service}: only {by_bypass} bytes came by the bypass");
+        assert!(by_gw < DOWNLOAD / 100, "{service}: {by_gw} bytes came by the gateway");
     }
 
-    // The NAT service beside them works as ever.
+    // The NAT service beside them: 1,000 connections, exact per backend
+    // (what each accepted on its own address, where NAT sends them), the
+    // replies back through the datapath.
     let r =
-        lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "300", "--sources-range", sources4]).unwrap();
-    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{}", r["errors"]);
+        lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "1000", "--sources-range", sources4]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(1000), Some(0)), "{}", r["errors"]);
+    let v4 = backends_of(&lab, false);
+    let web = counts(&lbd, "web", &v4);
+    let ours: Vec<u64> = web.iter().map(|c| c.new_flows).collect();
+    let theirs: Vec<u64> = lab.backend_counts().unwrap().iter().zip(&v4).map(|(c, a)| c.at(*a).connections).collect();
+    println!("web (NAT): 1,000 connections, new flows {ours:?}, backends accepted {theirs:?}");
+    assert_eq!(ours, theirs, "web: lbd's per-backend counts are the backends' own");
+    assert!(web.iter().all(|c| c.packets_out > 0), "web: NAT replies pass the datapath: {web:?}");
     for iface in lab.gw_interfaces() {
         assert_eq!(xdp_mode_in_use(&lab, &iface).unwrap().as_deref(), Some("native"), "{iface}");
     }
     let status = lbd.status().unwrap();
     println!("counters: {}", status["counters"]);
     assert_eq!(status["counters"]["dsr_off_link"], 0);
+    // The client's packets, DSR and NAT, left by XDP redirect.
+    let (redirected, kernel, forwarded) = path_counts(&status);
+    assert_eq!(redirected + kernel, forwarded, "every forwarded packet took one path: {}", status["counters"]);
+    assert!(kernel * 20 < redirected, "XDP redirect carried too little: {}", status["counters"]);
 }

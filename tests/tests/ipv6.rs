@@ -7,14 +7,111 @@
 //! at a time.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::net::{IpAddr, SocketAddr};
+use std::process::Command;
+use std::time::Instant;
 
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
-    lab::{Lab, LabSpec, VIP6},
+    lab::{GW6_BACKEND, GW6_CLIENT, Lab, LabSpec, Topology, VIP6},
     lbd::{Lbd, path_counts, wait_for, write_config_for, xdp_mode_in_use},
 };
 
 const PREFIX: &str = "lbt-v6";
+
+/// stdout of a command that must succeed.
+fn output(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The gateway's count of forwarded IPv6 packets.
+fn forwarded6(lab: &Lab) -> u64 {
+    let text = output(lab.cmd("gw", "cat").arg("/proc/net/snmp6"));
+    let v = text.lines().find_map(|l| l.strip_prefix("Ip6OutForwDatagrams")).expect("Ip6OutForwDatagrams");
+    v.trim().parse().expect("a number")
+}
+
+/// The client's route to `dst`, as `ip -6 route get` prints it.
+fn client_route(lab: &Lab, dst: &str) -> String {
+    output(lab.cmd("client", "ip").args(["-6", "route", "get", dst]))
+}
+
+/// IPv6 in every lab topology, without a balancer: the gateway holds
+/// fd00:10::1 and fd00:20::1 on the interfaces that hold 10.10.0.1 and
+/// 10.20.0.1, no address anywhere is still tentative when `Lab::up`
+/// returns (nothing waits for duplicate address detection), the client
+/// reaches every backend through the gateway from fd00:10::2 (its default
+/// source, as 10.10.0.2 is for IPv4) and from an extra source, and keeps
+/// going through it (one-arm: ICMPv6 redirects ignored).
+#[test]
+fn ipv6_goes_through_the_gateway_in_every_topology() {
+    let _serial = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    let prefix = "lbt-v6topo";
+    for t in Topology::ALL {
+        let name = t.name();
+        let lab = Lab::up(LabSpec {
+            prefix: prefix.into(),
+            backends: 2,
+            client_sources: 4,
+            topology: t,
+            ..LabSpec::default()
+        })
+        .unwrap_or_else(|e| panic!("{name}: lab up: {e:#}"));
+        let mut roles = vec!["client".to_owned(), "gw".to_owned()];
+        roles.extend(lab.backend_names());
+        for role in &roles {
+            let addrs = output(lab.cmd(role, "ip").args(["-6", "addr", "show"]));
+            assert!(!addrs.contains("tentative"), "{name}: {role} has tentative addresses:\n{addrs}");
+        }
+        let ifs = lab.gw_interfaces();
+        let (client_side, backend_side) = (&ifs[0], &ifs[ifs.len() - 1]);
+        let gw = output(Command::new("ip").args(["-n", &lab.ns("gw"), "-6", "-o", "addr", "show"]));
+        for (dev, addr) in [(client_side, GW6_CLIENT), (backend_side, GW6_BACKEND)] {
+            assert!(
+                gw.lines().any(|l| l.contains(&format!(" {dev} ")) && l.contains(&format!("{addr}/64"))),
+                "{name}: {addr}/64 on {dev}:\n{gw}"
+            );
+        }
+        let before = forwarded6(&lab);
+        let mut took = Vec::new();
+        for (i, addr) in lab.backend_addrs6().iter().enumerate() {
+            let route = client_route(&lab, &addr.to_string());
+            assert!(
+                route.contains(&format!("via {GW6_CLIENT} ")) && route.contains("src fd00:10::2 "),
+                "{name}: client route to {addr}: {route}"
+            );
+            let start = Instant::now();
+            let body =
+                output(lab.cmd("client", "curl").args(["-s", "--max-time", "3"]).arg(format!("http://[{addr}]:8080/")));
+            took.push(start.elapsed());
+            assert!(body.starts_with(&format!("backend=be{} ", i + 1)), "{name}: {addr} answered {body:?}");
+        }
+        let src = lab.client_sources6()[2].to_string();
+        let addr = lab.backend_addrs6()[1];
+        let body = output(
+            lab.cmd("client", "curl")
+                .args(["-s", "--max-time", "3", "--interface", &src])
+                .arg(format!("http://[{addr}]:8080/")),
+        );
+        assert!(body.starts_with("backend=be2 "), "{name}: from {src}: {body:?}");
+        let fwd = forwarded6(&lab) - before;
+        // Handshake, request, response and close of each of 3 connections.
+        assert!(fwd >= 3 * 6, "{name}: the gateway forwarded only {fwd} IPv6 packets");
+        for addr in lab.backend_addrs6() {
+            let route = client_route(&lab, &addr.to_string());
+            assert!(
+                route.contains(&format!("via {GW6_CLIENT} ")),
+                "{name}: after the traffic, the client routes {addr}: {route}"
+            );
+        }
+        println!("{name:>15}: IPv6 through the gateway ({fwd} packets forwarded), first connections took {took:?}");
+        drop(lab);
+    }
+    let left = output(Command::new("ip").args(["netns", "list"]));
+    assert!(!left.lines().any(|l| l.starts_with(&format!("{prefix}-"))), "namespaces left behind:\n{left}");
+}
 
 fn services(lab: &Lab) -> String {
     let mut s = web("", &[(1, 1), (2, 1), (3, 1)]);
@@ -107,6 +204,13 @@ fn ipv6_http_and_udp_are_balanced_exactly_beside_ipv4() {
     assert_eq!(ours6.iter().sum::<u64>(), 1000);
     assert_eq!(ours4.iter().sum::<u64>(), 500);
     assert_eq!(both, theirs, "lbd's per-backend counts are the backends' own");
+    // Per service: what each backend accepted on its IPv6 address, and on
+    // its IPv4 one.
+    let counts = lab.backend_counts().unwrap();
+    let at6: Vec<u64> = counts.iter().zip(&v6).map(|(c, a)| c.at(*a).connections).collect();
+    let at4: Vec<u64> = counts.iter().zip(&v4).map(|(c, a)| c.at(*a).connections).collect();
+    assert_eq!(ours6, at6, "web6: lbd's per-backend counts are what the backends accepted over IPv6");
+    assert_eq!(ours4, at4, "web: lbd's per-backend counts are what the backends accepted over IPv4");
     assert!(ours6.iter().all(|&n| n > 200), "Maglev spreads the IPv6 connections: {ours6:?}");
 
     // 2. Affinity: 30 keep-alive connections, 20 requests each, each
@@ -139,6 +243,8 @@ fn ipv6_http_and_udp_are_balanced_exactly_beside_ipv4() {
     // one flow to the balancer. New flows count the distinct 5-tuples.
     assert_eq!(ours.iter().sum::<u64>(), r["distinct_flows"].as_u64().unwrap(), "one new flow per 5-tuple");
     assert_eq!(datagrams, answered, "each backend answered every datagram it received, and only those");
+    let flows: Vec<u64> = lab.backend_counts().unwrap().iter().zip(&v6).map(|(c, a)| c.at(*a).udp_flows).collect();
+    assert_eq!(ours, flows, "dns6: per backend, lbd's new flows are the distinct peers the backend saw");
 
     // What the datapath did: native XDP on the gateway's interfaces (the
     // default xdp_mode, auto), the traffic left by XDP redirect.
