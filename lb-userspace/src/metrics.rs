@@ -29,6 +29,7 @@ pub const SERIES: &[&str] = &[
     "lb_flow_table_capacity",
     "lb_half_open_expired_flows_total",
     "lb_stateless_packets_total",
+    "lb_icmp_translated_packets_total",
     "lb_health_check_duration_seconds",
     "lb_health_check_failures_total",
     "lb_config_reloads_total",
@@ -174,7 +175,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
     let mut dropped = Samples::new("lb_dropped_packets", "Packets the datapath dropped, by reason", Counter);
     let mut fallback = Samples::new(
         "lb_kernel_fallback_packets",
-        "Rewritten packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL)",
+        "Packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL, too big for the egress, VLAN-tagged)",
         Counter,
     );
     let mut redirected =
@@ -191,6 +192,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         "Packets routed by consistent hash without a flow-table entry, by reason: a new flow above flood.new_flow_rate_per_cpu (flood_rate), a new flow that found the flow table full (table_full), a backend's packet whose flow has no entry (stateless_reply)",
         Counter,
     );
+    let mut icmp = Samples::new("lb_icmp_translated_packets", "ICMP errors about balanced flows, translated and sent on: to_client (about a forwarded packet), to_backend (about a reply)", Counter);
     let (mut redirects, mut partials) = (0, 0);
     for (reason, &v) in &status.counters {
         match reason.as_str() {
@@ -199,8 +201,11 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
             "flood_rate" | "table_full" | "stateless_reply" => {
                 stateless.push(labels(&[("reason", reason)]), Value::Counter(v));
             }
-            "fib_fallback" | "kernel_egress" | "ttl_expired" => {
+            "fib_fallback" | "kernel_egress" | "ttl_expired" | "too_big" | "vlan" => {
                 fallback.push(labels(&[("reason", reason)]), Value::Counter(v));
+            }
+            "icmp_to_client" | "icmp_to_backend" => {
+                icmp.push(labels(&[("direction", &reason["icmp_".len()..])]), Value::Counter(v));
             }
             _ => dropped.push(labels(&[("reason", reason)]), Value::Counter(v)),
         }
@@ -258,6 +263,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         redirected,
         partial,
         stateless,
+        icmp,
         modes,
         path,
         entries,
@@ -562,6 +568,7 @@ mod tests {
         let redirected = Counter::<u64>::default();
         let partial = Counter::<u64>::default();
         let stateless = Family::<Labels, Counter>::default();
+        let icmp = Family::<Labels, Counter>::default();
         for (reason, v) in &status.counters {
             match reason.as_str() {
                 "xdp_redirect" => {
@@ -573,8 +580,11 @@ mod tests {
                 "csum_partial" => {
                     partial.inc_by(*v);
                 }
-                "fib_fallback" | "kernel_egress" | "ttl_expired" => {
+                "fib_fallback" | "kernel_egress" | "ttl_expired" | "too_big" | "vlan" => {
                     fallback.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
+                }
+                "icmp_to_client" | "icmp_to_backend" => {
+                    icmp.get_or_create(&labels(&[("direction", &reason["icmp_".len()..])])).inc_by(*v);
                 }
                 _ => {
                     dropped.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
@@ -617,7 +627,7 @@ mod tests {
         reg.register("lb_dropped_packets", "Packets the datapath dropped, by reason", dropped);
         reg.register(
             "lb_kernel_fallback_packets",
-            "Rewritten packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL)",
+            "Packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL, too big for the egress, VLAN-tagged)",
             fallback,
         );
         reg.register("lb_xdp_redirect_packets", "Rewritten packets that left by XDP redirect", redirected);
@@ -631,6 +641,7 @@ mod tests {
             "Packets routed by consistent hash without a flow-table entry, by reason: a new flow above flood.new_flow_rate_per_cpu (flood_rate), a new flow that found the flow table full (table_full), a backend's packet whose flow has no entry (stateless_reply)",
             stateless,
         );
+        reg.register("lb_icmp_translated_packets", "ICMP errors about balanced flows, translated and sent on: to_client (about a forwarded packet), to_backend (about a reply)", icmp);
         reg.register("lb_interface_xdp_mode", "The XDP mode in use per attached interface (always 1)", modes);
         reg.register(
             "lb_forwarding_path",
