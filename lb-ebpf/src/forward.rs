@@ -217,7 +217,7 @@ pub(crate) fn rewrite_src(pkt: &Packet, addr: u32, port: u16) -> Rewrite {
 /// MACs untouched (the kernel routes it, decrements the TTL, resolves the
 /// neighbour), its checksum left unfinished if it came so.
 #[inline(always)]
-fn to_kernel(pkt: &Packet, rw: Rewrite, cs: L4Csum, reason: u32) -> u32 {
+pub(crate) fn to_kernel(pkt: &Packet, rw: Rewrite, cs: L4Csum, reason: u32) -> u32 {
     update_l4(pkt, rw, cs, false);
     stats::count(reason);
     xdp_action::XDP_PASS

@@ -38,19 +38,45 @@ use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
 pub(crate) fn lb_xdp(ctx: XdpContext) -> u32 {
-    match try_lb(&ctx) {
+    match try_lb::<{ parse::ETH_HLEN }>(&ctx) {
         Ok(action) => action,
         // Anything we cannot judge belongs to the kernel.
         Err(()) => xdp_action::XDP_PASS,
     }
 }
 
-fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
-    let pkt = match parse::parse(ctx) {
+/// IPv4 in one VLAN tag: the same path, its IPv4 header at byte 18, every
+/// rewritten packet handed to the kernel with its tag (see `tagged`).
+#[xdp]
+pub(crate) fn lb_vlan(ctx: XdpContext) -> u32 {
+    try_lb::<{ parse::VLAN_HLEN }>(&ctx).unwrap_or(xdp_action::XDP_PASS)
+}
+
+/// IPv4 in two VLAN tags (QinQ), as `lb_vlan`.
+#[xdp]
+pub(crate) fn lb_qinq(ctx: XdpContext) -> u32 {
+    try_lb::<{ parse::QINQ_HLEN }>(&ctx).unwrap_or(xdp_action::XDP_PASS)
+}
+
+/// Whether the IPv4 header starts past VLAN tags. A tagged packet is
+/// rewritten in place, tags and all, and handed to the kernel's
+/// forwarding path: the egress may be another VLAN, which only the kernel
+/// knows (the FIB answers a device, a VLAN device cannot take an XDP
+/// redirect, and the frame's own tag would be wrong there).
+#[inline(always)]
+const fn tagged(l2: usize) -> bool {
+    l2 != parse::ETH_HLEN
+}
+
+fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
+    let pkt = match parse::parse::<L2>(ctx) {
         Ok(pkt) => pkt,
         Err(ParseError::NotOurs) => {
             // IPv6 has a program of its own (`v6.rs`): the verifier checks
             // each family's path once, and IPv4 pays for no IPv6 code.
+            if tagged(L2) {
+                return Ok(xdp_action::XDP_PASS);
+            }
             if parse::is_ipv6(ctx) {
                 // SAFETY: a tail call with this program's own context;
                 // when slot 0 is empty (lbd has not filled it yet) it
@@ -59,6 +85,9 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
             } else if parse::is_icmp4(ctx) {
                 // SAFETY: as above (ICMP errors about balanced flows).
                 unsafe { PROGS.tail_call(ctx, lb_common::PROG_ICMP) };
+            } else if let Some(slot) = parse::vlan_slot(ctx) {
+                // SAFETY: as above (IPv4 in VLAN tags).
+                unsafe { PROGS.tail_call(ctx, slot) };
             }
             return Ok(xdp_action::XDP_PASS);
         }
@@ -75,7 +104,7 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
     if !from_backend && !maybe_ours(pkt.daddr) {
         return Ok(xdp_action::XDP_PASS);
     }
-    if !parse::ip_checksum_ok(ctx, &pkt) {
+    if !parse::ip_checksum_ok::<L2>(ctx, &pkt) {
         return Ok(drop_if_vip(ctx, pkt.daddr, counter::DROP_MALFORMED));
     }
 
@@ -125,7 +154,7 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
                 // those (the larger part) once with a cache and once
                 // without.
                 None if no_flow => match stateless_reply(ctx, &pkt) {
-                    Some(nat) => return Ok(reply(ctx, &pkt, nat, Hop::Uncached, now)),
+                    Some(nat) => return Ok(reply::<L2>(ctx, &pkt, nat, Hop::Uncached, now)),
                     None => return Ok(xdp_action::XDP_PASS),
                 },
                 None => return Ok(xdp_action::XDP_PASS),
@@ -133,9 +162,9 @@ fn try_lb(ctx: &XdpContext) -> Result<u32, ()> {
         }
     };
     Ok(match to {
-        To::Backend(nat) => forward(ctx, &pkt, nat, now),
-        To::Dsr(nat) => dsr(ctx, &pkt, nat, now),
-        To::Client(nat, entry) => reply(ctx, &pkt, nat, Hop::Flow(entry), now),
+        To::Backend(nat) => forward::<L2>(ctx, &pkt, nat, now),
+        To::Dsr(nat) => dsr::<L2>(ctx, &pkt, nat, now),
+        To::Client(nat, entry) => reply::<L2>(ctx, &pkt, nat, Hop::Flow(entry), now),
     })
 }
 
@@ -507,7 +536,7 @@ impl Nat {
 /// Client -> backend: destination becomes the backend; the next hop is
 /// the backend's.
 #[inline(always)]
-fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
+fn forward<const L2: usize>(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
     if !forward::ttl_ok(pkt) {
         stats::count(counter::TTL_EXPIRED);
         return xdp_action::XDP_PASS;
@@ -515,12 +544,21 @@ fn forward(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
     stats::packet_in(nat.backend_id, pkt.len);
     let cs = forward::classify(ctx, pkt);
     let rw = forward::rewrite_dst(pkt, nat.addr, nat.port);
+    if tagged(L2) {
+        return forward::to_kernel(pkt, rw, cs, counter::VLAN);
+    }
     forward::send(ctx, pkt, rw, cs, Hop::Backend { id: nat.backend_id, addr: nat.addr }, now, Way::Forward)
 }
 
 /// Client -> backend by L2 direct server return: only the MACs change.
 #[inline(always)]
-fn dsr(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
+fn dsr<const L2: usize>(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u32 {
+    // Direct server return cannot serve a tagged frame: it would leave by
+    // XDP redirect, and the backend's VLAN is the kernel's to know.
+    if tagged(L2) {
+        stats::count(counter::DSR_OFF_LINK);
+        return xdp_action::XDP_DROP;
+    }
     stats::packet_in(nat.backend_id, pkt.len);
     forward::send_dsr(ctx, pkt, nat.backend_id, nat.addr, now)
 }
@@ -596,7 +634,7 @@ fn client_key(pkt: &Packet, vip_addr: u32, vip_port: u16) -> FlowKey {
 /// Backend -> client: source becomes the VIP again; the next hop is cached
 /// where `hop` says (the flow's entry, its reply entry, or nowhere).
 #[inline(always)]
-fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, hop: Hop, now: u64) -> u32 {
+fn reply<const L2: usize>(ctx: &XdpContext, pkt: &Packet, nat: Nat, hop: Hop, now: u64) -> u32 {
     if !forward::ttl_ok(pkt) {
         stats::count(counter::TTL_EXPIRED);
         return xdp_action::XDP_PASS;
@@ -607,6 +645,9 @@ fn reply(ctx: &XdpContext, pkt: &Packet, nat: Nat, hop: Hop, now: u64) -> u32 {
     }
     let cs = forward::classify(ctx, pkt);
     let rw = forward::rewrite_src(pkt, nat.addr, nat.port);
+    if tagged(L2) {
+        return forward::to_kernel(pkt, rw, cs, counter::VLAN);
+    }
     forward::send(ctx, pkt, rw, cs, hop, now, Way::Reply)
 }
 

@@ -157,14 +157,49 @@ pub(crate) fn is_icmp4(ctx: &XdpContext) -> bool {
     }
 }
 
+pub(crate) const ETH_P_8021Q: u16 = 0x8100;
+pub(crate) const ETH_P_8021AD: u16 = 0x88a8;
+/// The Ethernet header with one VLAN tag, and with two.
+pub(crate) const VLAN_HLEN: usize = ETH_HLEN + 4;
+pub(crate) const QINQ_HLEN: usize = ETH_HLEN + 8;
+
+/// The EtherType (network order) at byte `off`, if the frame has it.
 #[inline(always)]
-pub(crate) fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
-    let eth: *mut EthHdr = ptr_at(ctx, 0).ok_or(ParseError::NotOurs)?;
+fn ether_type(ctx: &XdpContext, off: usize) -> Option<u16> {
     // SAFETY: bounds checked by ptr_at.
-    if unsafe { (*eth).proto } != ETH_P_IP.to_be() {
+    ptr_at::<u16>(ctx, off).map(|p| unsafe { *p })
+}
+
+/// The program slot for a VLAN-tagged IPv4 frame: one tag (802.1Q or
+/// 802.1ad), or two (QinQ); None for anything else.
+#[inline(always)]
+pub(crate) fn vlan_slot(ctx: &XdpContext) -> Option<u32> {
+    let outer = ether_type(ctx, 12)?;
+    if outer != ETH_P_8021Q.to_be() && outer != ETH_P_8021AD.to_be() {
+        return None;
+    }
+    let inner = ether_type(ctx, 16)?;
+    if inner == ETH_P_IP.to_be() {
+        return Some(lb_common::PROG_VLAN);
+    }
+    (inner == ETH_P_8021Q.to_be() && ether_type(ctx, 20)? == ETH_P_IP.to_be()).then_some(lb_common::PROG_QINQ)
+}
+
+/// Parse an IPv4 TCP/UDP frame whose IPv4 header starts at byte `L2`:
+/// plain Ethernet (14), one VLAN tag (18) or two (22).
+#[inline(always)]
+pub(crate) fn parse<const L2: usize>(ctx: &XdpContext) -> Result<Packet, ParseError> {
+    let eth: *mut EthHdr = ptr_at(ctx, 0).ok_or(ParseError::NotOurs)?;
+    let tagged_ok = match L2 {
+        ETH_HLEN => true,
+        VLAN_HLEN => vlan_slot(ctx) == Some(lb_common::PROG_VLAN),
+        _ => vlan_slot(ctx) == Some(lb_common::PROG_QINQ),
+    };
+    // SAFETY: bounds checked by ptr_at.
+    if !tagged_ok || (L2 == ETH_HLEN && unsafe { (*eth).proto } != ETH_P_IP.to_be()) {
         return Err(ParseError::NotOurs);
     }
-    let ip: *mut Ipv4Hdr = ptr_at(ctx, ETH_HLEN).ok_or(ParseError::NotOurs)?;
+    let ip: *mut Ipv4Hdr = ptr_at(ctx, L2).ok_or(ParseError::NotOurs)?;
     // SAFETY: bounds checked by ptr_at.
     let (vihl, tot_len, frag_off, proto, saddr, daddr) = unsafe {
         (
@@ -191,7 +226,7 @@ pub(crate) fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
     if frag_off & 0x3fff != 0 {
         return Err(ParseError::Fragment { daddr });
     }
-    let l4 = ETH_HLEN + ihl_len;
+    let l4 = L2 + ihl_len;
     // Verifier: the L4 header is bounds-checked against data_end here,
     // before the total-length checks below. Were those first, the compiler
     // could prove this check redundant and drop it, and the verifier (which
@@ -235,7 +270,7 @@ pub(crate) fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
     // unparseable downstream.
     if (proto == PROTO_TCP && l4_len < size_of::<TcpHdr>())
         || tot_len < ihl_len + l4_len
-        || ETH_HLEN + tot_len > frame_len
+        || L2 + tot_len > frame_len
         || (proto == PROTO_UDP && (udp_len < size_of::<UdpHdr>() || udp_len > tot_len - ihl_len))
     {
         return Err(ParseError::Malformed { daddr });
@@ -263,7 +298,7 @@ pub(crate) fn parse(ctx: &XdpContext) -> Result<Packet, ParseError> {
 /// carry the error on. Called only for packets that may be ours (after the
 /// address filter), so traffic that is not ours pays nothing.
 #[inline(always)]
-pub(crate) fn ip_checksum_ok(ctx: &XdpContext, pkt: &Packet) -> bool {
+pub(crate) fn ip_checksum_ok<const L2: usize>(ctx: &XdpContext, pkt: &Packet) -> bool {
     let ip = pkt.ip().cast::<u16>();
     let mut sum: u32 = 0;
     // SAFETY: the 20-byte base header was bounds-checked by parse().
@@ -272,8 +307,8 @@ pub(crate) fn ip_checksum_ok(ctx: &XdpContext, pkt: &Packet) -> bool {
             sum += u32::from(*ip.add(i));
         }
     }
-    if pkt.l4_off > ETH_HLEN + size_of::<Ipv4Hdr>() {
-        let Some(opts) = options_sum(ctx, pkt.l4_off - ETH_HLEN - size_of::<Ipv4Hdr>()) else {
+    if pkt.l4_off > L2 + size_of::<Ipv4Hdr>() {
+        let Some(opts) = options_sum::<L2>(ctx, pkt.l4_off - L2 - size_of::<Ipv4Hdr>()) else {
             return false;
         };
         sum += opts;
@@ -292,19 +327,14 @@ pub(crate) fn ip_checksum_ok(ctx: &XdpContext, pkt: &Packet) -> bool {
 /// program for each. Its own frame: options are rare, and the buffer
 /// stays off the main frame.
 #[inline(never)]
-fn options_sum(ctx: &XdpContext, opt_len: usize) -> Option<u32> {
+fn options_sum<const L2: usize>(ctx: &XdpContext, opt_len: usize) -> Option<u32> {
     let mut opts = [0u32; 16];
     // The same value for 1-64, written so the verifier sees it is never 0
     // nor more than the buffer.
     let len = ((opt_len.wrapping_sub(1)) & 63) + 1;
     // SAFETY: `opts` is 64 writable bytes; 1 <= len <= 64.
     let rc = unsafe {
-        bpf_xdp_load_bytes(
-            ctx.ctx.cast(),
-            (ETH_HLEN + size_of::<Ipv4Hdr>()) as u32,
-            opts.as_mut_ptr().cast(),
-            len as u32,
-        )
+        bpf_xdp_load_bytes(ctx.ctx.cast(), (L2 + size_of::<Ipv4Hdr>()) as u32, opts.as_mut_ptr().cast(), len as u32)
     };
     if rc != 0 {
         return None;

@@ -33,7 +33,7 @@ use crate::{
         generic_ingress, may_cache, segment_sum, set_macs, store_hop,
     },
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, FLOOD, FLOWS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
-    maybe_ours, no_backend, now_secs,
+    no_backend, now_secs,
     parse::{ETH_HLEN, EthHdr, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
     rate_ok, select, set_state, stats, syn_only, track_close,
 };
@@ -89,10 +89,6 @@ struct Packet6 {
     tcp_flags: u8,
     sport: u16,
     dport: u16,
-    /// The addresses folded to 32 bits (`fold6`): the address filter's
-    /// and the hash schedulers' input.
-    sfold: u32,
-    dfold: u32,
     /// Frame length, for the byte counters.
     len: u64,
     /// Offset of the L4 header, and the L4 length (header and payload).
@@ -118,7 +114,13 @@ impl Packet6 {
 
     #[inline(always)]
     fn tuple(&self) -> select::Tuple {
-        select::Tuple { saddr: self.sfold, daddr: self.dfold, sport: self.sport, dport: self.dport, proto: self.proto }
+        select::Tuple {
+            saddr: fold6(&self.saddr()),
+            daddr: fold6(&self.daddr()),
+            sport: self.sport,
+            dport: self.dport,
+            proto: self.proto,
+        }
     }
 
     #[inline(always)]
@@ -230,22 +232,7 @@ fn parse(ctx: &XdpContext) -> Result<Packet6, ParseError> {
     {
         return Err(ParseError::Malformed { daddr });
     }
-    Ok(Packet6 {
-        eth,
-        ip,
-        ports,
-        l4_check,
-        proto,
-        tcp_flags,
-        sport,
-        dport,
-        // SAFETY: bounds checked by ptr_at at the start.
-        sfold: fold6(unsafe { &(*ip).saddr }),
-        dfold: fold6(&daddr),
-        len: frame_len as u64,
-        l4_off: off,
-        l4_len,
-    })
+    Ok(Packet6 { eth, ip, ports, l4_check, proto, tcp_flags, sport, dport, len: frame_len as u64, l4_off: off, l4_len })
 }
 
 /// `v`, by way of this CPU's scratch slot: the same number, of which the
@@ -310,8 +297,8 @@ fn try_lb(ctx: &XdpContext) -> u32 {
         Err(ParseError::Fragment { daddr }) => return drop_if_vip(daddr, counter::DROP_FRAGMENT),
         Err(ParseError::Ext { daddr }) => return drop_if_vip(daddr, counter::IPV6_EXT),
     };
-    let from_backend = maybe_ours(pkt.sfold);
-    if !from_backend && !maybe_ours(pkt.dfold) {
+    let from_backend = maybe_ours6(&pkt.saddr());
+    if !from_backend && !maybe_ours6(&pkt.daddr()) {
         return xdp_action::XDP_PASS;
     }
     // The keys live in this CPU's scratch slot, not on the stack (see
@@ -400,6 +387,17 @@ fn transmit(ctx: &XdpContext, pkt: &Packet6, to: &To, now: u64) -> u32 {
         To::Client(nat, entry) => reply(ctx, pkt, nat, cs, Hop::Flow6(entry), now),
         To::Stateless(nat) => reply(ctx, pkt, nat, cs, Hop::Uncached, now),
         To::Dsr(_) => xdp_action::XDP_PASS,
+    }
+}
+
+/// False when `addr` is certainly neither a VIP nor a backend (see
+/// `main.rs`'s `maybe_ours`).
+#[inline(always)]
+fn maybe_ours6(addr: &[u32; 4]) -> bool {
+    let bit = lb_common::addr_filter_bit6(addr);
+    match crate::maps::ADDR_FILTER.get(bit / 64) {
+        Some(w) => w & (1u64 << (bit % 64)) != 0,
+        None => true,
     }
 }
 
