@@ -296,7 +296,7 @@ pub mod counter {
 
     /// Counters that count a rewritten packet handed to the kernel's
     /// forwarding path (each packet in exactly one of them).
-    pub const KERNEL_PATH: [u32; 2] = [FIB_FALLBACK, KERNEL_EGRESS];
+    pub const KERNEL_PATH: [u32; 3] = [FIB_FALLBACK, KERNEL_EGRESS, VLAN];
 }
 
 /// Version of the pinned datapath's layout: the maps, their types and the
