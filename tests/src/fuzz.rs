@@ -28,6 +28,11 @@
 //!      MACs of the next hop (the neighbour of the new destination). On
 //!      the kernel path (XDP_PASS) TTL and MACs are as they came.
 //! 4. No XDP_ABORTED, and no action other than PASS, DROP, TX, REDIRECT.
+//! 6. An IPv4 frame in one VLAN tag (TPID 0x8100 or 0x88a8) or two
+//!    (0x8100 inside) is judged by rules 1-4 as the same frame without
+//!    its tags, and besides: its tags come out as they went in, and a
+//!    rewrite goes to the kernel (XDP_PASS: TTL and MACs as they came),
+//!    never out by XDP redirect or XDP_TX.
 //! 5. An ICMP error (IPv4 ICMP type 3, 11 or 12, without options, quoting
 //!    an IPv4 TCP/UDP header without options) is passed untouched, or
 //!    passed translated: same length; only the outer destination, the
@@ -407,6 +412,9 @@ pub fn check(input: &[u8], action: u32, output: &[u8]) -> Result<Outcome, Violat
     if let Some(r) = check_icmp(input, action, output) {
         return r;
     }
+    if let Some(tags) = vlan_tags(input) {
+        return check_tagged(input, action, output, tags);
+    }
     let addrs = ipv4_addrs(input);
     let for_vip = addrs.is_some_and(|(_, d)| is_vip_addr(d));
     let from_backend = addrs.is_some_and(|(s, _)| is_backend_addr(s));
@@ -502,6 +510,35 @@ fn check_icmp(input: &[u8], action: u32, output: &[u8]) -> Option<Result<Outcome
         return v("neither about a forwarded packet nor about a reply", what);
     }
     Some(Ok(Outcome::IcmpTranslated))
+}
+
+/// The length of the VLAN tags of an IPv4 frame in one tag or two (rule
+/// 6), or None.
+fn vlan_tags(f: &[u8]) -> Option<usize> {
+    let et = |o: usize| (f.len() >= o + 2).then(|| u16_at(f, o));
+    if !matches!(et(12)?, 0x8100 | 0x88a8) {
+        return None;
+    }
+    match et(16)? {
+        0x0800 => Some(4),
+        0x8100 if et(20)? == 0x0800 => Some(8),
+        _ => None,
+    }
+}
+
+/// Rule 6: a tagged frame, judged untagged.
+fn check_tagged(input: &[u8], action: u32, output: &[u8], tags: usize) -> Result<Outcome, Violation> {
+    let strip = |f: &[u8]| [&f[..12], &f[12 + tags..]].concat();
+    if output.len() < 12 + tags || output[12..12 + tags] != input[12..12 + tags] {
+        return Err(violation("vlan: tags changed", first_difference(input, output)));
+    }
+    let outcome = check(&strip(input), action, &strip(output))?;
+    match outcome {
+        Outcome::Forward { transmitted: true, .. } | Outcome::Reply { transmitted: true } => {
+            Err(violation("vlan: a tagged frame left by XDP redirect or TX", action_name(action)))
+        }
+        o => Ok(o),
+    }
 }
 
 fn first_difference(input: &[u8], output: &[u8]) -> String {
