@@ -192,7 +192,11 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         "Packets routed by consistent hash without a flow-table entry, by reason: a new flow above flood.new_flow_rate_per_cpu (flood_rate), a new flow that found the flow table full (table_full), a backend's packet whose flow has no entry (stateless_reply)",
         Counter,
     );
-    let mut icmp = Samples::new("lb_icmp_translated_packets", "ICMP errors about balanced flows, translated and sent on: to_client (about a forwarded packet), to_backend (about a reply)", Counter);
+    let mut icmp = Samples::new(
+        "lb_icmp_translated_packets",
+        "ICMP errors about balanced flows, translated and sent on: to_client (about a forwarded packet), to_backend (about a reply)",
+        Counter,
+    );
     let (mut redirects, mut partials) = (0, 0);
     for (reason, &v) in &status.counters {
         match reason.as_str() {
