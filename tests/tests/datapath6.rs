@@ -324,3 +324,79 @@ fn an_icmpv6_packet_too_big_about_a_reply_reaches_the_backend_naming_it() {
         assert_eq!(fx.counter("icmp_to_backend"), 1);
     });
 }
+
+#[test]
+fn an_icmpv6_error_about_a_forwarded_packet_reaches_the_client_naming_the_vip() {
+    in_netns(|| {
+        let fx = web6();
+        let mut syn = tcp6(CLIENT6, 40015, VIP6, 80, SYN);
+        syn.payload = vec![4; 100];
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        // A router on the backend side: the packet as it went on.
+        let sent_on = to_backend6(&syn).bytes();
+        let router: Ipv6Addr = "fd00:20::fe".parse().unwrap();
+        let b = PacketBuilder::ethernet2(BACKEND_MAC, GW_B_MAC)
+            .ipv6(router.octets(), CLIENT6.octets(), 64)
+            .icmpv6(Icmpv6Type::PacketTooBig { mtu: 1280 });
+        let mut err = Vec::new();
+        b.write(&mut err, &sent_on[ETH_LEN..]).expect("write to a Vec");
+        let (action, out) = fx.run(&err, fx.if_b);
+        assert_eq!(action, XDP_PASS);
+        let icmp = parse_too_big6(&out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
+        assert_eq!((icmp.src, icmp.dst), (router, CLIENT6));
+        // What the client sent (but for the hop limit): to the VIP and port.
+        let as_sent = Frame6 { hop_limit: 63, ..syn }.bytes();
+        assert_eq!(icmp.quoted, as_sent[ETH_LEN..]);
+        assert_eq!(fx.counter("icmp_to_client"), 1);
+    });
+}
+
+#[test]
+fn a_packet_too_big_for_a_dsr_reply_path_is_sent_on_to_the_backend_unchanged() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![dsr(service("web", 80, Protocol::Tcp, &[(BACKEND, 80)]))]);
+        let syn = tcp(CLIENT, 40016, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        // The backend's answer (from the VIP) hit a narrow link on the
+        // client side; that router tells the VIP, by the gateway.
+        let mut answer = Frame::tcp(VIP, 80, CLIENT, 40016, ACK);
+        answer.payload = vec![5; 1400];
+        let a = answer.bytes();
+        let err = frag_needed(
+            Ipv4Addr::new(10, 20, 0, 254),
+            VIP,
+            &a[ETH_LEN..ETH_LEN + IPV4_LEN + 8],
+            (GW_B_MAC, BACKEND_MAC),
+        );
+        let (action, out) = fx.run(&err, fx.if_b);
+        assert_eq!(action, XDP_REDIRECT, "to the backend's MAC");
+        assert_eq!(out[..6], BACKEND_MAC);
+        assert_eq!(out[12..], err[12..], "otherwise unchanged: the backend holds the VIP it quotes");
+        assert_eq!(fx.counter("icmp_to_backend"), 1);
+    });
+}
+
+#[test]
+fn a_truncated_icmp_error_is_left_untouched() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        let syn = tcp(CLIENT, 40017, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let sent_on = Frame { dst: BACKEND, dport: 8080, ttl: 63, ..syn }.bytes();
+        let err = frag_needed(
+            Ipv4Addr::new(10, 20, 0, 254),
+            CLIENT,
+            &sent_on[ETH_LEN..ETH_LEN + IPV4_LEN + 28],
+            (GW_B_MAC, BACKEND_MAC),
+        );
+        // Cut anywhere (the outer header, the ICMP header, the quoted
+        // header, the quoted ports): the stated lengths no longer hold,
+        // and nothing is rewritten.
+        for len in 14..err.len() {
+            assert_eq!(fx.run(&err[..len], fx.if_b), (XDP_PASS, err[..len].to_vec()), "cut at {len}");
+        }
+        assert_eq!(fx.counter("icmp_to_client"), 0);
+        assert_eq!(fx.run(&err, fx.if_b).0, XDP_PASS);
+        assert_eq!(fx.counter("icmp_to_client"), 1, "the whole error is translated");
+    });
+}
