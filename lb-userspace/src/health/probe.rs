@@ -106,6 +106,16 @@ async fn connect(target: SocketAddr) -> Result<TcpStream, ProbeError> {
     TcpStream::connect(target).await.map_err(|e| ProbeError::Connect(io_text(&e)))
 }
 
+/// The Host header of a probe: an IPv4 address alone (as ever), an IPv6
+/// address in brackets with the port (`[fd00:20::11]:8080`): a bare IPv6
+/// literal is not a valid `Host` (RFC 9110 7.2, RFC 3986 3.2.2).
+fn host(target: SocketAddr) -> String {
+    match target {
+        SocketAddr::V4(a) => a.ip().to_string(),
+        SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+    }
+}
+
 async fn tcp_probe(target: SocketAddr) -> Result<(), ProbeError> {
     // Dropping the stream closes it.
     connect(target).await.map(drop)
@@ -114,10 +124,8 @@ async fn tcp_probe(target: SocketAddr) -> Result<(), ProbeError> {
 async fn http_probe(cfg: &HealthConfig, target: SocketAddr) -> Result<(), ProbeError> {
     let mut stream = connect(target).await?;
     let path = if cfg.path.is_empty() { "/" } else { cfg.path.as_str() };
-    let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {ip}\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n",
-        ip = target.ip()
-    );
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n", host(target));
     stream.write_all(request.as_bytes()).await.map_err(|e| ProbeError::Http(format!("send: {}", io_text(&e))))?;
     let (line, rest) = read_status_line(&mut stream).await?;
     let code = parse_status_line(&line)?;
@@ -206,7 +214,7 @@ fn parse_status_line(line: &[u8]) -> Result<u16, ProbeError> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
+    use std::net::{Ipv4Addr, Ipv6Addr};
 
     use tokio::net::TcpListener;
 
@@ -320,6 +328,12 @@ mod tests {
     /// `status_line` if it is exactly the probe's request, else with 400.
     /// Connections that close early (TCP probes) are ignored.
     fn serve_http(l: TcpListener, status_line: &'static str) -> tokio::task::JoinHandle<()> {
+        let host = match l.local_addr().unwrap() {
+            SocketAddr::V4(a) => a.ip().to_string(),
+            SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+        };
+        let expected =
+            format!("GET /healthz HTTP/1.1\r\nHost: {host}\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n");
         tokio::spawn(async move {
             while let Ok((mut s, _)) = l.accept().await {
                 let mut req = Vec::new();
@@ -333,8 +347,6 @@ mod tests {
                 if req.is_empty() {
                     continue;
                 }
-                let expected =
-                    "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: lbd-health\r\nConnection: close\r\n\r\n";
                 let status = if req == expected.as_bytes() { status_line } else { "HTTP/1.1 400 Bad Request" };
                 // One write, body included: the status line's read takes
                 // part of what follows it.
@@ -454,6 +466,24 @@ mod tests {
         let mut c = cfg(ProbeKind::Http);
         c.port = Some(port);
         assert!(probe(&c, addr).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn ipv6_backends_are_probed_over_ipv6() {
+        let l = TcpListener::bind((Ipv6Addr::LOCALHOST, 0)).await.unwrap();
+        let addr = l.local_addr().unwrap();
+        // The server answers 400 unless the Host is `[::1]:port`.
+        let server = serve_http(l, "HTTP/1.1 200 OK");
+        assert!(probe(&cfg(ProbeKind::Tcp), addr).await.is_ok());
+        assert!(probe(&cfg(ProbeKind::Http), addr).await.is_ok());
+        server.abort();
+        let closed = {
+            let l = TcpListener::bind((Ipv6Addr::LOCALHOST, 0)).await.unwrap();
+            l.local_addr().unwrap()
+        };
+        assert!(matches!(probe(&cfg(ProbeKind::Tcp), closed).await, Err(ProbeError::Connect(_))));
+        assert_eq!(host(addr), format!("[::1]:{}", addr.port()));
+        assert_eq!(host("10.20.0.11:8080".parse().unwrap()), "10.20.0.11");
     }
 
     #[tokio::test]
