@@ -381,6 +381,24 @@ mod tests {
     }
 
     #[test]
+    fn backend_requests_take_ipv6_in_brackets() {
+        let req = |backend: &str| Request::BackendDrain { service: "web6".into(), backend: backend.into() };
+        let Ok(Some(Change::BackendDrain { address, port, .. })) = req("[fd00:20::11]:8080").change() else {
+            panic!("an IPv6 backend in brackets is refused")
+        };
+        assert_eq!((address, port), ("fd00:20::11".parse::<std::net::IpAddr>().unwrap(), 8080));
+        let Ok(Some(Change::BackendDrain { address, .. })) = req("10.20.0.11:8080").change() else {
+            panic!("an IPv4 backend is refused")
+        };
+        assert!(address.is_ipv4());
+        // Without brackets the port cannot be told from the address.
+        for bad in ["fd00:20::11:8080", "fd00:20::11", "[fd00:20::11]", "10.20.0.11"] {
+            let e = req(bad).change().unwrap_err();
+            assert!(e.contains("[IPv6 address]:port"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn requests_parse_strictly() {
         assert_eq!(Request::parse(r#"{"command":"status"}"#).unwrap(), Request::Status);
         assert!(Request::parse(r#"{"command":"explode"}"#).unwrap_err().contains("unknown command"));

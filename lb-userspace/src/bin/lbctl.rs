@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use clap::Parser as _;
 use lb_userspace::{
     api::{self, Request},
-    cli::{BackendAction, Command, LbctlArgs as Args, ServiceAction},
+    cli::{BackendAction, Command, LbctlArgs as Args, ServiceAction, backend_spec},
     report::Status,
 };
 
@@ -34,22 +34,6 @@ fn describe(req: &Request) -> String {
         Request::ServiceRemove { service } => format!("removed service {service}"),
         Request::Status | Request::Reload => String::new(),
     }
-}
-
-fn backend_spec(s: &str) -> Result<serde_json::Value, String> {
-    let parts: Vec<&str> = s.split(':').collect();
-    let (addr, port, weight) = match parts.as_slice() {
-        [a, p] => (*a, *p, None),
-        [a, p, w] => (*a, *p, Some(*w)),
-        _ => return Err(format!("{s:?} is not ADDRESS:PORT or ADDRESS:PORT:WEIGHT")),
-    };
-    let port: u64 = port.parse().map_err(|_| format!("{s:?}: port {port:?} is not a number"))?;
-    let mut v = serde_json::json!({ "address": addr, "port": port });
-    if let Some(w) = weight {
-        let w: i64 = w.parse().map_err(|_| format!("{s:?}: weight {w:?} is not a number"))?;
-        v["weight"] = w.into();
-    }
-    Ok(v)
 }
 
 fn main() -> ExitCode {
@@ -88,7 +72,7 @@ fn main() -> ExitCode {
         }
         Command::Service { action } => {
             let req = match action {
-                ServiceAction::Add { name, vip, port, protocol, scheduler, backends } => {
+                ServiceAction::Add { name, vip, port, protocol, scheduler, forwarding, backends } => {
                     let mut list = Vec::new();
                     for b in &backends {
                         match backend_spec(b) {
@@ -99,12 +83,14 @@ fn main() -> ExitCode {
                             }
                         }
                     }
-                    Request::ServiceAdd {
-                        spec: serde_json::json!({
-                            "name": name, "vip": vip, "port": port, "protocol": protocol,
-                            "scheduler": scheduler, "backends": list,
-                        }),
+                    let mut spec = serde_json::json!({
+                        "name": name, "vip": vip, "port": port, "protocol": protocol,
+                        "scheduler": scheduler, "backends": list,
+                    });
+                    if let Some(f) = forwarding {
+                        spec["forwarding"] = f.into();
                     }
+                    Request::ServiceAdd { spec }
                 }
                 ServiceAction::Remove { name } => Request::ServiceRemove { service: name },
             };
