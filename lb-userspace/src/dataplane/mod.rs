@@ -49,7 +49,7 @@ mod sweep;
 use alloc::{Ids, Regions};
 use attach::Attached;
 use maps::{Maps, SelectMemory, map_err};
-pub use sweep::{CLOSED_LINGER, SweepReport, monotonic_coarse_secs};
+pub use sweep::{CLOSED_LINGER, DSR_FIN_TIMEOUT, SweepReport, monotonic_coarse_secs};
 
 /// The XDP program, built by build.rs and embedded in the binary.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-xdp"));

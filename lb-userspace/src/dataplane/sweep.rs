@@ -5,7 +5,8 @@ use std::{collections::HashMap, os::fd::AsFd as _};
 use aya::maps::IterableMap as _;
 
 use lb_common::{
-    DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, Flow, Flow6, FlowKey, FlowKey6, PROTO_TCP, flow_closed, maps as names,
+    DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, Flow, Flow6, FlowKey, FlowKey6, PROTO_TCP,
+    flow_closed, maps as names,
 };
 
 use super::{Dataplane, DataplaneError, batch, map_err};
@@ -76,6 +77,59 @@ struct Limits<'a> {
     udp_by_service: &'a HashMap<u32, u64>,
 }
 
+/// What the sweep does with one flow-table entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    /// A reply entry: removed with its flow, never judged alone.
+    Reply,
+    Keep,
+    /// A closed TCP flow past its linger: removed (the datapath counted
+    /// it closed already).
+    Closed,
+    /// An open flow that expired: removed and counted expired for its
+    /// backend; `half_open` when it never got established.
+    Expired {
+        half_open: bool,
+    },
+}
+
+/// The sweep's rule for one entry (see [`Dataplane::sweep`]), by its
+/// direction, protocol, state bits, last packet and service. A forward
+/// entry (`DIR_FORWARD`, `DIR_FLOW`, `DIR_DSR`) holds its flow's state;
+/// the same rule for both tables.
+fn judge(dir: u8, proto: u8, state: u64, last_seen: u64, service: u32, l: &Limits<'_>) -> Verdict {
+    if dir == DIR_REPLY {
+        return Verdict::Reply;
+    }
+    let idle = l.now.saturating_sub(last_seen);
+    if proto == PROTO_TCP && flow_closed(state) {
+        return if idle > CLOSED_LINGER { Verdict::Closed } else { Verdict::Keep };
+    }
+    let limit = if proto != PROTO_TCP {
+        l.udp_by_service.get(&service).copied().unwrap_or(l.udp_idle)
+    } else if dir == DIR_DSR && state & FLOW_FIN_CLIENT != 0 {
+        // The backend's FIN never passes the balancer, so a DSR flow is
+        // never seen closed (only reset): once the client sent its FIN,
+        // its silence means the connection is over (IPVS's direct routing
+        // gives a client FIN its TIME_WAIT timeout, 2 min). Counted
+        // expired: the datapath never counted it closed.
+        l.tcp_idle.min(DSR_FIN_TIMEOUT)
+    } else {
+        l.tcp_idle
+    };
+    // A DSR flow never sees its backend's answers: the datapath marks it
+    // established at the client's first packet after its opening, so the
+    // half-open rule holds for it too.
+    let half_open = state & FLOW_ESTABLISHED == 0;
+    if idle > limit {
+        Verdict::Expired { half_open: false }
+    } else if half_open && idle > l.half_open {
+        Verdict::Expired { half_open: true }
+    } else {
+        Verdict::Keep
+    }
+}
+
 /// Sweep one flow table (see [`Dataplane::sweep`]): expired flows counted
 /// into `expired_by`, the rest into `report`.
 fn sweep_table<T: Table>(
@@ -88,32 +142,17 @@ fn sweep_table<T: Table>(
     let read = batch::for_each::<T::K, T::V>(fd, |k, f| {
         report.entries += 1;
         let (dir, proto, state, last_seen, backend, service) = T::view(k, f);
-        if dir == DIR_REPLY {
+        let verdict = judge(dir, proto, state, last_seen, service, l);
+        if verdict == Verdict::Reply {
             return;
         }
         report.scanned += 1;
-        let idle = l.now.saturating_sub(last_seen);
-        let reply = (dir == DIR_FORWARD).then(|| T::reply_key(k, f));
-        let closed = proto == PROTO_TCP && flow_closed(state);
-        if closed {
-            if idle > CLOSED_LINGER {
-                doomed.push((*k, reply, None, false));
-            }
-        } else {
-            let limit = if proto == PROTO_TCP {
-                l.tcp_idle
-            } else {
-                l.udp_by_service.get(&service).copied().unwrap_or(l.udp_idle)
-            };
-            // A DSR flow never sees its backend's answers: the datapath
-            // marks it established at the client's first packet after
-            // its opening, so this holds for it too.
-            let half_open = state & FLOW_ESTABLISHED == 0;
-            if idle > limit {
-                doomed.push((*k, reply, Some(backend), false));
-            } else if half_open && idle > l.half_open {
-                doomed.push((*k, reply, Some(backend), true));
-            }
+        // Only a NAT flow with a reply entry of its own has one to remove.
+        let reply = || (dir == DIR_FORWARD).then(|| T::reply_key(k, f));
+        match verdict {
+            Verdict::Reply | Verdict::Keep => {}
+            Verdict::Closed => doomed.push((*k, reply(), None, false)),
+            Verdict::Expired { half_open } => doomed.push((*k, reply(), Some(backend), half_open)),
         }
     });
     read.map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
@@ -153,7 +192,8 @@ impl Dataplane {
     /// the backend answered) silent for longer than the flood settings'
     /// `half_open_timeout`, is removed (with its reply entry, if it has
     /// one) and counted as expired for its backend; a closed TCP flow is
-    /// removed after `CLOSED_LINGER` seconds. `now` is in seconds of
+    /// removed after `CLOSED_LINGER` seconds; a DSR flow whose client sent
+    /// its FIN expires after `DSR_FIN_TIMEOUT` seconds of silence. `now` is in seconds of
     /// CLOCK_MONOTONIC_COARSE (see [`monotonic_coarse_secs`]). Both flow
     /// tables (IPv4 and IPv6) are read and pruned in batches (see `batch`).
     pub fn sweep(&mut self, now: u64, tcp_idle: u64, udp_idle: u64) -> Result<SweepReport, DataplaneError> {
@@ -190,6 +230,10 @@ impl Dataplane {
 /// the stateless path).
 pub const CLOSED_LINGER: u64 = 10;
 
+/// Seconds of silence after the client's FIN after which a DSR flow
+/// expires (see `judge`): the backend's half of the close is never seen.
+pub const DSR_FIN_TIMEOUT: u64 = 60;
+
 /// What one sweep did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SweepReport {
@@ -212,4 +256,127 @@ pub struct SweepReport {
 pub fn monotonic_coarse_secs() -> u64 {
     let ts = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
     u64::try_from(ts.tv_sec).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use lb_common::{DIR_FLOW, FLOW_FIN_BACKEND, FLOW_REPLIED, FLOW_RST, PROTO_UDP};
+
+    use super::*;
+
+    const NOW: u64 = 100_000;
+
+    fn limits(udp_by_service: &HashMap<u32, u64>) -> Limits<'_> {
+        Limits { now: NOW, tcp_idle: 900, udp_idle: 300, half_open: 10, udp_by_service }
+    }
+
+    /// An IPv6 flow entry, judged as the sweep judges FLOWS6's.
+    fn judge6(dir: u8, proto: u8, state: u64, idle: u64, l: &Limits<'_>) -> Verdict {
+        let k =
+            FlowKey6 { src_addr: [1, 2, 3, 4], dst_addr: [5, 6, 7, 8], src_port: 1, dst_port: 2, proto, _pad: [0; 3] };
+        let f = Flow6 { backend_id: 3, service_id: 7, dir, state, last_seen: NOW - idle, ..Flow6::default() };
+        let (dir, proto, state, last_seen, _, service) = V6::view(&k, &f);
+        judge(dir, proto, state, last_seen, service, l)
+    }
+
+    /// The same entry in FLOWS.
+    fn judge4(dir: u8, proto: u8, state: u64, idle: u64, l: &Limits<'_>) -> Verdict {
+        let k = FlowKey { src_addr: 1, dst_addr: 5, src_port: 1, dst_port: 2, proto, _pad: [0; 3] };
+        let f = Flow { backend_id: 3, service_id: 7, dir, state, last_seen: NOW - idle, ..Flow::default() };
+        let (dir, proto, state, last_seen, _, service) = V4::view(&k, &f);
+        judge(dir, proto, state, last_seen, service, l)
+    }
+
+    const EXPIRED: Verdict = Verdict::Expired { half_open: false };
+    const HALF_OPEN: Verdict = Verdict::Expired { half_open: true };
+    const TCP: u8 = PROTO_TCP;
+
+    #[test]
+    fn both_tables_expire_alike() {
+        let none = HashMap::new();
+        let l = limits(&none);
+        let open = FLOW_REPLIED | FLOW_ESTABLISHED;
+        let cases = [
+            // (dir, proto, state, idle) -> verdict
+            ((DIR_REPLY, TCP, 0, 10_000), Verdict::Reply),
+            ((DIR_FORWARD, TCP, open, 899), Verdict::Keep),
+            ((DIR_FORWARD, TCP, open, 901), EXPIRED),
+            ((DIR_FLOW, TCP, open, 901), EXPIRED),
+            // Half-open: answered or not, never established.
+            ((DIR_FORWARD, TCP, FLOW_REPLIED, 11), HALF_OPEN),
+            ((DIR_FLOW, TCP, 0, 10), Verdict::Keep),
+            ((DIR_FLOW, TCP, 0, 11), HALF_OPEN),
+            // Closed: linger, then removed (not counted expired).
+            ((DIR_FORWARD, TCP, open | FLOW_FIN_CLIENT | FLOW_FIN_BACKEND, 10), Verdict::Keep),
+            ((DIR_FORWARD, TCP, open | FLOW_FIN_CLIENT | FLOW_FIN_BACKEND, 11), Verdict::Closed),
+            ((DIR_FLOW, TCP, FLOW_RST, 11), Verdict::Closed),
+            // One FIN is not a close for a NAT flow.
+            ((DIR_FORWARD, TCP, open | FLOW_FIN_CLIENT, 899), Verdict::Keep),
+            ((DIR_FORWARD, PROTO_UDP, open, 299), Verdict::Keep),
+            ((DIR_FORWARD, PROTO_UDP, open, 301), EXPIRED),
+            ((DIR_FLOW, PROTO_UDP, 0, 11), HALF_OPEN),
+        ];
+        for ((dir, proto, state, idle), want) in cases {
+            assert_eq!(
+                judge6(dir, proto, state, idle, &l),
+                want,
+                "FLOWS6 dir {dir} proto {proto} state {state:#x} idle {idle}"
+            );
+            assert_eq!(
+                judge4(dir, proto, state, idle, &l),
+                want,
+                "FLOWS dir {dir} proto {proto} state {state:#x} idle {idle}"
+            );
+        }
+    }
+
+    #[test]
+    fn dsr_flows_are_forward_entries_kept_by_establishment_alone() {
+        let none = HashMap::new();
+        let l = limits(&none);
+        for judge in [judge4, judge6] {
+            // Never FLOW_REPLIED: established is what keeps it past the
+            // half-open timeout.
+            assert_eq!(judge(DIR_DSR, TCP, FLOW_ESTABLISHED, 899, &l), Verdict::Keep);
+            assert_eq!(judge(DIR_DSR, TCP, FLOW_ESTABLISHED, 901, &l), EXPIRED);
+            assert_eq!(judge(DIR_DSR, TCP, 0, 10, &l), Verdict::Keep);
+            assert_eq!(judge(DIR_DSR, TCP, 0, 11, &l), HALF_OPEN);
+            assert_eq!(judge(DIR_DSR, PROTO_UDP, FLOW_ESTABLISHED, 299, &l), Verdict::Keep);
+            assert_eq!(judge(DIR_DSR, PROTO_UDP, FLOW_ESTABLISHED, 301, &l), EXPIRED);
+            // The client's FIN: the rest of the close is never seen.
+            let fin = FLOW_ESTABLISHED | FLOW_FIN_CLIENT;
+            assert_eq!(judge(DIR_DSR, TCP, fin, DSR_FIN_TIMEOUT, &l), Verdict::Keep);
+            assert_eq!(judge(DIR_DSR, TCP, fin, DSR_FIN_TIMEOUT + 1, &l), EXPIRED);
+            assert_eq!(judge(DIR_DSR, TCP, FLOW_ESTABLISHED | FLOW_RST, 11, &l), Verdict::Closed);
+        }
+    }
+
+    #[test]
+    fn a_udp_service_timeout_applies_in_both_tables() {
+        let by_service = HashMap::from([(7, 30)]);
+        let l = limits(&by_service);
+        for judge in [judge4, judge6] {
+            assert_eq!(judge(DIR_FORWARD, PROTO_UDP, FLOW_ESTABLISHED, 30, &l), Verdict::Keep);
+            assert_eq!(judge(DIR_FORWARD, PROTO_UDP, FLOW_ESTABLISHED, 31, &l), EXPIRED);
+            assert_eq!(judge(DIR_FORWARD, TCP, FLOW_ESTABLISHED, 31, &l), Verdict::Keep, "TCP keeps the global");
+        }
+    }
+
+    #[test]
+    fn an_ipv6_reply_key_is_the_forward_key_reversed_through_the_backend() {
+        let k = FlowKey6 {
+            src_addr: [1, 2, 3, 4],
+            dst_addr: [5, 6, 7, 8],
+            src_port: 40_000,
+            dst_port: 80,
+            proto: TCP,
+            _pad: [0; 3],
+        };
+        let f = Flow6 { nat_addr: [9, 10, 11, 12], nat_port: 8080, dir: DIR_FORWARD, ..Flow6::default() };
+        let r = V6::reply_key(&k, &f);
+        assert_eq!(
+            (r.src_addr, r.dst_addr, r.src_port, r.dst_port, r.proto),
+            ([9, 10, 11, 12], [1, 2, 3, 4], 8080, 40_000, TCP)
+        );
+    }
 }
