@@ -165,7 +165,12 @@ impl Dataplane {
                     IpAddr::V4(a) => u32::from(a).to_be(),
                     IpAddr::V6(a) => {
                         // The address first: the datapath reads it once
-                        // the backend's slot says IPv6.
+                        // the backend's slot says IPv6. It is not cleared
+                        // when the id is released, as the BACKENDS slot is
+                        // not: flows to a removed backend still find it
+                        // (ICMP errors about them, a stale stateless pick),
+                        // and an id reused for IPv4 drops BACKEND_F_V6, so
+                        // nothing reads the old address.
                         let w = words6(&a);
                         self.maps.backend_addrs6.set(b.id, w, 0).map_err(map_err(names::BACKEND_ADDRS6))?;
                         flags |= BACKEND_F_V6;
@@ -193,10 +198,7 @@ impl Dataplane {
             }
         }
 
-        let members: Vec<Member> = backends
-            .iter()
-            .map(|b| Member { id: b.id, key: backend_key(b.config.address, b.config.port), weight: b.runtime.weight })
-            .collect();
+        let members = members(&backends);
         let scheduler = cfg.scheduler.datapath_id();
         // The table depends only on the configuration and the members: an
         // untouched service keeps its table without rebuilding it (a weight
@@ -429,5 +431,81 @@ fn resolve_dsr_neighbours(services: &[ServiceConfig]) {
     }
 }
 
+/// A service's backends as its scheduler sees them: id, weight in force,
+/// and the key Maglev derives a backend's slots from (its address and port,
+/// see [`backend_key`]).
+fn members(backends: &[AppliedBackend]) -> Vec<Member> {
+    backends
+        .iter()
+        .map(|b| Member { id: b.id, key: backend_key(b.config.address, b.config.port), weight: b.runtime.weight })
+        .collect()
+}
+
 /// A table's place in SELECT: (first entry, length), or none.
 type Region = Option<(u32, u32)>;
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::sched::Scheduler;
+
+    /// Backends with ids 1.., the given weights, at `addr(i)`:8080.
+    fn pool(weights: &[u32], addr: impl Fn(u16) -> IpAddr) -> Vec<AppliedBackend> {
+        weights
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| {
+                let config = BackendConfig { address: addr(i as u16 + 11), port: 8080, weight: w, drain: false };
+                AppliedBackend { id: i as u32 + 1, runtime: BackendRuntime::admin(&config), config }
+            })
+            .collect()
+    }
+
+    /// What the table says about the address family: round-robin
+    /// sequences are built from ids and weights alone, so an IPv6 pool gets
+    /// the very table of the IPv4 pool with the same ids and weights.
+    /// Maglev tables (maglev, source-hash, least-conn, least-time, and the
+    /// sequences' consistent-hash fallback) place a backend by its key,
+    /// which is its address and port: the two families' tables differ
+    /// entry by entry (as two IPv4 pools at other addresses would), and
+    /// each still gives every backend its weight's share.
+    #[test]
+    fn selection_tables_and_the_address_family() {
+        let weights = [1, 2, 3, 1, 5];
+        let v4 = members(&pool(&weights, |n| std::net::Ipv4Addr::new(10, 20, 0, n as u8).into()));
+        let v6 = members(&pool(&weights, |n| std::net::Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, n).into()));
+        let size = 65_537;
+        for s in Scheduler::ALL {
+            let (t4, t6) = (s.build(&v4, size), s.build(&v6, size));
+            match s {
+                Scheduler::Wrr | Scheduler::Rr => {
+                    assert_eq!(t4, t6, "{s}: a sequence depends on ids and weights only");
+                    let (f4, f6) = (s.build_fallback(&v4, size).unwrap(), s.build_fallback(&v6, size).unwrap());
+                    assert_ne!(f4, f6, "{s}: the fallback is a Maglev table, keyed by address");
+                    assert_weight_shares(&f6, &weights);
+                }
+                _ => {
+                    assert_ne!(t4, t6, "{s}: a Maglev table is keyed by address");
+                    assert_weight_shares(&t4, &weights);
+                    assert_weight_shares(&t6, &weights);
+                }
+            }
+        }
+    }
+
+    /// Every id's entries within 1% of its weight's share.
+    fn assert_weight_shares(table: &[u32], weights: &[u32]) {
+        let mut counts: HashMap<u32, usize> = HashMap::new();
+        for &id in table {
+            *counts.entry(id).or_default() += 1;
+        }
+        let sum: u32 = weights.iter().sum();
+        for (i, &w) in weights.iter().enumerate() {
+            let want = table.len() as f64 * f64::from(w) / f64::from(sum);
+            let got = counts.get(&(i as u32 + 1)).copied().unwrap_or(0) as f64;
+            assert!((got - want).abs() <= 0.01 * want, "id {}: {got} entries, want {want:.0}", i + 1);
+        }
+    }
+}
