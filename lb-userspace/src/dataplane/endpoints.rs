@@ -307,6 +307,44 @@ mod tests {
     }
 
     #[test]
+    fn the_shared_endpoint_rule_holds_for_ipv6_and_dsr_services_stay_out_of_it() {
+        let b6 = |last: u16| BackendConfig {
+            address: Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, last).into(),
+            port: 8080,
+            weight: 1,
+            drain: false,
+        };
+        let vip = |last: u16| Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, last);
+        let a = ServiceConfig::example("a", vip(0x100), 80, vec![b6(0x11), b6(0x12)]);
+        let b = ServiceConfig::example("b", vip(0x101), 80, vec![b6(0x11)]);
+        let dsr = ServiceConfig {
+            forwarding: Forwarding::Dsr,
+            ..ServiceConfig::example("dsr", vip(0x10a), 8080, vec![b6(0x11), b6(0x13)])
+        };
+        let key = |b: &BackendConfig| Key { addr: b.address, port: b.port, proto: 6 };
+        // b came first and owns [fd00:20::11]:8080; a, added before it in
+        // the file, keeps reply entries; the DSR service never does.
+        let first = plan(&HashMap::new(), &[dsr.clone(), b.clone()], 100);
+        assert_eq!(first.owners.len(), 1, "{:?}", first.owners);
+        let p = plan(&first.owners, &[dsr.clone(), a.clone(), b.clone()], 100);
+        assert_eq!(p.owners[&key(&b6(0x11))], vip_key(&b));
+        assert_eq!(p.owners[&key(&b6(0x12))], vip_key(&a));
+        assert!(!p.owners.contains_key(&key(&b6(0x13))), "a DSR backend's replies bypass the datapath");
+        assert_eq!(p.reply_entry, HashSet::from([vip_key(&a)]));
+        // An IPv4 service at the same ports shares nothing with them.
+        let v4 = svc("v4", 80, &[(0x11, 8080)]);
+        let p = plan(&p.owners, &[dsr, a.clone(), b, v4.clone()], 100);
+        assert_eq!(p.owners[&ep(0x11, 8080)], vip_key(&v4));
+        assert_eq!(p.reply_entry, HashSet::from([vip_key(&a)]));
+        // The map keys are the wire bytes: words6 is from_ne_bytes of
+        // each 4-byte chunk, as the datapath reads the header.
+        let k = key(&b6(0x11)).v6().unwrap();
+        let bytes: Vec<u8> = k.addr.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert_eq!(bytes, Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 0x11).octets());
+        assert_eq!((k.port, k.proto), (8080u16.to_be(), 6));
+    }
+
+    #[test]
     fn backend_keys_keep_ipv4_tables_and_tell_ipv6_backends_apart() {
         use super::super::backend_key;
         // IPv4: the key every earlier release used (adopted tables stay).
