@@ -266,3 +266,33 @@ fn unusable_ipv6_addresses_are_refused() {
     assert_eq!(p[0].field, "services[2].forwarding");
     assert!(p[0].reason.contains("not one of nat, dsr"), "{}", p[0]);
 }
+
+#[test]
+fn ipv6_vips_and_backends_are_compared_as_addresses_not_text() {
+    // The same VIP written two ways is one VIP.
+    let text = format!(
+        "{MIXED}  - name: web6b\n    vip: \"fd00:10:0:0::100\"\n    port: 80\n    backends: [{{ address: \"fd00:20::13\", port: 80 }}]\n"
+    );
+    let p = only(&text);
+    assert_eq!(p.field, "services[3].vip");
+    assert!(p.reason.contains("duplicate VIP [fd00:10::100]:80/tcp"), "{p}");
+    // The same backend written two ways is listed twice.
+    let p =
+        only(&MIXED.replace(r#""fd00:20::12", port: 8080, weight: 3"#, r#""FD00:20:0::11", port: 8080, weight: 3"#));
+    assert_eq!(p.field, "services[1].backends[1]");
+    assert!(p.reason.contains("backend [fd00:20::11]:8080 is listed twice"), "{p}");
+    // An IPv4 and an IPv6 service at the same port and protocol are two
+    // VIPs.
+    let c = parse(MIXED, "lab.yaml", &Fake).unwrap();
+    assert_eq!((c.services[0].port, c.services[1].port), (80, 80));
+}
+
+#[test]
+fn every_family_and_dsr_problem_is_reported_at_once() {
+    let text = MIXED
+        .replace(r#""fd00:20::11", port: 8080 }"#, "10.20.0.11, port: 8080 }")
+        .replace(r#""fd00:20::12", port: 8080 }"#, r#""fd00:20::12", port: 9090 }"#);
+    let p = problems(&text);
+    let fields: Vec<&str> = p.iter().map(|p| p.field.as_str()).collect();
+    assert_eq!(fields, ["services[1].backends[0].address", "services[2].backends[1].port"], "{p:#?}");
+}
