@@ -21,8 +21,8 @@
 //! headers, and errors about anything else, go to the kernel untouched.
 use aya_ebpf::{bindings::xdp_action, helpers::generated::bpf_redirect, macros::xdp, programs::XdpContext};
 use lb_common::{
-    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_REPLY, FlowKey, FlowKey6, PROTO_TCP, PROTO_UDP, SVC_F_DSR, Service,
-    Vip6Key, VipKey, counter, fold6,
+    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_REPLY, EndpointKey, FlowKey, FlowKey6, PROTO_TCP, PROTO_UDP, SVC_F_DSR,
+    Service, Vip6Key, VipKey, counter, fold6,
 };
 use lb_ebpf::csum;
 
@@ -73,9 +73,11 @@ fn addr4(ctx: &XdpContext, off: usize) -> Option<*mut u32> {
 }
 
 /// Replace the 16-bit word at `off` and fold the change into the
-/// checksums at `sums` (each a word offset, 0 for none).
+/// checksums at `sums` (each a word offset, 0 for none). Wider fields are
+/// written word by word through it (`set32`, `set128`): a checksum takes
+/// the change of each word alike.
 #[inline(always)]
-fn set16(ctx: &XdpContext, off: usize, new: u16, sums: [usize; 2]) -> Option<()> {
+fn set16(ctx: &XdpContext, off: usize, new: u16, sums: [usize; 3]) -> Option<()> {
     let p = word(ctx, off)?;
     // SAFETY: bounds-checked by ptr_at.
     let old = unsafe { *p };
@@ -91,21 +93,19 @@ fn set16(ctx: &XdpContext, off: usize, new: u16, sums: [usize; 2]) -> Option<()>
     Some(())
 }
 
-/// Replace the 32-bit word at `off` and fold the change into the
-/// checksums at `sums`.
+/// Replace the 32-bit word at `off` (as it sits in the packet).
 #[inline(always)]
 fn set32(ctx: &XdpContext, off: usize, new: u32, sums: [usize; 3]) -> Option<()> {
-    let p = addr4(ctx, off)?;
-    // SAFETY: bounds-checked by ptr_at.
-    let old = unsafe { *p };
-    // SAFETY: as above.
-    unsafe { *p = new };
-    for s in sums {
-        if s != 0 {
-            let c = word(ctx, s)?;
-            // SAFETY: bounds-checked by ptr_at.
-            unsafe { *c = csum::replace4(*c, old, new) };
-        }
+    let b = new.to_ne_bytes();
+    set16(ctx, off, u16::from_ne_bytes([b[0], b[1]]), sums)?;
+    set16(ctx, off + 2, u16::from_ne_bytes([b[2], b[3]]), sums)
+}
+
+/// Replace the 16 bytes at `off`.
+#[inline(always)]
+fn set128(ctx: &XdpContext, off: usize, new: &[u32; 4], sums: [usize; 3]) -> Option<()> {
+    for (i, &w) in new.iter().enumerate() {
+        set32(ctx, off + 4 * i, w, sums)?;
     }
     Some(())
 }
@@ -170,7 +170,7 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
     let q_check = quoted_l4_check(ctx, Q_L4, proto, end);
     // About a client -> backend packet: the quoted destination is a
     // backend endpoint whose client flow has that backend.
-    let ep = EndpointKey4 { addr: q_dst, port: q_dport, proto, _pad: 0 };
+    let ep = EndpointKey { addr: q_dst, port: q_dport, proto, _pad: 0 };
     // SAFETY: the value is copied at once.
     if let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
         let key =
@@ -185,7 +185,7 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
             let (qip, icmp) = (Q_IP + 10, ICMP + 2);
             let old = quoted_checks(ctx, qip, q_check)?;
             set32(ctx, Q_IP + 16, vip.addr, [qip, icmp, q_check])?;
-            set16(ctx, Q_L4 + 2, vip.port, [icmp, q_check])?;
+            set16(ctx, Q_L4 + 2, vip.port, [icmp, q_check, 0])?;
             refold(ctx, icmp, [qip, q_check], old)?;
             stats::count(counter::ICMP_TO_CLIENT);
             return Some(xdp_action::XDP_PASS);
@@ -215,13 +215,13 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
             return None;
         }
         stats::count(counter::ICMP_TO_BACKEND);
-        return Some(to_mac4(ctx, b.addr));
+        return Some(to_mac(ctx, 2, &[b.addr, 0, 0, 0]));
     }
     let (ip, qip, icmp) = (IP + 10, Q_IP + 10, ICMP + 2);
     let old = quoted_checks(ctx, qip, q_check)?;
     set32(ctx, IP + 16, b.addr, [ip, 0, 0])?;
     set32(ctx, Q_IP + 12, b.addr, [qip, icmp, q_check])?;
-    set16(ctx, Q_L4, b.port, [icmp, q_check])?;
+    set16(ctx, Q_L4, b.port, [icmp, q_check, 0])?;
     refold(ctx, icmp, [qip, q_check], old)?;
     stats::count(counter::ICMP_TO_BACKEND);
     Some(xdp_action::XDP_PASS)
@@ -255,22 +255,23 @@ fn refold(ctx: &XdpContext, icmp: usize, fields: [usize; 2], old: [u16; 2]) -> O
     Some(())
 }
 
-type EndpointKey4 = VipKey;
-
-/// Send the (unchanged) frame to the MAC of `addr`, on a directly
-/// connected network, or drop it.
+/// Send the (unchanged) frame to the MAC of `dst` (an IPv4 address is
+/// the first word, the rest 0; `family` AF_INET or AF_INET6), on a
+/// directly connected network, or drop it.
 #[inline(never)]
-fn to_mac4(ctx: &XdpContext, addr: u32) -> u32 {
+fn to_mac(ctx: &XdpContext, family: u8, dst: &[u32; 4]) -> u32 {
     let Some(p) = fib_params() else {
         return xdp_action::XDP_DROP;
     };
-    // SAFETY: this CPU's zeroed scratch slot; plain stores and loads.
+    // SAFETY: this CPU's zeroed scratch slot; plain stores and loads. The
+    // destination union is 16 bytes; an IPv4 address is its first word,
+    // and the helper writes no more than that for IPv4.
     unsafe {
-        (*p).family = 2;
-        (*p).__bindgen_anon_4.ipv4_dst = addr;
+        (*p).family = family;
+        (*p).__bindgen_anon_4.ipv6_dst = *dst;
         (*p).ifindex = ctx.ingress_ifindex() as u32;
         let rc = bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0);
-        if rc != FIB_OK || (*p).__bindgen_anon_4.ipv4_dst != addr || !can_redirect(ctx, (*p).ifindex) {
+        if rc != FIB_OK || (*p).__bindgen_anon_4.ipv6_dst != *dst || !can_redirect(ctx, (*p).ifindex) {
             stats::count(counter::DSR_OFF_LINK);
             return xdp_action::XDP_DROP;
         }
@@ -338,8 +339,8 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
         };
         if owned {
             let old = quoted_checks(ctx, q_check, 0)?;
-            set128(ctx, Q_IP6 + 24, &vip.addr, [icmp, q_check])?;
-            set16(ctx, Q_L46 + 2, vip.port, [icmp, q_check])?;
+            set128(ctx, Q_IP6 + 24, &vip.addr, [icmp, q_check, 0])?;
+            set16(ctx, Q_L46 + 2, vip.port, [icmp, q_check, 0])?;
             refold(ctx, icmp, [q_check, 0], old)?;
             stats::count(counter::ICMP_TO_CLIENT);
             return Some(xdp_action::XDP_PASS);
@@ -376,58 +377,14 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
             return None;
         }
         stats::count(counter::ICMP_TO_BACKEND);
-        return Some(to_mac6(ctx, &addr));
+        return Some(to_mac(ctx, 10, &addr));
     }
     // The outer destination is in the ICMPv6 pseudo-header.
     let old = quoted_checks(ctx, q_check, 0)?;
-    set128(ctx, IP6 + 24, &addr, [icmp, 0])?;
-    set128(ctx, Q_IP6 + 8, &addr, [icmp, q_check])?;
-    set16(ctx, Q_L46, b.port, [icmp, q_check])?;
+    set128(ctx, IP6 + 24, &addr, [icmp, 0, 0])?;
+    set128(ctx, Q_IP6 + 8, &addr, [icmp, q_check, 0])?;
+    set16(ctx, Q_L46, b.port, [icmp, q_check, 0])?;
     refold(ctx, icmp, [q_check, 0], old)?;
     stats::count(counter::ICMP_TO_BACKEND);
     Some(xdp_action::XDP_PASS)
-}
-
-/// Replace the 16 bytes at `off` with `new`, folding the change into the
-/// checksums at `sums`.
-#[inline(always)]
-fn set128(ctx: &XdpContext, off: usize, new: &[u32; 4], sums: [usize; 2]) -> Option<()> {
-    let p = ptr_at::<[u32; 4]>(ctx, off)?;
-    // SAFETY: bounds-checked by ptr_at.
-    let old = unsafe { *p };
-    // SAFETY: as above.
-    unsafe { *p = *new };
-    for s in sums {
-        if s != 0 {
-            let c = word(ctx, s)?;
-            // SAFETY: bounds-checked by ptr_at.
-            unsafe { *c = csum::replace_addr6_port(*c, &old, new, 0, 0) };
-        }
-    }
-    Some(())
-}
-
-/// Send the (unchanged) IPv6 frame to the MAC of `addr`, on a directly
-/// connected network, or drop it.
-#[inline(never)]
-fn to_mac6(ctx: &XdpContext, addr: &[u32; 4]) -> u32 {
-    let Some(p) = fib_params() else {
-        return xdp_action::XDP_DROP;
-    };
-    // SAFETY: this CPU's zeroed scratch slot; plain stores and loads.
-    unsafe {
-        (*p).family = 10;
-        (*p).__bindgen_anon_4.ipv6_dst = *addr;
-        (*p).ifindex = ctx.ingress_ifindex() as u32;
-        let rc = bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0);
-        if rc != FIB_OK || (*p).__bindgen_anon_4.ipv6_dst != *addr || !can_redirect(ctx, (*p).ifindex) {
-            stats::count(counter::DSR_OFF_LINK);
-            return xdp_action::XDP_DROP;
-        }
-        let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
-            return xdp_action::XDP_DROP;
-        };
-        set_macs(eth, (*p).smac, (*p).dmac);
-        bpf_redirect((*p).ifindex, 0) as u32
-    }
 }

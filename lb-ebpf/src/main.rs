@@ -264,7 +264,12 @@ fn drop_if_vip(ctx: &XdpContext, daddr: u32, reason: u32) -> u32 {
 /// False when `addr` is certainly neither a VIP nor a backend.
 #[inline(always)]
 pub(crate) fn maybe_ours(addr: u32) -> bool {
-    let bit = addr_filter_bit(addr);
+    filter_has(addr_filter_bit(addr))
+}
+
+/// Whether the address filter's bit `bit` is set (either family's).
+#[inline(always)]
+pub(crate) fn filter_has(bit: u32) -> bool {
     match ADDR_FILTER.get(bit / 64) {
         Some(w) => w & (1u64 << (bit % 64)) != 0,
         None => true,
@@ -418,29 +423,37 @@ pub(crate) fn rate_ok(now: u64) -> bool {
     true
 }
 
-/// What inserting a new flow's entry came to.
-enum Insert {
-    Done(Nat),
+/// What inserting a new flow's entry came to (`N`: the rewrite, of
+/// either family).
+pub(crate) enum Insert<N> {
+    Done(N),
     /// The pick found no backend.
     NoBackend,
     /// The flow table is full.
     Full,
 }
 
+/// The close state a flow's entry starts with: a TCP packet that opens
+/// the entry with a RST or FIN has already closed (or half-closed) it.
 #[inline(always)]
-fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) -> Insert {
-    let Some(backend) = (if id == BACKEND_NONE { None } else { BACKENDS.get(id) }) else {
-        return Insert::NoBackend;
-    };
-    let state = if pkt.proto != PROTO_TCP {
+pub(crate) fn opening_state(proto: u8, tcp_flags: u8) -> u64 {
+    if proto != PROTO_TCP {
         0
-    } else if pkt.tcp_flags & TCP_RST != 0 {
+    } else if tcp_flags & TCP_RST != 0 {
         FLOW_RST
-    } else if pkt.tcp_flags & TCP_FIN != 0 {
+    } else if tcp_flags & TCP_FIN != 0 {
         FLOW_FIN_CLIENT
     } else {
         0
+    }
+}
+
+#[inline(always)]
+fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) -> Insert<Nat> {
+    let Some(backend) = (if id == BACKEND_NONE { None } else { BACKENDS.get(id) }) else {
+        return Insert::NoBackend;
     };
+    let state = opening_state(pkt.proto, pkt.tcp_flags);
     // One buffer for both entries, in this CPU's scratch slot rather than
     // on the stack (56 bytes the 512-byte stack has no room for).
     let Some(e) = SCRATCH.get_ptr_mut(0) else {

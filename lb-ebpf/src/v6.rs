@@ -21,19 +21,19 @@ use aya_ebpf::{
 };
 use lb_common::{
     BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND,
-    FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow6, FlowKey6, MAX_IPV6_EXT, PROTO_TCP, PROTO_UDP, SVC_F_DSR,
-    SVC_F_REPLY_ENTRY, Service, Vip6Key, counter, flow_closed, fold6,
+    FLOW_FIN_CLIENT, FLOW_REPLIED, Flow6, FlowKey6, MAX_IPV6_EXT, PROTO_TCP, PROTO_UDP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
+    Service, Vip6Key, counter, flow_closed, fold6,
 };
 use lb_ebpf::csum;
 
 use crate::{
-    backend_down,
+    Insert, backend_down,
     forward::{
         FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, cached_hop, can_redirect,
         generic_ingress, may_cache, segment_sum, set_macs, store_hop,
     },
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, FLOOD, FLOWS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
-    no_backend, now_secs,
+    no_backend, now_secs, opening_state,
     parse::{ETH_HLEN, EthHdr, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
     rate_ok, select, set_state, stats, syn_only, track_close,
 };
@@ -394,11 +394,7 @@ fn transmit(ctx: &XdpContext, pkt: &Packet6, to: &To, now: u64) -> u32 {
 /// `main.rs`'s `maybe_ours`).
 #[inline(always)]
 fn maybe_ours6(addr: &[u32; 4]) -> bool {
-    let bit = lb_common::addr_filter_bit6(addr);
-    match crate::maps::ADDR_FILTER.get(bit / 64) {
-        Some(w) => w & (1u64 << (bit % 64)) != 0,
-        None => true,
-    }
+    crate::filter_has(lb_common::addr_filter_bit6(addr))
 }
 
 /// A packet we could not parse: dropped (and counted) when it was headed
@@ -477,8 +473,10 @@ fn new_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> Result<Nat6, u32> {
         return Err(xdp_action::XDP_DROP);
     }
     let reply_entry = svc.flags & SVC_F_REPLY_ENTRY != 0;
+    // The folded 5-tuple, once: both picks below hash it.
+    let tuple = pkt.tuple();
     if reply_entry || rate_ok(now) {
-        let id = if opening { select::pick(svc, pkt.tuple()) } else { select::pick_stateless(svc, pkt.tuple()) };
+        let id = if opening { select::pick(svc, tuple) } else { select::pick_stateless(svc, tuple) };
         match insert_flow(pkt, k, svc, id, now) {
             Insert::Done(nat) => return Ok(nat),
             Insert::NoBackend => return Err(no_backend()),
@@ -491,7 +489,7 @@ fn new_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> Result<Nat6, u32> {
     } else {
         stats::count(counter::FLOOD_RATE);
     }
-    let id = select::pick_stateless(svc, pkt.tuple());
+    let id = select::pick_stateless(svc, tuple);
     match backend_addr(id) {
         Some((addr, port)) => {
             if opening {
@@ -518,26 +516,12 @@ fn backend_addr(id: u32) -> Option<([u32; 4], u16)> {
     Some((*BACKEND_ADDRS6.get(id)?, port))
 }
 
-enum Insert {
-    Done(Nat6),
-    NoBackend,
-    Full,
-}
-
 #[inline(always)]
-fn insert_flow(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64) -> Insert {
+fn insert_flow(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64) -> Insert<Nat6> {
     let Some((addr, port)) = backend_addr(id) else {
         return Insert::NoBackend;
     };
-    let state = if pkt.proto != PROTO_TCP {
-        0
-    } else if pkt.tcp_flags & TCP_RST != 0 {
-        FLOW_RST
-    } else if pkt.tcp_flags & TCP_FIN != 0 {
-        FLOW_FIN_CLIENT
-    } else {
-        0
-    };
+    let state = opening_state(pkt.proto, pkt.tcp_flags);
     let Some(e) = SCRATCH6.get_ptr_mut(0) else {
         return Insert::Full;
     };

@@ -154,18 +154,7 @@ impl Frame {
     }
 
     fn tcp_header(&self) -> TcpHeader {
-        let f = self.tcp_flags;
-        let mut t = TcpHeader::new(self.sport, self.dport, self.seq, self.window);
-        t.acknowledgment_number = self.ack_number;
-        t.fin = f & tcp::FIN != 0;
-        t.syn = f & tcp::SYN != 0;
-        t.rst = f & tcp::RST != 0;
-        t.psh = f & tcp::PSH != 0;
-        t.ack = f & tcp::ACK != 0;
-        t.urg = f & tcp::URG != 0;
-        t.ece = f & tcp::ECE != 0;
-        t.cwr = f & tcp::CWR != 0;
-        t
+        tcp_header((self.sport, self.dport), self.seq, self.ack_number, self.window, self.tcp_flags)
     }
 
     /// The checksum field a sender with offload leaves unfinished: the
@@ -272,8 +261,7 @@ impl Frame {
                 if !t.options.is_empty() || t.ns || t.urgent_pointer != 0 {
                     return Err(ParseError::Unsupported("TCP options, NS bit or urgent pointer"));
                 }
-                let flags = [t.fin, t.syn, t.rst, t.psh, t.ack, t.urg, t.ece, t.cwr];
-                f.tcp_flags = flags.iter().enumerate().map(|(i, &set)| u8::from(set) << i).sum();
+                f.tcp_flags = tcp_flags(&t);
                 (f.sport, f.dport, f.seq, f.ack_number, f.window) =
                     (t.source_port, t.destination_port, t.sequence_number, t.acknowledgment_number, t.window_size);
                 f.payload = payload.to_vec();
@@ -304,6 +292,27 @@ impl Frame {
         debug_assert_eq!(f.bytes(), frame, "a parsed frame rebuilds to its bytes");
         Ok(f)
     }
+}
+
+/// A TCP header without options (IPv4 and IPv6 frames alike).
+pub(crate) fn tcp_header((sport, dport): (u16, u16), seq: u32, ack_number: u32, window: u16, f: u8) -> TcpHeader {
+    let mut t = TcpHeader::new(sport, dport, seq, window);
+    t.acknowledgment_number = ack_number;
+    t.fin = f & tcp::FIN != 0;
+    t.syn = f & tcp::SYN != 0;
+    t.rst = f & tcp::RST != 0;
+    t.psh = f & tcp::PSH != 0;
+    t.ack = f & tcp::ACK != 0;
+    t.urg = f & tcp::URG != 0;
+    t.ece = f & tcp::ECE != 0;
+    t.cwr = f & tcp::CWR != 0;
+    t
+}
+
+/// A TCP header's flag bits ([`tcp`]).
+pub(crate) fn tcp_flags(t: &TcpHeader) -> u8 {
+    let flags = [t.fin, t.syn, t.rst, t.psh, t.ack, t.urg, t.ece, t.cwr];
+    flags.iter().enumerate().map(|(i, &set)| u8::from(set) << i).sum()
 }
 
 /// Why [`Frame::parse`] refused a frame.

@@ -12,7 +12,7 @@ use etherparse::{
     TcpHeader, UdpHeader, checksum::Sum16BitWords, icmpv4::DestUnreachableHeader,
 };
 
-use crate::frame::{ETH_LEN, L4Checksum, ParseError, Proto, TCP_LEN, UDP_LEN, tcp};
+use crate::frame::{ETH_LEN, L4Checksum, ParseError, Proto, TCP_LEN, UDP_LEN, tcp_flags, tcp_header};
 
 /// Length of an IPv6 header.
 pub const IPV6_LEN: usize = Ipv6Header::LEN;
@@ -141,18 +141,7 @@ impl Frame6 {
     }
 
     fn tcp_header(&self) -> TcpHeader {
-        let f = self.tcp_flags;
-        let mut t = TcpHeader::new(self.sport, self.dport, self.seq, self.window);
-        t.acknowledgment_number = self.ack_number;
-        t.fin = f & tcp::FIN != 0;
-        t.syn = f & tcp::SYN != 0;
-        t.rst = f & tcp::RST != 0;
-        t.psh = f & tcp::PSH != 0;
-        t.ack = f & tcp::ACK != 0;
-        t.urg = f & tcp::URG != 0;
-        t.ece = f & tcp::ECE != 0;
-        t.cwr = f & tcp::CWR != 0;
-        t
+        tcp_header((self.sport, self.dport), self.seq, self.ack_number, self.window, self.tcp_flags)
     }
 
     /// The unfinished checksum a sender with offload leaves: the folded
@@ -261,8 +250,7 @@ impl Frame6 {
                 if !t.options.is_empty() || t.ns || t.urgent_pointer != 0 {
                     return Err(ParseError::Unsupported("TCP options, NS bit or urgent pointer"));
                 }
-                let flags = [t.fin, t.syn, t.rst, t.psh, t.ack, t.urg, t.ece, t.cwr];
-                f.tcp_flags = flags.iter().enumerate().map(|(i, &set)| u8::from(set) << i).sum();
+                f.tcp_flags = tcp_flags(&t);
                 (f.sport, f.dport, f.seq, f.ack_number, f.window) =
                     (t.source_port, t.destination_port, t.sequence_number, t.acknowledgment_number, t.window_size);
                 f.payload = payload.to_vec();

@@ -382,32 +382,26 @@ impl Dataplane {
             .collect();
         let want6: HashSet<[u32; 4]> =
             want.iter().filter_map(|a| if let IpAddr::V6(a) = a { Some(words6(a)) } else { None }).collect();
-        let addrs = &mut self.maps.vip_addrs;
-        let have: Vec<u32> = addrs.keys().filter_map(Result::ok).collect();
-        for a in &have {
-            if !want4.contains(a) {
-                addrs.remove(a).map_err(map_err(names::VIP_ADDRS))?;
-            }
-        }
-        for a in want4 {
-            if !have.contains(&a) {
-                addrs.insert(a, 1, 0).map_err(map_err(names::VIP_ADDRS))?;
-            }
-        }
-        let addrs = &mut self.maps.vip_addrs6;
-        let have: Vec<[u32; 4]> = addrs.keys().filter_map(Result::ok).collect();
-        for a in &have {
-            if !want6.contains(a) {
-                addrs.remove(a).map_err(map_err(names::VIP_ADDRS6))?;
-            }
-        }
-        for a in want6 {
-            if !have.contains(&a) {
-                addrs.insert(a, 1, 0).map_err(map_err(names::VIP_ADDRS6))?;
-            }
-        }
+        sync_set(&mut self.maps.vip_addrs, &want4, names::VIP_ADDRS)?;
+        sync_set(&mut self.maps.vip_addrs6, &want6, names::VIP_ADDRS6)?;
         Ok(())
     }
+}
+
+/// Make a set-like hash map (keys, value 1) hold exactly `want`.
+fn sync_set<K: aya::Pod + Eq + std::hash::Hash>(
+    map: &mut aya::maps::HashMap<aya::maps::MapData, K, u32>,
+    want: &HashSet<K>,
+    name: &'static str,
+) -> Result<(), DataplaneError> {
+    let have: HashSet<K> = map.keys().filter_map(Result::ok).collect();
+    for a in have.difference(want) {
+        map.remove(a).map_err(map_err(name))?;
+    }
+    for a in want.difference(&have) {
+        map.insert(a, 1, 0).map_err(map_err(name))?;
+    }
+    Ok(())
 }
 
 /// Have the kernel resolve the link-layer address of every DSR backend.
