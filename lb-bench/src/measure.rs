@@ -94,6 +94,7 @@ impl Bench {
             pin_path: "/nonexistent".into(),
             conntrack_max,
             table_capacity: 1 << 20,
+            maglev_seed: 0,
             tcp_idle_timeout: 900,
             udp_idle_timeout: 300,
             // No new-flow rate limit: a new-flow run inserts a million

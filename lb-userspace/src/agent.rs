@@ -226,6 +226,7 @@ impl Agent {
             .map(|(s, b)| ((s.name.clone(), b.address, b.port), self.runtime(s, b, now)))
             .collect();
         self.dp.set_flood(&self.config.flood)?;
+        self.dp.set_maglev_seed(self.config.maglev_seed);
         self.dp.apply(&services, &|s, b| rt[&(s.name.clone(), b.address, b.port)])
     }
 

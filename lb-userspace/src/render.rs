@@ -42,6 +42,7 @@ struct FileView<'a> {
     pin_path: Cow<'a, str>,
     conntrack_max: u32,
     table_capacity: u32,
+    maglev_seed: u64,
     tcp_idle_timeout: u32,
     udp_idle_timeout: u32,
     flood: FloodView,
@@ -135,6 +136,7 @@ pub fn render(cfg: &Config) -> String {
         pin_path: cfg.pin_path.to_string_lossy(),
         conntrack_max: cfg.conntrack_max,
         table_capacity: cfg.table_capacity,
+        maglev_seed: cfg.maglev_seed,
         tcp_idle_timeout: cfg.tcp_idle_timeout,
         udp_idle_timeout: cfg.udp_idle_timeout,
         flood: FloodView {
@@ -278,6 +280,7 @@ mod tests {
             pin_path: DEFAULT_PIN_PATH.into(),
             conntrack_max: DEFAULT_CONNTRACK_MAX,
             table_capacity: DEFAULT_TABLE_CAPACITY,
+            maglev_seed: 0,
             tcp_idle_timeout: DEFAULT_TCP_IDLE_TIMEOUT,
             udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
             flood: Default::default(),
@@ -370,6 +373,7 @@ mod tests {
         c.pin_path = "/sys/fs/bpf/lbd-été".into();
         c.conntrack_max = 1;
         c.table_capacity = 1 << 26;
+        c.maglev_seed = u64::MAX;
         c.tcp_idle_timeout = 10;
         c.udp_idle_timeout = 86_400 * 7;
         c.interfaces = vec!["true".into(), "123".into(), "null".into(), "eth:0".into(), "-x".into()];
@@ -512,6 +516,7 @@ control_socket: /run/lbd/lbd.sock
 pin_path: /sys/fs/bpf/lbd
 conntrack_max: 1048576
 table_capacity: 4194304
+maglev_seed: 0
 tcp_idle_timeout: 900
 udp_idle_timeout: 300
 flood:

@@ -201,6 +201,7 @@ impl Fixture {
             pin_path: "/nonexistent".into(),
             conntrack_max: 1024,
             table_capacity: 1 << 20,
+            maglev_seed: 0,
             tcp_idle_timeout: 900,
             udp_idle_timeout: 300,
             flood: Default::default(),

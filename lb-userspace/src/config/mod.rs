@@ -241,6 +241,10 @@ pub struct Config {
     pub pin_path: PathBuf,
     pub conntrack_max: u32,
     pub table_capacity: u32,
+    /// Mixed into every Maglev table's permutations (`maglev_seed`, default
+    /// 0: the keys as they ever were). Nodes sharing one ECMP route must
+    /// use the same value to build the same tables.
+    pub maglev_seed: u64,
     /// Seconds without a packet after which an open TCP flow expires.
     pub tcp_idle_timeout: u32,
     /// Seconds without a packet after which a UDP flow expires.

@@ -296,3 +296,24 @@ fn every_family_and_dsr_problem_is_reported_at_once() {
     let fields: Vec<&str> = p.iter().map(|p| p.field.as_str()).collect();
     assert_eq!(fields, ["services[1].backends[0].address", "services[2].backends[1].port"], "{p:#?}");
 }
+
+#[test]
+fn maglev_seed_is_any_u64_and_defaults_to_0() {
+    assert_eq!(parse(GOOD, "lab.yaml", &Fake).unwrap().maglev_seed, 0);
+    for (text, want) in [("0", 0), ("42", 42), ("18446744073709551615", u64::MAX)] {
+        let c = parse(&format!("maglev_seed: {text}\n{GOOD}"), "lab.yaml", &Fake).unwrap();
+        assert_eq!(c.maglev_seed, want, "{text}");
+    }
+    let p = only(&format!("maglev_seed: -1\n{GOOD}"));
+    assert_eq!(p.field, "maglev_seed");
+    assert!(p.reason.contains("-1 is negative"), "{p}");
+    let p = only(&format!("maglev_seed: \"ecmp\"\n{GOOD}"));
+    assert_eq!(p.field, "maglev_seed");
+    assert!(p.reason.contains("expected a whole number") && p.reason.contains("the string \"ecmp\""), "{p}");
+    let p = only(&format!("maglev_seed: 1.5\n{GOOD}"));
+    assert_eq!(p.field, "maglev_seed");
+    assert!(p.reason.contains("the number 1.5"), "{p}");
+    // One past u64::MAX: the YAML reader refuses it, naming the key.
+    let p = only(&format!("maglev_seed: 18446744073709551616\n{GOOD}"));
+    assert!(p.reason.contains("maglev_seed") && p.reason.contains("18446744073709551616"), "{p}");
+}

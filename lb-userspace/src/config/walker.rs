@@ -135,6 +135,7 @@ impl Walker<'_> {
             "pin_path",
             "conntrack_max",
             "table_capacity",
+            "maglev_seed",
             "tcp_idle_timeout",
             "udp_idle_timeout",
             "flood",
@@ -218,6 +219,11 @@ impl Walker<'_> {
             None => DEFAULT_TABLE_CAPACITY,
             Some(v) => self.uint(v, "table_capacity", 1024, 1 << 26).unwrap_or(1024) as u32,
         };
+        // Any 64-bit value; nodes behind one ECMP route need the same one.
+        let maglev_seed = match m.get("maglev_seed") {
+            None => 0,
+            Some(v) => self.uint(v, "maglev_seed", 0, u64::MAX).unwrap_or(0),
+        };
 
         let tcp_idle_timeout = match m.get("tcp_idle_timeout") {
             None => DEFAULT_TCP_IDLE_TIMEOUT,
@@ -268,6 +274,7 @@ impl Walker<'_> {
             pin_path,
             conntrack_max,
             table_capacity,
+            maglev_seed,
             tcp_idle_timeout,
             udp_idle_timeout,
             flood,

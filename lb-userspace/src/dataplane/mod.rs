@@ -151,6 +151,8 @@ pub struct AppliedService {
     /// is not one (see `Scheduler::fallback_len`), and where it is.
     fallback_region: Option<(u32, u32)>,
     fallback: Vec<u32>,
+    /// The `maglev_seed` both tables were built with.
+    seed: u64,
 }
 
 pub struct Dataplane {
@@ -184,6 +186,9 @@ pub struct Dataplane {
     paths: Vec<PathReport>,
     /// Flood protection in force (`set_flood`).
     flood: FloodConfig,
+    /// The `maglev_seed` the next `apply` builds tables with
+    /// (`set_maglev_seed`).
+    maglev_seed: u64,
     conntrack_max: u32,
     /// A migration from an older pinned layout, finished after attaching.
     migration: Option<layout::Migration>,
@@ -348,6 +353,7 @@ impl Dataplane {
             paths: Vec::new(),
             endpoints: HashMap::new(),
             flood: config.flood,
+            maglev_seed: config.maglev_seed,
             conntrack_max: config.conntrack_max,
             migration: None,
             hold_until: 0,
@@ -434,6 +440,13 @@ impl Dataplane {
         self.maps.flood.set(0, v, 0).map_err(map_err(names::FLOOD))?;
         self.flood = *flood;
         Ok(())
+    }
+
+    /// The `maglev_seed` for the tables the next [`apply`](Self::apply)
+    /// builds (at load, and on reload). A service whose tables were built
+    /// with another seed gets new ones then, even if nothing else changed.
+    pub fn set_maglev_seed(&mut self, seed: u64) {
+        self.maglev_seed = seed;
     }
 
     /// The per-CPU new-flow rate in force (0: no limit) and the table size.

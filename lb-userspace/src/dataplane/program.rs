@@ -105,6 +105,7 @@ impl Dataplane {
                 table: Vec::new(),
                 fallback_region: a.fallback_region,
                 fallback: Vec::new(),
+                seed: self.maglev_seed,
             });
         }
         let id = match &prev {
@@ -198,19 +199,14 @@ impl Dataplane {
             }
         }
 
-        let members = members(&backends);
         let scheduler = cfg.scheduler.datapath_id();
-        // The table depends only on the configuration and the members: an
-        // untouched service keeps its table without rebuilding it (a weight
-        // change elsewhere then costs one build, not one per service).
-        let same_input = prev.as_ref().is_some_and(|p| {
-            p.config == *cfg
-                && p.backends.len() == backends.len()
-                && p.backends.iter().zip(&backends).all(|(o, n)| o.id == n.id && o.runtime == n.runtime)
-        });
-        let table = match &prev {
-            Some(p) if same_input && !p.table.is_empty() => p.table.clone(),
-            _ => cfg.scheduler.build(&members, cfg.table_size),
+        // The tables depend only on the configuration, the members and the
+        // seed: an untouched service keeps its tables without rebuilding
+        // them (a weight change elsewhere then costs one build, not one per
+        // service).
+        let (table, fallback) = match &prev {
+            Some(p) if keeps_tables(p, cfg, &backends, self.maglev_seed) => (p.table.clone(), p.fallback.clone()),
+            _ => selection_tables(cfg, &backends, self.maglev_seed),
         };
         let mut flags = if table.iter().all(|&b| b == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
         if cfg.forwarding == Forwarding::Dsr {
@@ -218,10 +214,6 @@ impl Dataplane {
         } else if reply_entry {
             flags |= SVC_F_REPLY_ENTRY;
         }
-        let fallback = match &prev {
-            Some(p) if same_input && !p.fallback.is_empty() => p.fallback.clone(),
-            _ => cfg.scheduler.build_fallback(&members, cfg.table_size).unwrap_or_default(),
-        };
         let region = self.place_table(&cfg.name, prev.as_ref().map(|p| (&p.table, p.region)), &table)?;
         let fallback_region =
             match self.place_table(&cfg.name, prev.as_ref().map(|p| (&p.fallback, p.fallback_region)), &fallback) {
@@ -276,7 +268,17 @@ impl Dataplane {
         }
         self.services.insert(
             cfg.name.clone(),
-            AppliedService { id, config: cfg.clone(), backends, key, region, table, fallback_region, fallback },
+            AppliedService {
+                id,
+                config: cfg.clone(),
+                backends,
+                key,
+                region,
+                table,
+                fallback_region,
+                fallback,
+                seed: self.maglev_seed,
+            },
         );
         Ok(())
     }
@@ -425,12 +427,46 @@ fn resolve_dsr_neighbours(services: &[ServiceConfig]) {
     }
 }
 
+/// Can a service keep its tables (`prev`'s) for this configuration and
+/// these backends? Only if nothing they are built from changed: the
+/// configuration, each backend's id and runtime, and the seed (a reload
+/// that changes `maglev_seed` rebuilds every table). An adopted service
+/// has none to keep.
+fn keeps_tables(prev: &AppliedService, cfg: &ServiceConfig, backends: &[AppliedBackend], seed: u64) -> bool {
+    !prev.table.is_empty()
+        && prev.seed == seed
+        && prev.config == *cfg
+        && prev.backends.len() == backends.len()
+        && prev.backends.iter().zip(backends).all(|(o, n)| o.id == n.id && o.runtime == n.runtime)
+}
+
+/// A service's selection table and its consistent-hash fallback (empty
+/// when its scheduler needs none), as SELECT gets them.
+///
+/// Which backend an entry names depends only on the pool (addresses,
+/// ports, weights in force), the table size, the scheduler and `seed`:
+/// neither the order of the backends in the configuration nor their ids
+/// (node-local, allocated in the order backends were added) matter beyond
+/// the id written. So balancer nodes behind one ECMP route, configured
+/// alike, pick the same backend for a flow without sharing any state.
+fn selection_tables(cfg: &ServiceConfig, backends: &[AppliedBackend], seed: u64) -> (Vec<u32>, Vec<u32>) {
+    let members = members(backends);
+    let table = cfg.scheduler.build(&members, cfg.table_size, seed);
+    let fallback = cfg.scheduler.build_fallback(&members, cfg.table_size, seed).unwrap_or_default();
+    (table, fallback)
+}
+
 /// A service's backends as its scheduler sees them: id, weight in force,
 /// and the key Maglev derives a backend's slots from (its address and port,
-/// see [`backend_key`]).
+/// see [`backend_key`]), in a canonical order: by key, then by address and
+/// port (two IPv6 backends may share a key). Maglev breaks ties by position
+/// and a round-robin sequence follows it, so the configuration's order
+/// must not reach them.
 fn members(backends: &[AppliedBackend]) -> Vec<Member> {
-    backends
-        .iter()
+    let mut sorted: Vec<&AppliedBackend> = backends.iter().collect();
+    sorted.sort_by_key(|b| (backend_key(b.config.address, b.config.port), b.config.address, b.config.port));
+    sorted
+        .into_iter()
         .map(|b| Member { id: b.id, key: backend_key(b.config.address, b.config.port), weight: b.runtime.weight })
         .collect()
 }
@@ -458,8 +494,10 @@ mod tests {
     }
 
     /// What the table says about the address family: round-robin
-    /// sequences are built from ids and weights alone, so an IPv6 pool gets
-    /// the very table of the IPv4 pool with the same ids and weights.
+    /// sequences are built from the weights in the members' canonical
+    /// order (by key: IPv4 keys sort like the addresses, IPv6 keys are
+    /// mixed), so an IPv6 pool's sequence holds each id as often as the
+    /// IPv4 pool's with the same ids and weights, in another order.
     /// Maglev tables (maglev, source-hash, least-conn, least-time, and the
     /// sequences' consistent-hash fallback) place a backend by its key,
     /// which is its address and port: the two families' tables differ
@@ -472,11 +510,16 @@ mod tests {
         let v6 = members(&pool(&weights, |n| std::net::Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, n).into()));
         let size = 65_537;
         for s in Scheduler::ALL {
-            let (t4, t6) = (s.build(&v4, size), s.build(&v6, size));
+            let (t4, t6) = (s.build(&v4, size, 0), s.build(&v6, size, 0));
             match s {
                 Scheduler::Wrr | Scheduler::Rr => {
-                    assert_eq!(t4, t6, "{s}: a sequence depends on ids and weights only");
-                    let (f4, f6) = (s.build_fallback(&v4, size).unwrap(), s.build_fallback(&v6, size).unwrap());
+                    let sorted = |t: &[u32]| {
+                        let mut t = t.to_vec();
+                        t.sort_unstable();
+                        t
+                    };
+                    assert_eq!(sorted(&t4), sorted(&t6), "{s}: a sequence's counts depend on the weights only");
+                    let (f4, f6) = (s.build_fallback(&v4, size, 0).unwrap(), s.build_fallback(&v6, size, 0).unwrap());
                     assert_ne!(f4, f6, "{s}: the fallback is a Maglev table, keyed by address");
                     assert_weight_shares(&f6, &weights);
                 }
@@ -501,5 +544,146 @@ mod tests {
             let got = counts.get(&(i as u32 + 1)).copied().unwrap_or(0) as f64;
             assert!((got - want).abs() <= 0.01 * want, "id {}: {got} entries, want {want:.0}", i + 1);
         }
+    }
+
+    /// One node's view of a pool: the backends in the order its
+    /// configuration lists them, each with the id this node allocated.
+    fn node(pool: &[(IpAddr, u16, u32)], order: &[usize], id: impl Fn(usize) -> u32) -> Vec<AppliedBackend> {
+        order
+            .iter()
+            .enumerate()
+            .map(|(pos, &i)| {
+                let (address, port, weight) = pool[i];
+                let config = BackendConfig { address, port, weight, drain: false };
+                AppliedBackend { id: id(pos), runtime: BackendRuntime::admin(&config), config }
+            })
+            .collect()
+    }
+
+    /// A table as the backends it names: per entry, the address's octets
+    /// and the port (big-endian); `-` for an empty entry.
+    fn resolved(table: &[u32], backends: &[AppliedBackend]) -> Vec<u8> {
+        let by_id: HashMap<u32, &BackendConfig> = backends.iter().map(|b| (b.id, &b.config)).collect();
+        let mut out = Vec::new();
+        for &id in table {
+            if id == lb_common::BACKEND_NONE {
+                out.push(b'-');
+                continue;
+            }
+            let b = by_id.get(&id).unwrap_or_else(|| panic!("entry {id} names no backend of the pool"));
+            match b.address {
+                IpAddr::V4(a) => out.extend(a.octets()),
+                IpAddr::V6(a) => out.extend(a.octets()),
+            }
+            out.extend(b.port.to_be_bytes());
+        }
+        out
+    }
+
+    /// Both tables of a service (its own, then the fallback), resolved.
+    fn node_tables(cfg: &ServiceConfig, backends: &[AppliedBackend], seed: u64) -> (Vec<u8>, Vec<u8>) {
+        let (table, fallback) = selection_tables(cfg, backends, seed);
+        assert!(!table.is_empty(), "{}: no table", cfg.scheduler);
+        (resolved(&table, backends), resolved(&fallback, backends))
+    }
+
+    /// Scaling out behind ECMP: any node may get any packet of a flow, so
+    /// every node must pick the same backend for it without sharing state.
+    /// Three independently started agents are given one pool: listed in
+    /// three orders, and with ids allocated differently (in list order,
+    /// descending with gaps, interleaved: as if backends had been added in
+    /// other orders). Every scheduler's table, and the round-robin
+    /// schedulers' consistent-hash fallback, names the same backend at
+    /// every entry on all three, for IPv4 and IPv6 pools with unequal
+    /// weights. The seed matters (another seed gives other Maglev tables,
+    /// so the comparison is not of something constant) and 0 is the table
+    /// the Maglev builder gives the keys unchanged.
+    #[test]
+    fn two_agents_given_one_pool_in_different_orders_build_byte_identical_tables() {
+        let weights = [5, 1, 3, 2, 8, 1, 4];
+        let v4: Vec<(IpAddr, u16, u32)> = weights
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| (std::net::Ipv4Addr::new(10, 30, 0, 20 + (i as u8 % 5)).into(), 8080 + i as u16, w))
+            .collect();
+        let v6: Vec<(IpAddr, u16, u32)> = weights
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| {
+                (std::net::Ipv6Addr::new(0xfd00, 0x30, 0, 0, 0, 0, 0, 0x20 + (i as u16 % 5)).into(), 8080 + i as u16, w)
+            })
+            .collect();
+        let n = weights.len();
+        let listed: Vec<usize> = (0..n).collect();
+        let reversed: Vec<usize> = (0..n).rev().collect();
+        let shuffled: Vec<usize> = (0..n).map(|i| (i * 3 + 2) % n).collect();
+        let seed = 0x5eed_ec3d_0b1a_57ed;
+        for (family, pool, vip) in
+            [("IPv4", &v4, IpAddr::from([10, 10, 0, 100])), ("IPv6", &v6, "fd00:10::100".parse().unwrap())]
+        {
+            let a = node(pool, &listed, |pos| pos as u32 + 1);
+            let b = node(pool, &reversed, |pos| 1000 - 13 * pos as u32);
+            let c = node(pool, &shuffled, |pos| if pos % 2 == 0 { 40 + pos as u32 } else { 7 * pos as u32 });
+            for s in Scheduler::ALL {
+                let cfg_of = |backends: &[AppliedBackend]| ServiceConfig {
+                    scheduler: s,
+                    ..ServiceConfig::example("web", vip, 80, backends.iter().map(|b| b.config.clone()).collect())
+                };
+                let (ca, cb, cc) = (cfg_of(&a), cfg_of(&b), cfg_of(&c));
+                for seed in [0, seed] {
+                    let ta = node_tables(&ca, &a, seed);
+                    assert_eq!(ta, node_tables(&cb, &b, seed), "{family} {s}, seed {seed}: listed vs reversed");
+                    assert_eq!(ta, node_tables(&cc, &c, seed), "{family} {s}, seed {seed}: listed vs shuffled");
+                }
+                // Another seed: other Maglev tables (a sequence's own table
+                // is not a Maglev table and stays).
+                let (zero, seeded) = (node_tables(&ca, &a, 0), node_tables(&ca, &a, seed));
+                match s {
+                    Scheduler::Wrr | Scheduler::Rr => {
+                        assert_eq!(zero.0, seeded.0, "{family} {s}: the sequence ignores the seed");
+                        assert_ne!(zero.1, seeded.1, "{family} {s}: the fallback is seeded");
+                    }
+                    _ => {
+                        assert_ne!(zero.0, seeded.0, "{family} {s}: the table is seeded");
+                        assert!(zero.1.is_empty() && seeded.1.is_empty(), "{family} {s}: no fallback");
+                    }
+                }
+                // Seed 0 is the unseeded Maglev table of the sorted members.
+                let direct: Vec<_> = members(&b)
+                    .iter()
+                    .map(|m| crate::sched::maglev::MaglevBackend { id: m.id, key: m.key, weight: m.weight })
+                    .collect();
+                let unseeded = crate::sched::maglev::build(&direct, cb.table_size).unwrap();
+                let (table, fallback) = selection_tables(&cb, &b, 0);
+                match s {
+                    Scheduler::Wrr | Scheduler::Rr => assert_eq!(fallback, unseeded, "{family} {s}"),
+                    _ => assert_eq!(table, unseeded, "{family} {s}"),
+                }
+            }
+        }
+    }
+
+    /// A reload that changes only `maglev_seed` rebuilds the tables; one
+    /// that changes nothing keeps them.
+    #[test]
+    fn a_changed_seed_rebuilds_the_tables() {
+        let backends = pool(&[1, 2, 3], |n| std::net::Ipv4Addr::new(10, 20, 0, n as u8).into());
+        let cfg =
+            ServiceConfig::example("web", [10, 10, 0, 100], 80, backends.iter().map(|b| b.config.clone()).collect());
+        let (table, fallback) = selection_tables(&cfg, &backends, 7);
+        let applied = AppliedService {
+            id: 1,
+            config: cfg.clone(),
+            backends: backends.clone(),
+            key: vip_key(&cfg),
+            region: Some((0, table.len() as u32)),
+            table,
+            fallback_region: None,
+            fallback,
+            seed: 7,
+        };
+        assert!(keeps_tables(&applied, &cfg, &backends, 7));
+        assert!(!keeps_tables(&applied, &cfg, &backends, 8));
+        assert!(!keeps_tables(&applied, &cfg, &backends, 0));
     }
 }

@@ -158,11 +158,12 @@ impl Scheduler {
     }
 
     /// The consistent-hash fallback table of [`fallback_len`](Self::fallback_len)
-    /// entries, when the scheduler needs one.
-    pub fn build_fallback(self, members: &[Member], table_size: u32) -> Option<Vec<u32>> {
+    /// entries, when the scheduler needs one (a Maglev table, so `seed`
+    /// applies as in [`build`](Self::build)).
+    pub fn build_fallback(self, members: &[Member], table_size: u32, seed: u64) -> Option<Vec<u32>> {
         match self.table() {
             Table::Maglev => None,
-            Table::Sequence { .. } => Some(Self::Maglev.build(members, table_size)),
+            Table::Sequence { .. } => Some(Self::Maglev.build(members, table_size, seed)),
         }
     }
 
@@ -206,13 +207,25 @@ impl Scheduler {
         problems
     }
 
-    /// The selection table for the members (in a stable order: Maglev
-    /// breaks ties by position). Only called on validated pools.
-    pub fn build(self, members: &[Member], table_size: u32) -> Vec<u32> {
+    /// The selection table for the members. Only called on validated pools.
+    ///
+    /// The table depends on the members' order: Maglev breaks ties by
+    /// position, and a round-robin sequence follows it (ties go to the
+    /// earlier member; ids are never compared). Pass them in a canonical
+    /// order (the dataplane sorts by address and port) so that every node
+    /// given the same pool builds the same table, whatever its ids.
+    ///
+    /// `seed` (the configuration's `maglev_seed`) is XORed into every
+    /// member's key before Maglev hashes it, giving every backend another
+    /// permutation; 0 leaves the keys, and so the tables, as they were
+    /// before the seed existed. Round-robin sequences ignore it.
+    pub fn build(self, members: &[Member], table_size: u32, seed: u64) -> Vec<u32> {
         match self.table() {
             Table::Maglev => {
-                let input: Vec<maglev::MaglevBackend> =
-                    members.iter().map(|m| maglev::MaglevBackend { id: m.id, key: m.key, weight: m.weight }).collect();
+                let input: Vec<maglev::MaglevBackend> = members
+                    .iter()
+                    .map(|m| maglev::MaglevBackend { id: m.id, key: m.key ^ seed, weight: m.weight })
+                    .collect();
                 maglev::build(&input, table_size).expect("table size and backend count were validated with the config")
             }
             Table::Sequence { weighted } => {
@@ -318,11 +331,11 @@ mod tests {
         assert_eq!(Scheduler::Wrr.table_len(&pool), 4, "2:1:1 after the gcd");
         let m: Vec<Member> =
             w.iter().enumerate().map(|(i, &weight)| Member { id: i as u32 + 1, key: i as u64, weight }).collect();
-        let mut wrr = Scheduler::Wrr.build(&m, 7);
+        let mut wrr = Scheduler::Wrr.build(&m, 7, 0);
         wrr.sort_unstable();
         assert_eq!(wrr, [1, 1, 2, 3]);
-        assert_eq!(Scheduler::Rr.build(&m, 7), [1, 2, 3]);
-        let t = Scheduler::LeastConn.build(&m, 7);
+        assert_eq!(Scheduler::Rr.build(&m, 7, 0), [1, 2, 3]);
+        let t = Scheduler::LeastConn.build(&m, 7, 0);
         assert_eq!(t.len(), 7);
         assert!(t.iter().all(|&id| (1..=3).contains(&id)));
     }
