@@ -102,6 +102,7 @@ impl Bench {
             // measure the insert, not the stateless path.
             flood: lb_userspace::config::FloodConfig { new_flow_rate_per_cpu: Some(0), ..Default::default() },
             metrics_listen: "127.0.0.1:9464".parse()?,
+            bgp: None,
             services: services(),
         };
         let mut dp = Dataplane::load_unpinned(&cfg).context("loading the datapath")?;

@@ -46,6 +46,9 @@ pub struct Agent {
     /// Half-open flows the sweeper expired early, since lbd started.
     pub half_open_expired: u64,
     pub health_metrics: HealthMetrics,
+    /// VIP announcement, while the config has a `bgp:` section (kept by
+    /// lbd's announcer loop).
+    pub bgp: Option<crate::bgp::BgpStatus>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -130,6 +133,7 @@ impl Agent {
             flow_entries: 0,
             half_open_expired: 0,
             health_metrics: HealthMetrics::default(),
+            bgp: None,
         };
         a.sync_health();
         a
@@ -167,6 +171,18 @@ impl Agent {
         } else {
             BackendState::Up
         }
+    }
+
+    /// The VIPs to announce: each VIP one of whose services has a backend
+    /// the health checks find up (draining or not: a drained backend's
+    /// open connections still need the route).
+    pub fn vips_to_announce(&self) -> std::collections::BTreeSet<IpAddr> {
+        self.config
+            .services
+            .iter()
+            .filter(|s| s.backends.iter().any(|b| self.state_of(&s.name, b) != BackendState::Down))
+            .map(|s| s.vip)
+            .collect()
     }
 
     /// The weight the schedulers use now: configuration, health, drain,

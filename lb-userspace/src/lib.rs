@@ -9,6 +9,7 @@
 //!   (XDP redirect or kernel forwarding) a packet takes between them.
 //! - `report`: the status report (shared by the API, the exporter, watch).
 //! - `api`: the control socket and its requests.
+//! - `bgp`: VIP announcement by a BIRD that lbd runs (config, control).
 //! - `health`: probes, rise/fall, slow start, and their metrics.
 //! - `tasks`: lbd's background loops (probes, slow start, device watch,
 //!   flow sweeper), driven through a trait so tests can run them.
@@ -24,6 +25,7 @@ use tracing_subscriber as _;
 
 pub mod agent;
 pub mod api;
+pub mod bgp;
 pub mod cli;
 pub mod config;
 pub mod dataplane;

@@ -33,6 +33,7 @@ pub const SERIES: &[&str] = &[
     "lb_health_check_duration_seconds",
     "lb_health_check_failures_total",
     "lb_config_reloads_total",
+    "lb_vip_announced",
     "lb_build_info",
 ];
 
@@ -149,7 +150,15 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         Samples::new("lb_service_packets", "Packets through the balancer per service, both directions", Counter);
     let mut fairness =
         Samples::new("lb_service_fairness", "Jain's fairness index over weight-normalised new flows", Gauge);
+    let mut announced = Samples::new(
+        "lb_vip_announced",
+        "1 while the service's VIP is announced over BGP (originated, and sent on an established session)",
+        Gauge,
+    );
     for s in &status.services {
+        if let Some(a) = s.announced {
+            announced.push(labels(&[("service", &s.name), ("vip", &s.vip.to_string())]), Value::Gauge(i64::from(a)));
+        }
         let mut total = 0u64;
         for b in &s.backends {
             let be = std::net::SocketAddr::new(b.address, b.port).to_string();
@@ -274,6 +283,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         capacity,
         half_open,
         reloads,
+        announced,
     ]
 }
 
@@ -461,6 +471,7 @@ mod tests {
     /// counter, an interface and a forwarding path.
     fn fixed() -> Snapshot {
         let status = Status {
+            bgp: None,
             program_id: Some(7),
             interfaces: vec![Attachment {
                 interface: "lb0".into(),
@@ -499,6 +510,7 @@ mod tests {
                 scheduler: Scheduler::Maglev,
                 new_flows: 12,
                 fairness: Some(0.98),
+                announced: Some(true),
                 backends: vec![backend(11, 5, BackendState::Up), backend(12, 7, BackendState::Down)],
             }],
         };
@@ -508,6 +520,7 @@ mod tests {
     /// An agent with nothing configured and a datapath that reports nothing.
     fn empty() -> Snapshot {
         let status = Status {
+            bgp: None,
             program_id: None,
             interfaces: Vec::new(),
             paths: Vec::new(),
@@ -664,6 +677,19 @@ mod tests {
             half_open,
         );
         reg.register("lb_config_reloads", "Configuration reloads by result", reloads);
+        let announced = Family::<Labels, Gauge>::default();
+        for s in &status.services {
+            if let Some(a) = s.announced {
+                announced
+                    .get_or_create(&labels(&[("service", &s.name), ("vip", &s.vip.to_string())]))
+                    .set(i64::from(a));
+            }
+        }
+        reg.register(
+            "lb_vip_announced",
+            "1 while the service's VIP is announced over BGP (originated, and sent on an established session)",
+            announced,
+        );
         let mut out = String::new();
         encode(&mut out, &reg).unwrap();
         out
@@ -731,6 +757,7 @@ mod tests {
             "lb_flow_table_entries 24",
             "lb_config_reloads_total{result=\"rejected\"} 1",
             "lb_config_reloads_total{result=\"ok\"} 3",
+            "lb_vip_announced{service=\"web\",vip=\"10.10.0.100\"} 1",
             "lb_interface_xdp_mode{interface=\"lb0\",mode=\"generic\"} 1",
             "lb_forwarding_path{ingress=\"lb0\",mode=\"generic\",egress=\"lb1\",path=\"kernel\"} 1",
         ] {

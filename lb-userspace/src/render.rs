@@ -20,7 +20,7 @@ use std::{
 use serde::Serialize;
 
 use crate::{
-    config::{BackendConfig, Config, Forwarding, HealthConfig, ProbeKind, Protocol, ServiceConfig, XdpMode},
+    config::{BackendConfig, BgpConfig, Config, Forwarding, HealthConfig, ProbeKind, Protocol, ServiceConfig, XdpMode},
     sched::Scheduler,
 };
 
@@ -47,6 +47,8 @@ struct FileView<'a> {
     udp_idle_timeout: u32,
     flood: FloodView,
     metrics_listen: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bgp: Option<&'a BgpConfig>,
     services: Vec<ServiceView<'a>>,
 }
 
@@ -144,6 +146,7 @@ pub fn render(cfg: &Config) -> String {
             half_open_timeout: cfg.flood.half_open_timeout,
         },
         metrics_listen: cfg.metrics_listen.to_string(),
+        bgp: cfg.bgp.as_ref(),
         services: cfg.services.iter().map(service).collect(),
     };
     let body = yaml_serde::to_string(&view).expect("plain strings, numbers and lists always serialize");
@@ -285,6 +288,7 @@ mod tests {
             udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
             flood: Default::default(),
             metrics_listen: DEFAULT_METRICS_LISTEN.parse().unwrap(),
+            bgp: None,
             services: vec![svc("web", "10.10.0.100", 80)],
         }
     }
@@ -394,6 +398,34 @@ mod tests {
         let s8 = svc("_", "172.16.0.1", 5);
         c.services.extend([s2, s3, s4, s5, s6, s7, s8]);
         v.push(("many services, awkward strings", c));
+
+        let mut c = base();
+        c.bgp = Some(BgpConfig {
+            local_asn: 4_200_000_001,
+            router_id: "10.40.1.2".parse().unwrap(),
+            peers: vec![
+                crate::config::BgpPeer { address: "10.40.1.1".parse().unwrap(), asn: 65000 },
+                crate::config::BgpPeer { address: "fd00:40::1".parse().unwrap(), asn: 65000 },
+            ],
+            next_hop: Some("10.40.1.2".parse().unwrap()),
+            communities: vec!["65001:100".into(), "0:65535".into()],
+            med: Some(0),
+            hold_time: 9,
+            daemon: "/usr/sbin/bird".into(),
+        });
+        v.push(("a bgp section, every key", c));
+        let mut c = base();
+        c.bgp = Some(BgpConfig {
+            local_asn: 65001,
+            router_id: "10.40.1.2".parse().unwrap(),
+            peers: vec![crate::config::BgpPeer { address: "10.40.1.1".parse().unwrap(), asn: 65000 }],
+            next_hop: None,
+            communities: Vec::new(),
+            med: None,
+            hold_time: crate::config::DEFAULT_BGP_HOLD_TIME,
+            daemon: crate::config::DEFAULT_BGP_DAEMON.into(),
+        });
+        v.push(("a bgp section, required keys", c));
 
         v
     }

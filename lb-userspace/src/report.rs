@@ -56,6 +56,10 @@ pub struct ServiceStatus {
     /// Jain's fairness index over weight-normalised new flows; None before
     /// the first flow.
     pub fairness: Option<f64>,
+    /// Whether the VIP is announced over BGP now (originated and sent on
+    /// an established session); none without a `bgp:` section.
+    #[serde(default)]
+    pub announced: Option<bool>,
     pub backends: Vec<BackendStatus>,
 }
 
@@ -75,6 +79,9 @@ pub struct Status {
     /// Flood protection: what is in force and what it did.
     #[serde(default)]
     pub flood: FloodStatus,
+    /// BGP sessions and announcements; none without a `bgp:` section.
+    #[serde(default)]
+    pub bgp: Option<crate::bgp::BgpStatus>,
     pub services: Vec<ServiceStatus>,
 }
 
@@ -148,6 +155,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             scheduler: s.config.scheduler,
             new_flows,
             fairness: jain(&normalised),
+            announced: agent.bgp.as_ref().map(|b| b.announced(s.config.vip)),
             backends,
         });
     }
@@ -164,6 +172,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             flow_capacity: capacity,
             half_open_expired: agent.half_open_expired,
         },
+        bgp: agent.bgp.clone(),
         services,
     })
 }

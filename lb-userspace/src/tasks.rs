@@ -15,10 +15,11 @@ use std::{
 };
 
 use tokio::{task::JoinHandle, time::MissedTickBehavior};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     agent::{Agent, BackendKey},
+    bgp,
     config::HealthConfig,
     dataplane::SweepReport,
     health,
@@ -238,6 +239,91 @@ async fn sweep_flows<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
             Some(Ok(_)) | None => {}
             Some(Err(e)) => warn!(error = %e, "flow sweep failed"),
         }
+    }
+}
+
+/// How often the announcer compares the VIPs to announce with BIRD's,
+/// and reads the sessions' states.
+pub const ANNOUNCE_PERIOD: Duration = Duration::from_millis(250);
+
+/// Drive BIRD while the configuration has a `bgp:` section: start it, have
+/// it announce exactly the VIPs with a healthy backend
+/// ([`Agent::vips_to_announce`]), follow reloads of the section, restart it
+/// if it exits, and keep [`Agent::bgp`] up to date. Aborting this task
+/// drops the speaker, which stops BIRD (the peers withdraw our routes).
+pub async fn announce_vips(state: Arc<Mutex<Agent>>, period: Duration) {
+    let mut speaker: Option<bgp::Speaker> = None;
+    let mut tick = interval(period);
+    // A failing BIRD start is retried, at most every few seconds.
+    let mut retry_at = tokio::time::Instant::now();
+    loop {
+        tick.tick().await;
+        let (cfg, vips, base) = {
+            let a = lock(&state);
+            (a.config.bgp.clone(), a.vips_to_announce(), a.config.control_socket.clone())
+        };
+        let Some(cfg) = cfg else {
+            if speaker.take().is_some() {
+                info!("bgp: section removed; BIRD stopped, every VIP withdrawn");
+            }
+            lock(&state).bgp = None;
+            continue;
+        };
+        if let Some(sp) = speaker.as_mut()
+            && let Some(status) = sp.exited()
+        {
+            warn!(%status, "bgp: BIRD exited; starting it again");
+            speaker = None;
+        }
+        let result = match speaker.as_mut() {
+            Some(sp) => {
+                let before = sp.vips.clone();
+                match sp.set(&cfg, &vips).await {
+                    Ok(()) => {
+                        log_changes(&before, &vips);
+                        Ok(())
+                    }
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+            None if tokio::time::Instant::now() < retry_at => Err("BIRD is not running".to_owned()),
+            None => match bgp::Speaker::start(&cfg, &vips, &base).await {
+                Ok(sp) => {
+                    info!(vips = ?vips, peers = cfg.peers.len(), "bgp: BIRD started");
+                    speaker = Some(sp);
+                    Ok(())
+                }
+                Err(e) => {
+                    retry_at = tokio::time::Instant::now() + Duration::from_secs(3);
+                    Err(e.to_string())
+                }
+            },
+        };
+        if let Err(e) = &result {
+            warn!(error = %e, "bgp: driving BIRD failed");
+        }
+        let peers = match &speaker {
+            Some(sp) => sp.peers().await.unwrap_or_else(|_| unknown_peers(&cfg)),
+            None => unknown_peers(&cfg),
+        };
+        let originated = speaker.as_ref().map(|sp| sp.vips.clone()).unwrap_or_default();
+        lock(&state).bgp = Some(bgp::BgpStatus { peers, originated, error: result.err() });
+    }
+}
+
+fn unknown_peers(cfg: &crate::config::BgpConfig) -> Vec<bgp::PeerStatus> {
+    cfg.peers.iter().map(|p| bgp::PeerStatus { address: p.address, asn: p.asn, state: "unknown".into() }).collect()
+}
+
+fn log_changes(
+    before: &std::collections::BTreeSet<std::net::IpAddr>,
+    now: &std::collections::BTreeSet<std::net::IpAddr>,
+) {
+    for vip in now.difference(before) {
+        info!(%vip, "bgp: announcing");
+    }
+    for vip in before.difference(now) {
+        info!(%vip, "bgp: withdrawing (no healthy backend)");
     }
 }
 

@@ -206,6 +206,7 @@ impl Fixture {
             udp_idle_timeout: 300,
             flood: Default::default(),
             metrics_listen: "127.0.0.1:9464".parse().unwrap(),
+            bgp: None,
             services,
         };
         edit(&mut cfg);

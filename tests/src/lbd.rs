@@ -81,8 +81,13 @@ pub fn write_config_with(
 /// (`ip -j -d link`: the attach mode number, not a substring of the text):
 /// "native", "generic", "offload", or None when no program is attached.
 pub fn xdp_mode_in_use(lab: &Lab, iface: &str) -> anyhow::Result<Option<String>> {
+    xdp_mode_in(lab, "gw", iface)
+}
+
+/// As [`xdp_mode_in_use`], on `iface` in the namespace of lab role `role`.
+pub fn xdp_mode_in(lab: &Lab, role: &str, iface: &str) -> anyhow::Result<Option<String>> {
     let out = Command::new("ip")
-        .args(["-n", &lab.ns("gw"), "-j", "-d", "link", "show", "dev", iface])
+        .args(["-n", &lab.ns(role), "-j", "-d", "link", "show", "dev", iface])
         .output()
         .context("running ip link show")?;
     if !out.status.success() {
@@ -131,12 +136,26 @@ impl Lbd {
 
     /// As [`start`](Self::start), with the lbd binary at `lbd`.
     pub fn start_binary(lab: &Lab, lbd: &Path, config: &Path, socket: &Path) -> anyhow::Result<Self> {
+        Self::start_at(lab, "gw", lbd, config, socket)
+    }
+
+    /// As [`start`](Self::start), in the namespace of lab role `role` (an
+    /// ecmp lab's node, `n1`...); its log is `/tmp/{prefix}-{role}-lbd.log`.
+    pub fn start_in(lab: &Lab, role: &str, config: &Path, socket: &Path) -> anyhow::Result<Self> {
+        Self::start_at(lab, role, &lab.spec.bin_dir.join("lbd"), config, socket)
+    }
+
+    fn start_at(lab: &Lab, role: &str, lbd: &Path, config: &Path, socket: &Path) -> anyhow::Result<Self> {
         let bin_dir = lab.spec.bin_dir.clone();
         let lbd = lbd.to_path_buf();
         if !lbd.exists() {
             bail!("{} not found: build the workspace binaries first (cargo xtask test does)", lbd.display());
         }
-        let log = PathBuf::from(format!("/tmp/{}-lbd.log", lab.spec.prefix));
+        let log = if role == "gw" {
+            PathBuf::from(format!("/tmp/{}-lbd.log", lab.spec.prefix))
+        } else {
+            PathBuf::from(format!("/tmp/{}-{role}-lbd.log", lab.spec.prefix))
+        };
         // Appended to: a restarted lbd's log follows the previous one's.
         let logf = std::fs::OpenOptions::new()
             .create(true)
@@ -144,7 +163,7 @@ impl Lbd {
             .open(&log)
             .with_context(|| format!("opening {}", log.display()))?;
         let child = lab
-            .cmd("gw", &lbd)
+            .cmd(role, &lbd)
             .arg("--config")
             .arg(config)
             .stdout(Stdio::null())

@@ -147,6 +147,7 @@ fn failed_up_leaves_nothing_behind() {
         bin_dir: dir.clone(),
         topology: lb_tests::lab::Topology::Tuned,
         dsr: false,
+        nodes: 2,
     };
     let err = Lab::up(spec).err().expect("up must fail");
     let msg = format!("{err:#}");

@@ -63,6 +63,7 @@ fn expected_gw_links(t: Topology, backends: usize) -> Vec<(String, &'static str,
         Topology::BridgeBackend => vec![d("eth0", "veth", None), d("br0", "bridge", None)],
         Topology::BridgeClient => vec![d("br0", "bridge", None), d("c0", "veth", Some("br0")), d("eth1", "veth", None)],
         Topology::OneArm => vec![d("eth0", "veth", None)],
+        Topology::Ecmp => panic!("the ecmp lab has no gateway (tests/ecmp.rs covers it)"),
     };
     if t == Topology::BridgeBackend {
         v.extend((1..=backends).map(|i| d(&format!("p{i}"), "veth", Some("br0"))));

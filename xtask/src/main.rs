@@ -89,6 +89,10 @@ enum LabAction {
         /// bridge-client, one-arm or mixed (see the README, "Where it runs").
         #[arg(long, default_value = "tuned")]
         topology: Topology,
+        /// Balancer nodes of the `ecmp` topology (2-8), each running its
+        /// own lbd, announcing the VIPs to the router over BGP.
+        #[arg(long, default_value_t = 2)]
+        nodes: usize,
     },
     /// Remove the lab: processes, namespaces, links. Safe to repeat.
     Down {
@@ -107,10 +111,10 @@ fn main() {
     let result = match args.cmd {
         Cmd::Setup => setup::setup(),
         Cmd::Build => ensure_setup().and_then(|()| build()),
-        Cmd::Lab { action: LabAction::Up { topology } } => need_root("cargo xtask lab up")
+        Cmd::Lab { action: LabAction::Up { topology, nodes } } => need_root("cargo xtask lab up")
             .and_then(|()| ensure_setup())
             .and_then(|()| build())
-            .and_then(|()| lab_up(topology)),
+            .and_then(|()| if topology == Topology::Ecmp { ecmp_up(nodes) } else { lab_up(topology) }),
         Cmd::Lab { action: LabAction::Down { all } } => {
             need_root("cargo xtask lab down").and_then(|()| if all { Lab::down_all() } else { Lab::down(LAB_PREFIX) })
         }
@@ -241,6 +245,74 @@ fn lab_up(topology: Topology) -> anyhow::Result<()> {
     }
     println!("take it down:        cargo xtask lab down");
     lab.keep();
+    Ok(())
+}
+
+/// The scale-out lab: the nodes, each with its own lbd balancing a DSR
+/// service on 10.10.0.110:8080 and announcing it to the router over BGP.
+fn ecmp_up(nodes: usize) -> anyhow::Result<()> {
+    let lab = Lab::up(LabSpec { topology: Topology::Ecmp, nodes, ..lab_spec() })?;
+    let mut services = format!(
+        "  - name: dsr\n    vip: {}\n    port: 8080\n    protocol: tcp\n    forwarding: dsr\n    scheduler: maglev\n    health: {{ type: http, path: /health, interval: 1s, fall: 2, rise: 2 }}\n    backends:\n",
+        lb_tests::lab::DSR_VIP
+    );
+    for a in lab.backend_addrs() {
+        services.push_str(&format!("      - {{ address: {a} }}\n"));
+    }
+    let dir = PathBuf::from(format!("/tmp/{LAB_PREFIX}-cfg"));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    for k in 1..=nodes {
+        let config = dir.join(format!("n{k}.yaml"));
+        std::fs::write(&config, lab.node_config(k, 9, &services))
+            .with_context(|| format!("writing {}", config.display()))?;
+        let log = PathBuf::from(format!("/tmp/{LAB_PREFIX}-n{k}-lbd.log"));
+        let logf = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        // Left running with the lab; `cargo xtask lab down` stops it with
+        // the namespace's other processes.
+        lab.cmd(&format!("n{k}"), bin_dir().join("lbd"))
+            .arg("--config")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .with_context(|| format!("starting lbd on n{k}"))?;
+    }
+    let vip = lb_tests::lab::DSR_VIP;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let hops = loop {
+        let hops = lab.router_next_hops(vip)?;
+        if hops.len() == nodes || std::time::Instant::now() > deadline {
+            break hops;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    println!(
+        "lab {LAB_PREFIX} (ecmp: {}) is up: client {}, router {} (BIRD, AS {}), nodes {}..{} (lbd + BIRD, AS {}), switch {}, backends {}..{}",
+        Topology::Ecmp.describe(),
+        lab.ns("client"),
+        lab.ns("rt"),
+        lb_tests::lab::ROUTER_ASN,
+        lab.ns("n1"),
+        lab.ns(&format!("n{nodes}")),
+        lb_tests::lab::NODE_ASN,
+        lab.ns("sw"),
+        lab.ns("be1"),
+        lab.ns(&format!("be{}", lab.spec.backends)),
+    );
+    println!("the router's route to {vip}: next hops {hops:?} ({} of {nodes} nodes)", hops.len());
+    println!("configs {}/n*.yaml, logs /tmp/{LAB_PREFIX}-n*-lbd.log", dir.display());
+    println!("a node's state:      {}/lbctl --socket {} status", bin_dir().display(), lab.node_socket(1).display());
+    println!(
+        "the router's view:   ip -n {} route show {vip}; birdc -s {} show protocols",
+        lab.ns("rt"),
+        lab.router_bird_ctl().display()
+    );
+    println!("take it down:        cargo xtask lab down");
+    lab.keep();
+    if hops.len() != nodes {
+        bail!("the router learnt {vip} from {} of {nodes} nodes within 30 s (see the logs)", hops.len());
+    }
     Ok(())
 }
 

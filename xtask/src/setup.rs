@@ -20,6 +20,8 @@ pub(crate) const PACKAGES: &[(&str, &str)] = &[
     ("systemd", "/usr/bin/systemd-analyze"),
     ("prometheus", "/usr/bin/prometheus"),
     ("tmux", "/usr/bin/tmux"),
+    // BIRD 2: lbd's BGP speaker, and the ecmp lab's router.
+    ("bird2", "/usr/sbin/bird"),
 ];
 
 pub(crate) fn setup() -> anyhow::Result<()> {

@@ -165,11 +165,24 @@ fn render(s: &Status) -> String {
             kernel
         );
     }
+    if let Some(b) = &s.bgp {
+        for p in &b.peers {
+            let _ = writeln!(out, "bgp peer {} AS{}: {}", p.address, p.asn, p.state);
+        }
+        if let Some(e) = &b.error {
+            let _ = writeln!(out, "bgp error: {e}");
+        }
+    }
     for svc in &s.services {
         let fairness = svc.fairness.map_or_else(|| "-".to_owned(), |f| format!("{f:.4}"));
+        let bgp = match svc.announced {
+            Some(true) => "  bgp announced",
+            Some(false) => "  bgp withdrawn",
+            None => "",
+        };
         let _ = writeln!(
             out,
-            "\nservice {}  {}/{}  {}  scheduler {}  new flows {}  fairness {}",
+            "\nservice {}  {}/{}  {}  scheduler {}  new flows {}  fairness {}{bgp}",
             svc.name,
             std::net::SocketAddr::new(svc.vip, svc.port),
             svc.protocol,

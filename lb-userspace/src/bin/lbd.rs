@@ -168,6 +168,9 @@ async fn serve(
     let half_open = std::time::Duration::from_secs(u64::from(cfg.flood.half_open_timeout));
     let sweep = (half_open / 2).clamp(std::time::Duration::from_secs(1), Periods::default().sweep);
     let background = Tasks::start(&agent, Periods { sweep, ..Periods::default() });
+    // VIP announcement (BIRD runs while the config has a bgp: section).
+    let announcer =
+        tokio::spawn(lb_userspace::tasks::announce_vips(agent.clone(), lb_userspace::tasks::ANNOUNCE_PERIOD));
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut sigusr2 = signal(SignalKind::user_defined2()).context("installing the SIGUSR2 handler")?;
     let logs = logger.map(|mut fd| {
@@ -202,7 +205,9 @@ async fn serve(
             }
         }
     };
-    for task in [api, exporter] {
+    // First of all: BIRD stops, the peers withdraw our VIPs (also for a
+    // restart; the peers take them back when the new lbd announces them).
+    for task in [announcer, api, exporter] {
         task.abort();
         let _ = task.await;
     }

@@ -231,6 +231,43 @@ impl ServiceConfig {
     }
 }
 
+/// Where lbd's BGP daemon (BIRD) lives when the config does not say.
+pub const DEFAULT_BGP_DAEMON: &str = "/usr/sbin/bird";
+/// BGP hold time (seconds) when the config does not say: how long a peer
+/// keeps our routes after the node goes silent without closing its
+/// sessions (power loss). A stopped or killed lbd closes them at once.
+pub const DEFAULT_BGP_HOLD_TIME: u32 = 90;
+
+/// VIP announcement over BGP (`bgp:`): lbd runs BIRD as its child and has
+/// it announce each VIP while one of the VIP's services has a healthy
+/// backend. Written back to the file in this very form.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgpConfig {
+    pub local_asn: u32,
+    pub router_id: std::net::Ipv4Addr,
+    /// Each IPv4 peer learns the IPv4 VIPs, each IPv6 peer the IPv6 ones.
+    pub peers: Vec<BgpPeer>,
+    /// The next hop announced (default: the address of our end of each
+    /// session). Applies to the peers of its family.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_hop: Option<IpAddr>,
+    /// Standard communities `ASN:VALUE` attached to every announcement.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub communities: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub med: Option<u32>,
+    /// Seconds (3-65535), see [`DEFAULT_BGP_HOLD_TIME`].
+    pub hold_time: u32,
+    /// The BIRD 2 binary.
+    pub daemon: PathBuf,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BgpPeer {
+    pub address: IpAddr,
+    pub asn: u32,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Config {
     pub interfaces: Vec<String>,
@@ -252,6 +289,8 @@ pub struct Config {
     pub flood: FloodConfig,
     /// Where the Prometheus exporter listens (path /metrics).
     pub metrics_listen: std::net::SocketAddr,
+    /// VIP announcement over BGP; none: lbd announces nothing.
+    pub bgp: Option<BgpConfig>,
     pub services: Vec<ServiceConfig>,
 }
 

@@ -317,3 +317,58 @@ fn maglev_seed_is_any_u64_and_defaults_to_0() {
     let p = only(&format!("maglev_seed: 18446744073709551616\n{GOOD}"));
     assert!(p.reason.contains("maglev_seed") && p.reason.contains("18446744073709551616"), "{p}");
 }
+
+const BGP: &str = r#"bgp:
+  local_asn: 65001
+  router_id: 10.40.1.2
+  peers:
+    - { address: 10.40.1.1, asn: 65000 }
+    - { address: "fd00:40::1", asn: 4200000000 }
+"#;
+
+#[test]
+fn bgp_section_parses_with_defaults() {
+    let c = parse(&format!("{BGP}{GOOD}"), "lab.yaml", &Fake).unwrap();
+    let b = c.bgp.as_ref().expect("bgp section");
+    assert_eq!((b.local_asn, b.router_id), (65001, "10.40.1.2".parse().unwrap()));
+    assert_eq!(b.peers[1], BgpPeer { address: "fd00:40::1".parse().unwrap(), asn: 4_200_000_000 });
+    assert_eq!((b.next_hop, b.med, b.hold_time), (None, None, DEFAULT_BGP_HOLD_TIME));
+    assert!(b.communities.is_empty());
+    assert_eq!(b.daemon, PathBuf::from(DEFAULT_BGP_DAEMON));
+    assert_eq!(parse(GOOD, "lab.yaml", &Fake).unwrap().bgp, None);
+    let full = format!(
+        "{BGP}  next_hop: 10.40.1.2\n  communities: [\"65001:100\", \"65001:7\"]\n  med: 20\n  hold_time: 9\n  daemon: /opt/bird/sbin/bird\n{GOOD}"
+    );
+    let c = parse(&full, "lab.yaml", &Fake).unwrap();
+    let b = c.bgp.as_ref().unwrap();
+    assert_eq!((b.med, b.hold_time, b.communities.len()), (Some(20), 9, 2));
+    assert_eq!(b.next_hop, Some("10.40.1.2".parse().unwrap()));
+}
+
+#[test]
+fn bgp_problems_are_named_by_field() {
+    let cases: &[(&str, &str, &str)] = &[
+        ("local_asn: 65001", "local_asn: 0", "bgp.local_asn"),
+        ("router_id: 10.40.1.2", "router_id: \"fd00::1\"", "bgp.router_id"),
+        ("asn: 65000 }", "asn: -3 }", "bgp.peers[0].asn"),
+        ("{ address: 10.40.1.1,", "{ address: nowhere,", "bgp.peers[0].address"),
+    ];
+    for (from, to, field) in cases {
+        let p = only(&format!("{}{GOOD}", BGP.replace(from, to)));
+        assert_eq!(p.field, *field, "{p}");
+    }
+    let p = only(&format!("{BGP}  communities: [\"65001:70000\"]\n{GOOD}"));
+    assert_eq!(p.field, "bgp.communities[0]");
+    assert!(p.reason.contains("0 to 65535"), "{p}");
+    let p = only(&format!("{BGP}  hold_time: 2\n{GOOD}"));
+    assert_eq!(p.field, "bgp.hold_time");
+    let p = only(&format!("{BGP}  nexthop: 10.40.1.2\n{GOOD}"));
+    assert_eq!(p.field, "bgp.nexthop");
+    assert!(p.reason.contains("unknown key"), "{p}");
+    let p = only(&format!("bgp:\n  local_asn: 65001\n  router_id: 10.40.1.2\n  peers: []\n{GOOD}"));
+    assert_eq!(p.field, "bgp.peers");
+    let twice = BGP.replace("fd00:40::1", "10.40.1.1");
+    let p = only(&format!("{twice}{GOOD}"));
+    assert_eq!(p.field, "bgp.peers[1].address");
+    assert!(p.reason.contains("listed twice"), "{p}");
+}

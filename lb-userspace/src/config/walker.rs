@@ -140,6 +140,7 @@ impl Walker<'_> {
             "udp_idle_timeout",
             "flood",
             "metrics_listen",
+            "bgp",
             "services",
         ];
         let m = self.mapping(root, "", KEYS)?;
@@ -253,6 +254,11 @@ impl Walker<'_> {
             },
         };
 
+        let bgp = match m.get("bgp") {
+            None | Some(Value::Null) => None,
+            Some(v) => self.bgp(v),
+        };
+
         let mut services = Vec::new();
         match m.get("services") {
             None | Some(Value::Null) => {}
@@ -279,7 +285,116 @@ impl Walker<'_> {
             udp_idle_timeout,
             flood,
             metrics_listen,
+            bgp,
             services: services.into_iter().map(|(_, s)| s).collect(),
+        })
+    }
+
+    /// The `bgp:` section.
+    fn bgp(&mut self, v: &Value) -> Option<BgpConfig> {
+        const KEYS: &[&str] =
+            &["local_asn", "router_id", "peers", "next_hop", "communities", "med", "hold_time", "daemon"];
+        let m = self.mapping(v, "bgp", KEYS)?;
+        let before = self.problems.len();
+        // 4-byte ASNs; 0 and 4294967295 are reserved (RFC 7607, RFC 7300).
+        let asn = |w: &mut Self, v: &Value, field: &str| w.uint(v, field, 1, 4_294_967_294).map(|n| n as u32);
+        let local_asn = self.required(m, "bgp", "local_asn").and_then(|v| asn(self, v, "bgp.local_asn"));
+        let router_id = self.required(m, "bgp", "router_id").and_then(|v| match self.ip(v, "bgp.router_id")? {
+            IpAddr::V4(a) => Some(a),
+            IpAddr::V6(a) => {
+                self.problem("bgp.router_id", format!("{a} is IPv6; a router id is an IPv4 address"));
+                None
+            }
+        });
+        let mut peers = Vec::new();
+        match self.required(m, "bgp", "peers") {
+            None => {}
+            Some(Value::Sequence(seq)) if !seq.is_empty() => {
+                for (i, p) in seq.iter().enumerate() {
+                    let path = format!("bgp.peers[{i}]");
+                    let Some(pm) = self.mapping(p, &path, &["address", "asn"]) else { continue };
+                    let address =
+                        self.required(pm, &path, "address").and_then(|v| self.ip(v, &Self::field(&path, "address")));
+                    let peer_asn =
+                        self.required(pm, &path, "asn").and_then(|v| asn(self, v, &Self::field(&path, "asn")));
+                    if let (Some(address), Some(asn)) = (address, peer_asn) {
+                        if peers.iter().any(|p: &BgpPeer| p.address == address) {
+                            self.problem(&Self::field(&path, "address"), format!("peer {address} is listed twice"));
+                        }
+                        peers.push(BgpPeer { address, asn });
+                    }
+                }
+            }
+            Some(v) => self.problem(
+                "bgp.peers",
+                format!("expected a non-empty list of {{ address, asn }}, found {}", describe(v)),
+            ),
+        }
+        let next_hop = m.get("next_hop").and_then(|v| self.ip(v, "bgp.next_hop"));
+        let mut communities = Vec::new();
+        match m.get("communities") {
+            None | Some(Value::Null) => {}
+            Some(Value::Sequence(seq)) => {
+                for (i, c) in seq.iter().enumerate() {
+                    let field = format!("bgp.communities[{i}]");
+                    let text = match c {
+                        Value::String(s) => s.clone(),
+                        other => {
+                            self.problem(
+                                &field,
+                                format!("expected ASN:VALUE (e.g. \"65001:100\"), found {}", describe(other)),
+                            );
+                            continue;
+                        }
+                    };
+                    let ok =
+                        text.split_once(':').is_some_and(|(a, b)| a.parse::<u16>().is_ok() && b.parse::<u16>().is_ok());
+                    if ok {
+                        communities.push(text);
+                    } else {
+                        self.problem(
+                            &field,
+                            format!("{text:?} is not a standard community ASN:VALUE, each 0 to 65535"),
+                        );
+                    }
+                }
+            }
+            Some(v) => self.problem("bgp.communities", format!("expected a list of ASN:VALUE, found {}", describe(v))),
+        }
+        let med = m.get("med").and_then(|v| self.uint(v, "bgp.med", 0, u64::from(u32::MAX))).map(|n| n as u32);
+        let hold_time = match m.get("hold_time") {
+            None => DEFAULT_BGP_HOLD_TIME,
+            Some(v) => self.uint(v, "bgp.hold_time", 3, 65_535).unwrap_or(u64::from(DEFAULT_BGP_HOLD_TIME)) as u32,
+        };
+        let daemon = match m.get("daemon") {
+            None => PathBuf::from(DEFAULT_BGP_DAEMON),
+            Some(v) => match self.string(v, "bgp.daemon") {
+                Some(s) if s.starts_with('/') => PathBuf::from(s),
+                Some(s) => {
+                    self.problem("bgp.daemon", format!("{s:?} is not an absolute path to the BIRD binary"));
+                    PathBuf::new()
+                }
+                None => PathBuf::new(),
+            },
+        };
+        if let Some(nh) = next_hop
+            && !peers.is_empty()
+            && !peers.iter().any(|p| p.address.is_ipv4() == nh.is_ipv4())
+        {
+            self.problem("bgp.next_hop", format!("{nh} is of a family no peer has"));
+        }
+        if self.problems.len() != before {
+            return None;
+        }
+        Some(BgpConfig {
+            local_asn: local_asn?,
+            router_id: router_id?,
+            peers,
+            next_hop,
+            communities,
+            med,
+            hold_time,
+            daemon,
         })
     }
 

@@ -482,6 +482,8 @@ struct LongResult {
     backends_seen: Vec<String>,
     /// The connection ended in an error before its last round.
     broken: bool,
+    /// The slowest round trip (an interruption shows as one long round).
+    max_round_ms: u64,
 }
 
 async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
@@ -498,7 +500,8 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
             let conn = connect(target, src, timeout_ms).await;
             // All connections are open before any round starts.
             barrier.wait().await;
-            let mut r = LongResult { ok_rounds: 0, failed: 0, backends_seen: Vec::new(), broken: false };
+            let mut r =
+                LongResult { ok_rounds: 0, failed: 0, backends_seen: Vec::new(), broken: false, max_round_ms: 0 };
             let mut stream = match conn {
                 Ok(s) => s,
                 Err(e) => {
@@ -514,8 +517,10 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
                     tokio::time::sleep(Duration::from_millis(interval_ms)).await;
                 }
                 let desc = || format!("conn {i} round {round} -> {target}");
+                let began = Instant::now();
                 match timed(desc, timeout_ms, round_trip(&mut stream, &mut buf, &req)).await {
                     Ok((backend, closing)) => {
+                        r.max_round_ms = r.max_round_ms.max(ms_since(began));
                         r.ok_rounds += 1;
                         if !r.backends_seen.contains(&backend) {
                             r.backends_seen.push(backend);
@@ -540,7 +545,7 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
             r
         }));
     }
-    let (mut ok_rounds, mut failed, mut switched) = (0u64, 0u64, 0u64);
+    let (mut ok_rounds, mut failed, mut switched, mut max_round_ms) = (0u64, 0u64, 0u64, 0u64);
     let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
     // Connections that ended in an error, by the backend that first
     // answered them ("-" for none).
@@ -549,6 +554,7 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
         let r = t.await.context("connection task panicked")?;
         ok_rounds += r.ok_rounds;
         failed += r.failed;
+        max_round_ms = max_round_ms.max(r.max_round_ms);
         if r.backends_seen.len() > 1 {
             switched += 1;
         }
@@ -567,6 +573,7 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
         "switched": switched,
         "per_backend": per_backend,
         "broken_per_backend": broken_per_backend,
+        "max_round_ms": max_round_ms,
         "errors": errors.take(),
         "elapsed_ms": ms_since(start),
     }))

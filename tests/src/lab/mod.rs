@@ -80,7 +80,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
+mod ecmp;
 mod sys;
+
+pub use ecmp::{NODE_ASN, ROUTER_ASN};
 
 use sys::*;
 
@@ -130,6 +133,10 @@ pub enum Topology {
     /// Default wiring and offloads, but the far end of the backend link runs
     /// its own XDP program: native redirects into `eth1` work, into `eth0` not.
     Mixed,
+    /// Scale-out: [`LabSpec::nodes`] balancer nodes `n1`.. behind a BGP
+    /// router doing ECMP (module `ecmp`); not one of [`Topology::ALL`],
+    /// which are the single-gateway variants.
+    Ecmp,
 }
 
 impl Topology {
@@ -145,6 +152,7 @@ impl Topology {
             Self::BridgeClient => "bridge-client",
             Self::OneArm => "one-arm",
             Self::Mixed => "mixed",
+            Self::Ecmp => "ecmp",
         }
     }
 
@@ -158,13 +166,16 @@ impl Topology {
             Self::BridgeClient => "the client on a port of a bridge br0 inside the gateway; veth to a switch bridge",
             Self::OneArm => "one veth to a switch bridge that holds the client and the backends",
             Self::Mixed => "default wiring and offloads; the switch end of eth1 runs an XDP program",
+            Self::Ecmp => {
+                "balancer nodes n1..nN behind a BIRD router spreading the VIPs over them by ECMP; DSR backends"
+            }
         }
     }
 
     /// The gateway interfaces lbd attaches to, client side first.
     pub fn gw_interfaces(self) -> Vec<String> {
         let v: &[&str] = match self {
-            Self::Tuned | Self::Default | Self::Mixed => &["eth0", "eth1"],
+            Self::Tuned | Self::Default | Self::Mixed | Self::Ecmp => &["eth0", "eth1"],
             Self::BridgeBackend => &["eth0", "br0"],
             Self::BridgeClient => &["br0", "eth1"],
             Self::OneArm => &["eth0"],
@@ -177,8 +188,8 @@ impl std::str::FromStr for Topology {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL.into_iter().find(|t| t.name() == s).ok_or_else(|| {
-            let names: Vec<&str> = Self::ALL.iter().map(|t| t.name()).collect();
+        Self::ALL.into_iter().chain([Self::Ecmp]).find(|t| t.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().chain(&[Self::Ecmp]).map(|t| t.name()).collect();
             format!("unknown topology {s:?} (one of {})", names.join(", "))
         })
     }
@@ -208,6 +219,8 @@ pub struct LabSpec {
     /// to the client that bypasses the gateway, taken by packets from a
     /// DSR VIP. Not with `bridge-backend` (the gateway holds the bridge).
     pub dsr: bool,
+    /// Balancer nodes of the `ecmp` topology (2..=8; ignored otherwise).
+    pub nodes: usize,
 }
 
 impl Default for LabSpec {
@@ -219,6 +232,7 @@ impl Default for LabSpec {
             bin_dir: default_bin_dir(),
             topology: Topology::Tuned,
             dsr: false,
+            nodes: 2,
         }
     }
 }
@@ -300,6 +314,8 @@ pub struct Lab {
     keep: bool,
     /// `lab-backend` processes this handle started, by backend index.
     children: Mutex<Vec<Option<Child>>>,
+    /// Other processes it started (the ecmp router's BIRD).
+    daemons: Mutex<Vec<Child>>,
 }
 
 impl Lab {
@@ -312,7 +328,12 @@ impl Lab {
         // A fresh lab starts lbd's log afresh (restarts within it append).
         let _ = std::fs::remove_file(format!("/tmp/{}-lbd.log", spec.prefix));
         Self::down(&spec.prefix).context("clearing leftovers of an earlier lab")?;
-        let lab = Self { children: Mutex::new((0..spec.backends).map(|_| None).collect()), spec, keep: false };
+        let lab = Self {
+            children: Mutex::new((0..spec.backends).map(|_| None).collect()),
+            daemons: Mutex::new(Vec::new()),
+            spec,
+            keep: false,
+        };
         match lab.build() {
             Ok(()) => Ok(lab),
             Err(e) => {
@@ -339,6 +360,14 @@ impl Lab {
             && let Err(e) = std::fs::remove_file(&peer)
         {
             first_err.get_or_insert(anyhow::Error::from(e).context(format!("removing {}", peer.display())));
+        }
+        // The ecmp lab's files outside its namespaces.
+        for f in Self::ecmp_files(prefix) {
+            if f.exists()
+                && let Err(e) = std::fs::remove_file(&f)
+            {
+                first_err.get_or_insert(anyhow::Error::from(e).context(format!("removing {}", f.display())));
+            }
         }
         // Whatever a killed lbd left pinned for this lab.
         let pins = Path::new(BPFFS).join(prefix);
@@ -554,6 +583,10 @@ impl Lab {
         self.children.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    fn lock_daemons(&self) -> std::sync::MutexGuard<'_, Vec<Child>> {
+        self.daemons.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn stats_call(&self, idx: usize, method: &str, path: &str) -> anyhow::Result<String> {
         let role = format!("be{}", idx + 1);
         let mut c = self.cmd(&role, "curl");
@@ -562,6 +595,12 @@ impl Lab {
     }
 
     fn all_roles(&self) -> Vec<String> {
+        if self.spec.topology == Topology::Ecmp {
+            let mut v: Vec<String> = ["client", "rt", "sw"].map(String::from).into();
+            v.extend(self.node_names());
+            v.extend(self.backend_names());
+            return v;
+        }
         let mut v: Vec<String> = ["client", "gw", "sw"].map(String::from).into();
         if self.spec.dsr {
             v.push("rt".into());
@@ -609,6 +648,9 @@ impl Lab {
         }
 
         let topo = self.spec.topology;
+        if topo == Topology::Ecmp {
+            return self.build_ecmp();
+        }
         let gw_ns = self.ns("gw");
         let sw_ns = self.ns("sw");
         // The backends' side: ports p1..pN of a bridge, in the switch
@@ -630,6 +672,7 @@ impl Lab {
         };
         let mut gw = String::new();
         match topo {
+            Topology::Ecmp => bail!("the ecmp lab has no gateway (built by build_ecmp)"),
             Topology::Tuned | Topology::Default | Topology::Mixed => {
                 self.ip_ns(
                     "client",
@@ -667,7 +710,7 @@ impl Lab {
         }
         // IPv6 beside IPv4, on the same devices.
         let (v6_client_side, v6_backend_side) = match topo {
-            Topology::Tuned | Topology::Default | Topology::Mixed => ("eth0", "eth1"),
+            Topology::Tuned | Topology::Default | Topology::Mixed | Topology::Ecmp => ("eth0", "eth1"),
             Topology::BridgeBackend => ("eth0", "br0"),
             Topology::BridgeClient => ("br0", "eth1"),
             Topology::OneArm => ("eth0", "eth0"),
@@ -886,7 +929,7 @@ impl Lab {
             SocketAddr::new(self.backend_addrs()[idx].into(), BACKEND_PORT),
             SocketAddr::new(self.backend_addrs6()[idx].into(), BACKEND_PORT),
         ];
-        if self.spec.dsr {
+        if self.spec.dsr || self.spec.topology == Topology::Ecmp {
             listen.push(SocketAddr::new(DSR_VIP.into(), BACKEND_PORT));
             listen.push(SocketAddr::new(DSR_VIP6.into(), BACKEND_PORT));
         }
@@ -935,6 +978,9 @@ impl Lab {
     fn teardown(&mut self) {
         let children = std::mem::take(&mut *self.lock_children());
         for mut child in children.into_iter().flatten() {
+            terminate_child(&mut child);
+        }
+        for mut child in std::mem::take(&mut *self.lock_daemons()) {
             terminate_child(&mut child);
         }
         if let Err(e) = Self::down(&self.spec.prefix) {

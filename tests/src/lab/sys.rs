@@ -59,6 +59,9 @@ pub(super) fn validate(spec: &LabSpec) -> anyhow::Result<()> {
     if !(1..=MAX_BACKENDS).contains(&spec.backends) {
         bail!("lab backends must be 1..={MAX_BACKENDS}, not {}", spec.backends);
     }
+    if spec.topology == Topology::Ecmp && !(2..=8).contains(&spec.nodes) {
+        bail!("the ecmp lab takes 2..=8 nodes, not {}", spec.nodes);
+    }
     if spec.client_sources > MAX_CLIENT_SOURCES {
         bail!("lab client_sources must be at most {MAX_CLIENT_SOURCES}, not {}", spec.client_sources);
     }
@@ -78,8 +81,9 @@ pub(super) fn is_lab_ns(prefix: &str, ns: &str) -> bool {
     let Some(role) = ns.strip_prefix(prefix).and_then(|r| r.strip_prefix('-')) else {
         return false;
     };
-    matches!(role, "client" | "gw" | "sw" | "rt")
-        || role.strip_prefix("be").is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+    let numbered =
+        |p: &str| role.strip_prefix(p).is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()));
+    matches!(role, "client" | "gw" | "sw" | "rt") || numbered("be") || numbered("n")
 }
 
 /// The lab prefix of a namespace of one of this project's labs (`lb`,
