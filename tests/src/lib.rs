@@ -2,6 +2,7 @@
 //! ([`lab`]) plus the `lab-backend` / `lab-client` helper binaries.
 #![expect(unused_crate_dependencies, reason = "used by the lab binaries and the tests")]
 
+pub mod browser;
 pub mod fixture;
 pub mod flood;
 pub mod fuzz;

@@ -22,6 +22,8 @@ pub(crate) const PACKAGES: &[(&str, &str)] = &[
     ("tmux", "/usr/bin/tmux"),
     // BIRD 2: lbd's BGP speaker, and the ecmp lab's router.
     ("bird2", "/usr/sbin/bird"),
+    // The status page's browser test (headless).
+    ("chromium", "/usr/bin/chromium"),
 ];
 
 pub(crate) fn setup() -> anyhow::Result<()> {
