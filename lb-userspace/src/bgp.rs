@@ -4,12 +4,17 @@
 //! control socket whenever the set of VIPs to announce changes.
 //!
 //! How a peer learns that lbd is gone:
-//! - lbd stops (SIGTERM, SIGINT, SIGUSR2 restart): dropping the [`Speaker`]
-//!   sends BIRD SIGTERM, and BIRD closes its sessions with a Cease
-//!   notification; the peers withdraw our routes at once.
+//! - lbd stops (SIGTERM, SIGINT): dropping the [`Speaker`] sends BIRD
+//!   SIGTERM, and BIRD closes its sessions with a Cease notification; the
+//!   peers withdraw our routes at once.
 //! - lbd dies (SIGKILL, a crash): BIRD was started with the parent-death
 //!   signal set to SIGTERM, so the kernel stops it the moment lbd's thread
-//!   that started it ends, with the same result.
+//!   that started it ends, with the same result. That thread is lbd's main
+//!   thread (the announcer runs there), which lives as long as lbd.
+//! - lbd restarts (SIGUSR2, an upgrade): the speaker is kept
+//!   ([`Speaker::keep`]), BIRD keeps its sessions and routes while lbd
+//!   execs itself (same process, same main thread: no parent-death
+//!   signal), and the new lbd adopts it ([`Speaker::adopt`]).
 //! - The node dies or is cut off: nothing closes the sessions, and the
 //!   peers withdraw when the hold time (`bgp.hold_time`) runs out.
 //!
@@ -24,11 +29,11 @@ use std::{
     time::Duration,
 };
 
+use rustix::process::{Pid, Signal};
 use serde::{Deserialize, Serialize};
 use tokio::{
     io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader},
     net::UnixStream,
-    process::{Child, Command},
 };
 
 use crate::config::BgpConfig;
@@ -157,37 +162,60 @@ pub fn parse_protocols(cfg: &BgpConfig, out: &str) -> Vec<PeerStatus> {
         .collect()
 }
 
-/// A running BIRD of ours.
+/// A running BIRD of ours: our child process, by pid (an adopted one has
+/// no `Child` handle: the lbd that started it was this very process before
+/// it exec'd itself).
 pub struct Speaker {
-    child: Child,
+    pid: Pid,
     conf: PathBuf,
     ctl: PathBuf,
+    /// Left running when dropped (a restart hands it to the next lbd).
+    keep: bool,
+    /// Running a configuration we did not write (adopted): rewrite it.
+    stale: bool,
     /// What BIRD runs with now.
     pub cfg: BgpConfig,
     pub vips: BTreeSet<IpAddr>,
 }
 
+/// The files of the BIRD of an lbd whose control socket is `base`:
+/// configuration, control socket, pid file.
+fn files(base: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let with = |ext: &str| {
+        let mut p = base.as_os_str().to_owned();
+        p.push(ext);
+        PathBuf::from(p)
+    };
+    (with(".bird.conf"), with(".bird.ctl"), with(".bird.pid"))
+}
+
+/// The parent of process `pid`, from /proc (none if it is gone).
+fn parent_of(pid: Pid) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.as_raw_nonzero())).ok()?;
+    // "pid (comm) state ppid ...": the command may hold spaces and parentheses.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+}
+
 impl Speaker {
     /// Start BIRD with `cfg` announcing `vips`; its files are `base` with
-    /// `.bird.conf` and `.bird.ctl` appended (beside lbd's control socket,
-    /// so that several lbd on one host keep apart).
+    /// `.bird.conf`, `.bird.ctl` and `.bird.pid` appended (beside lbd's
+    /// control socket, so that several lbd on one host keep apart).
+    ///
+    /// Call it from lbd's main thread: the parent-death signal follows the
+    /// thread that forks.
     pub async fn start(cfg: &BgpConfig, vips: &BTreeSet<IpAddr>, base: &Path) -> Result<Self, BgpError> {
-        let with = |ext: &str| {
-            let mut p = base.as_os_str().to_owned();
-            p.push(ext);
-            PathBuf::from(p)
-        };
-        let (conf, ctl) = (with(".bird.conf"), with(".bird.ctl"));
+        let (conf, ctl, pidfile) = files(base);
         write_atomic(&conf, &bird_config(cfg, vips))?;
         let _ = std::fs::remove_file(&ctl);
         let parent = rustix::process::getpid();
-        let mut cmd = Command::new(&cfg.daemon);
-        cmd.arg("-f").arg("-c").arg(&conf).arg("-s").arg(&ctl).stdin(std::process::Stdio::null());
+        let mut cmd = std::process::Command::new(&cfg.daemon);
+        cmd.arg("-f").arg("-c").arg(&conf).arg("-s").arg(&ctl).arg("-P").arg(&pidfile);
+        cmd.stdin(std::process::Stdio::null());
         // SAFETY: only async-signal-safe system calls run in the child
         // between fork and exec.
         unsafe {
-            cmd.pre_exec(move || {
-                rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))?;
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                rustix::process::set_parent_process_death_signal(Some(Signal::TERM))?;
                 // lbd may have died before the line above: then nobody would.
                 if rustix::process::getppid() != Some(parent) {
                     return Err(std::io::Error::other("lbd exited while starting BIRD"));
@@ -196,11 +224,15 @@ impl Speaker {
             });
         }
         let child = cmd.spawn().map_err(|source| BgpError::Spawn { daemon: cfg.daemon.clone(), source })?;
-        let mut sp = Self { child, conf, ctl, cfg: cfg.clone(), vips: vips.clone() };
+        let pid = Pid::from_child(&child);
+        // Reaped by pid (`exited`); the handle itself neither kills nor waits.
+        drop(child);
+        let mut sp = Self { pid, conf, ctl, keep: false, stale: false, cfg: cfg.clone(), vips: vips.clone() };
         let deadline = tokio::time::Instant::now() + START_TIMEOUT;
         loop {
-            if let Ok(Some(status)) = sp.child.try_wait() {
-                return Err(BgpError::Exited(status.to_string()));
+            if let Some(status) = sp.exited() {
+                sp.keep = true; // nothing left to stop
+                return Err(BgpError::Exited(status));
             }
             match sp.command("show status").await {
                 Ok(_) => return Ok(sp),
@@ -210,20 +242,53 @@ impl Speaker {
         }
     }
 
-    /// Has BIRD exited? (Its status, if so.)
+    /// The BIRD a previous lbd of this very process (before a restart's
+    /// exec) left running for `base`, if it is there, ours, and answers.
+    /// It runs the configuration it had; [`set`](Self::set) brings it up
+    /// to date. A BIRD at `base` that is not our child (left by another
+    /// process) is stopped, and none is adopted.
+    pub async fn adopt(cfg: &BgpConfig, base: &Path) -> Option<Self> {
+        let (conf, ctl, pidfile) = files(base);
+        let raw: i32 = std::fs::read_to_string(&pidfile).ok()?.trim().parse().ok()?;
+        let pid = Pid::from_raw(raw)?;
+        if parent_of(pid) != Some(rustix::process::getpid().as_raw_nonzero().get()) {
+            if std::fs::read_to_string(format!("/proc/{raw}/comm")).is_ok_and(|c| c.trim() == "bird") {
+                let _ = rustix::process::kill_process(pid, Signal::TERM);
+            }
+            return None;
+        }
+        let sp = Self { pid, conf, ctl, keep: false, stale: true, cfg: cfg.clone(), vips: BTreeSet::new() };
+        if sp.command("show status").await.is_err() {
+            return None; // dropped: stopped
+        }
+        Some(sp)
+    }
+
+    /// Leave BIRD running when this is dropped (a graceful restart: the
+    /// next lbd adopts it).
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+
+    /// Has BIRD exited? (How, if so: it is reaped.)
     pub fn exited(&mut self) -> Option<String> {
-        self.child.try_wait().ok().flatten().map(|s| s.to_string())
+        match rustix::process::waitpid(Some(self.pid), rustix::process::WaitOptions::NOHANG) {
+            Ok(Some((_, status))) => Some(format!("{status:?}")),
+            Ok(None) => None,
+            Err(e) => Some(format!("not our child any more ({e})")),
+        }
     }
 
     /// Make BIRD run `cfg` announcing `vips` (nothing to do when it does).
     pub async fn set(&mut self, cfg: &BgpConfig, vips: &BTreeSet<IpAddr>) -> Result<(), BgpError> {
-        if &self.cfg == cfg && &self.vips == vips {
+        if !self.stale && &self.cfg == cfg && &self.vips == vips {
             return Ok(());
         }
         write_atomic(&self.conf, &bird_config(cfg, vips))?;
         self.command("configure").await?;
         self.cfg = cfg.clone();
         self.vips = vips.clone();
+        self.stale = false;
         Ok(())
     }
 
@@ -252,10 +317,18 @@ impl Speaker {
 
 impl Drop for Speaker {
     fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
         // SIGTERM: BIRD closes its sessions with a notification, so the
-        // peers withdraw at once (SIGKILL would leave it to TCP).
-        if let Some(pid) = self.child.id().and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        // peers withdraw at once (SIGKILL would leave it to TCP). Reaped
+        // if it goes at once (lbd is exiting; else init reaps it).
+        let _ = rustix::process::kill_process(self.pid, Signal::TERM);
+        for _ in 0..20 {
+            if self.exited().is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
         let _ = std::fs::remove_file(&self.conf);
     }

@@ -10,7 +10,10 @@
 use std::{
     collections::HashMap,
     net::SocketAddr,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -246,16 +249,34 @@ async fn sweep_flows<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
 /// and reads the sessions' states.
 pub const ANNOUNCE_PERIOD: Duration = Duration::from_millis(250);
 
-/// Drive BIRD while the configuration has a `bgp:` section: start it, have
-/// it announce exactly the VIPs with a healthy backend
+/// Drive BIRD while the configuration has a `bgp:` section: start it (or
+/// adopt the one lbd left running before a graceful restart), have it
+/// announce exactly the VIPs with a healthy backend
 /// ([`Agent::vips_to_announce`]), follow reloads of the section, restart it
-/// if it exits, and keep [`Agent::bgp`] up to date. Aborting this task
-/// drops the speaker, which stops BIRD (the peers withdraw our routes).
-pub async fn announce_vips(state: Arc<Mutex<Agent>>, period: Duration) {
-    let mut speaker: Option<bgp::Speaker> = None;
+/// if it exits, and keep [`Agent::bgp`] up to date.
+///
+/// Run it on lbd's main thread (polled by `block_on`, not spawned): BIRD's
+/// parent-death signal follows the thread that started it, and only the
+/// main thread lives through a restart's exec. Dropping this future stops
+/// BIRD (the peers withdraw our routes), unless `keep` is set by then.
+pub async fn announce_vips(state: Arc<Mutex<Agent>>, period: Duration, keep: Arc<AtomicBool>) {
+    /// The speaker, kept running past the drop when `keep` says so.
+    struct Held(Option<bgp::Speaker>, Arc<AtomicBool>);
+    impl Drop for Held {
+        fn drop(&mut self) {
+            if let Some(sp) = self.0.as_mut()
+                && self.1.load(Ordering::SeqCst)
+            {
+                sp.keep();
+            }
+        }
+    }
+    let mut held = Held(None, keep);
+    let speaker = &mut held.0;
     let mut tick = interval(period);
     // A failing BIRD start is retried, at most every few seconds.
     let mut retry_at = tokio::time::Instant::now();
+    let mut first = true;
     loop {
         tick.tick().await;
         let (cfg, vips, base) = {
@@ -267,13 +288,22 @@ pub async fn announce_vips(state: Arc<Mutex<Agent>>, period: Duration) {
                 info!("bgp: section removed; BIRD stopped, every VIP withdrawn");
             }
             lock(&state).bgp = None;
+            first = false;
             continue;
         };
+        if std::mem::take(&mut first)
+            && let Some(sp) = bgp::Speaker::adopt(&cfg, &base).await
+        {
+            info!("bgp: adopted the BIRD the previous lbd left running");
+            *speaker = Some(sp);
+        }
         if let Some(sp) = speaker.as_mut()
             && let Some(status) = sp.exited()
         {
             warn!(%status, "bgp: BIRD exited; starting it again");
-            speaker = None;
+            // Gone already: nothing to stop.
+            sp.keep();
+            *speaker = None;
         }
         let result = match speaker.as_mut() {
             Some(sp) => {
@@ -290,7 +320,7 @@ pub async fn announce_vips(state: Arc<Mutex<Agent>>, period: Duration) {
             None => match bgp::Speaker::start(&cfg, &vips, &base).await {
                 Ok(sp) => {
                     info!(vips = ?vips, peers = cfg.peers.len(), "bgp: BIRD started");
-                    speaker = Some(sp);
+                    *speaker = Some(sp);
                     Ok(())
                 }
                 Err(e) => {
@@ -302,7 +332,7 @@ pub async fn announce_vips(state: Arc<Mutex<Agent>>, period: Duration) {
         if let Err(e) = &result {
             warn!(error = %e, "bgp: driving BIRD failed");
         }
-        let peers = match &speaker {
+        let peers = match speaker.as_ref() {
             Some(sp) => sp.peers().await.unwrap_or_else(|_| unknown_peers(&cfg)),
             None => unknown_peers(&cfg),
         };

@@ -172,6 +172,42 @@ fn the_router_spreads_connections_over_both_nodes_and_the_backends() {
         assert_eq!(c["dsr_off_link"].as_u64(), Some(0), "n{}: {c}", k + 1);
         assert_eq!(announced_metric(&s.lab, &format!("n{}", k + 1), "dsr"), Some(1.0));
     }
+
+    // A graceful restart (SIGUSR2) of n1: BIRD and its session outlive
+    // it (the new lbd adopts the same BIRD), so the router never loses n1.
+    let pidfile = format!("{}.bird.pid", s.lab.node_socket(1).display());
+    let bird = std::fs::read_to_string(&pidfile).unwrap();
+    let all = all_nodes();
+    let watch = {
+        let (lab_ns, vip) = (s.lab.ns("rt"), DSR_VIP);
+        std::thread::spawn(move || {
+            // The router's next hops every 10 ms for 6 s: any gap is a loss.
+            let until = Instant::now() + Duration::from_secs(6);
+            let mut samples = Vec::new();
+            while Instant::now() < until {
+                let out = std::process::Command::new("ip")
+                    .args(["-n", &lab_ns, "route", "show", "exact", &format!("{vip}/32")])
+                    .output()
+                    .unwrap();
+                samples.push(String::from_utf8_lossy(&out.stdout).matches("via").count());
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            samples
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let new_program = s.nodes[0].restart().expect("n1 restarts");
+    let samples = watch.join().unwrap();
+    println!(
+        "n1 restarted (program {new_program}): the router had {} next hops in each of {} samples over 6 s",
+        samples.iter().min().unwrap(),
+        samples.len()
+    );
+    assert!(samples.iter().all(|&n| n == all.len()), "the router lost a next hop during n1's restart: {samples:?}");
+    assert_eq!(std::fs::read_to_string(&pidfile).unwrap(), bird, "n1's BIRD was replaced, not adopted");
+    assert!(s.nodes[0].log_text().contains("adopted the BIRD"), "{}", s.nodes[0].log_text());
+    let st = s.nodes[0].status().unwrap();
+    assert_eq!(st["bgp"]["peers"][0]["state"], "Established", "{st}");
 }
 
 #[test]

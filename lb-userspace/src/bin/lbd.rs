@@ -168,9 +168,15 @@ async fn serve(
     let half_open = std::time::Duration::from_secs(u64::from(cfg.flood.half_open_timeout));
     let sweep = (half_open / 2).clamp(std::time::Duration::from_secs(1), Periods::default().sweep);
     let background = Tasks::start(&agent, Periods { sweep, ..Periods::default() });
-    // VIP announcement (BIRD runs while the config has a bgp: section).
-    let announcer =
-        tokio::spawn(lb_userspace::tasks::announce_vips(agent.clone(), lb_userspace::tasks::ANNOUNCE_PERIOD));
+    // VIP announcement (BIRD runs while the config has a bgp: section),
+    // polled right here on the main thread (see announce_vips); a restart
+    // sets `keep_bird` so that BIRD and its sessions outlive the exec.
+    let keep_bird = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut announcer = Box::pin(lb_userspace::tasks::announce_vips(
+        agent.clone(),
+        lb_userspace::tasks::ANNOUNCE_PERIOD,
+        keep_bird.clone(),
+    ));
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut sigusr2 = signal(SignalKind::user_defined2()).context("installing the SIGUSR2 handler")?;
     let logs = logger.map(|mut fd| {
@@ -190,8 +196,10 @@ async fn serve(
             _ = sigint.recv() => { info!("SIGINT: shutting down"); break Exit::Stopped }
             _ = sigusr2.recv() => {
                 info!("SIGUSR2: restarting; the datapath keeps forwarding meanwhile");
+                keep_bird.store(true, std::sync::atomic::Ordering::SeqCst);
                 break Exit::Restart
             }
+            () = &mut announcer => unreachable!("the announcer never returns"),
             _ = sighup.recv() => {
                 info!("SIGHUP: reloading the configuration");
                 let agent = agent.clone();
@@ -205,9 +213,10 @@ async fn serve(
             }
         }
     };
-    // First of all: BIRD stops, the peers withdraw our VIPs (also for a
-    // restart; the peers take them back when the new lbd announces them).
-    for task in [announcer, api, exporter] {
+    // First of all: BIRD stops and the peers withdraw our VIPs, unless this
+    // is a restart (BIRD then keeps announcing; the new lbd adopts it).
+    drop(announcer);
+    for task in [api, exporter] {
         task.abort();
         let _ = task.await;
     }
