@@ -223,12 +223,18 @@ impl Agent {
     /// True while some backend is still ramping up.
     pub fn ramping(&self) -> bool {
         let now = Instant::now();
-        self.config.services.iter().any(|s| {
-            s.slow_start.is_some_and(|w| {
-                s.backends.iter().any(|b| {
-                    self.ramp_start(&(s.name.clone(), b.address, b.port)).is_some_and(|t| now.duration_since(t) < w)
-                })
-            })
+        self.config.services.iter().any(|s| s.backends.iter().any(|b| self.ramping_at(s, b, now)))
+    }
+
+    /// True while `b` of service `s` is still inside its slow-start window
+    /// (whatever its health; the status report shows it only while up).
+    pub fn slow_starting(&self, s: &ServiceConfig, b: &BackendConfig) -> bool {
+        self.ramping_at(s, b, Instant::now())
+    }
+
+    fn ramping_at(&self, s: &ServiceConfig, b: &BackendConfig, now: Instant) -> bool {
+        s.slow_start.is_some_and(|w| {
+            self.ramp_start(&(s.name.clone(), b.address, b.port)).is_some_and(|t| now.duration_since(t) < w)
         })
     }
 

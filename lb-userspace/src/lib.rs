@@ -13,7 +13,9 @@
 //! - `health`: probes, rise/fall, slow start, and their metrics.
 //! - `tasks`: lbd's background loops (probes, slow start, device watch,
 //!   flow sweeper), driven through a trait so tests can run them.
-//! - `metrics`: the Prometheus exporter.
+//! - `metrics`: the Prometheus exporter, and the HTTP listener it shares
+//!   with the status page.
+//! - `page`: the status page (`/`) and its document (`/status.json`).
 //!
 //! No module imports one that imports it back (a test below checks).
 // Dependencies of the binaries only (the library does not need them).
@@ -32,6 +34,7 @@ pub mod dataplane;
 pub mod health;
 pub mod metrics;
 pub mod netdev;
+pub mod page;
 pub mod paths;
 pub mod render;
 pub mod report;

@@ -4,7 +4,9 @@
 //! (`prometheus_client::collector::Collector`, writing constant counters and
 //! gauges) that reads the agent's state and the BPF maps at every scrape
 //! (per-CPU counters summed then, so scraping costs the datapath nothing),
-//! plus the health-check histograms. The HTTP side is a minimal GET handler (one route).
+//! plus the health-check histograms. The HTTP side is a minimal, read-only
+//! GET handler: `/metrics`, and the status page (`page`): `/` and
+//! `/status.json`.
 
 /// Every series lbd exports (metric family names; histograms also expose
 /// `_bucket`, `_sum` and `_count`, counters are sampled as `<name>`, which
@@ -58,6 +60,7 @@ use tracing::{debug, warn};
 use crate::{
     agent::{Agent, BackendState},
     health::Labels,
+    page,
     report::{self, Status},
 };
 
@@ -358,15 +361,40 @@ pub fn to_prometheus_text(openmetrics: &str) -> String {
     out
 }
 
-/// Serve `GET /metrics` until the task is dropped.
+/// What the listener answers from: the exporter's registry (`/metrics`)
+/// and the status report (`/status.json`; the page at `/` is a constant).
+struct Site {
+    registry: Registry,
+    status: Box<dyn Fn() -> Result<Status, String> + Send + Sync>,
+}
+
+impl Site {
+    fn of(agent: Arc<Mutex<Agent>>) -> Self {
+        Self {
+            registry: registry(agent.clone()),
+            status: Box::new(move || {
+                let a = agent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                report::status(&a).map_err(|e| e.to_string())
+            }),
+        }
+    }
+}
+
+/// Serve, read-only, until the task is dropped: `GET /metrics` (the
+/// exporter), `GET /status.json` (the status report as `lbctl status
+/// --json` prints it) and `GET /` (the status page, which reads
+/// `/status.json`).
 pub async fn serve(listener: TcpListener, agent: Arc<Mutex<Agent>>) {
-    let registry = Arc::new(registry(agent));
+    serve_site(listener, Arc::new(Site::of(agent))).await;
+}
+
+async fn serve_site(listener: TcpListener, site: Arc<Site>) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let registry = registry.clone();
+                let site = site.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = handle(stream, registry).await {
+                    if let Err(e) = handle(stream, site).await {
                         debug!(error = %e, "metrics connection");
                     }
                 });
@@ -379,7 +407,96 @@ pub async fn serve(listener: TcpListener, agent: Arc<Mutex<Agent>>) {
     }
 }
 
-async fn handle(mut stream: TcpStream, registry: Arc<Registry>) -> std::io::Result<()> {
+/// One HTTP answer.
+#[derive(Debug)]
+struct Reply {
+    status: &'static str,
+    content_type: &'static str,
+    /// Header lines besides Content-Type, Content-Length and Connection.
+    headers: &'static [(&'static str, &'static str)],
+    body: String,
+}
+
+impl Reply {
+    fn text(status: &'static str, headers: &'static [(&'static str, &'static str)], body: String) -> Self {
+        Self { status, content_type: "text/plain; charset=utf-8", headers, body }
+    }
+}
+
+/// What the page may load: itself (inline script and style) and, by
+/// fetch, this listener (`/status.json`); nothing from anywhere else.
+const PAGE_POLICY: &str = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+     connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// The answer to `method target` (only GET; the query string ignored).
+async fn answer(site: &Arc<Site>, method: &str, target: &str, openmetrics: bool) -> Reply {
+    if method != "GET" {
+        return Reply::text(
+            "405 Method Not Allowed",
+            &[("Allow", "GET")],
+            "only GET: this listener is read-only\n".into(),
+        );
+    }
+    let site = site.clone();
+    match target.split('?').next().unwrap_or("") {
+        "/" => Reply {
+            status: "200 OK",
+            content_type: "text/html; charset=utf-8",
+            headers: &[
+                ("Cache-Control", "no-store"),
+                ("Content-Security-Policy", PAGE_POLICY),
+                ("X-Content-Type-Options", "nosniff"),
+            ],
+            body: page::HTML.to_owned(),
+        },
+        "/status.json" => {
+            let r = tokio::task::spawn_blocking(move || {
+                (site.status)().and_then(|s| page::status_json(&s).map_err(|e| e.to_string()))
+            })
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+            match r {
+                Ok(json) => Reply {
+                    status: "200 OK",
+                    content_type: "application/json",
+                    headers: &[("Cache-Control", "no-store")],
+                    body: json,
+                },
+                Err(e) => Reply::text("500 Internal Server Error", &[("Cache-Control", "no-store")], format!("{e}\n")),
+            }
+        }
+        "/metrics" => {
+            let r = tokio::task::spawn_blocking(move || {
+                let mut text = String::new();
+                encode(&mut text, &site.registry).map(|()| text).map_err(|_| "reading the datapath failed".to_owned())
+            })
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+            match r {
+                Ok(text) if openmetrics => Reply {
+                    status: "200 OK",
+                    content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    headers: &[],
+                    body: text,
+                },
+                Ok(text) => Reply {
+                    status: "200 OK",
+                    content_type: "text/plain; version=0.0.4; charset=utf-8",
+                    headers: &[],
+                    body: to_prometheus_text(&text),
+                },
+                Err(e) => Reply::text("500 Internal Server Error", &[], format!("{e}\n")),
+            }
+        }
+        _ => Reply::text(
+            "404 Not Found",
+            &[],
+            "not found: lbd serves / (the status page), /status.json and /metrics\n".into(),
+        ),
+    }
+}
+
+async fn handle(mut stream: TcpStream, site: Arc<Site>) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -397,30 +514,34 @@ async fn handle(mut stream: TcpStream, registry: Arc<Registry>) -> std::io::Resu
     let openmetrics = head
         .lines()
         .any(|l| l.to_ascii_lowercase().starts_with("accept:") && l.contains("application/openmetrics-text"));
-    let path = target.split('?').next().unwrap_or("");
-    let (status, ctype, body) = if method != "GET" {
-        ("405 Method Not Allowed", "text/plain", "only GET\n".to_owned())
-    } else if path != "/metrics" {
-        ("404 Not Found", "text/plain", "metrics are at /metrics\n".to_owned())
-    } else {
-        let r = tokio::task::spawn_blocking(move || {
-            let mut text = String::new();
-            encode(&mut text, &registry).map(|()| text).map_err(|_| "reading the datapath failed".to_owned())
-        })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string()));
-        match r {
-            Ok(text) if openmetrics => ("200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", text),
-            Ok(text) => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", to_prometheus_text(&text)),
-            Err(e) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
-        }
-    };
-    let resp = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
+    let reply = answer(&site, method, target, openmetrics).await;
+    let mut resp = format!(
+        "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n",
+        reply.status,
+        reply.content_type,
+        reply.body.len()
     );
+    for (name, value) in reply.headers {
+        resp.push_str(&format!("{name}: {value}\r\n"));
+    }
+    resp.push_str("Connection: close\r\n\r\n");
+    resp.push_str(&reply.body);
     stream.write_all(resp.as_bytes()).await?;
-    stream.shutdown().await
+    stream.shutdown().await?;
+    // Read what the client may still send (a request body) until it
+    // closes, briefly: closing with unread data would reset the
+    // connection, and the client could lose the answer.
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let mut left = 64usize << 10;
+        while let Ok(n @ 1..) = stream.read(&mut chunk).await {
+            left = left.saturating_sub(n);
+            if left == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -464,6 +585,7 @@ mod tests {
             expected_share: 0.5,
             observed_share: 0.5,
             response_time_ms: None,
+            slow_start: false,
         }
     }
 
@@ -781,5 +903,195 @@ mod tests {
             to_prometheus_text(om),
             "# HELP lb_x_total Things.\n# TYPE lb_x_total counter\nlb_x_total{a=\"b\"} 3\n# HELP lb_g A gauge.\n# TYPE lb_g gauge\nlb_g 1\n"
         );
+    }
+
+    /// A listener serving `snap` (its status for `/status.json`, its
+    /// families for `/metrics`), or failing to read the status.
+    fn site(snap: Snapshot, status_fails: bool) -> Arc<Site> {
+        let mut registry = Registry::default();
+        let status = snap.status.clone();
+        registry.register_collector(Box::new(Fixed(snap)));
+        Arc::new(Site {
+            registry,
+            status: Box::new(
+                move || if status_fails { Err("reading the datapath failed".into()) } else { Ok(status.clone()) },
+            ),
+        })
+    }
+
+    /// One request over TCP to a listener serving `site`: (status line,
+    /// header lines, body).
+    fn exchange(site: Arc<Site>, request: &[u8]) -> (String, Vec<String>, String) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let server = tokio::spawn(serve_site(listener, site));
+            let mut c = TcpStream::connect(addr).await.unwrap();
+            c.write_all(request).await.unwrap();
+            let mut raw = Vec::new();
+            tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut raw)).await.unwrap().unwrap();
+            server.abort();
+            let raw = String::from_utf8(raw).unwrap();
+            let (head, body) = raw.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no head in {raw:?}"));
+            let mut lines = head.split("\r\n").map(str::to_owned);
+            let status = lines.next().unwrap();
+            let headers: Vec<String> = lines.collect();
+            let length = headers.iter().find_map(|h| h.strip_prefix("Content-Length: ")).unwrap();
+            assert_eq!(length.parse::<usize>().unwrap(), body.len(), "Content-Length");
+            (status, headers, body.to_owned())
+        })
+    }
+
+    fn get(site: Arc<Site>, path: &str) -> (String, Vec<String>, String) {
+        exchange(site, format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+    }
+
+    /// A status with what the page shows beyond `fixed`: BGP, a response
+    /// time, a backend in slow start, an IPv6 service.
+    fn rich() -> Snapshot {
+        let mut snap = fixed();
+        let st = &mut snap.status;
+        st.bgp = Some(crate::bgp::BgpStatus {
+            peers: vec![crate::bgp::PeerStatus {
+                address: std::net::Ipv4Addr::new(10, 0, 0, 1).into(),
+                asn: 65000,
+                state: "Established".into(),
+            }],
+            originated: [st.services[0].vip].into(),
+            error: None,
+        });
+        st.services[0].backends[0].response_time_ms = Some(1.234_567_890_123);
+        st.services[0].backends[0].slow_start = true;
+        st.services[0].backends[1].observed_share = 1.0 / 3.0;
+        let mut six = st.services[0].clone();
+        six.name = "web6".into();
+        six.vip = "fd00:10::100".parse().unwrap();
+        six.fairness = None;
+        six.announced = Some(false);
+        for (b, last) in six.backends.iter_mut().zip(["fd00:20::11", "fd00:20::12"]) {
+            b.address = last.parse().unwrap();
+        }
+        st.services.push(six);
+        snap
+    }
+
+    #[test]
+    fn status_json_is_what_lbctl_status_json_prints() {
+        for snap in [rich(), fixed(), empty()] {
+            let status = snap.status.clone();
+            // The control API's way: the report as a JSON value, in a
+            // response line; lbctl reads the line and pretty-prints the
+            // value (`println!`).
+            let resp =
+                crate::api::Response { ok: true, result: Some(serde_json::to_value(&status).unwrap()), error: None };
+            let line = serde_json::to_string(&resp).unwrap();
+            let read: crate::api::Response = serde_json::from_str(&line).unwrap();
+            let lbctl = format!("{}\n", serde_json::to_string_pretty(&read.result.unwrap()).unwrap());
+
+            let (code, headers, body) = get(site(snap, false), "/status.json");
+            assert_eq!(code, "HTTP/1.1 200 OK");
+            assert!(headers.iter().any(|h| h == "Content-Type: application/json"), "{headers:?}");
+            assert!(headers.iter().any(|h| h == "Cache-Control: no-store"), "{headers:?}");
+            assert_eq!(body, lbctl, "the bytes lbctl status --json prints");
+            assert_eq!(body, page::status_json(&status).unwrap());
+            // And it reads back as the report, slow start included.
+            assert_eq!(serde_json::from_str::<Status>(&body).unwrap(), status);
+        }
+        let v: serde_json::Value = serde_json::from_str(&page::status_json(&rich().status).unwrap()).unwrap();
+        assert_eq!(v["services"][0]["backends"][0]["slow_start"], true);
+        assert_eq!(v["services"][1]["backends"][0]["address"], "fd00:20::11");
+        // A report written before the field existed still reads.
+        let mut old = v.clone();
+        old["services"][0]["backends"][0].as_object_mut().unwrap().remove("slow_start");
+        let old: Status = serde_json::from_value(old).unwrap();
+        assert!(!old.services[0].backends[0].slow_start);
+    }
+
+    #[test]
+    fn the_page_is_one_self_contained_document_with_the_dom_contract() {
+        let (code, headers, body) = get(site(fixed(), false), "/");
+        assert_eq!(code, "HTTP/1.1 200 OK");
+        assert!(headers.iter().any(|h| h == "Content-Type: text/html; charset=utf-8"), "{headers:?}");
+        assert!(headers.iter().any(|h| h.starts_with("Content-Security-Policy: default-src 'none';")), "{headers:?}");
+        assert_eq!(body, page::HTML);
+        assert!(body.len() < 25 * 1024, "{} bytes", body.len());
+        // Nothing loaded from elsewhere: no URL with a scheme or a
+        // protocol-relative one, no src= or @import; the only links are
+        // to status.json and the empty data: icon.
+        let lower = body.to_ascii_lowercase();
+        for bad in ["http:", "https:", "://", "\"//", "'//", "src=", "@import", "url("] {
+            assert!(!lower.contains(bad), "the page contains {bad:?}");
+        }
+        for (i, _) in lower.match_indices("href=") {
+            let target = &lower[i + "href=".len()..];
+            assert!(target.starts_with("\"status.json\"") || target.starts_with("\"data:,\""), "{}", &target[..40]);
+        }
+        assert!(body.contains(r#"fetch("status.json""#), "relative, so it also works behind a path prefix");
+        // The markers the browser test reads.
+        for marker in [
+            r#"<body data-refreshes="0">"#,
+            "document.body.dataset.refreshes = String(++refreshes)",
+            r#"<section class="service">"#,
+            r#"el.dataset.service = s.name"#,
+            r#"class="announced""#,
+            r#""announced" : s.announced === false ? "withdrawn" : "-""#,
+            r#"<tr class="backend">"#,
+            "tr.dataset.service = s.name",
+            "tr.dataset.backend = addr",
+            r#"<td class="state">"#,
+            r#"b.state === "up" && b.slow_start ? "slow-start" : b.state"#,
+            r#"<td class="new-flows">"#,
+            r#"<td class="weight">"#,
+            r#"<td class="effective-weight">"#,
+            r#"<td class="active-flows">"#,
+            r#"<td class="rate">"#,
+            r#"<td class="response-time">"#,
+            r#"tr.className = "counter""#,
+            "tr.dataset.counter = name",
+            r#"b.className = "value""#,
+            "lbd unreachable since",
+            "<svg",
+        ] {
+            assert!(body.contains(marker), "the page lacks {marker:?}");
+        }
+    }
+
+    #[test]
+    fn only_get_of_the_three_paths_is_answered() {
+        for (req, want) in [
+            ("POST / HTTP/1.1\r\nContent-Length: 4\r\n\r\nstop", "HTTP/1.1 405 Method Not Allowed"),
+            ("POST /status.json HTTP/1.1\r\nContent-Length: 0\r\n\r\n", "HTTP/1.1 405 Method Not Allowed"),
+            ("PUT /metrics HTTP/1.1\r\n\r\n", "HTTP/1.1 405 Method Not Allowed"),
+            ("HEAD / HTTP/1.1\r\n\r\n", "HTTP/1.1 405 Method Not Allowed"),
+            ("DELETE /nope HTTP/1.1\r\n\r\n", "HTTP/1.1 405 Method Not Allowed"),
+            ("GET /nope HTTP/1.1\r\n\r\n", "HTTP/1.1 404 Not Found"),
+            ("GET /index.html HTTP/1.1\r\n\r\n", "HTTP/1.1 404 Not Found"),
+            ("GET /status.json/ HTTP/1.1\r\n\r\n", "HTTP/1.1 404 Not Found"),
+            ("GET /status.json?t=1 HTTP/1.1\r\n\r\n", "HTTP/1.1 200 OK"),
+            ("GET /?refresh=1 HTTP/1.1\r\n\r\n", "HTTP/1.1 200 OK"),
+        ] {
+            let (code, headers, _) = exchange(site(fixed(), false), req.as_bytes());
+            assert_eq!(code, want, "{req:?}");
+            if want.contains("405") {
+                assert!(headers.iter().any(|h| h == "Allow: GET"), "{req:?}: {headers:?}");
+            }
+        }
+        // /metrics as before: Prometheus text, or OpenMetrics when asked.
+        let (code, headers, body) = get(site(fixed(), false), "/metrics");
+        assert_eq!(code, "HTTP/1.1 200 OK");
+        assert!(headers.iter().any(|h| h == "Content-Type: text/plain; version=0.0.4; charset=utf-8"), "{headers:?}");
+        assert!(body.lines().any(|l| l == "lb_xdp_redirect_packets_total 40"), "{body}");
+        let (_, headers, body) = exchange(
+            site(fixed(), false),
+            b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text; version=1.0.0\r\n\r\n",
+        );
+        assert!(headers.iter().any(|h| h.starts_with("Content-Type: application/openmetrics-text")), "{headers:?}");
+        assert!(body.ends_with("# EOF\n"), "{body}");
+        // A status that cannot be read is an error, not a stale document.
+        let (code, headers, body) = get(site(fixed(), true), "/status.json");
+        assert_eq!(code, "HTTP/1.1 500 Internal Server Error");
+        assert!(headers.iter().any(|h| h == "Cache-Control: no-store"), "{headers:?}");
+        assert_eq!(body, "reading the datapath failed\n");
     }
 }

@@ -40,6 +40,10 @@ pub struct BackendStatus {
     /// probes or before the first successful one.
     #[serde(default)]
     pub response_time_ms: Option<f64>,
+    /// True while the backend is up (not down, not drained) and its
+    /// effective weight still ramps under the service's `slow_start`.
+    #[serde(default)]
+    pub slow_start: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -118,12 +122,13 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
         let mut backends = Vec::new();
         for b in &s.backends {
             let st = dp.backend_stats(b.id)?;
+            let state = agent.state_of(&s.config.name, &b.config);
             backends.push(BackendStatus {
                 address: b.config.address,
                 port: b.config.port,
                 weight: b.config.weight,
                 effective_weight: b.runtime.weight,
-                state: agent.state_of(&s.config.name, &b.config),
+                state,
                 new_flows: st.new_flows,
                 packets_in: st.packets_in,
                 bytes_in: st.bytes_in,
@@ -135,6 +140,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
                 response_time_ms: agent
                     .response_time_of(&s.config.name, b.config.address, b.config.port)
                     .map(|d| d.as_secs_f64() * 1000.0),
+                slow_start: state == BackendState::Up && agent.slow_starting(&s.config, &b.config),
             });
         }
         let new_flows: u64 = backends.iter().map(|b| b.new_flows).sum();
