@@ -138,18 +138,7 @@ impl Lab {
             writeln!(rt, "addr add {router}/24 dev n{k}\nlink set n{k} up").unwrap();
         }
         self.ip_batch("rt", &rt)?;
-        self.ns_exec(
-            "rt",
-            "sysctl",
-            &[
-                "-q",
-                "-w",
-                "net.ipv4.ip_forward=1",
-                "net.ipv4.conf.all.rp_filter=0",
-                "net.ipv4.conf.default.rp_filter=0",
-                "net.ipv4.fib_multipath_hash_policy=1",
-            ],
-        )?;
+        self.forwarder("rt", &["net.ipv4.fib_multipath_hash_policy=1"])?;
         self.start_router_bird()?;
 
         // The nodes.
@@ -163,33 +152,12 @@ impl Lab {
                     Self::node_backend_addr(k)
                 ),
             )?;
-            self.ns_exec(
-                &node,
-                "sysctl",
-                &[
-                    "-q",
-                    "-w",
-                    "net.ipv4.ip_forward=1",
-                    "net.ipv4.conf.all.rp_filter=0",
-                    "net.ipv4.conf.default.rp_filter=0",
-                    "net.ipv4.conf.eth0.rp_filter=0",
-                    "net.ipv4.conf.eth1.rp_filter=0",
-                ],
-            )?;
+            self.forwarder(&node, &["net.ipv4.conf.eth0.rp_filter=0", "net.ipv4.conf.eth1.rp_filter=0"])?;
         }
 
         // The client, as in every lab (its VIP route now leads to the router).
-        let mut cl = String::from("addr add 10.10.0.2/16 dev eth0\nlink set eth0 up\n");
-        for a in self.client_sources() {
-            writeln!(cl, "addr add {a}/16 dev eth0").unwrap();
-        }
-        cl.push_str("route add 10.10.0.96/28 via 10.10.0.1\nroute add 10.20.0.0/24 via 10.10.0.1\n");
-        self.ip_batch("client", &cl)?;
-        self.ns_exec(
-            "client",
-            "sysctl",
-            &["-q", "-w", "net.ipv4.ip_local_port_range=1024 65000", "net.ipv4.tcp_tw_reuse=1"],
-        )?;
+        self.ip_batch("client", &self.client_v4())?;
+        self.client_sysctls()?;
         self.ns_exec("client", "ethtool", &["-K", "eth0", "tx", "off"])?;
 
         // The backends: DSR VIP on loopback, answers by the router.
@@ -201,18 +169,7 @@ impl Lab {
                     "addr add {addr}/24 dev eth0\nlink set eth0 up\nroute add default via {BYPASS_ROUTER}\naddr add {addr6}/64 dev eth0 nodad\naddr add {DSR_VIP}/32 dev lo\naddr add {DSR_VIP6}/128 dev lo nodad\n"
                 ),
             )?;
-            self.ns_exec(
-                &role,
-                "sysctl",
-                &[
-                    "-q",
-                    "-w",
-                    "net.ipv4.conf.all.arp_ignore=1",
-                    "net.ipv4.conf.all.arp_announce=2",
-                    "net.ipv4.conf.eth0.arp_ignore=1",
-                    "net.ipv4.conf.eth0.arp_announce=2",
-                ],
-            )?;
+            self.hide_dsr_vips(&role)?;
         }
         for idx in 0..n {
             self.spawn_backend(idx)?;
@@ -221,6 +178,20 @@ impl Lab {
             self.wait_backend_ready(idx)?;
         }
         Ok(())
+    }
+
+    /// Make `role` an IPv4 router without reverse-path filtering, with
+    /// `more` sysctls.
+    fn forwarder(&self, role: &str, more: &[&str]) -> anyhow::Result<()> {
+        let mut args = vec![
+            "-q",
+            "-w",
+            "net.ipv4.ip_forward=1",
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0",
+        ];
+        args.extend_from_slice(more);
+        self.ns_exec(role, "sysctl", &args)
     }
 
     /// The router's BIRD: one session per node, every VIP learnt installed

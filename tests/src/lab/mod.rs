@@ -763,11 +763,7 @@ impl Lab {
         }
 
         // Client.
-        let mut cl = String::from("addr add 10.10.0.2/16 dev eth0\nlink set eth0 up\n");
-        for a in self.client_sources() {
-            writeln!(cl, "addr add {a}/16 dev eth0").unwrap();
-        }
-        cl.push_str("route add 10.10.0.96/28 via 10.10.0.1\nroute add 10.20.0.0/24 via 10.10.0.1\n");
+        let mut cl = self.client_v4();
         writeln!(cl, "addr add {CLIENT6}/64 dev eth0 nodad").unwrap();
         // The extra sources deprecated (preferred_lft 0): bound explicitly
         // they work, but the kernel never picks one by itself, so
@@ -777,11 +773,7 @@ impl Lab {
         }
         writeln!(cl, "route add {VIPS6_NET} via {GW6_CLIENT}\nroute add fd00:20::/64 via {GW6_CLIENT}").unwrap();
         self.ip_batch("client", &cl)?;
-        self.ns_exec(
-            "client",
-            "sysctl",
-            &["-q", "-w", "net.ipv4.ip_local_port_range=1024 65000", "net.ipv4.tcp_tw_reuse=1"],
-        )?;
+        self.client_sysctls()?;
         if topo == Topology::Tuned {
             self.ns_exec("sw", "ethtool", &["-K", "p0", "gro", "on"])?;
             self.ns_exec("client", "ethtool", &["-K", "eth0", "tx", "off"])?;
@@ -821,18 +813,7 @@ impl Lab {
                 let (vip6, bypass6) = (DSR_VIP6.to_string(), BYPASS_ROUTER6.to_string());
                 self.ip_ns(&role, &["-6", "rule", "add", "from", &vip6, "table", "100"])?;
                 self.ip_ns(&role, &["-6", "route", "add", "default", "via", &bypass6, "table", "100"])?;
-                self.ns_exec(
-                    &role,
-                    "sysctl",
-                    &[
-                        "-q",
-                        "-w",
-                        "net.ipv4.conf.all.arp_ignore=1",
-                        "net.ipv4.conf.all.arp_announce=2",
-                        "net.ipv4.conf.eth0.arp_ignore=1",
-                        "net.ipv4.conf.eth0.arp_announce=2",
-                    ],
-                )?;
+                self.hide_dsr_vips(&role)?;
             }
             if topo == Topology::Tuned {
                 self.ns_exec(&role, "ethtool", &["-K", "eth0", "tx", "off"])?;
@@ -845,6 +826,45 @@ impl Lab {
             self.wait_backend_ready(idx)?;
         }
         Ok(())
+    }
+
+    /// The client's IPv4 set-up, the same in every lab: 10.10.0.2 and the
+    /// extra sources on eth0, the VIPs and the backends' network by
+    /// 10.10.0.1 (the gateway, or the ecmp lab's router).
+    fn client_v4(&self) -> String {
+        let mut cl = String::from("addr add 10.10.0.2/16 dev eth0\nlink set eth0 up\n");
+        for a in self.client_sources() {
+            writeln!(cl, "addr add {a}/16 dev eth0").unwrap();
+        }
+        cl.push_str("route add 10.10.0.96/28 via 10.10.0.1\nroute add 10.20.0.0/24 via 10.10.0.1\n");
+        cl
+    }
+
+    /// Room for many short connections from the client.
+    fn client_sysctls(&self) -> anyhow::Result<()> {
+        self.ns_exec(
+            "client",
+            "sysctl",
+            &["-q", "-w", "net.ipv4.ip_local_port_range=1024 65000", "net.ipv4.tcp_tw_reuse=1"],
+        )
+    }
+
+    /// A DSR backend never tells its network about the VIPs on its
+    /// loopback: ARP answers only for eth0's own addresses (IPv6 neighbour
+    /// discovery never answers for loopback's).
+    fn hide_dsr_vips(&self, role: &str) -> anyhow::Result<()> {
+        self.ns_exec(
+            role,
+            "sysctl",
+            &[
+                "-q",
+                "-w",
+                "net.ipv4.conf.all.arp_ignore=1",
+                "net.ipv4.conf.all.arp_announce=2",
+                "net.ipv4.conf.eth0.arp_ignore=1",
+                "net.ipv4.conf.eth0.arp_announce=2",
+            ],
+        )
     }
 
     /// The DSR bypass: a router namespace (`rt`) between the backends'
