@@ -508,6 +508,7 @@ pub(crate) struct Oversize {
 // no room for this path's locals.
 #[inline(never)]
 pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: u64) -> u32 {
+    finish_for_dsr(ctx, pkt);
     let now = now as u32;
     let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
     let hop = Hop::Backend { id, addr };
@@ -544,6 +545,24 @@ pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: 
     stats::count(counter::XDP_REDIRECT);
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(ifindex, 0) as u32 }
+}
+
+/// A DSR packet leaves unchanged but for its MACs, and by native XDP
+/// redirect it loses the skb's "finish me" mark: an unfinished L4 checksum
+/// (a local sender behind a veth) is finished first, or the backend would
+/// drop the packet. In generic mode the skb keeps the mark and the
+/// checksum stays for the kernel or the device to finish.
+// Its own frame: its branches would otherwise double the verifier's walk
+// of everything after it.
+#[inline(never)]
+fn finish_for_dsr(ctx: &XdpContext, pkt: &Packet) {
+    if generic_ingress(ctx) {
+        return;
+    }
+    if let L4Csum::Partial { done: Some(done) } = classify(ctx, pkt) {
+        // SAFETY: l4_check was bounds-checked by parse().
+        unsafe { *pkt.l4_check() = done };
+    }
 }
 
 /// A DSR packet too big for the way to its backend: with DF, answered

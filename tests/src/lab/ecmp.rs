@@ -22,12 +22,11 @@
 //!   through whatever node the backend routes by, not the one the router
 //!   hashed the request to, and losing a node would also need the
 //!   backends' return route to move; DSR needs neither.
-//! - Offloads are the kernel's defaults except two things this veth lab
-//!   needs and a physical network does not: the client sends with TX
-//!   checksum offload off (a DSR packet leaves a node unchanged but for its
-//!   MACs, so an unfinished checksum from a local sender would reach the
-//!   backend unfinished), and the switch ends of the nodes' `eth1` have
-//!   GRO on (native XDP redirects into a veth are delivered only then).
+//! - Offloads are the kernel's defaults (the client's checksums arrive
+//!   unfinished, and the nodes finish them) except one thing this veth lab
+//!   needs and a physical network does not: the switch ends of the nodes'
+//!   `eth1` have GRO on (native XDP redirects into a veth are delivered
+//!   only then).
 //! - IPv4 only.
 use super::*;
 
@@ -158,7 +157,6 @@ impl Lab {
         // The client, as in every lab (its VIP route now leads to the router).
         self.ip_batch("client", &self.client_v4())?;
         self.client_sysctls()?;
-        self.ns_exec("client", "ethtool", &["-K", "eth0", "tx", "off"])?;
 
         // The backends: DSR VIP on loopback, answers by the router.
         for (i, (addr, addr6)) in (1..=n).zip(self.backend_addrs().into_iter().zip(self.backend_addrs6())) {
