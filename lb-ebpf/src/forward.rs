@@ -25,7 +25,7 @@ use lb_ebpf::csum;
 
 use crate::{
     maps::{NETDEV_GEN, NETDEVS, NEXT_HOPS, SCRATCH6},
-    parse::{ETH_HLEN, EthHdr, Ipv4Hdr, Packet, ptr_at},
+    parse::{ETH_HLEN, EthHdr, ICMP_FRAG_NEEDED, ICMP_UNREACH, Ipv4Hdr, Packet, ptr_at},
     stats,
 };
 
@@ -643,7 +643,7 @@ fn icmp4_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
         *w.add(16) = *w.add(QUOTED + 7);
         // ICMP: type 3 (unreachable), code 4 (fragmentation needed),
         // checksum, unused, next-hop MTU.
-        *w.add(17) = u16::from_ne_bytes([3, 4]);
+        *w.add(17) = u16::from_ne_bytes([ICMP_UNREACH, ICMP_FRAG_NEEDED]);
         *w.add(18) = 0;
         *w.add(19) = 0;
         *w.add(20) = (mtu.min(0xffff) as u16).to_be();

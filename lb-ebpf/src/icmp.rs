@@ -29,21 +29,15 @@ use lb_ebpf::csum;
 use crate::{
     forward::{FIB_OK, can_redirect, fib_params, set_macs},
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS, ENDPOINTS6, FLOWS, FLOWS6, KEYS6, VIPS, VIPS6},
-    parse::{ETH_HLEN, EthHdr, ptr_at},
+    parse::{
+        ETH_HLEN, EthHdr, ICMP_FRAG_NEEDED, ICMP_PARAM_PROBLEM, ICMP_TIME_EXCEEDED, ICMP_UNREACH, ICMP6_PARAM_PROBLEM,
+        ICMP6_TIME_EXCEEDED, ICMP6_TOO_BIG, ICMP6_UNREACH, IP6_HLEN, ptr_at,
+    },
     select, stats,
 };
 
 use aya_ebpf::{bindings::bpf_fib_lookup as FibParams, helpers::generated::bpf_fib_lookup};
 use core::mem::size_of;
-
-const ICMP_UNREACH: u8 = 3;
-const ICMP_TIME_EXCEEDED: u8 = 11;
-const ICMP_PARAM_PROBLEM: u8 = 12;
-const ICMP_FRAG_NEEDED: u8 = 4;
-const ICMP6_UNREACH: u8 = 1;
-const ICMP6_TOO_BIG: u8 = 2;
-const ICMP6_TIME_EXCEEDED: u8 = 3;
-const ICMP6_PARAM_PROBLEM: u8 = 4;
 
 /// Offsets in an IPv4 ICMP error without IP options, quoting a header
 /// without options.
@@ -54,9 +48,9 @@ const Q_L4: usize = Q_IP + 20;
 
 /// The same for IPv6 (no extension headers outside or in the quote).
 const IP6: usize = ETH_HLEN;
-const ICMP6: usize = IP6 + 40;
+const ICMP6: usize = IP6 + IP6_HLEN;
 const Q_IP6: usize = ICMP6 + 8;
-const Q_L46: usize = Q_IP6 + 40;
+const Q_L46: usize = Q_IP6 + IP6_HLEN;
 
 /// Byte offset of the checksum in a TCP and a UDP header.
 const TCP_CHECK: usize = 16;

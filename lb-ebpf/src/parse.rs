@@ -10,6 +10,18 @@ use lb_common::{PROTO_TCP, PROTO_UDP};
 pub(crate) const ETH_P_IP: u16 = 0x0800;
 pub(crate) const ETH_P_IPV6: u16 = 0x86dd;
 pub(crate) const ETH_HLEN: usize = 14;
+/// IPv6 header length.
+pub(crate) const IP6_HLEN: usize = 40;
+
+/// ICMP error types and codes the datapath reads or writes.
+pub(crate) const ICMP_UNREACH: u8 = 3;
+pub(crate) const ICMP_FRAG_NEEDED: u8 = 4;
+pub(crate) const ICMP_TIME_EXCEEDED: u8 = 11;
+pub(crate) const ICMP_PARAM_PROBLEM: u8 = 12;
+pub(crate) const ICMP6_UNREACH: u8 = 1;
+pub(crate) const ICMP6_TOO_BIG: u8 = 2;
+pub(crate) const ICMP6_TIME_EXCEEDED: u8 = 3;
+pub(crate) const ICMP6_PARAM_PROBLEM: u8 = 4;
 
 #[repr(C)]
 pub(crate) struct EthHdr {

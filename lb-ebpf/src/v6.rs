@@ -34,19 +34,16 @@ use crate::{
     },
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, FLOOD, FLOWS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     no_backend, now_secs, opening_state,
-    parse::{ETH_HLEN, EthHdr, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
+    parse::{ETH_HLEN, ETH_P_IPV6, EthHdr, ICMP6_TOO_BIG, IP6_HLEN, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
     rate_ok, select, set_state, stats, syn_only, track_close,
 };
 
 const AF_INET6: u8 = 10;
-const ETH_P_IPV6: u16 = 0x86dd;
 const NEXT_HOPOPT: u8 = 0;
 const NEXT_ROUTING: u8 = 43;
 const NEXT_FRAGMENT: u8 = 44;
 const NEXT_DSTOPTS: u8 = 60;
 const NEXT_ICMPV6: u8 = 58;
-/// IPv6 header length.
-const IP6_HLEN: usize = 40;
 /// The smallest MTU IPv6 allows; an ICMPv6 error fits in it.
 const IPV6_MIN_MTU: usize = 1280;
 
@@ -962,7 +959,7 @@ fn icmp6_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
             *w.add(19 + i) = *w.add(QUOTED + 4 + i);
         }
         // Type 2 (packet too big), code 0, checksum 0 for now; the MTU.
-        *w.add(27) = u16::from_ne_bytes([2, 0]);
+        *w.add(27) = u16::from_ne_bytes([ICMP6_TOO_BIG, 0]);
         *w.add(28) = 0;
         *w.add(29) = ((mtu >> 16) as u16).to_be();
         *w.add(30) = (mtu as u16).to_be();

@@ -355,13 +355,10 @@ async fn read_reply(
     }
 }
 
+/// The project's atomic replace ([`crate::render::write_atomic`]), its
+/// error naming the BIRD configuration.
 fn write_atomic(path: &Path, text: &str) -> Result<(), BgpError> {
-    let err = |source| BgpError::Write { path: path.to_owned(), source };
-    let dir = path.parent().unwrap_or(Path::new("/"));
-    let mut f = tempfile::NamedTempFile::new_in(dir).map_err(err)?;
-    std::io::Write::write_all(&mut f, text.as_bytes()).map_err(err)?;
-    f.persist(path).map_err(|e| err(e.error))?;
-    Ok(())
+    crate::render::write_atomic(path, text).map_err(|source| BgpError::Write { path: path.to_owned(), source })
 }
 
 #[cfg(test)]

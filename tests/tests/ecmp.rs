@@ -181,26 +181,21 @@ fn the_router_spreads_connections_over_both_nodes_and_the_backends() {
     let pidfile = format!("{}.bird.pid", s.lab.node_socket(1).display());
     let bird = std::fs::read_to_string(&pidfile).unwrap();
     let all = all_nodes();
-    let watch = {
-        let (lab_ns, vip) = (s.lab.ns("rt"), DSR_VIP);
-        std::thread::spawn(move || {
+    let (samples, new_program) = std::thread::scope(|scope| {
+        let watch = scope.spawn(|| {
             // The router's next hops every 10 ms for 6 s: any gap is a loss.
             let until = Instant::now() + Duration::from_secs(6);
             let mut samples = Vec::new();
             while Instant::now() < until {
-                let out = std::process::Command::new("ip")
-                    .args(["-n", &lab_ns, "route", "show", "exact", &format!("{vip}/32")])
-                    .output()
-                    .unwrap();
-                samples.push(String::from_utf8_lossy(&out.stdout).matches("via").count());
+                samples.push(s.lab.router_next_hops(DSR_VIP).unwrap().len());
                 std::thread::sleep(Duration::from_millis(10));
             }
             samples
-        })
-    };
-    std::thread::sleep(Duration::from_millis(500));
-    let new_program = s.nodes[0].restart().expect("n1 restarts");
-    let samples = watch.join().unwrap();
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        let new_program = s.nodes[0].restart().expect("n1 restarts");
+        (watch.join().unwrap(), new_program)
+    });
     println!(
         "n1 restarted (program {new_program}): the router had {} next hops in each of {} samples over 6 s",
         samples.iter().min().unwrap(),

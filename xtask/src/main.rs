@@ -279,14 +279,8 @@ fn ecmp_up(nodes: usize) -> anyhow::Result<()> {
             .with_context(|| format!("starting lbd on n{k}"))?;
     }
     let vip = lb_tests::lab::DSR_VIP;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let hops = loop {
-        let hops = lab.router_next_hops(vip)?;
-        if hops.len() == nodes || std::time::Instant::now() > deadline {
-            break hops;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    };
+    lb_tests::lbd::wait_for(30, || lab.router_next_hops(vip).ok().filter(|h| h.len() == nodes));
+    let hops = lab.router_next_hops(vip)?;
     println!(
         "lab {LAB_PREFIX} (ecmp: {}) is up: client {}, router {} (BIRD, AS {}), nodes {}..{} (lbd + BIRD, AS {}), switch {}, backends {}..{}",
         Topology::Ecmp.describe(),

@@ -298,8 +298,18 @@ fn request(target: SocketAddr, close: bool) -> String {
 
 /// Sends one request and reads its response; returns (backend, server closes).
 async fn round_trip(stream: &mut TcpStream, buf: &mut Vec<u8>, req: &str) -> std::io::Result<(String, bool)> {
-    use std::io::{Error, ErrorKind};
     stream.write_all(req.as_bytes()).await?;
+    let head = read_ok_response(stream, buf).await?;
+    let backend = head
+        .header("x-backend")
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "response has no X-Backend header"))?
+        .to_string();
+    Ok((backend, head.connection_has("close")))
+}
+
+/// Reads one whole response, which must be a 200; returns its head.
+async fn read_ok_response(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<http1::Head> {
+    use std::io::{Error, ErrorKind};
     let head = http1::read_head(stream, buf)
         .await?
         .ok_or_else(|| Error::new(ErrorKind::UnexpectedEof, "connection closed before a response"))?;
@@ -309,11 +319,7 @@ async fn round_trip(stream: &mut TcpStream, buf: &mut Vec<u8>, req: &str) -> std
     if status != 200 {
         return Err(Error::other(format!("HTTP status {status}")));
     }
-    let backend = head
-        .header("x-backend")
-        .ok_or_else(|| Error::new(ErrorKind::InvalidData, "response has no X-Backend header"))?
-        .to_string();
-    Ok((backend, head.connection_has("close")))
+    Ok(head)
 }
 
 async fn wait_eof(stream: &mut TcpStream) -> std::io::Result<()> {
@@ -633,7 +639,7 @@ async fn run_upload(a: DownloadArgs) -> anyhow::Result<serde_json::Value> {
             left -= k as u64;
         }
         let mut buf = Vec::new();
-        let (backend, _) = round_trip_read(&mut stream, &mut buf).await?;
+        let backend = read_ok_response(&mut stream, &mut buf).await?.header("x-backend").unwrap_or("?").to_string();
         anyhow::Ok(backend)
     };
     let backend = tokio::time::timeout(Duration::from_millis(a.timeout_ms), work)
@@ -641,21 +647,6 @@ async fn run_upload(a: DownloadArgs) -> anyhow::Result<serde_json::Value> {
         .map_err(|_| anyhow::anyhow!("upload to {} timed out after {} ms", a.target, a.timeout_ms))??;
     let ms = ms_since(start);
     Ok(serde_json::json!({ "backend": backend, "bytes": a.bytes, "complete": true, "ms": ms }))
-}
-
-/// Read one response (status 200) and return its backend.
-async fn round_trip_read(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<(String, bool)> {
-    use std::io::{Error, ErrorKind};
-    let head = http1::read_head(stream, buf)
-        .await?
-        .ok_or_else(|| Error::new(ErrorKind::UnexpectedEof, "connection closed before a response"))?;
-    let status = head.status()?;
-    let len = head.content_length()?;
-    http1::read_body(stream, buf, len).await?;
-    if status != 200 {
-        return Err(Error::other(format!("HTTP status {status}")));
-    }
-    Ok((head.header("x-backend").unwrap_or("?").to_string(), head.connection_has("close")))
 }
 
 // ------------------------------------------------------------------- udp
