@@ -12,10 +12,10 @@ use std::{
     collections::HashMap,
     fs::File,
     io::{BufRead as _, BufReader, Write as _},
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
     os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
-    process::{Child, Stdio},
+    process::{Child, Command, Stdio},
     sync::mpsc,
     time::Duration,
 };
@@ -49,7 +49,6 @@ impl Browser {
         // `from_browser`; the browser's ends become its fds 3 and 4.
         let (browser_in, to_browser) = pipe()?;
         let (from_browser, browser_out) = pipe()?;
-        let (fd_in, fd_out) = (browser_in.as_raw_fd(), browser_out.as_raw_fd());
         let mut cmd = lab.cmd(role, "chromium");
         cmd.args([
             "--headless",
@@ -69,19 +68,11 @@ impl Browser {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(File::create(profile.with_extension("log"))?);
-        // SAFETY: only dup2(2) between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                for (from, to) in [(fd_in, 3), (fd_out, 4)] {
-                    if libc::dup2(from, to) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
+        hand_over(&mut cmd, [(browser_in, 3), (browser_out, 4)])?;
         let child = cmd.spawn().context("starting chromium (cargo xtask setup installs it)")?;
-        drop((browser_in, browser_out));
+        // The child's copies are gone with `cmd`: our read end sees EOF when
+        // the browser exits.
+        drop(cmd);
         let (tx, answers) = mpsc::channel();
         std::thread::spawn(move || {
             let mut r = BufReader::new(File::from(from_browser));
@@ -157,15 +148,17 @@ impl Browser {
         }
         let mut bytes = serde_json::to_vec(&msg)?;
         bytes.push(0);
-        self.commands.write_all(&bytes).with_context(|| format!("sending {method} to chromium"))?;
+        if let Err(e) = self.commands.write_all(&bytes) {
+            bail!("sending {method} to chromium: {e}; {}", self.gone());
+        }
         let deadline = std::time::Instant::now() + COMMAND_TIMEOUT;
         let mut events = HashMap::<String, u32>::new();
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             let v = self.answers.recv_timeout(left).map_err(|_| {
                 anyhow::anyhow!(
-                    "chromium did not answer {method} within {COMMAND_TIMEOUT:?} (events meanwhile: {events:?}); its log: {}",
-                    std::fs::read_to_string(self.profile.with_extension("log")).unwrap_or_default()
+                    "chromium did not answer {method} within {COMMAND_TIMEOUT:?} (events meanwhile: {events:?}); {}",
+                    self.gone()
                 )
             })?;
             if v["id"].as_u64() == Some(id) {
@@ -178,6 +171,20 @@ impl Browser {
                 *events.entry(m.to_owned()).or_default() += 1;
             }
         }
+    }
+}
+
+impl Browser {
+    /// Whether the browser still runs, and its log so far: what a failed
+    /// command's error needs.
+    fn gone(&mut self) -> String {
+        let state = match self.child.try_wait() {
+            Ok(Some(status)) => format!("the browser exited ({status})"),
+            Ok(None) => "the browser still runs".to_owned(),
+            Err(e) => format!("the browser's state is unknown ({e})"),
+        };
+        let log = std::fs::read_to_string(self.profile.with_extension("log")).unwrap_or_default();
+        format!("{state}; its log:\n{log}")
     }
 }
 
@@ -206,6 +213,41 @@ impl Drop for Browser {
     }
 }
 
+/// Give the child `cmd` starts each fd at the number beside it (the
+/// browser's 3 and 4), and nothing else of ours. The fds are first copied
+/// above every target number, close-on-exec: a pipe end that happened to
+/// be 3 or 4 itself (a parent started with few fds open, as under CI)
+/// would otherwise be overwritten by the first dup2, or kept close-on-exec
+/// by a dup2 onto itself, and the browser would start without its pipe.
+/// The copies live in the closure, so they close when `cmd` is dropped.
+fn hand_over<const N: usize>(cmd: &mut Command, fds: [(OwnedFd, RawFd); N]) -> anyhow::Result<()> {
+    let above = fds.iter().map(|(_, to)| to + 1).max().unwrap_or(0).max(10);
+    let mut high = Vec::with_capacity(N);
+    for (fd, to) in fds {
+        // SAFETY: F_DUPFD_CLOEXEC returns a new fd that we then own.
+        let copy = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, above) };
+        if copy < 0 {
+            bail!("copying fd {}: {}", fd.as_raw_fd(), std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh fd, owned by nobody else.
+        high.push((unsafe { OwnedFd::from_raw_fd(copy) }, to));
+    }
+    // SAFETY: only dup2(2) between fork and exec; every source is above
+    // every target, so no dup2 clobbers a later source, and each target is
+    // a new fd without close-on-exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            for (from, to) in &high {
+                if libc::dup2(from.as_raw_fd(), *to) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
 /// A pipe: (read end, write end), both close-on-exec (the browser gets
 /// its ends by dup2, which clears the flag on the copies).
 fn pipe() -> anyhow::Result<(OwnedFd, OwnedFd)> {
@@ -216,4 +258,38 @@ fn pipe() -> anyhow::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: fresh fds, owned by nobody else.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read as _;
+
+    use super::*;
+
+    /// The worst numbering: each end goes to the number the other one has
+    /// here, so a plain dup2 of the first would clobber the second. The
+    /// child must still read what we write and answer on the other pipe,
+    /// and the answer must end when it exits (no copy of its write end
+    /// left open with us).
+    #[test]
+    fn fds_handed_to_a_child_arrive_whatever_their_numbers() {
+        let (child_in, to_child) = pipe().unwrap();
+        let (from_child, child_out) = pipe().unwrap();
+        let (n_in, n_out) = (child_out.as_raw_fd(), child_in.as_raw_fd());
+        let mut cmd = Command::new("bash");
+        cmd.args(["-c", r#"read -r line <&"$1" && echo "got $line" >&"$2""#, "_"])
+            .args([n_in.to_string(), n_out.to_string()]);
+        hand_over(&mut cmd, [(child_in, n_in), (child_out, n_out)]).unwrap();
+        let mut child = cmd.spawn().unwrap();
+        drop(cmd);
+        File::from(to_child).write_all(b"hello\n").unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut answer = String::new();
+            let _ = tx.send(File::from(from_child).read_to_string(&mut answer).map(|_| answer));
+        });
+        let answer = rx.recv_timeout(Duration::from_secs(10)).expect("the answer ends when the child exits").unwrap();
+        assert_eq!(answer, "got hello\n");
+        assert!(child.wait().unwrap().success());
+    }
 }
