@@ -14,12 +14,16 @@
 //!   restoring it: a rewriting program would see its own output from the
 //!   second repeat on. So every case runs through `bench_harness` (lb-ebpf
 //!   `src/bin/bench-floor.rs`), which copies the original frame back,
-//!   optionally makes it a new flow (fresh source address and port), and
-//!   tail-calls the program under test. The harness's own cost is measured
-//!   the same way with `floor_pass` behind it and subtracted:
+//!   optionally makes it a new flow (fresh source address and port), drains
+//!   the store buffer (so the program's loads do not stall on the
+//!   restore's stores, a cost only the harness causes), and tail-calls the
+//!   program under test. The harness's own cost is measured the same way
+//!   with `floor_pass` behind it and subtracted:
 //!   `cost = t(harness -> program) - (t(harness -> floor_pass) - t(floor_pass))`,
 //!   i.e. what a direct run of the program on a fresh packet costs, the
-//!   test loop's own overhead included (as in the floors).
+//!   test loop's own overhead included (as in the floors). A case whose
+//!   frame the program passes untouched (not a VIP, IPv6) needs no
+//!   restoring and runs directly, as the floors do.
 //! - Before timing, every case is run once and its return value and output
 //!   frame are checked byte for byte; after timing, the last repeat's
 //!   output is checked again and the datapath's counters must show that

@@ -82,8 +82,10 @@ fn packet_section(md: &mut String, p: &Value, dir: &Path, verdicts: &mut Vec<(St
     let _ = writeln!(md, "## Per-packet cost (BPF_PROG_TEST_RUN)\n");
     let _ = writeln!(
         md,
-        "Each repeat sees the original frame: a harness program restores it and tail-calls the program under test; \
-the harness's own cost (measured on the XDP_PASS floor) is subtracted. Median of the rounds, min-max beside.\n"
+        "Each repeat sees the original frame: a harness program restores it, lets its stores reach the cache and \
+tail-calls the program under test; the harness's own cost (measured on the XDP_PASS floor) is subtracted. A case \
+whose frame the program passes untouched (not a VIP, IPv6) runs directly, as the floors do. Median of the rounds, \
+min-max beside.\n"
     );
     let _ = writeln!(
         md,
