@@ -78,6 +78,9 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
                 return Ok(xdp_action::XDP_PASS);
             }
             if parse::is_ipv6(ctx) {
+                if v6::surely_not_ours(ctx) {
+                    return Ok(xdp_action::XDP_PASS);
+                }
                 // SAFETY: a tail call with this program's own context;
                 // when slot 0 is empty (lbd has not filled it yet) it
                 // returns and the packet goes to the kernel.
