@@ -307,8 +307,8 @@ pub(crate) fn items() -> Vec<Item> {
     });
     v.push(Item {
         key: "ipv6",
-        label: "IPv6 TCP packet".into(),
-        path: "not IPv4: PASS",
+        label: "IPv6 TCP, not a VIP".into(),
+        path: "address filter: neither ours, PASS",
         prog: Prog::Lb,
         // Passed untouched: every repeat sees the original frame without
         // the harness, so it runs directly, as the floors do.

@@ -60,7 +60,8 @@ pub(crate) fn report(
         match key.strip_suffix("_full").unwrap_or(key) {
             "tcp_established" => Some((3.0 * tx_med, "3x floor_tx".to_owned())),
             k if k.starts_with("new_") => Some((14.0 * tx_med, "14x floor_tx".to_owned())),
-            "non_vip" => Some((pass_med + 5.0, "floor_pass + 5 ns".to_owned())),
+            // Not a VIP, in either family.
+            "non_vip" | "ipv6" => Some((pass_med + 5.0, "floor_pass + 5 ns".to_owned())),
             _ => None,
         }
     };
