@@ -10,6 +10,7 @@ pub mod harness;
 pub mod http1;
 pub mod lab;
 pub mod lbd;
+pub mod paced;
 
 /// Fails unless the effective user is root.
 pub fn require_root() -> anyhow::Result<()> {

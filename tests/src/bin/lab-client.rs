@@ -42,6 +42,24 @@ enum Cmd {
     Download(DownloadArgs),
     /// Upload BYTES over one connection (a POST body).
     Upload(DownloadArgs),
+    /// Keep-alive requests at a fixed total rate, open loop (see
+    /// `lb_tests::paced`): latency percentiles comparable across paths.
+    Paced(PacedArgs),
+}
+
+#[derive(Args, Debug)]
+struct PacedArgs {
+    /// Where the connections go, comma separated: connection c to the
+    /// (c mod n)-th target.
+    #[arg(long, value_delimiter = ',', required = true)]
+    target: Vec<SocketAddr>,
+    #[arg(long, default_value_t = 50)]
+    connections: usize,
+    /// Requests per second, all connections together.
+    #[arg(long)]
+    rate: f64,
+    #[arg(long, default_value_t = 4.0)]
+    secs: f64,
 }
 
 #[derive(Args, Debug)]
@@ -225,6 +243,11 @@ fn main() {
             Cmd::Hold(a) => run_hold(a).await,
             Cmd::Download(a) => run_download(a).await,
             Cmd::Upload(a) => run_upload(a).await,
+            Cmd::Paced(a) => tokio::task::spawn_blocking(move || {
+                Ok(serde_json::to_value(lb_tests::paced::run(&a.target, a.connections, a.rate, a.secs)?)?)
+            })
+            .await
+            .unwrap_or_else(|e| Err(anyhow::anyhow!("paced load: {e}"))),
             Cmd::Flood(a) => tokio::task::spawn_blocking(move || {
                 let r = lb_tests::flood::syn_flood(
                     a.target,

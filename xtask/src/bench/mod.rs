@@ -78,6 +78,8 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
         let lab = Lab::up(LabSpec { prefix: PREFIX.into(), bin_dir: bin_dir(), ..LabSpec::default() })?;
         let env = Env::new(&lab)?;
         if opts.parts.contains(&Part::E2e) {
+            // The open-loop load generator, optimised as wrk is.
+            run(cargo().args(["build", "--release", "-p", "lb-tests", "--bin", "lab-client"]))?;
             results["e2e"] = e2e(&env, opts.full)?;
         }
         if opts.parts.contains(&Part::Scenarios) {
@@ -352,7 +354,18 @@ struct Load {
     connections: u32,
     close: bool,
     secs: u32,
+    /// Open loop at this many requests/s in all (lab-client `paced`,
+    /// keep-alive) instead of wrk's closed loop.
+    rate: Option<f64>,
 }
+
+/// The open-loop cell's rate, as a share of `direct`'s keep-alive rate in
+/// the first repetition: below what every balancer sustains (HAProxy and
+/// nginx reach about 0.55x), so each one gets the same requests at the
+/// same times and their tails compare.
+pub(crate) const PACED_SHARE: f64 = 0.25;
+/// Its name in the report.
+pub(crate) const PACED: &str = "keep-alive, c50, open loop at 0.25x direct's rate";
 
 /// Within a run the `Env` guard covers (it puts the value found back).
 fn set_bpf_stats(on: bool) {
@@ -382,23 +395,35 @@ fn wrk(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result<Valu
     lab.reset_backend_counts()?;
     let parts = b.targets(load.connections);
     let spread = parts.len() > 1;
-    let cmds: Vec<Command> = parts
-        .iter()
-        .map(|(t, c)| {
-            let threads = if spread { 1 } else { (*c).min(2) };
-            let mut cmd = lab.cmd("client", "wrk");
-            cmd.args(["-t", &threads.to_string(), "-c", &c.to_string(), "-d", &format!("{}s", load.secs)]).args([
-                "--timeout",
-                "5s",
-                "--latency",
+    let cmds: Vec<Command> =
+        if let Some(rate) = load.rate {
+            // One open-loop client for every path, `direct`'s three backends
+            // included (its connections spread over them).
+            let targets: Vec<&str> = parts.iter().map(|(t, _)| t.as_str()).collect();
+            let mut cmd = lab.cmd("client", workspace_root().join("target/release/lab-client"));
+            cmd.args(["paced", "--target", &targets.join(","), "--connections", &load.connections.to_string()]).args([
+                "--rate",
+                &format!("{rate:.0}"),
+                "--secs",
+                &load.secs.to_string(),
             ]);
-            if load.close {
-                cmd.args(["-H", "Connection: close"]);
-            }
-            cmd.arg(format!("http://{t}/"));
-            cmd
-        })
-        .collect();
+            vec![cmd]
+        } else {
+            parts
+                .iter()
+                .map(|(t, c)| {
+                    let threads = if spread { 1 } else { (*c).min(2) };
+                    let mut cmd = lab.cmd("client", "wrk");
+                    cmd.args(["-t", &threads.to_string(), "-c", &c.to_string(), "-d", &format!("{}s", load.secs)])
+                        .args(["--timeout", "5s", "--latency"]);
+                    if load.close {
+                        cmd.args(["-H", "Connection: close"]);
+                    }
+                    cmd.arg(format!("http://{t}/"));
+                    cmd
+                })
+                .collect()
+        };
     if how == Measure::XdpTime {
         set_bpf_stats(true);
     }
@@ -409,7 +434,7 @@ fn wrk(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result<Valu
         .into_iter()
         .map(|mut c| c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn())
         .collect::<Result<_, _>>()
-        .context("running wrk (cargo xtask setup installs it)");
+        .context("running the load (wrk: cargo xtask setup installs it)");
     let outs: anyhow::Result<Vec<_>> = match children {
         Ok(ch) => ch.into_iter().map(|c| c.wait_with_output().context("waiting for wrk")).collect(),
         Err(e) => Err(e),
@@ -424,9 +449,13 @@ fn wrk(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result<Valu
     for out in outs? {
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         if !out.status.success() {
-            bail!("wrk failed: {}{}", text, String::from_utf8_lossy(&out.stderr));
+            bail!("the load failed: {}{}", text, String::from_utf8_lossy(&out.stderr));
         }
-        parsed.push(parse_wrk(&text));
+        parsed.push(if load.rate.is_some() {
+            serde_json::from_str(text.trim()).with_context(|| format!("lab-client paced printed {text:?}"))?
+        } else {
+            parse_wrk(&text)
+        });
     }
     let mut v = combine(&parsed);
     let counts = lab.backend_counts()?;
@@ -531,9 +560,13 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
     let secs = if full { 20 } else { 4 };
     let reps = if full { 5 } else { 3 };
     let loads = [
-        ("new connection per request, c10", Load { connections: 10, close: true, secs }),
-        ("keep-alive, c50", Load { connections: 50, close: false, secs }),
+        ("new connection per request, c10", Load { connections: 10, close: true, secs, rate: None }),
+        ("keep-alive, c50", Load { connections: 50, close: false, secs, rate: None }),
+        // Its rate is set from direct's keep-alive cell in the first
+        // repetition (direct runs first).
+        (PACED, Load { connections: 50, close: false, secs: if full { secs } else { 2 }, rate: None }),
     ];
+    let mut paced_rate = None;
     let cells: Vec<(Balancer, &str)> = vec![
         (Balancer::Direct, "-"),
         (Balancer::Ours, "rr"),
@@ -549,8 +582,17 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
             let running = start(env, *b, method)?;
             for (lname, load) in &loads {
                 let key = format!("{}|{}|{}", lname, b.name(), method);
+                let load = if *lname == PACED {
+                    let rate = paced_rate.context("the open-loop rate: direct's keep-alive cell comes first")?;
+                    &Load { rate: Some(rate), ..load.clone() }
+                } else {
+                    load
+                };
                 let mut r = wrk(env, *b, load, Measure::Throughput).with_context(|| key.clone())?;
-                if *b == Balancer::Ours {
+                if *b == Balancer::Direct && load.connections == 50 && load.rate.is_none() && paced_rate.is_none() {
+                    paced_rate = Some((PACED_SHARE * r["rps"].as_f64().unwrap_or(0.0)).round().max(1.0));
+                }
+                if *b == Balancer::Ours && load.rate.is_none() {
                     let short = Load { secs: 2, ..load.clone() };
                     let x = wrk(env, *b, &short, Measure::XdpTime).with_context(|| key.clone())?;
                     r["xdp_ns_per_request"] = x["xdp_ns_per_request"].clone();
@@ -584,7 +626,7 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
             "reps": rs.len(),
         }));
     }
-    Ok(json!({ "secs_per_run": secs, "reps": reps, "runs": runs, "summary": summary }))
+    Ok(json!({ "secs_per_run": secs, "reps": reps, "paced_rps": paced_rate, "runs": runs, "summary": summary }))
 }
 
 // ------------------------------------------------------------------ scenarios
@@ -633,9 +675,15 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         for (name, ramp, top) in &profiles {
             let mut stages = Vec::new();
             for c in ramp {
-                stages.push(wrk(env, b, &Load { connections: *c, close: true, secs: step }, Measure::Throughput)?);
+                stages.push(wrk(
+                    env,
+                    b,
+                    &Load { connections: *c, close: true, secs: step, rate: None },
+                    Measure::Throughput,
+                )?);
             }
-            let held = wrk(env, b, &Load { connections: *top, close: true, secs: hold }, Measure::Throughput)?;
+            let held =
+                wrk(env, b, &Load { connections: *top, close: true, secs: hold, rate: None }, Measure::Throughput)?;
             let failed: f64 =
                 stages.iter().chain(std::iter::once(&held)).map(|s| s["failed"].as_f64().unwrap_or(0.0)).sum();
             println!(
@@ -652,7 +700,8 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         let mut steps = Vec::new();
         let limit = if full { 6400 } else { 3200 };
         let broke = loop {
-            let r = wrk(env, b, &Load { connections: c, close: true, secs: step.max(3) }, Measure::Throughput)?;
+            let r =
+                wrk(env, b, &Load { connections: c, close: true, secs: step.max(3), rate: None }, Measure::Throughput)?;
             let req = r["requests"].as_f64().unwrap_or(0.0);
             let fail_ratio = r["failed"].as_f64().unwrap_or(0.0) / req.max(1.0);
             let p99 = r["p99_ms"].as_f64().unwrap_or(f64::INFINITY);
