@@ -364,8 +364,12 @@ struct Load {
 /// nginx reach about 0.55x), so each one gets the same requests at the
 /// same times and their tails compare.
 pub(crate) const PACED_SHARE: f64 = 0.25;
-/// Its name in the report.
+/// Its name in the report (a unit test keeps the share in it right).
 pub(crate) const PACED: &str = "keep-alive, c50, open loop at 0.25x direct's rate";
+/// The closed-loop keep-alive cell, whose `direct` rate sets the open loop's.
+pub(crate) const KEEP_ALIVE: &str = "keep-alive, c50";
+/// The closed-loop cell with a new connection per request.
+pub(crate) const NEW_CONN: &str = "new connection per request, c10";
 
 /// Within a run the `Env` guard covers (it puts the value found back).
 fn set_bpf_stats(on: bool) {
@@ -386,10 +390,12 @@ fn split(n: u32, k: u32) -> Vec<u32> {
     (0..k).map(|i| n / k + u32::from(i < n % k)).collect()
 }
 
-/// One wrk cell from the client namespace; backend counts and CPU around
-/// it. For `direct` the load is spread over the three backends without a
-/// balancer: one wrk process per backend, the connections split between
-/// them (wrk connects every thread to one address).
+/// One load cell from the client namespace (wrk, or `lab-client paced`
+/// for an open-loop load); backend counts and CPU around it. For `direct`
+/// the load is spread over the three backends without a balancer: one wrk
+/// process per backend, the connections split between them (wrk connects
+/// every thread to one address), or one paced client whose connections go
+/// to the three in turn.
 fn wrk(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result<Value> {
     let lab = env.lab;
     lab.reset_backend_counts()?;
@@ -560,8 +566,8 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
     let secs = if full { 20 } else { 4 };
     let reps = if full { 5 } else { 3 };
     let loads = [
-        ("new connection per request, c10", Load { connections: 10, close: true, secs, rate: None }),
-        ("keep-alive, c50", Load { connections: 50, close: false, secs, rate: None }),
+        (NEW_CONN, Load { connections: 10, close: true, secs, rate: None }),
+        (KEEP_ALIVE, Load { connections: 50, close: false, secs, rate: None }),
         // Its rate is set from direct's keep-alive cell in the first
         // repetition (direct runs first).
         (PACED, Load { connections: 50, close: false, secs: if full { secs } else { 2 }, rate: None }),
@@ -589,7 +595,7 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
                     load
                 };
                 let mut r = wrk(env, *b, load, Measure::Throughput).with_context(|| key.clone())?;
-                if *b == Balancer::Direct && load.connections == 50 && load.rate.is_none() && paced_rate.is_none() {
+                if *b == Balancer::Direct && *lname == KEEP_ALIVE && paced_rate.is_none() {
                     paced_rate = Some((PACED_SHARE * r["rps"].as_f64().unwrap_or(0.0)).round().max(1.0));
                 }
                 if *b == Balancer::Ours && load.rate.is_none() {
@@ -726,4 +732,15 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         drop(running);
     }
     Ok(json!({ "p4": p4, "k6": k6 }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_open_loop_cell_is_named_with_its_share() {
+        assert!(PACED.contains(&format!("{PACED_SHARE}x direct's rate")), "{PACED} / {PACED_SHARE}");
+        assert!(PACED.starts_with(KEEP_ALIVE));
+    }
 }

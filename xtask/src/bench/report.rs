@@ -4,7 +4,7 @@ use std::{fmt::Write as _, path::Path};
 
 use serde_json::Value;
 
-use super::PACED;
+use super::{KEEP_ALIVE, NEW_CONN, PACED};
 
 fn bar_chart(title: &str, unit: &str, bars: &[(String, f64)], path: &Path) -> anyhow::Result<()> {
     let w = 760.0;
@@ -231,7 +231,7 @@ times: the one cell where the p99s compare at one rate.",
         verdicts.push((format!("e2e: {what}"), ok));
     }
     let _ = writeln!(md);
-    for load in ["new connection per request, c10", "keep-alive, c50"] {
+    for load in [NEW_CONN, KEEP_ALIVE] {
         if let Some(text) = tail_note(e, load) {
             let _ = writeln!(md, "{text}\n");
         }
@@ -241,7 +241,7 @@ times: the one cell where the p99s compare at one rate.",
 }
 
 /// The e2e loads, in the report's order.
-const LOADS: [&str; 3] = ["new connection per request, c10", "keep-alive, c50", PACED];
+const LOADS: [&str; 3] = [NEW_CONN, KEEP_ALIVE, PACED];
 
 /// What the tail latency of a closed-loop load looked like, repetition by
 /// repetition, beside the request rate each cell ran at (wrk keeps a fixed
