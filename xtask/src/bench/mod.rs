@@ -376,7 +376,7 @@ fn set_bpf_stats(on: bool) {
     let _ = lb_testkit::sysctl::write("kernel.bpf_stats_enabled", if on { "1" } else { "0" });
 }
 
-/// How a wrk cell is measured.
+/// How a load cell is measured.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Measure {
     /// Throughput, latency, CPU (kernel.bpf_stats_enabled off).
@@ -390,46 +390,12 @@ fn split(n: u32, k: u32) -> Vec<u32> {
     (0..k).map(|i| n / k + u32::from(i < n % k)).collect()
 }
 
-/// One load cell from the client namespace (wrk, or `lab-client paced`
-/// for an open-loop load); backend counts and CPU around it. For `direct`
-/// the load is spread over the three backends without a balancer: one wrk
-/// process per backend, the connections split between them (wrk connects
-/// every thread to one address), or one paced client whose connections go
-/// to the three in turn.
-fn wrk(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result<Value> {
+/// One load cell from the client namespace; backend counts and CPU around
+/// it (the load's processes from [`load_commands`]).
+fn run_load(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result<Value> {
     let lab = env.lab;
     lab.reset_backend_counts()?;
-    let parts = b.targets(load.connections);
-    let spread = parts.len() > 1;
-    let cmds: Vec<Command> =
-        if let Some(rate) = load.rate {
-            // One open-loop client for every path, `direct`'s three backends
-            // included (its connections spread over them).
-            let targets: Vec<&str> = parts.iter().map(|(t, _)| t.as_str()).collect();
-            let mut cmd = lab.cmd("client", workspace_root().join("target/release/lab-client"));
-            cmd.args(["paced", "--target", &targets.join(","), "--connections", &load.connections.to_string()]).args([
-                "--rate",
-                &format!("{rate:.0}"),
-                "--secs",
-                &load.secs.to_string(),
-            ]);
-            vec![cmd]
-        } else {
-            parts
-                .iter()
-                .map(|(t, c)| {
-                    let threads = if spread { 1 } else { (*c).min(2) };
-                    let mut cmd = lab.cmd("client", "wrk");
-                    cmd.args(["-t", &threads.to_string(), "-c", &c.to_string(), "-d", &format!("{}s", load.secs)])
-                        .args(["--timeout", "5s", "--latency"]);
-                    if load.close {
-                        cmd.args(["-H", "Connection: close"]);
-                    }
-                    cmd.arg(format!("http://{t}/"));
-                    cmd
-                })
-                .collect()
-        };
+    let cmds = load_commands(lab, &b.targets(load.connections), load);
     if how == Measure::XdpTime {
         set_bpf_stats(true);
     }
@@ -481,6 +447,43 @@ fn wrk(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result<Valu
         counts.iter().map(|c| if load.close { c.connections as f64 } else { c.requests as f64 }).collect();
     v["jain"] = json!(jain(&unit));
     Ok(v)
+}
+
+/// The client processes of one load on `parts` (target, connections):
+/// wrk, one process per target (wrk connects every thread to one address;
+/// `direct` has three, its connections split between them), or for an
+/// open-loop load one `lab-client paced` for every path, whose connections
+/// go to the targets in turn.
+fn load_commands(lab: &Lab, parts: &[(String, u32)], load: &Load) -> Vec<Command> {
+    if let Some(rate) = load.rate {
+        let targets: Vec<&str> = parts.iter().map(|(t, _)| t.as_str()).collect();
+        let mut cmd = lab.cmd("client", workspace_root().join("target/release/lab-client"));
+        cmd.args(["paced", "--target", &targets.join(","), "--connections", &load.connections.to_string()]).args([
+            "--rate",
+            &format!("{rate:.0}"),
+            "--secs",
+            &load.secs.to_string(),
+        ]);
+        return vec![cmd];
+    }
+    let spread = parts.len() > 1;
+    parts
+        .iter()
+        .map(|(t, c)| {
+            let threads = if spread { 1 } else { (*c).min(2) };
+            let mut cmd = lab.cmd("client", "wrk");
+            cmd.args(["-t", &threads.to_string(), "-c", &c.to_string(), "-d", &format!("{}s", load.secs)]).args([
+                "--timeout",
+                "5s",
+                "--latency",
+            ]);
+            if load.close {
+                cmd.args(["-H", "Connection: close"]);
+            }
+            cmd.arg(format!("http://{t}/"));
+            cmd
+        })
+        .collect()
 }
 
 /// One result from several wrk processes run side by side: counts and
@@ -594,13 +597,13 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
                 } else {
                     load
                 };
-                let mut r = wrk(env, *b, load, Measure::Throughput).with_context(|| key.clone())?;
+                let mut r = run_load(env, *b, load, Measure::Throughput).with_context(|| key.clone())?;
                 if *b == Balancer::Direct && *lname == KEEP_ALIVE && paced_rate.is_none() {
                     paced_rate = Some((PACED_SHARE * r["rps"].as_f64().unwrap_or(0.0)).round().max(1.0));
                 }
                 if *b == Balancer::Ours && load.rate.is_none() {
                     let short = Load { secs: 2, ..load.clone() };
-                    let x = wrk(env, *b, &short, Measure::XdpTime).with_context(|| key.clone())?;
+                    let x = run_load(env, *b, &short, Measure::XdpTime).with_context(|| key.clone())?;
                     r["xdp_ns_per_request"] = x["xdp_ns_per_request"].clone();
                 }
                 println!(
@@ -681,15 +684,19 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         for (name, ramp, top) in &profiles {
             let mut stages = Vec::new();
             for c in ramp {
-                stages.push(wrk(
+                stages.push(run_load(
                     env,
                     b,
                     &Load { connections: *c, close: true, secs: step, rate: None },
                     Measure::Throughput,
                 )?);
             }
-            let held =
-                wrk(env, b, &Load { connections: *top, close: true, secs: hold, rate: None }, Measure::Throughput)?;
+            let held = run_load(
+                env,
+                b,
+                &Load { connections: *top, close: true, secs: hold, rate: None },
+                Measure::Throughput,
+            )?;
             let failed: f64 =
                 stages.iter().chain(std::iter::once(&held)).map(|s| s["failed"].as_f64().unwrap_or(0.0)).sum();
             println!(
@@ -706,8 +713,12 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         let mut steps = Vec::new();
         let limit = if full { 6400 } else { 3200 };
         let broke = loop {
-            let r =
-                wrk(env, b, &Load { connections: c, close: true, secs: step.max(3), rate: None }, Measure::Throughput)?;
+            let r = run_load(
+                env,
+                b,
+                &Load { connections: c, close: true, secs: step.max(3), rate: None },
+                Measure::Throughput,
+            )?;
             let req = r["requests"].as_f64().unwrap_or(0.0);
             let fail_ratio = r["failed"].as_f64().unwrap_or(0.0) / req.max(1.0);
             let p99 = r["p99_ms"].as_f64().unwrap_or(f64::INFINITY);

@@ -176,7 +176,7 @@ wrk runs from one client address, so the lab's servers and proxies keep no TIME_
                 .as_array()
                 .into_iter()
                 .flatten()
-                .map(|b| format!("{}", if load.starts_with("new") { &b["connections"] } else { &b["requests"] }))
+                .map(|b| format!("{}", if load == NEW_CONN { &b["connections"] } else { &b["requests"] }))
                 .collect();
             let _ = writeln!(
                 md,
@@ -199,7 +199,7 @@ wrk runs from one client address, so the lab's servers and proxies keep no TIME_
             bars.push((label.clone(), f(&s["rps"])));
             p99.push((label, f(&s["p99_ms"])));
         }
-        let tag = if load.starts_with("new") {
+        let tag = if load == NEW_CONN {
             "newconn"
         } else if load == PACED {
             "paced"
@@ -288,7 +288,7 @@ fn tail_note(e: &Value, load: &str) -> Option<String> {
         text,
         "\nwrk keeps {} requests in flight whatever the path, so each cell runs at its own rate, and p99s taken at \
 different rates do not compare directly. ",
-        if load.starts_with("new") { "10" } else { "50" }
+        if load == NEW_CONN { "10" } else { "50" }
     );
     if f(&direct["p99_ms"]) > f(&best["p99_ms"]) {
         let _ = write!(
@@ -343,7 +343,7 @@ fn e2e_verdicts(summary: &[Value]) -> Vec<(String, bool)> {
             if load != PACED {
                 out.push((format!("{load}, ours {m}: {rps:.2}x direct in requests/s (at least 0.95x)"), rps >= 0.95));
             }
-            if load.starts_with("new") {
+            if load == NEW_CONN {
                 let cpu = f(&s["cpu_us_per_request"]) / f(&direct["cpu_us_per_request"]);
                 out.push((format!("{load}, ours {m}: {cpu:.2}x direct in CPU per request (at most 1.1x)"), cpu <= 1.1));
             }
