@@ -89,6 +89,9 @@ pub(crate) enum Prog {
     Lb,
     FloorPass,
     FloorTx,
+    /// `floor_table`: the flow table alone (a lookup, and an insert when
+    /// the 5-tuple is missing).
+    Table,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -227,6 +230,32 @@ pub(crate) fn items() -> Vec<Item> {
             label: "harness (new flow) -> floor_pass".into(),
             path: "",
             prog: Prog::FloorPass,
+            via: Via::Harness(MODE_NEW_TCP),
+            frame: tcp(NEW_FLOW_BASE, 1, VIP, 80, SYN).bytes(),
+            expect: Expect::Pass,
+            service: None,
+            katran: None,
+            reply: false,
+            fill: 0,
+        },
+        Item {
+            key: "table_hit",
+            label: "flow table alone: lookup hit".into(),
+            path: "kernel hash lookup (FLOWS' key, value, size), PASS",
+            prog: Prog::Table,
+            via: Via::Harness(MODE_RESTORE),
+            frame: est.clone(),
+            expect: Expect::Pass,
+            service: None,
+            katran: None,
+            reply: false,
+            fill: 0,
+        },
+        Item {
+            key: "table_new",
+            label: "flow table alone: new entry".into(),
+            path: "kernel hash lookup miss + insert of a fresh 5-tuple, PASS",
+            prog: Prog::Table,
             via: Via::Harness(MODE_NEW_TCP),
             frame: tcp(NEW_FLOW_BASE, 1, VIP, 80, SYN).bytes(),
             expect: Expect::Pass,

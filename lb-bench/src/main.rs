@@ -101,8 +101,8 @@ pub struct PacketArgs {
     #[arg(long)]
     pub keep_bpf_stats: bool,
     /// Measure only these cases (comma-separated keys, e.g.
-    /// `tcp_established,non_vip`); the floors and the harness are always
-    /// measured. Keys: tcp_established, new_maglev, new_wrr, new_rr,
+    /// `tcp_established,non_vip`); the floors, the flow table alone and the
+    /// harness are always measured. Keys: tcp_established, new_maglev, new_wrr, new_rr,
     /// new_source_hash, new_least_conn, udp_established, ipv6, non_vip.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
@@ -216,8 +216,11 @@ fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<Atom
         items.retain(|i| i.prog != Prog::Lb || args.only.iter().any(|k| k == i.key));
     }
     if args.fill > 0 {
-        let twins: Vec<_> =
-            items.iter().filter(|i| i.prog == Prog::Lb && i.key != "ipv6").map(|i| full(i, args.fill)).collect();
+        let twins: Vec<_> = items
+            .iter()
+            .filter(|i| matches!(i.prog, Prog::Lb | Prog::Table) && i.key != "ipv6")
+            .map(|i| full(i, args.fill))
+            .collect();
         items.extend(twins);
     }
     eprintln!(

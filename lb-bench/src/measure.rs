@@ -9,6 +9,7 @@
 use std::{
     collections::BTreeMap,
     net::Ipv4Addr,
+    os::fd::AsFd as _,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -19,13 +20,14 @@ use std::{
 use anyhow::{Context as _, anyhow, ensure};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, MapData, PerCpuArray, ProgramArray},
+    maps::{Array, HashMap, IterableMap as _, MapData, PerCpuArray, ProgramArray},
     programs::{ProgramFd, TestRun as _, TestRunOptions, Xdp},
 };
+use lb_common::{Flow, FlowKey};
 use lb_testkit::Frame;
 use lb_userspace::{
     config::{Config, XdpMode},
-    dataplane::{BENCH_OBJECT, Dataplane},
+    dataplane::{BENCH_OBJECT, Dataplane, drain_flow_map},
 };
 
 use crate::{
@@ -71,6 +73,7 @@ pub(crate) struct Bench {
     lb_fd: ProgramFd,
     pass_fd: ProgramFd,
     tx_fd: ProgramFd,
+    table_fd: ProgramFd,
     /// What PROG_ARRAY slot 0 holds now.
     slot: Option<Prog>,
     if_a: u32,
@@ -112,8 +115,12 @@ impl Bench {
         let xmit = lb_common::NETDEV_F_XMIT_GENERIC | lb_common::NETDEV_F_XMIT_NATIVE;
         dp.write_netdevs(&[(ifindex("gwa")?, xmit), (ifindex("gwb")?, xmit)].into_iter().collect())
             .context("describing the devices")?;
-        let mut bench = EbpfLoader::new().load(BENCH_OBJECT).context("loading the benchmark programs")?;
-        for name in ["floor_pass", "floor_tx", "bench_harness"] {
+        // floor_table's table has the datapath's flow-table size.
+        let mut bench = EbpfLoader::new()
+            .map_max_entries("FLOW_TABLE", conntrack_max)
+            .load(BENCH_OBJECT)
+            .context("loading the benchmark programs")?;
+        for name in ["floor_pass", "floor_tx", "floor_table", "bench_harness"] {
             let p: &mut Xdp =
                 bench.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?;
             p.load().with_context(|| format!("loading {name}"))?;
@@ -121,7 +128,20 @@ impl Bench {
         let lb_fd = dp.program().fd()?.try_clone()?;
         let pass_fd = xdp(&bench, "floor_pass")?.fd()?.try_clone()?;
         let tx_fd = xdp(&bench, "floor_tx")?.fd()?.try_clone()?;
-        Ok(Self { dp, bench, lb_fd, pass_fd, tx_fd, slot: None, if_a: ifindex("gwa")?, cpu, conntrack_max, stop })
+        let table_fd = xdp(&bench, "floor_table")?.fd()?.try_clone()?;
+        Ok(Self {
+            dp,
+            bench,
+            lb_fd,
+            pass_fd,
+            tx_fd,
+            table_fd,
+            slot: None,
+            if_a: ifindex("gwa")?,
+            cpu,
+            conntrack_max,
+            stop,
+        })
     }
 
     fn set_slot(&mut self, prog: Prog) -> anyhow::Result<()> {
@@ -132,6 +152,7 @@ impl Bench {
             Prog::Lb => &self.lb_fd,
             Prog::FloorPass => &self.pass_fd,
             Prog::FloorTx => &self.tx_fd,
+            Prog::Table => &self.table_fd,
         };
         let mut arr = ProgramArray::try_from(self.bench.map_mut("PROG_ARRAY").ok_or_else(|| anyhow!("PROG_ARRAY"))?)?;
         arr.set(0, fd, 0)?;
@@ -164,6 +185,32 @@ impl Bench {
         v.get(self.cpu).copied().ok_or_else(|| anyhow!("no COUNTER value for CPU {}", self.cpu))
     }
 
+    /// floor_table's inserts so far on our CPU.
+    fn table_inserts(&self) -> anyhow::Result<u64> {
+        let m: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(self.bench.map("INSERTS").ok_or_else(|| anyhow!("INSERTS"))?)?;
+        let v = m.get(&0, 0)?;
+        v.get(self.cpu).copied().ok_or_else(|| anyhow!("no INSERTS value for CPU {}", self.cpu))
+    }
+
+    /// Empty floor_table's table, then put `n` fresh 5-tuples in it (as
+    /// the datapath's table is emptied and filled for its cases).
+    fn reset_table(&mut self, n: u32) -> anyhow::Result<()> {
+        let map = self.bench.map("FLOW_TABLE").ok_or_else(|| anyhow!("FLOW_TABLE"))?;
+        let table: HashMap<&MapData, FlowKey, Flow> = HashMap::try_from(map)?;
+        drain_flow_map(table.map().fd().as_fd()).context("emptying FLOW_TABLE")?;
+        if n == 0 {
+            return Ok(());
+        }
+        let item = items().into_iter().find(|i| i.key == "table_new").context("no table_new case")?;
+        let i0 = self.table_inserts()?;
+        let r = self.run(&item, n)?;
+        let i1 = self.table_inserts()?;
+        ensure!(r.retval == XDP_PASS, "filling FLOW_TABLE: returned {}", r.retval);
+        ensure!(i1 - i0 == u64::from(n), "filling FLOW_TABLE: {} inserts for {n} packets", i1 - i0);
+        Ok(())
+    }
+
     /// Empty the flow table (in batches: see `Dataplane::flush_flows`).
     fn flush_flows(&mut self) -> anyhow::Result<u64> {
         Ok(self.dp.flush_flows()?)
@@ -175,6 +222,7 @@ impl Bench {
             Via::Direct => match item.prog {
                 Prog::FloorPass => xdp(&self.bench, "floor_pass")?,
                 Prog::FloorTx => xdp(&self.bench, "floor_tx")?,
+                Prog::Table => xdp(&self.bench, "floor_table")?,
                 Prog::Lb => self.dp.program(),
             },
             Via::Harness(mode) => {
@@ -410,6 +458,10 @@ impl Bench {
                 self.fill(item.fill)?;
             }
         }
+        let table = item.prog == Prog::Table;
+        if table {
+            self.reset_table(item.fill)?;
+        }
         let reply;
         let item = if item.reply {
             // The forward packet makes the flow; the reply comes from the
@@ -426,11 +478,16 @@ impl Bench {
         let new_flow = item.via == Via::Harness(MODE_NEW_TCP);
         // Checked single run (inserts the flow of an established case).
         let c0 = self.new_flow_counter()?;
+        let i0 = self.table_inserts()?;
         let once = self.run(item, 1)?;
         let c1 = self.new_flow_counter()?;
+        let i1 = self.table_inserts()?;
         if new_flow {
             ensure!(c1 == c0 + 1, "{}: harness counter moved by {} in one run", item.label, c1 - c0);
         }
+        // Its table was emptied (and filled with other 5-tuples): the
+        // first run of any of its cases inserts.
+        ensure!(!table || i1 - i0 == 1, "{}: {} inserts in one run of an absent 5-tuple", item.label, i1 - i0);
         self.check_output(item, &once, 1, c1.checked_sub(1))?;
 
         let stats0 = match item.service {
@@ -440,9 +497,18 @@ impl Bench {
         let global0 = self.dp.counters()?;
         let timed = self.run(item, repeat)?;
         let c2 = self.new_flow_counter()?;
+        let i2 = self.table_inserts()?;
         if new_flow {
             ensure!(c2 == c1 + u64::from(repeat), "{}: harness counter moved by {}, not {repeat}", item.label, c2 - c1);
         }
+        // The table alone: an insert per fresh 5-tuple, none for a hit.
+        let want_inserts = if table && new_flow { u64::from(repeat) } else { 0 };
+        ensure!(
+            i2 - i1 == want_inserts,
+            "{}: {} inserts into FLOW_TABLE in {repeat} repeats, expected {want_inserts}",
+            item.label,
+            i2 - i1
+        );
         self.check_output(item, &timed, repeat, c2.checked_sub(1))
             .with_context(|| format!("{}: output of the timed run (last repeat)", item.label))?;
         let global1 = self.dp.counters()?;

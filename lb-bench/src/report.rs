@@ -99,8 +99,10 @@ pub(crate) fn report(
         cases.push(c);
         med
     };
+    // Medians of the datapath's cases and of the table alone, by key.
+    let mut medians: Vec<(&str, f64)> = Vec::new();
     for (i, item) in items.iter().enumerate() {
-        if item.prog != Prog::Lb {
+        if !matches!(item.prog, Prog::Lb | Prog::Table) {
             continue;
         }
         let ns: Vec<f64> = samples[i].iter().map(|s| s.ns).collect();
@@ -112,6 +114,7 @@ pub(crate) fn report(
             Via::Harness(_) => diff(&ns, &h_restore),
         };
         let med = row(&item.label, item.path, &v, item.katran, item.key, &mut cases);
+        medians.push((item.key, med));
         if let Some((limit, how)) = target(item.key) {
             let k = item.katran.map_or(String::new(), |k| format!("; Katran* {k:.1}x"));
             targets.push(format!(
@@ -133,6 +136,8 @@ pub(crate) fn report(
         &mut cases,
     );
 
+    let table_share = table_shares(&medians);
+
     let (release, uname) = kernel_release();
     let model = cpu_model();
     println!();
@@ -150,6 +155,13 @@ pub(crate) fn report(
         println!("  - {t}");
     }
     println!();
+    if !table_share.is_empty() {
+        println!("The flow table's own share (the kernel's hash alone, same key, value and size, same run):");
+        for line in &table_share {
+            println!("  - {line}");
+        }
+        println!();
+    }
     print!("{table}");
     println!(
         "\nharness cost: restore {:.1} ns (min-max {:.1}-{:.1}), restore + new flow {:.1} ns ({:.1}-{:.1})",
@@ -214,8 +226,34 @@ pub(crate) fn report(
             "non_vip_x_floor_tx": katran::NON_VIP_X,
         },
         "targets": targets,
+        "flow_table_share": table_share,
         "raw": raw_rounds,
     })
+}
+
+/// What the kernel's hash alone (`floor_table`) costs of the datapath's
+/// established and new flows, each with the same number of flows in the
+/// table: one line per pair measured.
+fn table_shares(medians: &[(&str, f64)]) -> Vec<String> {
+    let get = |k: &str| medians.iter().find(|(key, _)| *key == k).map(|&(_, v)| v);
+    let mut out = Vec::new();
+    for suffix in ["", "_full"] {
+        for (case, alone, what) in [
+            ("tcp_established", "table_hit", "a lookup hit"),
+            ("new_maglev", "table_new", "a lookup miss and an insert"),
+        ] {
+            let (Some(ours), Some(t)) = (get(&format!("{case}{suffix}")), get(&format!("{alone}{suffix}"))) else {
+                continue;
+            };
+            let flows = if suffix.is_empty() { "empty table" } else { "full table" };
+            out.push(format!(
+                "{case} ({flows}): {ours:.1} ns, of which the table alone ({what}) {t:.1} ns = {:.0}%; the rest {:.1} ns",
+                100.0 * t / ours,
+                ours - t
+            ));
+        }
+    }
+    out
 }
 
 fn median(v: &[f64]) -> f64 {

@@ -17,6 +17,12 @@
 //!   `PROG_ARRAY`. A failed tail call returns XDP_ABORTED. Its own cost is
 //!   measured by putting `floor_pass` in the slot. Before the tail call it
 //!   drains the CPU's store buffer (see [`settle`]).
+//! - `floor_table`: the flow table's own cost, nothing of the balancer's:
+//!   looks the packet's 5-tuple up in `FLOW_TABLE` (a hash with the key,
+//!   value and size of the datapath's `FLOWS`) and, when it is missing,
+//!   inserts it; returns XDP_PASS. Through the harness with a fresh source
+//!   per repeat it times what every new flow pays the kernel's table (a
+//!   miss and an insert); with the same packet, a hit.
 #![no_std]
 #![no_main]
 // The store-buffer drain is an atomic add: core's atomic types have no RMW
@@ -36,9 +42,10 @@ use aya_ebpf::{
     bindings::xdp_action,
     helpers::generated::bpf_xdp_store_bytes,
     macros::{map, xdp},
-    maps::{Array, PerCpuArray, ProgramArray},
+    maps::{Array, HashMap, PerCpuArray, ProgramArray},
     programs::XdpContext,
 };
+use lb_common::{DIR_FLOW, Flow, FlowKey};
 
 /// Largest frame the harness restores.
 const FRAME_MAX: usize = 128;
@@ -53,6 +60,7 @@ const MODE_NEW_UDP: u32 = 2;
 
 /// Byte offsets in an Ethernet + IPv4 (no options) frame.
 const IP_CHECK: usize = 14 + 10;
+const IP_PROTO: usize = 14 + 9;
 const IP_SADDR: usize = 14 + 12;
 const L4: usize = 14 + 20;
 const TCP_CHECK: usize = L4 + 16;
@@ -87,6 +95,16 @@ static SETTLE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static PROG_ARRAY: ProgramArray = ProgramArray::with_max_entries(1, 0);
 
+/// `floor_table`'s table: the flow table's key and value, sized by
+/// lb-bench like the datapath's `FLOWS` (preallocated, no flags).
+#[map]
+static FLOW_TABLE: HashMap<FlowKey, Flow> = HashMap::with_max_entries(1, 0);
+
+/// Per-CPU count of `floor_table`'s inserts (lb-bench checks that a run
+/// inserted once per repeat, or never).
+#[map]
+static INSERTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
 #[xdp]
 pub(crate) fn floor_pass(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
@@ -110,6 +128,39 @@ pub(crate) fn floor_tx(ctx: XdpContext) -> u32 {
         ((data + 10) as *mut u16).write(dst_lo);
     }
     xdp_action::XDP_TX
+}
+
+#[xdp]
+#[expect(clippy::needless_borrows_for_generic_args, reason = "by reference, as the datapath passes its keys")]
+pub(crate) fn floor_table(ctx: XdpContext) -> u32 {
+    let data = ctx.data();
+    if data + L4 + 4 > ctx.data_end() {
+        return xdp_action::XDP_ABORTED;
+    }
+    // SAFETY: every field read lies before L4 + 4, bounds-checked above
+    // (IPv4 without options, as lb-bench builds its frames).
+    let key = unsafe {
+        FlowKey {
+            src_addr: ((data + IP_SADDR) as *const u32).read_unaligned(),
+            dst_addr: ((data + IP_SADDR + 4) as *const u32).read_unaligned(),
+            src_port: ((data + L4) as *const u16).read_unaligned(),
+            dst_port: ((data + L4 + 2) as *const u16).read_unaligned(),
+            proto: ((data + IP_PROTO) as *const u8).read(),
+            _pad: [0; 3],
+        }
+    };
+    if FLOW_TABLE.get_ptr(&key).is_some() {
+        return xdp_action::XDP_PASS;
+    }
+    let flow = Flow { backend_id: 1, nat_addr: key.dst_addr, nat_port: key.dst_port, dir: DIR_FLOW, ..Flow::default() };
+    if FLOW_TABLE.insert(&key, &flow, 0).is_err() {
+        return xdp_action::XDP_ABORTED;
+    }
+    if let Some(n) = INSERTS.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot, which only this program writes while it runs.
+        unsafe { *n += 1 };
+    }
+    xdp_action::XDP_PASS
 }
 
 #[xdp]

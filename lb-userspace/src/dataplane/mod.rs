@@ -54,7 +54,14 @@ pub use sweep::{CLOSED_LINGER, DSR_FIN_TIMEOUT, SweepReport, monotonic_coarse_se
 /// The XDP program, built by build.rs and embedded in the binary.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-xdp"));
 
-/// The benchmark programs (floor_pass, floor_tx, bench_harness), built by
+/// Empty the flow-table-shaped hash map `fd` in batches, as
+/// [`Dataplane::flush_flows`] does the datapath's (lb-bench's own table,
+/// `FLOW_TABLE` of `BENCH_OBJECT`). Returns the entries removed.
+pub fn drain_flow_map(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<u64> {
+    batch::drain::<FlowKey, Flow>(fd)
+}
+
+/// The benchmark programs (floor_pass, floor_tx, floor_table, bench_harness), built by
 /// build.rs next to the XDP program, for `lb-bench` (its own crate). Only a
 /// binary that names it carries it: lbd and lbctl do not.
 pub static BENCH_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/bench-floor"));

@@ -127,6 +127,18 @@ min-max beside.\n"
         }
         let _ = writeln!(md);
     }
+    if let Some(lines) = p["flow_table_share"].as_array().filter(|l| !l.is_empty()) {
+        let _ = writeln!(
+            md,
+            "Where the time goes, measured in this run: `flow table alone` is a program that reads the packet's 5-tuple, \
+looks it up in a kernel hash with the datapath's flow-table key, value and size, inserts it when missing, and returns XDP_PASS. \
+Beside our cases with as many flows in their tables:\n"
+        );
+        for l in lines {
+            let _ = writeln!(md, "- {}", l.as_str().unwrap_or(""));
+        }
+        let _ = writeln!(md);
+    }
     if let Some(c) = p.get("control") {
         let ms = f(&c["weight_change_median_ms"]);
         let what = format!("weight change on a 65,537-entry Maglev table live in {ms:.2} ms (median; at most 10 ms)");
