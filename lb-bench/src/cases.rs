@@ -8,7 +8,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use lb_testkit::{
     Frame,
     frame::{
-        ipv6_tcp,
+        Proto, ipv6_tcp,
         tcp::{ACK, SYN},
     },
 };
@@ -383,13 +383,29 @@ pub(crate) fn full(item: &Item, fill: u32) -> Item {
     Item { key, label: format!("{}, {flows} flows", item.label), fill, ..item.clone() }
 }
 
-/// The reply of the flow the forward frame `fwd` made on `backend`.
-pub(crate) fn reply_frame(fwd: &Frame, backend: Ipv4Addr) -> Vec<u8> {
-    let port = backend_port("maglev");
+/// The reply of the flow the forward frame `fwd` made on `backend` of
+/// `service`.
+pub(crate) fn reply_frame(fwd: &Frame, backend: Ipv4Addr, service: &str) -> Vec<u8> {
+    let port = backend_port(service);
+    let macs = (GW_B_MAC, backend_mac(backend));
+    if fwd.proto == Proto::Udp {
+        return Frame {
+            payload: payload(FRAME_LEN - 42),
+            ..Frame::udp(backend, port, fwd.src, fwd.sport).macs(macs.0, macs.1)
+        }
+        .bytes();
+    }
     Frame {
         payload: payload(FRAME_LEN - 54),
         ack_number: 7000,
-        ..Frame::tcp(backend, port, fwd.src, fwd.sport, ACK).macs(GW_B_MAC, backend_mac(backend))
+        ..Frame::tcp(backend, port, fwd.src, fwd.sport, ACK).macs(macs.0, macs.1)
     }
     .bytes()
+}
+
+/// An established-flow case: before it is timed its flow's reply passes
+/// once and the client speaks again, so the flow is established (answered,
+/// `FLOW_ESTABLISHED`), as a real connection's is.
+pub(crate) fn answered_first(item: &Item) -> bool {
+    matches!(item.key.strip_suffix("_full").unwrap_or(item.key), "tcp_established" | "udp_established")
 }

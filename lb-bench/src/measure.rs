@@ -23,7 +23,7 @@ use aya::{
     maps::{Array, HashMap, IterableMap as _, MapData, PerCpuArray, ProgramArray},
     programs::{ProgramFd, TestRun as _, TestRunOptions, Xdp},
 };
-use lb_common::{Flow, FlowKey};
+use lb_common::{FLOW_ESTABLISHED, FLOW_REPLIED, Flow, FlowKey};
 use lb_testkit::Frame;
 use lb_userspace::{
     config::{Config, XdpMode},
@@ -33,8 +33,8 @@ use lb_userspace::{
 use crate::{
     cases::{
         BACKENDS, CLIENT, CLIENT_MAC, Expect, FRAME_MAX, GW_A_MAC, GW_B_MAC, Item, MODE_NEW_TCP, MODE_RESTORE, Prog,
-        VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, backend_mac, backend_port, items, payload, reply_frame, services,
-        tcp, udp,
+        VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, answered_first, backend_mac, backend_port, items, payload,
+        reply_frame, services, tcp, udp,
     },
     netns::ifindex,
 };
@@ -470,11 +470,14 @@ impl Bench {
             ensure!(fwd.retval == XDP_REDIRECT, "{}: the forward packet returned {}", item.label, fwd.retval);
             let backend = Frame::parse(&fwd.out)?.dst;
             let frame = Frame::parse(&item.frame)?;
-            reply = Item { frame: reply_frame(&frame, backend), ..item.clone() };
+            reply = Item { frame: reply_frame(&frame, backend, item.service.unwrap_or_default()), ..item.clone() };
             &reply
         } else {
             item
         };
+        if answered_first(item) {
+            self.answer(item)?;
+        }
         let new_flow = item.via == Via::Harness(MODE_NEW_TCP);
         // Checked single run (inserts the flow of an established case).
         let c0 = self.new_flow_counter()?;
@@ -543,6 +546,40 @@ impl Bench {
                 item.label
             );
         }
+        if answered_first(item) {
+            let state = self.flow_state(item)?;
+            let want = FLOW_REPLIED | FLOW_ESTABLISHED;
+            ensure!(state & want == want, "{}: the flow is not established (state {state:#x})", item.label);
+        }
         Ok(timed.sample)
+    }
+
+    /// Make the flow of `item`'s frame and pass its reply once (the
+    /// backend's answer), checked: the next client packet establishes it.
+    fn answer(&mut self, item: &Item) -> anyhow::Result<()> {
+        let fwd = self.run(item, 1)?;
+        ensure!(fwd.retval == XDP_REDIRECT, "{}: the flow's first packet returned {}", item.label, fwd.retval);
+        let backend = Frame::parse(&fwd.out)?.dst;
+        let frame = Frame::parse(&item.frame)?;
+        let reply = Item { frame: reply_frame(&frame, backend, item.service.unwrap_or_default()), ..item.clone() };
+        let r = self.run(&reply, 1)?;
+        ensure!(r.retval == XDP_REDIRECT, "{}: the flow's reply returned {}", item.label, r.retval);
+        ensure!(self.flow_state(item)? & FLOW_REPLIED != 0, "{}: the reply was not seen", item.label);
+        Ok(())
+    }
+
+    /// The close/handshake state of the flow `item`'s frame opens.
+    fn flow_state(&self, item: &Item) -> anyhow::Result<u64> {
+        let f = Frame::parse(&item.frame)?;
+        let key = FlowKey {
+            src_addr: u32::from_ne_bytes(f.src.octets()),
+            dst_addr: u32::from_ne_bytes(f.dst.octets()),
+            src_port: f.sport.to_be(),
+            dst_port: f.dport.to_be(),
+            proto: if f.proto == lb_testkit::Proto::Udp { lb_common::PROTO_UDP } else { lb_common::PROTO_TCP },
+            _pad: [0; 3],
+        };
+        let flow = self.dp.flow(&key)?.ok_or_else(|| anyhow!("{}: no flow-table entry", item.label))?;
+        Ok(flow.state)
     }
 }

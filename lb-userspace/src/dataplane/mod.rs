@@ -518,6 +518,15 @@ impl Dataplane {
         Ok(v4 + v6)
     }
 
+    /// The IPv4 flow-table entry of `key` (as on the wire), if there is one.
+    pub fn flow(&self, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
+        match self.maps.flows.get(key, 0) {
+            Ok(f) => Ok(Some(f)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::FLOWS)(e)),
+        }
+    }
+
     /// Active flows of a backend: opened - closed - expired.
     pub fn active_flows(&self, id: u32) -> Result<u64, DataplaneError> {
         let conns = &self.maps.conns;
