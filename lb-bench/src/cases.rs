@@ -92,6 +92,15 @@ pub(crate) enum Prog {
     /// `floor_table`: the flow table alone (a lookup, and an insert when
     /// the 5-tuple is missing).
     Table,
+    /// `floor_lru`: the same on an LRU hash (Katran's kind of flow table).
+    Lru,
+}
+
+impl Prog {
+    /// A table-alone program: `floor_table` or `floor_lru`.
+    pub(crate) fn table_alone(self) -> bool {
+        matches!(self, Self::Table | Self::Lru)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -256,6 +265,32 @@ pub(crate) fn items() -> Vec<Item> {
             label: "flow table alone: new entry".into(),
             path: "kernel hash lookup miss + insert of a fresh 5-tuple, PASS",
             prog: Prog::Table,
+            via: Via::Harness(MODE_NEW_TCP),
+            frame: tcp(NEW_FLOW_BASE, 1, VIP, 80, SYN).bytes(),
+            expect: Expect::Pass,
+            service: None,
+            katran: None,
+            reply: false,
+            fill: 0,
+        },
+        Item {
+            key: "lru_hit",
+            label: "LRU table alone: lookup hit".into(),
+            path: "kernel LRU hash lookup (FLOWS' key, value, size), PASS",
+            prog: Prog::Lru,
+            via: Via::Harness(MODE_RESTORE),
+            frame: est.clone(),
+            expect: Expect::Pass,
+            service: None,
+            katran: None,
+            reply: false,
+            fill: 0,
+        },
+        Item {
+            key: "lru_new",
+            label: "LRU table alone: new entry".into(),
+            path: "kernel LRU hash lookup miss + insert of a fresh 5-tuple, PASS",
+            prog: Prog::Lru,
             via: Via::Harness(MODE_NEW_TCP),
             frame: tcp(NEW_FLOW_BASE, 1, VIP, 80, SYN).bytes(),
             expect: Expect::Pass,

@@ -218,7 +218,7 @@ fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<Atom
     if args.fill > 0 {
         let twins: Vec<_> = items
             .iter()
-            .filter(|i| matches!(i.prog, Prog::Lb | Prog::Table) && i.key != "ipv6")
+            .filter(|i| (i.prog == Prog::Lb || i.prog.table_alone()) && i.key != "ipv6")
             .map(|i| full(i, args.fill))
             .collect();
         items.extend(twins);

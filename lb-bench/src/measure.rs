@@ -20,10 +20,10 @@ use std::{
 use anyhow::{Context as _, anyhow, ensure};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, IterableMap as _, MapData, PerCpuArray, ProgramArray},
+    maps::{Array, MapData, PerCpuArray, ProgramArray},
     programs::{ProgramFd, TestRun as _, TestRunOptions, Xdp},
 };
-use lb_common::{FLOW_ESTABLISHED, FLOW_REPLIED, Flow, FlowKey};
+use lb_common::{FLOW_ESTABLISHED, FLOW_REPLIED, FlowKey};
 use lb_testkit::Frame;
 use lb_userspace::{
     config::{Config, XdpMode},
@@ -74,6 +74,7 @@ pub(crate) struct Bench {
     pass_fd: ProgramFd,
     tx_fd: ProgramFd,
     table_fd: ProgramFd,
+    lru_fd: ProgramFd,
     /// What PROG_ARRAY slot 0 holds now.
     slot: Option<Prog>,
     if_a: u32,
@@ -118,9 +119,10 @@ impl Bench {
         // floor_table's table has the datapath's flow-table size.
         let mut bench = EbpfLoader::new()
             .map_max_entries("FLOW_TABLE", conntrack_max)
+            .map_max_entries("FLOW_LRU", conntrack_max)
             .load(BENCH_OBJECT)
             .context("loading the benchmark programs")?;
-        for name in ["floor_pass", "floor_tx", "floor_table", "bench_harness"] {
+        for name in ["floor_pass", "floor_tx", "floor_table", "floor_lru", "bench_harness"] {
             let p: &mut Xdp =
                 bench.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?;
             p.load().with_context(|| format!("loading {name}"))?;
@@ -129,6 +131,7 @@ impl Bench {
         let pass_fd = xdp(&bench, "floor_pass")?.fd()?.try_clone()?;
         let tx_fd = xdp(&bench, "floor_tx")?.fd()?.try_clone()?;
         let table_fd = xdp(&bench, "floor_table")?.fd()?.try_clone()?;
+        let lru_fd = xdp(&bench, "floor_lru")?.fd()?.try_clone()?;
         Ok(Self {
             dp,
             bench,
@@ -136,6 +139,7 @@ impl Bench {
             pass_fd,
             tx_fd,
             table_fd,
+            lru_fd,
             slot: None,
             if_a: ifindex("gwa")?,
             cpu,
@@ -153,6 +157,7 @@ impl Bench {
             Prog::FloorPass => &self.pass_fd,
             Prog::FloorTx => &self.tx_fd,
             Prog::Table => &self.table_fd,
+            Prog::Lru => &self.lru_fd,
         };
         let mut arr = ProgramArray::try_from(self.bench.map_mut("PROG_ARRAY").ok_or_else(|| anyhow!("PROG_ARRAY"))?)?;
         arr.set(0, fd, 0)?;
@@ -193,21 +198,26 @@ impl Bench {
         v.get(self.cpu).copied().ok_or_else(|| anyhow!("no INSERTS value for CPU {}", self.cpu))
     }
 
-    /// Empty floor_table's table, then put `n` fresh 5-tuples in it (as
-    /// the datapath's table is emptied and filled for its cases).
-    fn reset_table(&mut self, n: u32) -> anyhow::Result<()> {
-        let map = self.bench.map("FLOW_TABLE").ok_or_else(|| anyhow!("FLOW_TABLE"))?;
-        let table: HashMap<&MapData, FlowKey, Flow> = HashMap::try_from(map)?;
-        drain_flow_map(table.map().fd().as_fd()).context("emptying FLOW_TABLE")?;
+    /// Empty the table of a table-alone program, then put `n` fresh
+    /// 5-tuples in it (as the datapath's table is emptied and filled for
+    /// its cases).
+    fn reset_table(&mut self, prog: Prog, n: u32) -> anyhow::Result<()> {
+        let (name, fill_case) = if prog == Prog::Lru { ("FLOW_LRU", "lru_new") } else { ("FLOW_TABLE", "table_new") };
+        let map = self.bench.map(name).ok_or_else(|| anyhow!("{name}"))?;
+        let fd = match map {
+            aya::maps::Map::LruHashMap(m) | aya::maps::Map::HashMap(m) => m.fd().as_fd(),
+            _ => anyhow::bail!("{name} is not a hash map"),
+        };
+        drain_flow_map(fd).with_context(|| format!("emptying {name}"))?;
         if n == 0 {
             return Ok(());
         }
-        let item = items().into_iter().find(|i| i.key == "table_new").context("no table_new case")?;
+        let item = items().into_iter().find(|i| i.key == fill_case).with_context(|| format!("no {fill_case} case"))?;
         let i0 = self.table_inserts()?;
         let r = self.run(&item, n)?;
         let i1 = self.table_inserts()?;
-        ensure!(r.retval == XDP_PASS, "filling FLOW_TABLE: returned {}", r.retval);
-        ensure!(i1 - i0 == u64::from(n), "filling FLOW_TABLE: {} inserts for {n} packets", i1 - i0);
+        ensure!(r.retval == XDP_PASS, "filling {name}: returned {}", r.retval);
+        ensure!(i1 - i0 == u64::from(n), "filling {name}: {} inserts for {n} packets", i1 - i0);
         Ok(())
     }
 
@@ -223,6 +233,7 @@ impl Bench {
                 Prog::FloorPass => xdp(&self.bench, "floor_pass")?,
                 Prog::FloorTx => xdp(&self.bench, "floor_tx")?,
                 Prog::Table => xdp(&self.bench, "floor_table")?,
+                Prog::Lru => xdp(&self.bench, "floor_lru")?,
                 Prog::Lb => self.dp.program(),
             },
             Via::Harness(mode) => {
@@ -458,9 +469,9 @@ impl Bench {
                 self.fill(item.fill)?;
             }
         }
-        let table = item.prog == Prog::Table;
+        let table = item.prog.table_alone();
         if table {
-            self.reset_table(item.fill)?;
+            self.reset_table(item.prog, item.fill)?;
         }
         let reply;
         let item = if item.reply {
@@ -508,7 +519,7 @@ impl Bench {
         let want_inserts = if table && new_flow { u64::from(repeat) } else { 0 };
         ensure!(
             i2 - i1 == want_inserts,
-            "{}: {} inserts into FLOW_TABLE in {repeat} repeats, expected {want_inserts}",
+            "{}: {} inserts into its table in {repeat} repeats, expected {want_inserts}",
             item.label,
             i2 - i1
         );

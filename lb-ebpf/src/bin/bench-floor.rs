@@ -23,6 +23,9 @@
 //!   inserts it; returns XDP_PASS. Through the harness with a fresh source
 //!   per repeat it times what every new flow pays the kernel's table (a
 //!   miss and an insert); with the same packet, a hit.
+//! - `floor_lru`: the same on an LRU hash of the same size (`FLOW_LRU`),
+//!   the kind of table Katran keeps its flows in (one per CPU there; this
+//!   program runs on one CPU).
 #![no_std]
 #![no_main]
 // The store-buffer drain is an atomic add: core's atomic types have no RMW
@@ -42,7 +45,7 @@ use aya_ebpf::{
     bindings::xdp_action,
     helpers::generated::bpf_xdp_store_bytes,
     macros::{map, xdp},
-    maps::{Array, HashMap, PerCpuArray, ProgramArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
     programs::XdpContext,
 };
 use lb_common::{DIR_FLOW, Flow, FlowKey};
@@ -100,7 +103,11 @@ static PROG_ARRAY: ProgramArray = ProgramArray::with_max_entries(1, 0);
 #[map]
 static FLOW_TABLE: HashMap<FlowKey, Flow> = HashMap::with_max_entries(1, 0);
 
-/// Per-CPU count of `floor_table`'s inserts (lb-bench checks that a run
+/// `floor_lru`'s table: `FLOW_TABLE` as an LRU hash (sized by lb-bench).
+#[map]
+static FLOW_LRU: LruHashMap<FlowKey, Flow> = LruHashMap::with_max_entries(1, 0);
+
+/// Per-CPU count of `floor_table`'s and `floor_lru`'s inserts (lb-bench checks that a run
 /// inserted once per repeat, or never).
 #[map]
 static INSERTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
@@ -131,8 +138,20 @@ pub(crate) fn floor_tx(ctx: XdpContext) -> u32 {
 }
 
 #[xdp]
-#[expect(clippy::needless_borrows_for_generic_args, reason = "by reference, as the datapath passes its keys")]
 pub(crate) fn floor_table(ctx: XdpContext) -> u32 {
+    table_alone(&ctx, &FLOW_TABLE)
+}
+
+#[xdp]
+pub(crate) fn floor_lru(ctx: XdpContext) -> u32 {
+    table_alone(&ctx, &FLOW_LRU)
+}
+
+/// What a table of flows costs alone: the 5-tuple read, a lookup, and an
+/// insert when it is missing (counted in `INSERTS`). `T`: a hash map type
+/// of aya-ebpf (the plain one, or the LRU one).
+#[inline(always)]
+fn table_alone<T: FlowTable>(ctx: &XdpContext, table: &T) -> u32 {
     let data = ctx.data();
     if data + L4 + 4 > ctx.data_end() {
         return xdp_action::XDP_ABORTED;
@@ -149,11 +168,11 @@ pub(crate) fn floor_table(ctx: XdpContext) -> u32 {
             _pad: [0; 3],
         }
     };
-    if FLOW_TABLE.get_ptr(&key).is_some() {
+    if table.has(&key) {
         return xdp_action::XDP_PASS;
     }
     let flow = Flow { backend_id: 1, nat_addr: key.dst_addr, nat_port: key.dst_port, dir: DIR_FLOW, ..Flow::default() };
-    if FLOW_TABLE.insert(&key, &flow, 0).is_err() {
+    if !table.put(&key, &flow) {
         return xdp_action::XDP_ABORTED;
     }
     if let Some(n) = INSERTS.get_ptr_mut(0) {
@@ -161,6 +180,34 @@ pub(crate) fn floor_table(ctx: XdpContext) -> u32 {
         unsafe { *n += 1 };
     }
     xdp_action::XDP_PASS
+}
+
+/// The two kinds of hash map `table_alone` times.
+trait FlowTable {
+    fn has(&self, key: &FlowKey) -> bool;
+    fn put(&self, key: &FlowKey, flow: &Flow) -> bool;
+}
+
+impl FlowTable for HashMap<FlowKey, Flow> {
+    #[inline(always)]
+    fn has(&self, key: &FlowKey) -> bool {
+        self.get_ptr(key).is_some()
+    }
+    #[inline(always)]
+    fn put(&self, key: &FlowKey, flow: &Flow) -> bool {
+        self.insert(key, flow, 0).is_ok()
+    }
+}
+
+impl FlowTable for LruHashMap<FlowKey, Flow> {
+    #[inline(always)]
+    fn has(&self, key: &FlowKey) -> bool {
+        self.get_ptr(key).is_some()
+    }
+    #[inline(always)]
+    fn put(&self, key: &FlowKey, flow: &Flow) -> bool {
+        self.insert(key, flow, 0).is_ok()
+    }
 }
 
 #[xdp]
