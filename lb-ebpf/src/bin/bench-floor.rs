@@ -188,27 +188,22 @@ trait FlowTable {
     fn put(&self, key: &FlowKey, flow: &Flow) -> bool;
 }
 
-impl FlowTable for HashMap<FlowKey, Flow> {
-    #[inline(always)]
-    fn has(&self, key: &FlowKey) -> bool {
-        self.get_ptr(key).is_some()
-    }
-    #[inline(always)]
-    fn put(&self, key: &FlowKey, flow: &Flow) -> bool {
-        self.insert(key, flow, 0).is_ok()
-    }
+/// Both map types have the same methods, but no trait of aya-ebpf's names them.
+macro_rules! flow_table {
+    ($($map:ty),*) => {$(
+        impl FlowTable for $map {
+            #[inline(always)]
+            fn has(&self, key: &FlowKey) -> bool {
+                self.get_ptr(key).is_some()
+            }
+            #[inline(always)]
+            fn put(&self, key: &FlowKey, flow: &Flow) -> bool {
+                self.insert(key, flow, 0).is_ok()
+            }
+        }
+    )*};
 }
-
-impl FlowTable for LruHashMap<FlowKey, Flow> {
-    #[inline(always)]
-    fn has(&self, key: &FlowKey) -> bool {
-        self.get_ptr(key).is_some()
-    }
-    #[inline(always)]
-    fn put(&self, key: &FlowKey, flow: &Flow) -> bool {
-        self.insert(key, flow, 0).is_ok()
-    }
-}
+flow_table!(HashMap<FlowKey, Flow>, LruHashMap<FlowKey, Flow>);
 
 #[xdp]
 pub(crate) fn bench_harness(ctx: XdpContext) -> u32 {
