@@ -108,7 +108,7 @@ fn our_failures(r: &Value) -> Vec<String> {
         }
         for (i, run) in runs.as_array().into_iter().flatten().enumerate() {
             if failed(run) > 0.0 {
-                out.push(format!("e2e {key}, repetition {}: {} failed", i + 1, failed(run)));
+                out.push(format!("e2e {key}, repetition {}: {} failed ({})", i + 1, failed(run), run["errors"]));
             }
         }
     }
@@ -518,10 +518,13 @@ fn parse_duration_ms(s: &str) -> f64 {
     f64::NAN
 }
 
-/// The figures of wrk's text output.
+/// The figures of wrk's text output. `failed` counts socket errors and
+/// non-2xx/3xx answers; `errors` says which (wrk's names: connect, read,
+/// write, timeout; and non_2xx), so that a failure says what it was.
 fn parse_wrk(text: &str) -> Value {
     let mut v = json!({});
     let mut errors = 0.0;
+    let mut kinds = serde_json::Map::new();
     for line in text.lines() {
         let l = line.trim();
         let f: Vec<&str> = l.split_whitespace().collect();
@@ -532,17 +535,26 @@ fn parse_wrk(text: &str) -> Value {
                 v[format!("p{}_ms", p.trim_end_matches('%'))] = json!(parse_duration_ms(d));
             }
             ["Socket", "errors:", rest @ ..] => {
-                for w in rest {
-                    if let Ok(n) = w.trim_end_matches(',').parse::<f64>() {
+                // "connect 0, read 1, write 0, timeout 0"
+                for pair in rest.chunks(2) {
+                    if let [kind, n] = pair
+                        && let Ok(n) = n.trim_end_matches(',').parse::<f64>()
+                    {
                         errors += n;
+                        kinds.insert((*kind).to_owned(), json!(n));
                     }
                 }
             }
-            ["Non-2xx", "or", "3xx", "responses:", n] => errors += n.parse::<f64>().unwrap_or(0.0),
+            ["Non-2xx", "or", "3xx", "responses:", n] => {
+                let n = n.parse::<f64>().unwrap_or(0.0);
+                errors += n;
+                kinds.insert("non_2xx".to_owned(), json!(n));
+            }
             _ => {}
         }
     }
     v["failed"] = json!(errors);
+    v["errors"] = Value::Object(kinds);
     v
 }
 
@@ -753,5 +765,18 @@ mod tests {
     fn the_open_loop_cell_is_named_with_its_share() {
         assert!(PACED.contains(&format!("{PACED_SHARE}x direct's rate")), "{PACED} / {PACED_SHARE}");
         assert!(PACED.starts_with(KEEP_ALIVE));
+    }
+
+    #[test]
+    fn wrk_failures_are_counted_and_named() {
+        let text = "Running 4s test @ http://10.0.0.1:80/\n  2 threads and 10 connections\n  Latency Distribution\n     50%  405.00us\n     90%  754.00us\n     99%    1.26ms\n  72641 requests in 4.10s, 9.07MB read\n  Socket errors: connect 0, read 1, write 0, timeout 2\n  Non-2xx or 3xx responses: 3\nRequests/sec:  17717.58\n";
+        let v = parse_wrk(text);
+        assert_eq!(v["failed"], json!(6.0));
+        assert_eq!(v["errors"], json!({"connect": 0.0, "read": 1.0, "write": 0.0, "timeout": 2.0, "non_2xx": 3.0}));
+        assert_eq!(v["requests"], json!(72641.0));
+        assert_eq!(v["p99_ms"], json!(1.26));
+        let clean = parse_wrk("  72641 requests in 4.10s, 9.07MB read\nRequests/sec:  17717.58\n");
+        assert_eq!(clean["failed"], json!(0.0));
+        assert_eq!(clean["errors"], json!({}));
     }
 }
