@@ -121,7 +121,7 @@ impl Bench {
         let xmit = lb_common::NETDEV_F_XMIT_GENERIC | lb_common::NETDEV_F_XMIT_NATIVE;
         dp.write_netdevs(&[(ifindex("gwa")?, xmit), (ifindex("gwb")?, xmit)].into_iter().collect())
             .context("describing the devices")?;
-        // floor_table's table has the datapath's flow-table size.
+        // The table-alone programs' tables have the datapath's flow-table size.
         let mut bench = EbpfLoader::new()
             .map_max_entries("FLOW_TABLE", conntrack_max)
             .map_max_entries("FLOW_LRU", conntrack_max)
@@ -196,7 +196,7 @@ impl Bench {
         v.get(self.cpu).copied().ok_or_else(|| anyhow!("no COUNTER value for CPU {}", self.cpu))
     }
 
-    /// floor_table's inserts so far on our CPU.
+    /// The table-alone programs' inserts so far on our CPU (one counter).
     fn table_inserts(&self) -> anyhow::Result<u64> {
         let m: PerCpuArray<&MapData, u64> =
             PerCpuArray::try_from(self.bench.map("INSERTS").ok_or_else(|| anyhow!("INSERTS"))?)?;
