@@ -494,13 +494,7 @@ impl Bench {
         }
         let reply;
         let item = if item.reply {
-            // The forward packet makes the flow; the reply comes from the
-            // backend it went to.
-            let fwd = self.run(item, 1)?;
-            ensure!(fwd.retval == XDP_REDIRECT, "{}: the forward packet returned {}", item.label, fwd.retval);
-            let backend = Frame::parse(&fwd.out)?.dst;
-            let frame = Frame::parse(&item.frame)?;
-            reply = Item { frame: reply_frame(&frame, backend, item.service.unwrap_or_default()), ..item.clone() };
+            reply = self.reply_to(item)?;
             &reply
         } else {
             item
@@ -587,15 +581,21 @@ impl Bench {
     /// Make the flow of `item`'s frame and pass its reply once (the
     /// backend's answer), checked: the next client packet establishes it.
     fn answer(&mut self, item: &Item) -> anyhow::Result<()> {
-        let fwd = self.run(item, 1)?;
-        ensure!(fwd.retval == XDP_REDIRECT, "{}: the flow's first packet returned {}", item.label, fwd.retval);
-        let backend = Frame::parse(&fwd.out)?.dst;
-        let frame = Frame::parse(&item.frame)?;
-        let reply = Item { frame: reply_frame(&frame, backend, item.service.unwrap_or_default()), ..item.clone() };
+        let reply = self.reply_to(item)?;
         let r = self.run(&reply, 1)?;
         ensure!(r.retval == XDP_REDIRECT, "{}: the flow's reply returned {}", item.label, r.retval);
         ensure!(self.flow_state(item)? & FLOW_REPLIED != 0, "{}: the reply was not seen", item.label);
         Ok(())
+    }
+
+    /// Run `item`'s forward packet once (checked: it makes the flow), and
+    /// return the case of its reply, from the backend the packet went to.
+    fn reply_to(&mut self, item: &Item) -> anyhow::Result<Item> {
+        let fwd = self.run(item, 1)?;
+        ensure!(fwd.retval == XDP_REDIRECT, "{}: the forward packet returned {}", item.label, fwd.retval);
+        let backend = Frame::parse(&fwd.out)?.dst;
+        let frame = Frame::parse(&item.frame)?;
+        Ok(Item { frame: reply_frame(&frame, backend, item.service.unwrap_or_default()), reply: true, ..item.clone() })
     }
 
     /// The close/handshake state of the flow `item`'s frame opens.

@@ -511,7 +511,7 @@ impl Dataplane {
     /// Empty the flow table (for benchmarks: flows are forgotten without
     /// being counted closed or expired). Returns the entries removed.
     pub fn flush_flows(&mut self) -> Result<u64, DataplaneError> {
-        let v4 = batch::drain::<FlowKey, Flow>(self.maps.flows.map().fd().as_fd())
+        let v4 = drain_flow_map(self.maps.flows.map().fd().as_fd())
             .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
         let v6 = batch::drain::<FlowKey6, Flow6>(self.maps.flows6.map().fd().as_fd())
             .map_err(|e| DataplaneError::Batch { map: names::FLOWS6, source: e })?;
