@@ -233,6 +233,17 @@ fn ipv6_http_and_udp_are_balanced_exactly_beside_ipv4() {
         .client(&["udp", "--target", &target, "--count", "1000", "--per-socket", "3", "--sources", &sources6])
         .unwrap();
     println!("IPv6 UDP: {r}");
+    if r["failed"].as_u64() != Some(0) {
+        // Where a lost datagram went, while the lab is still up: the
+        // datapath's own counters and every device's drops.
+        let status = lbd.status().unwrap();
+        println!("lbd counters: {}", status["counters"]);
+        for role in ["client", "gw", "sw", "be1", "be2", "be3"] {
+            if let Ok(out) = lab.cmd(role, "ip").args(["-s", "-s", "link"]).output() {
+                println!("{role}: ip -s -s link:\n{}", String::from_utf8_lossy(&out.stdout));
+            }
+        }
+    }
     assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(3000), Some(0)), "{r}");
     assert_eq!((r["flows_switched"].as_u64(), r["replies_from_other_addr"].as_u64()), (Some(0), Some(0)), "{r}");
     let ours = new_flows(&lbd, "dns6", &v6);
