@@ -238,8 +238,8 @@ fn ipv6_http_and_udp_are_balanced_exactly_beside_ipv4() {
         // datapath's own counters and every device's drops.
         let status = lbd.status().unwrap();
         println!("lbd counters: {}", status["counters"]);
-        for role in ["client", "gw", "sw", "be1", "be2", "be3"] {
-            if let Ok(out) = lab.cmd(role, "ip").args(["-s", "-s", "link"]).output() {
+        for role in lab.all_roles() {
+            if let Ok(out) = lab.cmd(&role, "ip").args(["-s", "-s", "link"]).output() {
                 println!("{role}: ip -s -s link:\n{}", String::from_utf8_lossy(&out.stdout));
             }
         }

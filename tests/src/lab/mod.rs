@@ -594,7 +594,8 @@ impl Lab {
         run(&mut c).with_context(|| format!("{role} stats API {method} {path}"))
     }
 
-    fn all_roles(&self) -> Vec<String> {
+    /// Every namespace role of this lab, in its topology.
+    pub fn all_roles(&self) -> Vec<String> {
         if self.spec.topology == Topology::Ecmp {
             let mut v: Vec<String> = ["client", "rt", "sw"].map(String::from).into();
             v.extend(self.node_names());
