@@ -1,7 +1,6 @@
 //! Project tasks: `cargo xtask setup | build | lab up|down | demo | test | install`.
 mod bench;
 mod install;
-mod setup;
 
 use std::{
     io::Write as _,
@@ -15,6 +14,7 @@ use lb_tests::{
     lab::{Lab, LabSpec, Topology},
     lbd::Lbd,
 };
+use xtask_boot::{self as setup, is_root, run};
 
 #[derive(Parser)]
 #[command(about = "Build, set up, demo and test the XDP load balancer")]
@@ -156,11 +156,6 @@ fn main() {
     }
 }
 
-pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 fn need_root(what: &str) -> anyhow::Result<()> {
     if !is_root() {
         let why = if what.contains("install") {
@@ -171,20 +166,6 @@ fn need_root(what: &str) -> anyhow::Result<()> {
         bail!("{what} needs root ({why}); run it as root");
     }
     Ok(())
-}
-
-/// Run a command, inheriting stdio; error if it fails.
-pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
-    let status = cmd.status().with_context(|| format!("starting {cmd:?}"))?;
-    if !status.success() {
-        bail!("{cmd:?} failed: {status}");
-    }
-    Ok(())
-}
-
-/// True when the command runs and exits 0 (output discarded).
-pub fn succeeds(cmd: &mut Command) -> bool {
-    cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
 }
 
 fn ensure_setup() -> anyhow::Result<()> {

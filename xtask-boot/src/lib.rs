@@ -1,17 +1,39 @@
 //! `cargo xtask setup`: install what building and testing need, from what
 //! this machine can reach (rustup, crates.io, Debian). Idempotent: each
 //! step first checks whether its result is already there.
+//!
+//! A crate of its own, with no dependency that needs the toolchain it
+//! installs: `cargo xtask` runs this crate's binary first, which installs
+//! the toolchain when it is missing and only then compiles xtask (see
+//! `main.rs`).
 use std::{
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
 };
 
 use anyhow::{Context as _, bail};
 
-use crate::{is_root, run, succeeds};
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Run a command, inheriting stdio; error if it fails.
+pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd.status().with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+/// True when the command runs and exits 0 (output discarded).
+pub fn succeeds(cmd: &mut Command) -> bool {
+    cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
 
 /// Debian packages the lab and the tests use.
-pub(crate) const PACKAGES: &[(&str, &str)] = &[
+pub const PACKAGES: &[(&str, &str)] = &[
     // (package, a file it installs: present means installed)
     ("iproute2", "/usr/sbin/ip"),
     ("ethtool", "/usr/sbin/ethtool"),
@@ -26,20 +48,27 @@ pub(crate) const PACKAGES: &[(&str, &str)] = &[
     ("chromium", "/usr/bin/chromium"),
 ];
 
-pub(crate) fn setup() -> anyhow::Result<()> {
-    nightly()?;
-    bpf_linker()?;
+pub fn setup() -> anyhow::Result<()> {
+    toolchain()?;
     debian(PACKAGES)?;
     Ok(())
 }
 
+/// The part of the set-up the workspace needs to compile at all (the XDP
+/// program is built by lb-userspace's build script) and the lint tools.
+pub fn toolchain() -> anyhow::Result<()> {
+    nightly()?;
+    bpf_linker()
+}
+
+/// True when `toolchain` has nothing to install.
+pub fn toolchain_complete() -> bool {
+    nightly_has("rust-src") && nightly_has("clippy") && stable_lint_tools() && bpf_linker_works()
+}
+
 /// True when nothing is missing (fast check used before demo and test).
-pub(crate) fn complete() -> bool {
-    nightly_has("rust-src")
-        && nightly_has("clippy")
-        && stable_lint_tools()
-        && bpf_linker_works()
-        && PACKAGES.iter().all(|(_, f)| Path::new(f).exists())
+pub fn complete() -> bool {
+    toolchain_complete() && PACKAGES.iter().all(|(_, f)| Path::new(f).exists())
 }
 
 /// Whether the nightly toolchain has `component` (rust-src to build the
@@ -143,7 +172,7 @@ fn bpf_linker() -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn debian(packages: &[(&str, &str)]) -> anyhow::Result<()> {
+pub fn debian(packages: &[(&str, &str)]) -> anyhow::Result<()> {
     let missing: Vec<&str> = packages.iter().filter(|(_, f)| !Path::new(f).exists()).map(|(p, _)| *p).collect();
     if missing.is_empty() {
         return Ok(());

@@ -1,0 +1,27 @@
+//! `cargo xtask ...` runs this first (the alias in `.cargo/config.toml`).
+//!
+//! `xtask` depends on the lab crate, which depends on `lb-userspace`, whose
+//! build script compiles the XDP program with the nightly's rust-src and
+//! bpf-linker. On a fresh machine neither exists yet, so `xtask` itself
+//! cannot compile until they are installed. This crate has no such
+//! dependency: it installs the two when missing, then replaces itself with
+//! `cargo run --package xtask` and the same arguments (exec, so signals and
+//! the exit status are xtask's own).
+use std::{os::unix::process::CommandExt as _, process::Command};
+
+// The library's dependencies: the binary uses them only through it.
+use {anyhow as _, libc as _};
+
+fn main() {
+    let args: Vec<_> = std::env::args_os().skip(1).collect();
+    if !xtask_boot::toolchain_complete()
+        && let Err(e) = xtask_boot::toolchain()
+    {
+        eprintln!("xtask: installing the toolchain the build needs: {e:#}");
+        std::process::exit(1);
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let e = Command::new(cargo).args(["run", "--quiet", "--package", "xtask", "--"]).args(args).exec();
+    eprintln!("xtask: could not run `cargo run --package xtask`: {e}");
+    std::process::exit(1);
+}
