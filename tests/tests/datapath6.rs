@@ -89,6 +89,66 @@ fn ipv6_udp_is_rewritten_with_its_checksum_and_an_ipv4_service_works_beside_it()
     });
 }
 
+/// `p` with its last two payload bytes chosen so that its finished L4
+/// checksum equals the pseudo-header sum, which is what an unfinished one
+/// holds: one packet in 65,536 does so by chance.
+fn colliding6(mut p: Frame6) -> Frame6 {
+    let seed = p.l4_seed();
+    let n = p.payload.len();
+    let found = (0..=u16::MAX).find(|&w| {
+        p.payload[n - 2..].copy_from_slice(&w.to_be_bytes());
+        p.full_l4_checksum() == seed
+    });
+    assert!(found.is_some(), "no payload word gives the colliding checksum");
+    // etherparse takes it for finished too (it checks the full sum first).
+    assert_eq!(Frame6::parse(&p.bytes()).unwrap().l4_checksum, L4Checksum::Full);
+    p
+}
+
+#[test]
+fn a_finished_ipv6_checksum_that_looks_unfinished_is_left_finished() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![
+            service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
+            service6("dns6", 53, Protocol::Udp, &[(BACKEND6, 5353)]),
+        ]);
+        for (i, udp) in [false, true].into_iter().enumerate() {
+            let cport = 41000 + i as u16;
+            let (vport, bport) = if udp { (53, 5353) } else { (80, 8080) };
+            let base = if udp {
+                Frame6::udp(CLIENT6, cport, VIP6, vport).macs(GW_A_MAC, CLIENT_MAC)
+            } else {
+                tcp6(CLIENT6, cport, VIP6, vport, SYN)
+            };
+            // Client -> backend: rewritten by native redirect, its
+            // checksum updated as a finished one.
+            let q = colliding6(Frame6 { payload: vec![0x5a; 64], ..base });
+            let (action, out) = fx.run(&q.bytes(), fx.if_a);
+            let want = Frame6 { dst: BACKEND6, dport: bport, hop_limit: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..q };
+            assert_eq!((action, out), (XDP_REDIRECT, want.bytes()), "forward, udp {udp}");
+            // Backend -> client, the same way back.
+            let a = if udp {
+                Frame6::udp(BACKEND6, bport, CLIENT6, cport)
+            } else {
+                Frame6::tcp(BACKEND6, bport, CLIENT6, cport, SYN | ACK)
+            };
+            let a = colliding6(Frame6 { payload: vec![0xa5; 64], ..a.macs(GW_B_MAC, BACKEND_MAC) });
+            let (action, out) = fx.run(&a.bytes(), fx.if_b);
+            let want = Frame6 { src: VIP6, sport: vport, hop_limit: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..a };
+            assert_eq!((action, out), (XDP_REDIRECT, want.bytes()), "reply, udp {udp}");
+        }
+        assert_eq!(fx.counter("csum_partial"), 0);
+        assert_eq!(fx.counter("kernel_egress"), 0);
+        // A truly unfinished checksum still goes the kernel's way, which
+        // finishes it (native mode does not finish IPv6 checksums).
+        let p = Frame6 { l4_checksum: L4Checksum::Partial, ..tcp6(CLIENT6, 42000, VIP6, 80, SYN) };
+        let (action, out) = fx.run(&p.bytes(), fx.if_a);
+        assert_eq!(action, XDP_PASS);
+        assert_eq!(out, Frame6 { dst: BACKEND6, dport: 8080, ..p }.bytes(), "rewritten, left unfinished");
+        assert_eq!((fx.counter("csum_partial"), fx.counter("kernel_egress")), (1, 1));
+    });
+}
+
 #[test]
 fn ipv6_extension_headers_are_walked_and_kept() {
     in_netns(|| {
