@@ -94,12 +94,15 @@ pub(crate) enum Prog {
     Table,
     /// `floor_lru`: the same on an LRU hash (Katran's kind of flow table).
     Lru,
+    /// `floor_open`: the same on an open-addressing array of our own (a
+    /// candidate flow table the datapath does not use).
+    Open,
 }
 
 impl Prog {
-    /// A table-alone program: `floor_table` or `floor_lru`.
+    /// A table-alone program: `floor_table`, `floor_lru` or `floor_open`.
     pub(crate) fn table_alone(self) -> bool {
-        matches!(self, Self::Table | Self::Lru)
+        matches!(self, Self::Table | Self::Lru | Self::Open)
     }
 }
 
@@ -285,6 +288,7 @@ pub(crate) fn items() -> Vec<Item> {
     for (prog, cases, what, kind) in [
         (Prog::Table, vec![hit("table_hit"), new("table_new")], "flow table alone", "kernel hash"),
         (Prog::Lru, vec![new("lru_new")], "LRU table alone", "kernel LRU hash"),
+        (Prog::Open, vec![hit("open_hit"), new("open_new")], "open-addressing table alone", "array, open addressing,"),
     ] {
         for (key, mode, frame, label, path) in cases {
             v.push(Item {

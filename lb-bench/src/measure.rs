@@ -75,18 +75,30 @@ pub(crate) struct Bench {
     tx_fd: ProgramFd,
     table_fd: ProgramFd,
     lru_fd: ProgramFd,
+    open_fd: ProgramFd,
+    /// `floor_open`'s current epoch: a slot claimed in an older one is free.
+    open_epoch: u32,
     /// What PROG_ARRAY slot 0 holds now.
     slot: Option<Prog>,
-    /// Per table (the datapath's, floor_table's, floor_lru's): `Some(n)`
+    /// Per table (the datapath's, floor_table's, floor_lru's, floor_open's): `Some(n)`
     /// while it holds the `n` flows of its last fill and at most a few
     /// single flows since; `None` once a new-flow run added its repeats.
     /// A case finding its table as it needs it skips the refill.
-    filled: [Option<u32>; 3],
+    filled: [Option<u32>; 4],
     if_a: u32,
     cpu: usize,
     pub conntrack_max: u32,
     /// Set by SIGINT/SIGTERM: stop between runs, clean up (namespace, sysctl).
     stop: Arc<AtomicBool>,
+}
+
+/// Slots of `floor_open`'s table for a flow table of `conntrack_max`
+/// connections: twice as many, rounded up to a power of two, so that a
+/// full table is at most half occupied (linear probing's probe sequences
+/// stay short; 80 bytes a slot, 640 MB at 4M connections, against about
+/// 540 MB for the kernel hash of the same capacity).
+fn open_slots(conntrack_max: u32) -> u32 {
+    conntrack_max.saturating_mul(2).next_power_of_two().max(2)
 }
 
 fn xdp<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a Xdp> {
@@ -125,9 +137,10 @@ impl Bench {
         let mut bench = EbpfLoader::new()
             .map_max_entries("FLOW_TABLE", conntrack_max)
             .map_max_entries("FLOW_LRU", conntrack_max)
+            .map_max_entries("FLOW_OPEN", open_slots(conntrack_max))
             .load(BENCH_OBJECT)
             .context("loading the benchmark programs")?;
-        for name in ["floor_pass", "floor_tx", "floor_table", "floor_lru", "bench_harness"] {
+        for name in ["floor_pass", "floor_tx", "floor_table", "floor_lru", "floor_open", "bench_harness"] {
             let p: &mut Xdp =
                 bench.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?;
             p.load().with_context(|| format!("loading {name}"))?;
@@ -137,6 +150,7 @@ impl Bench {
         let tx_fd = xdp(&bench, "floor_tx")?.fd()?.try_clone()?;
         let table_fd = xdp(&bench, "floor_table")?.fd()?.try_clone()?;
         let lru_fd = xdp(&bench, "floor_lru")?.fd()?.try_clone()?;
+        let open_fd = xdp(&bench, "floor_open")?.fd()?.try_clone()?;
         Ok(Self {
             dp,
             bench,
@@ -145,8 +159,10 @@ impl Bench {
             tx_fd,
             table_fd,
             lru_fd,
+            open_fd,
+            open_epoch: 0,
             slot: None,
-            filled: [None; 3],
+            filled: [None; 4],
             if_a: ifindex("gwa")?,
             cpu,
             conntrack_max,
@@ -164,6 +180,7 @@ impl Bench {
             Prog::FloorTx => &self.tx_fd,
             Prog::Table => &self.table_fd,
             Prog::Lru => &self.lru_fd,
+            Prog::Open => &self.open_fd,
         };
         let mut arr = ProgramArray::try_from(self.bench.map_mut("PROG_ARRAY").ok_or_else(|| anyhow!("PROG_ARRAY"))?)?;
         arr.set(0, fd, 0)?;
@@ -208,13 +225,26 @@ impl Bench {
     /// 5-tuples in it (as the datapath's table is emptied and filled for
     /// its cases).
     fn reset_table(&mut self, prog: Prog, n: u32) -> anyhow::Result<()> {
-        let (name, fill_case) = if prog == Prog::Lru { ("FLOW_LRU", "lru_new") } else { ("FLOW_TABLE", "table_new") };
-        let map = self.bench.map(name).ok_or_else(|| anyhow!("{name}"))?;
-        let fd = match map {
-            aya::maps::Map::LruHashMap(m) | aya::maps::Map::HashMap(m) => m.fd().as_fd(),
-            _ => anyhow::bail!("{name} is not a hash map"),
+        let (name, fill_case) = match prog {
+            Prog::Lru => ("FLOW_LRU", "lru_new"),
+            Prog::Open => ("FLOW_OPEN", "open_new"),
+            _ => ("FLOW_TABLE", "table_new"),
         };
-        drain_flow_map(fd).with_context(|| format!("emptying {name}"))?;
+        if prog == Prog::Open {
+            // Epochs 1..=65535 (16 bits in a slot's claim word; 0 is a
+            // never-used slot's).
+            self.open_epoch = self.open_epoch % 0xffff + 1;
+            let mut conf: Array<&mut MapData, [u32; 2]> =
+                Array::try_from(self.bench.map_mut("OPEN_CONF").ok_or_else(|| anyhow!("OPEN_CONF"))?)?;
+            conf.set(0, [open_slots(self.conntrack_max) - 1, self.open_epoch], 0)?;
+        } else {
+            let map = self.bench.map(name).ok_or_else(|| anyhow!("{name}"))?;
+            let fd = match map {
+                aya::maps::Map::LruHashMap(m) | aya::maps::Map::HashMap(m) => m.fd().as_fd(),
+                _ => anyhow::bail!("{name} is not a hash map"),
+            };
+            drain_flow_map(fd).with_context(|| format!("emptying {name}"))?;
+        }
         if n == 0 {
             return Ok(());
         }
@@ -240,6 +270,7 @@ impl Bench {
                 Prog::FloorTx => xdp(&self.bench, "floor_tx")?,
                 Prog::Table => xdp(&self.bench, "floor_table")?,
                 Prog::Lru => xdp(&self.bench, "floor_lru")?,
+                Prog::Open => xdp(&self.bench, "floor_open")?,
                 Prog::Lb => self.dp.program(),
             },
             Via::Harness(mode) => {
@@ -476,6 +507,7 @@ impl Bench {
             Prog::Lb => Some(0),
             Prog::Table => Some(1),
             Prog::Lru => Some(2),
+            Prog::Open => Some(3),
             Prog::FloorPass | Prog::FloorTx => None,
         };
         if let Some(w) = which {

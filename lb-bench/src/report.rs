@@ -263,6 +263,22 @@ fn table_shares(medians: &[(&str, f64)], tx_med: f64) -> Vec<String> {
                 new / tx_med
             ));
         }
+        // A table of our own (open addressing in an array), not used by
+        // the datapath: what a flow table costs beyond the memory it
+        // touches, beside the kernel hash's figures.
+        if let (Some(hit), Some(new)) = (get(&format!("open_hit{suffix}")), get(&format!("open_new{suffix}"))) {
+            let flows = if suffix.is_empty() { "empty" } else { "full" };
+            let kernel = match (get(&format!("table_hit{suffix}")), get(&format!("table_new{suffix}"))) {
+                (Some(h), Some(n)) => format!(" (the kernel hash: {h:.1} and {n:.1} ns)"),
+                _ => String::new(),
+            };
+            out.push(format!(
+                "an open-addressing array of our own alone ({flows}; a candidate flow table the datapath does not use): \
+a hit {hit:.1} ns = {:.1}x floor_tx, a new entry {new:.1} ns = {:.1}x floor_tx{kernel}",
+                hit / tx_med,
+                new / tx_med
+            ));
+        }
     }
     out
 }
