@@ -193,3 +193,50 @@ pub fn debian(packages: &[(&str, &str)]) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::BTreeSet, process::Command};
+
+    /// What `cargo xtask` compiles first must not need what it installs:
+    /// no crate of this workspace but itself (lb-userspace's build script
+    /// needs the nightly's rust-src and bpf-linker, and the others depend
+    /// on it) among its normal and build dependencies, however deep.
+    #[test]
+    fn the_launcher_builds_without_the_toolchain_it_installs() {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let out = Command::new(cargo)
+            .args(["metadata", "--format-version", "1", "--manifest-path"])
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml"))
+            .output()
+            .expect("running cargo metadata");
+        assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
+        let m: serde_json::Value = serde_json::from_slice(&out.stdout).expect("cargo metadata's JSON");
+        let members: BTreeSet<&str> =
+            m["workspace_members"].as_array().expect("workspace_members").iter().filter_map(|v| v.as_str()).collect();
+        let nodes = m["resolve"]["nodes"].as_array().expect("resolve.nodes");
+        let node = |id: &str| nodes.iter().find(|n| n["id"].as_str() == Some(id)).expect("a resolved package");
+        let name = |id: &str| {
+            let p = m["packages"].as_array().expect("packages").iter().find(|p| p["id"].as_str() == Some(id));
+            p.and_then(|p| p["name"].as_str()).unwrap_or(id).to_owned()
+        };
+        let root = members.iter().copied().find(|id| name(id) == "xtask-boot").expect("xtask-boot is a member");
+        let (mut seen, mut todo) = (BTreeSet::new(), vec![root]);
+        while let Some(id) = todo.pop() {
+            if !seen.insert(id) {
+                continue;
+            }
+            for dep in node(id)["deps"].as_array().into_iter().flatten() {
+                // Dev dependencies are built for tests only, not by `cargo xtask`.
+                let kinds = dep["dep_kinds"].as_array().into_iter().flatten();
+                if kinds.clone().count() == 0 || kinds.into_iter().any(|k| k["kind"].as_str() != Some("dev")) {
+                    todo.push(dep["pkg"].as_str().expect("a dependency's id"));
+                }
+            }
+        }
+        let ours: Vec<String> =
+            seen.iter().filter(|id| members.contains(**id) && **id != root).map(|id| name(id)).collect();
+        assert!(ours.is_empty(), "xtask-boot depends on workspace crates: {ours:?}");
+        assert!(seen.len() > 1, "the walk found no dependency at all: {seen:?}");
+    }
+}

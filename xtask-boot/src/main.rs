@@ -11,6 +11,9 @@ use std::{os::unix::process::CommandExt as _, process::Command};
 
 // The library's dependencies: the binary uses them only through it.
 use {anyhow as _, libc as _};
+// The library's test dependency.
+#[cfg(test)]
+use serde_json as _;
 
 fn main() {
     let args: Vec<_> = std::env::args_os().skip(1).collect();
