@@ -719,10 +719,8 @@ fn reply(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, cs: L4Csum, hop: Hop, now: 
 /// segment, as IPv4 does, since a finished checksum equals it by chance
 /// once in 65,536 packets (taken for unfinished, its checksum would be
 /// rewritten the wrong way and the receiver would drop it: an IPv6 UDP
-/// datagram was lost so, about once in 100,000). An unfinished IPv6
-/// checksum is not finished here: such a packet takes the kernel's
-/// forwarding path, which finishes it (counted `csum_partial` and
-/// `kernel_egress`).
+/// datagram was lost so, about once in 100,000). The sum also gives the
+/// finished checksum, which a native redirect needs.
 #[inline(always)]
 fn classify(ctx: &XdpContext, pkt: &Packet6) -> L4Csum {
     // SAFETY: bounds-checked by parse().
@@ -821,12 +819,11 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
         }
         nh.0
     };
-    // Native mode must finish an unfinished checksum before a redirect,
-    // which this path cannot (see `classify`): the kernel's path.
-    if matches!(cs, L4Csum::Partial { .. }) && !generic_ingress(ctx) {
-        return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
-    }
-    update_l4(pkt, rw, cs, false);
+    // Native mode finishes an unfinished checksum before a redirect (the
+    // frame loses the skb's "finish me" mark on the way); generic mode
+    // keeps it unfinished for the kernel or the device.
+    let finish = matches!(cs, L4Csum::Partial { .. }) && !generic_ingress(ctx);
+    update_l4(pkt, rw, cs, finish);
     // SAFETY: bounds-checked by parse().
     unsafe { (*pkt.ip).hop_limit -= 1 };
     copy_macs(hop, pkt.eth);
@@ -922,10 +919,29 @@ fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
         }
         nh
     };
+    finish_for_dsr(ctx, pkt);
     set_macs(pkt.eth, smac, dmac);
     stats::count(counter::XDP_REDIRECT);
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(ifindex, 0) as u32 }
+}
+
+/// A DSR packet leaves unchanged but for its MACs: an unfinished L4
+/// checksum is finished before a native redirect, or the backend would
+/// drop the packet (see `forward::finish_for_dsr`); generic mode keeps it.
+// Its own frame, as IPv4's: the summing loop only for such packets.
+#[inline(never)]
+fn finish_for_dsr(ctx: &XdpContext, pkt: &Packet6) {
+    if generic_ingress(ctx) {
+        return;
+    }
+    if let L4Csum::Partial { done: Some(done) } = classify(ctx, pkt) {
+        // A computed 0 is sent as 0xffff: 0 is no checksum, which IPv6
+        // UDP may not have.
+        let done = if pkt.proto == PROTO_UDP && done == 0 { 0xffff } else { done };
+        // SAFETY: l4_check was bounds-checked by parse().
+        unsafe { *pkt.l4_check = done };
+    }
 }
 
 /// Turn the (too big) IPv6 packet into ICMPv6 "packet too big" (type 2,

@@ -139,13 +139,68 @@ fn a_finished_ipv6_checksum_that_looks_unfinished_is_left_finished() {
         }
         assert_eq!(fx.counter("csum_partial"), 0);
         assert_eq!(fx.counter("kernel_egress"), 0);
-        // A truly unfinished checksum still goes the kernel's way, which
-        // finishes it (native mode does not finish IPv6 checksums).
-        let p = Frame6 { l4_checksum: L4Checksum::Partial, ..tcp6(CLIENT6, 42000, VIP6, 80, SYN) };
-        let (action, out) = fx.run(&p.bytes(), fx.if_a);
-        assert_eq!(action, XDP_PASS);
-        assert_eq!(out, Frame6 { dst: BACKEND6, dport: 8080, ..p }.bytes(), "rewritten, left unfinished");
-        assert_eq!((fx.counter("csum_partial"), fx.counter("kernel_egress")), (1, 1));
+    });
+}
+
+#[test]
+fn an_unfinished_ipv6_checksum_is_finished_for_a_native_redirect_and_kept_otherwise() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![
+            service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
+            service6("dns6", 53, Protocol::Udp, &[(BACKEND6, 5353)]),
+            dsr(service6("dweb6", 81, Protocol::Tcp, &[(BACKEND6, 81)])),
+            dsr(service6("ddns6", 54, Protocol::Udp, &[(BACKEND6, 54)])),
+        ]);
+        let mut port = 42000u16;
+        let mut partial = 0;
+        for (i, n) in [0usize, 1, 513, 1400].into_iter().enumerate() {
+            let payload: Vec<u8> = (0..n).map(|b| (b * 7 + i) as u8).collect();
+            for (udp, dsr) in [(false, false), (true, false), (false, true), (true, true)] {
+                port += 1;
+                let (vport, bport) = match (udp, dsr) {
+                    (false, false) => (80, 8080),
+                    (true, false) => (53, 5353),
+                    (false, true) => (81, 81),
+                    (true, true) => (54, 54),
+                };
+                let base = if udp {
+                    Frame6::udp(CLIENT6, port, VIP6, vport).macs(GW_A_MAC, CLIENT_MAC)
+                } else {
+                    tcp6(CLIENT6, port, VIP6, vport, SYN)
+                };
+                let p = Frame6 { payload: payload.clone(), l4_checksum: L4Checksum::Partial, ..base };
+                let what = format!("udp {udp}, dsr {dsr}, payload {n}");
+                // What leaves: NAT rewrites the destination and decrements
+                // the hop limit; DSR changes the MACs only.
+                let out_of = |f: &Frame6, l4_checksum| {
+                    let f = Frame6 { dmac: BACKEND_MAC, smac: GW_B_MAC, l4_checksum, ..f.clone() };
+                    if dsr { f } else { Frame6 { dst: BACKEND6, dport: bport, hop_limit: f.hop_limit - 1, ..f } }
+                };
+
+                // Native ingress: an XDP frame carries no "finish me" mark,
+                // so the checksum is finished here.
+                fx.netdevs(0, XMIT_ALL, 0, XMIT_ALL);
+                let (action, out) = fx.run(&p.bytes(), fx.if_a);
+                assert_eq!(action, XDP_REDIRECT, "{what}");
+                assert_eq!(out, out_of(&p, L4Checksum::Full).bytes(), "{what}: not finished correctly");
+                assert_valid6(&out);
+                partial += 1;
+
+                // Generic ingress: the skb keeps its mark, the checksum
+                // stays unfinished (for the new addresses).
+                let next = Frame6 { sport: p.sport + 10_000, ..p.clone() };
+                fx.netdevs(NETDEV_F_GENERIC, XMIT_ALL, 0, XMIT_ALL);
+                let (action, out) = fx.run(&next.bytes(), fx.if_a);
+                assert_eq!(action, XDP_REDIRECT, "{what}");
+                assert_eq!(out, out_of(&next, L4Checksum::Partial).bytes(), "{what}: not kept unfinished");
+                if !dsr {
+                    // DSR does not look at the checksum in generic mode.
+                    partial += 1;
+                }
+            }
+        }
+        assert_eq!(fx.counter("csum_partial"), partial);
+        assert_eq!(fx.counter("kernel_egress"), 0);
     });
 }
 
