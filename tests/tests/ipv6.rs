@@ -268,3 +268,49 @@ fn ipv6_http_and_udp_are_balanced_exactly_beside_ipv4() {
     assert_eq!(redirected + kernel, forwarded, "every forwarded packet took one path: {}", status["counters"]);
     assert!(kernel * 20 < redirected, "XDP redirect carried too little: {}", status["counters"]);
 }
+
+/// Kernel-default offloads (the `mixed` topology: the client's veth leaves
+/// its TCP/UDP checksums unfinished, the gateway's client side runs native
+/// XDP): IPv6 packets with unfinished checksums are finished by the
+/// datapath and leave by XDP redirect, as IPv4's do, and every request is
+/// answered. (Before, they took the kernel's forwarding path.)
+#[test]
+fn ipv6_unfinished_checksums_are_finished_for_native_redirect() {
+    let _serial = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    let prefix = "lbt-v6csum";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), backends: 3, topology: Topology::Mixed, ..LabSpec::default() })
+        .expect("lab up");
+    let sock = socket_for(prefix);
+    let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), &services(&lab)).unwrap();
+    let lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
+    let v6: Vec<IpAddr> = lab.backend_addrs6().into_iter().map(IpAddr::from).collect();
+    let up = wait_for(10, || v6.iter().all(|a| lbd.backend_state("web6", &a.to_string()) == "up").then_some(()));
+    assert!(up.is_some(), "IPv6 backends not up");
+    let sources6: Vec<String> = lab.client_sources6().iter().take(20).map(ToString::to_string).collect();
+    let sources6 = sources6.join(",");
+    let web = SocketAddr::new(VIP6.into(), 80).to_string();
+    let r = lab.client(&["conns", "--target", &web, "--count", "300", "--sources", &sources6]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{}", summary(&r));
+    let dns = SocketAddr::new(VIP6.into(), 53).to_string();
+    let r =
+        lab.client(&["udp", "--target", &dns, "--count", "100", "--per-socket", "3", "--sources", &sources6]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{r}");
+    assert_eq!(r["flows_switched"].as_u64(), Some(0), "{r}");
+
+    let status = lbd.status().unwrap();
+    let c = &status["counters"];
+    let n = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("no {k} in {c}"));
+    println!("counters: {c}");
+    // The client's checksums arrived unfinished, and none of those packets
+    // took the kernel's path: finished here, redirected.
+    assert!(n("csum_partial") >= 300 + 300, "too few unfinished checksums seen: {c}");
+    assert_eq!(n("kernel_egress"), 0, "{c}");
+    let (redirected, kernel, forwarded) = path_counts(&status);
+    assert_eq!(redirected + kernel, forwarded, "every forwarded packet took one path: {c}");
+    assert!(kernel * 20 < redirected, "XDP redirect carried too little: {c}");
+    // The mode in use on the client side is native (where the finishing
+    // matters: generic mode keeps the skb's mark).
+    let client_side = &lab.gw_interfaces()[0];
+    assert_eq!(xdp_mode_in_use(&lab, client_side).unwrap().as_deref(), Some("native"), "{client_side}");
+}
