@@ -718,9 +718,9 @@ fn reply(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, cs: L4Csum, hop: Hop, now: 
 /// equals the pseudo-header sum is confirmed unfinished by summing the
 /// segment, as IPv4 does, since a finished checksum equals it by chance
 /// once in 65,536 packets (taken for unfinished, its checksum would be
-/// rewritten the wrong way and the receiver would drop it: an IPv6 UDP
-/// datagram was lost so, about once in 100,000). The sum also gives the
-/// finished checksum, which a native redirect needs.
+/// rewritten the wrong way and the receiver would drop it: 26 of 1,000,000
+/// IPv6 UDP datagrams from fresh sockets were lost so in the lab). The
+/// sum also gives the finished checksum, which a native redirect needs.
 #[inline(always)]
 fn classify(ctx: &XdpContext, pkt: &Packet6) -> L4Csum {
     // SAFETY: bounds-checked by parse().
