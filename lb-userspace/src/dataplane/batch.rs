@@ -1,5 +1,6 @@
 //! Batched operations on a BPF hash map: BPF_MAP_LOOKUP_BATCH,
-//! BPF_MAP_LOOKUP_AND_DELETE_BATCH and BPF_MAP_DELETE_BATCH.
+//! BPF_MAP_LOOKUP_AND_DELETE_BATCH and BPF_MAP_DELETE_BATCH (and one
+//! BPF_MAP_LOOKUP_ELEM on the same raw fd, for the sweep's second look).
 //!
 //! Kept here, on `libc::syscall`, because aya 0.14 has no batch operations:
 //! walking a map through aya's iterator costs two syscalls per entry
@@ -24,6 +25,7 @@ struct BatchAttr {
     flags: u64,
 }
 
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_LOOKUP_AND_DELETE_BATCH: libc::c_long = 25;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
@@ -121,4 +123,39 @@ pub(super) fn delete<K: aya::Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> io::Result<
         }
     }
     Ok(removed)
+}
+
+/// The element member of `union bpf_attr` (linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// The value of `key` in the hash map `fd` now; None when it has none.
+pub(super) fn lookup<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, key: &K) -> io::Result<Option<V>> {
+    let mut value = std::mem::MaybeUninit::<V>::uninit();
+    let mut attr = ElemAttr {
+        map_fd: fd.as_raw_fd() as u32,
+        key: std::ptr::from_ref(key) as u64,
+        value: value.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    // SAFETY: `attr` is a valid bpf_attr prefix for BPF_MAP_LOOKUP_ELEM;
+    // key and value point at buffers of the map's key and value sizes
+    // (the caller's types are the map's), alive for the call.
+    let rc = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_ELEM, std::ptr::from_mut(&mut attr), size_of::<ElemAttr>())
+    };
+    if rc == 0 {
+        // SAFETY: the kernel wrote the whole value; V is Pod.
+        Ok(Some(unsafe { value.assume_init() }))
+    } else {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENOENT) { Ok(None) } else { Err(e) }
+    }
 }
