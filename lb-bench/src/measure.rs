@@ -436,18 +436,63 @@ impl Bench {
     /// words and (for other lengths) by the helper.
     /// Control-plane write time: a weight change on the `maglev` service
     /// (a 65,537-entry table), from `apply` to the VIP entry pointing at the
-    /// new table, `n` times; milliseconds each. The changes are spaced past
-    /// the table-region grace period, so no allocation waits.
-    pub(crate) fn weight_changes(&mut self, n: usize) -> anyhow::Result<Vec<f64>> {
+    /// new table, `n` times; and whether the datapath dropped a packet
+    /// meanwhile. While each change is applied, another thread (on this
+    /// CPU, the apply on another) sends new flows to the service through
+    /// the harness without pause, from before the apply starts until after
+    /// it returns; every one of them must leave by XDP redirect with a new
+    /// flow counted on one of the service's backends. The changes are
+    /// spaced past the table-region grace period, so no allocation waits.
+    pub(crate) fn weight_changes(&mut self, n: usize) -> anyhow::Result<WeightChanges> {
         let mut svcs = services();
         ensure!(svcs[0].name == "maglev" && svcs[0].table_size == 65537, "the first service is the Maglev one");
-        let mut out = Vec::with_capacity(n);
+        let item = items().into_iter().find(|i| i.key == "new_maglev").ok_or_else(|| anyhow!("no new_maglev case"))?;
+        let Via::Harness(mode) = item.via else { anyhow::bail!("new_maglev runs through the harness") };
+        self.flush_flows()?;
+        self.set_slot(Prog::Lb)?;
+        self.set_frame(&item.frame, mode)?;
+        let apply_cpu = other_cpu(self.cpu);
+        let before = self.traffic_counters()?;
+        let mut out = WeightChanges {
+            ms: Vec::with_capacity(n),
+            packets: 0,
+            during_apply: 0,
+            not_redirected: 0,
+            lost: 0,
+            apply_cpu,
+        };
         for i in 0..n {
             let w = if i % 2 == 0 { 2 } else { 1 };
             svcs[0].backends[0].weight = w;
-            let t = Instant::now();
-            self.dp.apply_admin(&svcs).context("weight change")?;
-            out.push(t.elapsed().as_secs_f64() * 1e3);
+            let harness = xdp(&self.bench, "bench_harness")?;
+            let (dp, cpu, if_a) = (&mut self.dp, self.cpu, self.if_a);
+            let running = AtomicBool::new(true);
+            let (ms, sent, during, not_redirected) = std::thread::scope(|s| -> anyhow::Result<(f64, u64, u64, u64)> {
+                let traffic = s.spawn(|| send_until(harness, &item.frame, if_a, cpu, &running));
+                // The apply runs on another CPU than the packets, so the
+                // two overlap for real; the traffic runs before and after.
+                pin_to(apply_cpu)?;
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                let t0 = Instant::now();
+                let applied = dp.apply_admin(&svcs);
+                let t1 = Instant::now();
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                running.store(false, Ordering::Relaxed);
+                let calls = traffic.join().map_err(|_| anyhow!("the traffic thread panicked"))??;
+                pin_to(cpu)?;
+                applied.context("weight change")?;
+                let sent = calls.len() as u64 * u64::from(TRAFFIC_REPEAT);
+                // Packets of the calls that ran while the apply did.
+                let during =
+                    calls.iter().filter(|(a, b, _)| *a < t1 && *b > t0).count() as u64 * u64::from(TRAFFIC_REPEAT);
+                let not_redirected = calls.iter().filter(|c| !c.2).count() as u64 * u64::from(TRAFFIC_REPEAT);
+                Ok(((t1 - t0).as_secs_f64() * 1e3, sent, during, not_redirected))
+            })?;
+            out.not_redirected += not_redirected;
+            ensure!(during > 0, "no packet ran while weight change {i} was applied");
+            out.ms.push(ms);
+            out.packets += sent;
+            out.during_apply += during;
             let live = self
                 .dp
                 .services()
@@ -457,8 +502,30 @@ impl Bench {
             ensure!(live == Some(w), "the weight change did not land: {live:?}");
             std::thread::sleep(std::time::Duration::from_millis(250));
         }
+        let after = self.traffic_counters()?;
+        // Every packet sent was a new flow of the service that left by XDP
+        // redirect; any other outcome (a drop of any reason, the kernel's
+        // path, a flow without its count) is a packet lost to the change.
+        let (new_flows, redirected) = (after.0 - before.0, after.1 - before.1);
+        out.lost =
+            (out.packets.saturating_sub(new_flows.min(redirected)) + (after.2 - before.2)).max(out.not_redirected);
         self.dp.apply_admin(&services()).context("restoring the weights")?;
+        self.flush_flows()?;
         Ok(out)
+    }
+
+    /// For [`Self::weight_changes`]: the `maglev` service's new flows, the
+    /// packets sent by XDP redirect, and every drop and kernel-path count.
+    fn traffic_counters(&self) -> anyhow::Result<(u64, u64, u64)> {
+        let (new_flows, _, _) = self.service_counters("maglev")?;
+        let c = self.dp.counters()?;
+        let get = |k: &str| c.get(k).copied().unwrap_or(0);
+        let other =
+            ["malformed", "no_backend", "flow_table", "fib_fallback", "kernel_egress", "table_full", "flood_rate"]
+                .iter()
+                .map(|k| get(k))
+                .sum();
+        Ok((new_flows, get("xdp_redirect"), other))
     }
 
     pub(crate) fn self_test(&mut self) -> anyhow::Result<()> {
@@ -644,4 +711,79 @@ impl Bench {
         let flow = self.dp.flow(&key)?.ok_or_else(|| anyhow!("{}: no flow-table entry", item.label))?;
         Ok(flow.state)
     }
+}
+
+/// What [`Bench::weight_changes`] measured.
+pub(crate) struct WeightChanges {
+    /// Milliseconds from the apply to the change being live, each change.
+    pub ms: Vec<f64>,
+    /// New-flow packets the datapath took around the changes (from
+    /// before each apply began until after it returned).
+    pub packets: u64,
+    /// Of them, those in calls that overlapped an apply.
+    pub during_apply: u64,
+    /// Of them, those whose run returned anything but XDP_REDIRECT.
+    pub not_redirected: u64,
+    /// Of them, the ones that did not leave by XDP redirect as a counted
+    /// new flow of the service (dropped, or sent to the kernel).
+    pub lost: u64,
+    /// The CPU the applies ran on (the packets ran on the bench's CPU).
+    pub apply_cpu: usize,
+}
+
+/// Repeats per BPF_PROG_TEST_RUN call of the traffic during a weight
+/// change: one. A call with more than one repeat switches the kernel's
+/// XDP dispatcher to the program and back (about 18 ms a call here,
+/// whatever the repeat count), which would leave a few calls per change.
+const TRAFFIC_REPEAT: u32 = 1;
+
+/// New flows through the harness (already set up with the frame and the
+/// datapath in its slot), one packet a call, until `running` is cleared;
+/// when each call started and ended, and whether its packet left by XDP
+/// redirect.
+fn send_until(
+    harness: &Xdp,
+    frame: &[u8],
+    if_a: u32,
+    cpu: usize,
+    running: &AtomicBool,
+) -> anyhow::Result<Vec<(Instant, Instant, bool)>> {
+    pin_to(cpu)?;
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes()); // data_end
+    ctx[12..16].copy_from_slice(&if_a.to_ne_bytes()); // ingress_ifindex
+    let mut out = vec![0u8; frame.len() + 256];
+    let mut calls = Vec::new();
+    while running.load(Ordering::Relaxed) {
+        let t = Instant::now();
+        let res = harness
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                repeat: TRAFFIC_REPEAT,
+                ..TestRunOptions::new()
+            })
+            .context("BPF_PROG_TEST_RUN during a weight change")?;
+        calls.push((t, Instant::now(), res.return_value == XDP_REDIRECT));
+    }
+    Ok(calls)
+}
+
+/// A CPU other than `cpu` that this thread may run on (`cpu` itself on a
+/// one-CPU machine).
+fn other_cpu(cpu: usize) -> usize {
+    let n = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let online = nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
+        .ok()
+        .flatten()
+        .map_or(n, |v| usize::try_from(v).unwrap_or(n));
+    (0..online).find(|&c| c != cpu).unwrap_or(cpu)
+}
+
+/// Pin the calling thread to `cpu`.
+fn pin_to(cpu: usize) -> anyhow::Result<()> {
+    let mut one = nix::sched::CpuSet::new();
+    one.set(cpu).context("CPU number")?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).with_context(|| format!("pinning to CPU {cpu}"))
 }

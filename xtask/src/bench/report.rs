@@ -144,6 +144,19 @@ Beside our cases with as many flows in their tables:\n"
         let what = format!("weight change on a 65,537-entry Maglev table live in {ms:.2} ms (median; at most 10 ms)");
         let _ = writeln!(md, "Control plane: {what}.\n");
         verdicts.push((what, ms <= 10.0));
+        let (sent, lost) = (&c["packets_during_changes"], &c["packets_lost_during_changes"]);
+        let what = format!(
+            "weight changes: {lost} of {sent} new-flow packets lost around the changes, {} of them sent while an apply ran (at most 0 lost)",
+            c["packets_while_applying"]
+        );
+        let _ = writeln!(
+            md,
+            "While each change was applied, another thread sent new flows to the service through the datapath without pause \
+(on CPU {}, the apply on CPU {}), from before the apply began until after it returned; a packet counts as lost unless it \
+left by XDP redirect as a new flow counted on one of the service's backends: {what}.\n",
+            c["packet_cpu"], c["apply_cpu"]
+        );
+        verdicts.push((what, sent.as_u64().is_some_and(|n| n > 0) && lost.as_u64() == Some(0)));
     }
     if let Some(sw) = p.get("sweeper") {
         let _ = writeln!(
