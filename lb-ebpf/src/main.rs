@@ -22,18 +22,18 @@ mod v6;
 
 use core::intrinsics::{AtomicOrdering, atomic_or};
 
-use aya_ebpf::helpers::generated::bpf_ktime_get_coarse_ns;
+use aya_ebpf::helpers::generated::{bpf_jiffies64, bpf_ktime_get_coarse_ns};
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use aya_log_ebpf::debug;
 use forward::Hop;
 use forward::Way;
 use lb_common::{
-    BACKEND_F_DOWN, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED,
+    BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED,
     FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
     Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_FILTER, BACKENDS, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
+use maps::{ADDR_FILTER, BACKENDS, CLOCK, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -69,6 +69,9 @@ const fn tagged(l2: usize) -> bool {
 }
 
 fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
+    if !tagged(L2) && parse::surely_not_ours4(ctx) {
+        return Ok(xdp_action::XDP_PASS);
+    }
     let pkt = match parse::parse::<L2>(ctx) {
         Ok(pkt) => pkt,
         Err(ParseError::NotOurs) => {
@@ -298,9 +301,30 @@ pub(crate) fn syn_only(proto: u8, tcp_flags: u8) -> bool {
     proto == PROTO_TCP && tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
 }
 
-/// Seconds of the coarse monotonic clock (the flows' idle clock).
+/// Seconds of the coarse monotonic clock (the flows' idle clock), read
+/// once a jiffy per CPU (see `lb_common::ClockCache`).
 #[inline(always)]
 pub(crate) fn now_secs() -> u64 {
+    // SAFETY: plain helper call (inlined by the verifier on 64-bit JITs).
+    let jiffies = unsafe { bpf_jiffies64() };
+    let Some(c) = CLOCK.get_ptr_mut(0) else {
+        return coarse_secs();
+    };
+    // SAFETY: this CPU's slot of a per-CPU map, which only this program
+    // invocation touches while it runs; plain loads and stores.
+    unsafe {
+        if (*c).valid != 0 && (*c).jiffies == jiffies {
+            return (*c).secs;
+        }
+        let secs = coarse_secs();
+        c.write(ClockCache { jiffies, secs, valid: 1, _pad: 0 });
+        secs
+    }
+}
+
+/// Seconds of the coarse monotonic clock, read now.
+#[inline(always)]
+fn coarse_secs() -> u64 {
     // SAFETY: plain helper call.
     let ns = unsafe { bpf_ktime_get_coarse_ns() };
     ns / 1_000_000_000

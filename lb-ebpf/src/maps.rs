@@ -11,8 +11,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    ADDR_FILTER_BITS, Backend, BackendStats, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6, MAX_BACKENDS,
-    MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, Vip6Key, VipKey, counter,
+    ADDR_FILTER_BITS, Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6,
+    MAX_BACKENDS, MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, Vip6Key, VipKey, counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.
@@ -121,6 +121,11 @@ pub(crate) static NEW_FLOW_RATE: PerCpuArray<RateWindow> = PerCpuArray::with_max
 #[map]
 pub(crate) static SCRATCH: PerCpuArray<Flow> = PerCpuArray::with_max_entries(1, 0);
 
+/// Each CPU's copy of the idle clock, refreshed once a jiffy (see
+/// `lb_common::ClockCache`). A cache only: nothing in it is migrated.
+#[map]
+pub(crate) static CLOCK: PerCpuArray<ClockCache> = PerCpuArray::with_max_entries(1, 0);
+
 /// The layout version of these maps (`lb_common::LAYOUT_VERSION`), written
 /// by lbd when it creates them; never read by the datapath. A restarted or
 /// upgraded lbd reads it from the pinned map before it reads anything else.
@@ -194,4 +199,5 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::SCRATCH6, stringify
 const _: () = assert!(lb_common::maps::same(lb_common::maps::PROGS, stringify!(PROGS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::KEYS6, stringify!(KEYS6)));
 // ... and userspace knows every map.
-const _: () = assert!(lb_common::maps::ALL.len() == 27);
+const _: () = assert!(lb_common::maps::same(lb_common::maps::CLOCK, stringify!(CLOCK)));
+const _: () = assert!(lb_common::maps::ALL.len() == 28);

@@ -169,6 +169,26 @@ pub(crate) fn is_icmp4(ctx: &XdpContext) -> bool {
     }
 }
 
+/// Whether the frame is IPv4 TCP or UDP between two addresses that are
+/// neither a VIP nor a backend (the address filter says so): the kernel's,
+/// untouched, whatever the rest of it holds. The first thing the program
+/// looks at, before any check of the headers, so that traffic that is not
+/// ours, most of what a gateway sees, pays only this. (A broken packet
+/// that is not ours goes to the kernel all the same: only one to a VIP
+/// address is dropped, and a VIP address always has its filter bit.)
+#[inline(always)]
+pub(crate) fn surely_not_ours4(ctx: &XdpContext) -> bool {
+    let (Some(eth), Some(ip)) = (ptr_at::<EthHdr>(ctx, 0), ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN)) else {
+        return false;
+    };
+    // SAFETY: bounds checked by ptr_at.
+    let (ether, proto, saddr, daddr) = unsafe { ((*eth).proto, (*ip).proto, (*ip).saddr, (*ip).daddr) };
+    ether == ETH_P_IP.to_be()
+        && (proto == PROTO_TCP || proto == PROTO_UDP)
+        && !crate::maybe_ours(daddr)
+        && !crate::maybe_ours(saddr)
+}
+
 pub(crate) const ETH_P_8021Q: u16 = 0x8100;
 pub(crate) const ETH_P_8021AD: u16 = 0x88a8;
 /// The Ethernet header with one VLAN tag, and with two.

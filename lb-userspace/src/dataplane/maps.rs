@@ -8,8 +8,8 @@ use aya::{
     maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    Backend, BackendStats, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6, NextHop, RateWindow, Service,
-    Vip6Key, VipKey, maps as names,
+    Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6, NextHop, RateWindow,
+    Service, Vip6Key, VipKey, maps as names,
 };
 
 use super::DataplaneError;
@@ -152,6 +152,9 @@ pub(super) struct Maps {
     pub(super) progs: ProgramArray<MapData>,
     /// Per-CPU lookup keys of the IPv6 path (the datapath's own type).
     pub(super) _keys6: MapData,
+    /// The datapath's per-CPU idle-clock cache; held so that every map is
+    /// taken and checked at load.
+    pub(super) _clock: PerCpuArray<MapData, ClockCache>,
 }
 
 impl Maps {
@@ -184,6 +187,7 @@ impl Maps {
             _scratch6: take(ebpf, names::SCRATCH6)?,
             progs: take(ebpf, names::PROGS)?,
             _keys6: take_raw(ebpf, names::KEYS6)?,
+            _clock: take(ebpf, names::CLOCK)?,
         })
     }
 }
