@@ -61,6 +61,13 @@ pub fn drain_flow_map(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<u64> {
     batch::drain::<FlowKey, Flow>(fd)
 }
 
+/// Delete `keys` from an IPv4 flow table (`fd`: the datapath's or a hash
+/// with its key), in batches; returns how many of them were there. For
+/// benchmarks, which take a run's new flows out again.
+pub fn delete_flow_keys(fd: std::os::fd::BorrowedFd<'_>, keys: &[FlowKey]) -> std::io::Result<u64> {
+    Ok(batch::delete(fd, keys)?.iter().filter(|&&removed| removed).count() as u64)
+}
+
 /// The benchmark programs (floor_pass, floor_tx, floor_table, bench_harness), built by
 /// build.rs next to the XDP program, for `lb-bench` (its own crate). Only a
 /// binary that names it carries it: lbd and lbctl do not.
@@ -516,6 +523,13 @@ impl Dataplane {
         let v6 = batch::drain::<FlowKey6, Flow6>(self.maps.flows6.map().fd().as_fd())
             .map_err(|e| DataplaneError::Batch { map: names::FLOWS6, source: e })?;
         Ok(v4 + v6)
+    }
+
+    /// Forget the IPv4 flows `keys` (for benchmarks, as `flush_flows`);
+    /// returns how many of them were there.
+    pub fn forget_flows(&mut self, keys: &[FlowKey]) -> Result<u64, DataplaneError> {
+        delete_flow_keys(self.maps.flows.map().fd().as_fd(), keys)
+            .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })
     }
 
     /// The IPv4 flow-table entry of `key` (as on the wire), if there is one.

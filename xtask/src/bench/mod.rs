@@ -132,7 +132,11 @@ fn packet(full: bool) -> anyhow::Result<Value> {
     run(cargo().args(["build", "--release", "-p", "lb-bench", "--bin", "lb-bench"]))?;
     let exe = workspace_root().join("target/release/lb-bench");
     let json_path = out_dir().join("packet.json");
-    let (rounds, repeat) = if full { ("15", "5000000") } else { ("5", "1000000") };
+    // Short: 500,000 repeats a sample (about 0.1-0.5 s each, far above
+    // the clock's resolution); with 1,000,000 the whole short bench took
+    // 14.5 minutes on a 2-core machine of this kind (target: under 12),
+    // most of it new-flow runs and the table refills after them.
+    let (rounds, repeat) = if full { ("15", "5000000") } else { ("5", "500000") };
     run(Command::new(&exe).args(["packet", "--rounds", rounds, "--repeat", repeat, "--json"]).arg(&json_path))?;
     Ok(serde_json::from_str(&std::fs::read_to_string(&json_path)?)?)
 }
