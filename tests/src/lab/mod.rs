@@ -548,9 +548,14 @@ impl Lab {
 
     /// Runs `lab-client <args>` in the client namespace and parses its JSON.
     pub fn client(&self, args: &[&str]) -> anyhow::Result<serde_json::Value> {
-        let exe = self.spec.bin_dir.join("lab-client");
+        self.client_from(&self.spec.bin_dir.join("lab-client"), args)
+    }
+
+    /// [`Self::client`] with the `lab-client` binary `exe` (the benchmark
+    /// runs an optimised one).
+    pub fn client_from(&self, exe: &Path, args: &[&str]) -> anyhow::Result<serde_json::Value> {
         let out = self
-            .cmd("client", &exe)
+            .cmd("client", exe)
             .args(args)
             .stdin(Stdio::null())
             .output()
