@@ -319,6 +319,45 @@ fn a_udp_service_with_its_own_idle_timeout_expires_its_flows_by_it() {
 }
 
 #[test]
+fn a_flows_idle_clock_is_the_coarse_monotonic_second_as_it_moves() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        let key = lb_common::FlowKey {
+            src_addr: u32::from_ne_bytes(CLIENT.octets()),
+            dst_addr: u32::from_ne_bytes(VIP.octets()),
+            src_port: 40007u16.to_be(),
+            dst_port: 80u16.to_be(),
+            proto: lb_common::PROTO_TCP,
+            _pad: [0; 3],
+        };
+        let clock = lb_userspace::dataplane::monotonic_coarse_secs;
+        // The datapath keeps the second it read for the rest of the jiffy
+        // (a per-CPU cache): every packet must still stamp its flow with
+        // the second in force, the first and the ones after the clock has
+        // moved on.
+        let mut last = 0;
+        for (round, flags) in [SYN, ACK, ACK].into_iter().enumerate() {
+            if round > 0 {
+                // Into the next second of the coarse clock.
+                let start = clock();
+                while clock() == start {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            }
+            let before = clock();
+            assert_eq!(fx.run(&tcp(CLIENT, 40007, VIP, 80, flags).bytes(), fx.if_a).0, XDP_REDIRECT);
+            let after = clock();
+            let seen = fx.dp.flow(&key).unwrap().expect("the flow's entry").last_seen;
+            assert!(
+                (before..=after).contains(&seen) && seen > last,
+                "packet {round}: last_seen {seen}, the clock read {before}..={after}, the packet before {last}"
+            );
+            last = seen;
+        }
+    });
+}
+
+#[test]
 fn packets_not_for_a_vip_pass_unchanged() {
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
