@@ -36,7 +36,7 @@ use crate::{
         VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, answered_first, backend_mac, backend_port, items, payload,
         reply_frame, services, tcp, udp,
     },
-    netns::ifindex,
+    netns::{ifindex, pin_to},
 };
 
 /// One timed run.
@@ -279,9 +279,7 @@ impl Bench {
                 xdp(&self.bench, "bench_harness")?
             }
         };
-        let mut ctx = [0u8; 24];
-        ctx[4..8].copy_from_slice(&(item.frame.len() as u32).to_ne_bytes()); // data_end
-        ctx[12..16].copy_from_slice(&self.if_a.to_ne_bytes()); // ingress_ifindex
+        let ctx = xdp_ctx(item.frame.len(), self.if_a);
         let mut out = vec![0u8; item.frame.len() + 256];
         ensure!(!self.stop.load(Ordering::Relaxed), "interrupted");
         let stateless_before = self.stateless_count()?;
@@ -537,9 +535,7 @@ impl Bench {
         for f in frames {
             self.set_frame(&f, MODE_RESTORE)?;
             let garbage = vec![0xa5u8; f.len()];
-            let mut ctx = [0u8; 24];
-            ctx[4..8].copy_from_slice(&(f.len() as u32).to_ne_bytes());
-            ctx[12..16].copy_from_slice(&self.if_a.to_ne_bytes());
+            let ctx = xdp_ctx(f.len(), self.if_a);
             let mut out = vec![0u8; f.len() + 256];
             let res = xdp(&self.bench, "bench_harness")?.test_run(TestRunOptions {
                 data_in: Some(&garbage),
@@ -801,9 +797,7 @@ fn send_until(
     running: &AtomicBool,
 ) -> anyhow::Result<Vec<(Instant, Instant, bool)>> {
     pin_to(cpu)?;
-    let mut ctx = [0u8; 24];
-    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes()); // data_end
-    ctx[12..16].copy_from_slice(&if_a.to_ne_bytes()); // ingress_ifindex
+    let ctx = xdp_ctx(frame.len(), if_a);
     let mut out = vec![0u8; frame.len() + 256];
     let mut calls = Vec::new();
     while running.load(Ordering::Relaxed) {
@@ -833,9 +827,11 @@ fn other_cpu(cpu: usize) -> usize {
     (0..online).find(|&c| c != cpu).unwrap_or(cpu)
 }
 
-/// Pin the calling thread to `cpu`.
-fn pin_to(cpu: usize) -> anyhow::Result<()> {
-    let mut one = nix::sched::CpuSet::new();
-    one.set(cpu).context("CPU number")?;
-    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).with_context(|| format!("pinning to CPU {cpu}"))
+/// The `xdp_md` context of a BPF_PROG_TEST_RUN: a frame of `len` bytes
+/// (`data_end`) received on `ifindex` (`ingress_ifindex`).
+fn xdp_ctx(len: usize, ifindex: u32) -> [u8; 24] {
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(len as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx
 }

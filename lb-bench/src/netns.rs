@@ -98,8 +98,14 @@ pub(crate) fn pin_thread(cpu: Option<usize>) -> anyhow::Result<usize> {
         }
         None => *allowed.last().ok_or_else(|| anyhow!("empty CPU affinity mask"))?,
     };
+    pin_to(cpu)?;
+    Ok(cpu)
+}
+
+/// Pin the calling thread to `cpu`, whatever its affinity mask now (the
+/// measuring thread moves its weight-change applies to another CPU).
+pub(crate) fn pin_to(cpu: usize) -> anyhow::Result<()> {
     let mut one = CpuSet::new();
     one.set(cpu).context("CPU number")?;
-    nix::sched::sched_setaffinity(this, &one).context("sched_setaffinity")?;
-    Ok(cpu)
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).with_context(|| format!("pinning to CPU {cpu}"))
 }
