@@ -34,7 +34,9 @@
 //!    rewrite goes to the kernel (XDP_PASS: TTL and MACs as they came),
 //!    never out by XDP redirect or XDP_TX.
 //! 5. An ICMP error (IPv4 ICMP type 3, 11 or 12, without options, quoting
-//!    an IPv4 TCP/UDP header without options) is passed untouched, or
+//!    an IPv4 TCP/UDP header without options and at least its ports: a
+//!    quote cut short after them is still about that flow) is passed
+//!    untouched, or
 //!    passed translated: same length; only the outer destination, the
 //!    quoted addresses, ports and checksums and the checksums over them
 //!    changed; every checksum (outer header, ICMP message, quoted header)
@@ -450,7 +452,9 @@ fn check_icmp(input: &[u8], action: u32, output: &[u8]) -> Option<Result<Outcome
     const ICMP: usize = ETH_LEN + 20;
     const Q: usize = ICMP + 8;
     const QL4: usize = Q + 20;
-    if input.len() < QL4 + 8
+    // The ports are all a quote needs to name its flow (the datapath's
+    // test too); the rest of the quoted L4 header may be cut off.
+    if input.len() < QL4 + 4
         || u16_at(input, 12) != 0x0800
         || input[ETH_LEN] != 0x45
         || input[ETH_LEN + 9] != 1
