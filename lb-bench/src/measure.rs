@@ -382,6 +382,16 @@ impl Bench {
         match item.expect {
             Expect::Pass => {
                 ensure!(r.retval == XDP_PASS, "{what}: returned {} instead of XDP_PASS (2)", r.retval);
+                if item.prog == Prog::Lb {
+                    // The path claimed: the address filter knows neither
+                    // address, so nothing past it ran.
+                    for a in frame_addrs(&seen).ok_or_else(|| anyhow!("{what}: not an IP frame"))? {
+                        ensure!(
+                            !self.dp.in_filter(a)?,
+                            "{what}: {a} has its address-filter bit set (shares it with a VIP or backend): the measured path is not the filter's early pass"
+                        );
+                    }
+                }
                 ensure!(
                     r.out == seen,
                     "{what}: a passed frame must be untouched\n in  {seen:02x?}\n out {:02x?}",
@@ -834,4 +844,21 @@ fn xdp_ctx(len: usize, ifindex: u32) -> [u8; 24] {
     ctx[4..8].copy_from_slice(&(len as u32).to_ne_bytes());
     ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
     ctx
+}
+
+/// The source and destination addresses of an Ethernet frame carrying
+/// IPv4 or IPv6 (no VLAN tag).
+fn frame_addrs(f: &[u8]) -> Option<[std::net::IpAddr; 2]> {
+    let at = |o: usize, n: usize| f.get(o..o + n);
+    match u16::from_be_bytes(at(12, 2)?.try_into().ok()?) {
+        0x0800 => {
+            let a = |o| <[u8; 4]>::try_from(at(o, 4)?).ok().map(std::net::IpAddr::from);
+            Some([a(26)?, a(30)?])
+        }
+        0x86dd => {
+            let a = |o| <[u8; 16]>::try_from(at(o, 16)?).ok().map(std::net::IpAddr::from);
+            Some([a(22)?, a(38)?])
+        }
+        _ => None,
+    }
 }

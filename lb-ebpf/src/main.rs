@@ -33,7 +33,7 @@ use lb_common::{
     FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
     Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_FILTER, BACKENDS, CLOCK, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
+use maps::{ADDR_BITS, BACKENDS, CLOCK, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -276,7 +276,7 @@ pub(crate) fn maybe_ours(addr: u32) -> bool {
 /// Whether the address filter's bit `bit` is set (either family's).
 #[inline(always)]
 pub(crate) fn filter_has(bit: u32) -> bool {
-    match ADDR_FILTER.get(bit / 64) {
+    match ADDR_BITS.get(bit / 64) {
         Some(w) => w & (1u64 << (bit % 64)) != 0,
         None => true,
     }

@@ -62,7 +62,7 @@ pub(crate) static FLOWS: HashMap<FlowKey, Flow> = HashMap::with_max_entries(1, 0
 /// Bitmap over `addr_filter_bit` of every VIP and backend address: one
 /// inlined array read tells a packet that is none of our business.
 #[map]
-pub(crate) static ADDR_FILTER: Array<u64> = Array::with_max_entries(ADDR_FILTER_BITS / 64, 0);
+pub(crate) static ADDR_BITS: Array<u64> = Array::with_max_entries(ADDR_FILTER_BITS / 64, 0);
 
 /// Per-backend counters, per CPU.
 #[map]
@@ -177,7 +177,7 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKENDS, stringify
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SELECT, stringify!(SELECT)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SEQ, stringify!(SEQ)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS, stringify!(FLOWS)));
-const _: () = assert!(lb_common::maps::same(lb_common::maps::ADDR_FILTER, stringify!(ADDR_FILTER)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::ADDR_FILTER, stringify!(ADDR_BITS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKEND_STATS, stringify!(BACKEND_STATS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::COUNTERS, stringify!(COUNTERS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::CONNS, stringify!(CONNS)));

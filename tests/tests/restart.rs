@@ -91,13 +91,26 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
         assert!(lbd.total_new_flows() >= before);
 
         // 3. Upgrade: a new binary replaces the old one on disk, then the
-        // graceful restart runs it and it replaces the XDP program.
+        // graceful restart runs it and it replaces the XDP program. The
+        // address filter as the build before the bit-function change
+        // pinned it stands for an older version's map: once the new
+        // program is attached nothing reads it, and it is unpinned.
         std::thread::sleep(Duration::from_millis(1000));
+        let stale = lab.pin_dir().join("maps").join("ADDR_FILTER");
+        let out = std::process::Command::new("bpftool")
+            .args(["map", "create"])
+            .arg(&stale)
+            .args(["type", "array", "key", "4", "value", "8", "entries", "1024", "name", "ADDR_FILTER"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "bpftool map create: {}", String::from_utf8_lossy(&out.stderr));
         let staged = bin.join("lbd.new");
         std::fs::copy(lab.spec.bin_dir.join("lbd"), &staged).unwrap();
         std::fs::rename(&staged, &exe).unwrap();
         let fourth_program = lbd.restart().unwrap();
         assert_ne!(fourth_program, third_program);
+        assert!(!stale.exists(), "an older version's map is still pinned after the upgrade");
+        assert!(lab.pin_dir().join("maps").join("ADDR_BITS").exists(), "the address filter is not pinned");
 
         let r = load.join().unwrap();
         println!(

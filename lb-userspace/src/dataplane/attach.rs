@@ -98,7 +98,24 @@ impl Dataplane {
         }
         self.attached.extend(done);
         result?;
+        self.remove_stale_pins();
         self.refresh_paths().map(drop)
+    }
+
+    /// Unpin the maps an older build left that this one does not use
+    /// (`lb_common::maps::STALE`): its program was attached until this
+    /// build's replaced it everywhere, which has just happened, so nothing
+    /// reads them any more.
+    fn remove_stale_pins(&self) {
+        let Some(pin) = &self.pin else { return };
+        for name in names::STALE {
+            let path = pin.join("maps").join(name);
+            match std::fs::remove_file(&path) {
+                Ok(()) => info!(map = name, "removed the map an older version pinned"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => warn!(path = %path.display(), error = %e, "removing an older version's map"),
+            }
+        }
     }
 
     fn attach_one(
@@ -249,7 +266,7 @@ impl Dataplane {
             self.detach_one(a);
         }
         if let Some(pin) = &self.pin {
-            for name in names::ALL {
+            for name in names::ALL.iter().chain(&names::STALE) {
                 let _ = std::fs::remove_file(pin.join("maps").join(name));
             }
             for d in [pin.join("maps"), pin.join("links"), pin.clone()] {

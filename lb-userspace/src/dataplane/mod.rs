@@ -532,6 +532,15 @@ impl Dataplane {
             .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })
     }
 
+    /// Whether `addr`'s bit is set in the address filter the datapath
+    /// reads (read from the map): a packet between two addresses without
+    /// it is passed before any other map is read.
+    pub fn in_filter(&self, addr: IpAddr) -> Result<bool, DataplaneError> {
+        let bit = program::filter_bit(addr);
+        let word = self.maps.addr_filter.get(&(bit / 64), 0).map_err(map_err(names::ADDR_FILTER))?;
+        Ok(word & (1 << (bit % 64)) != 0)
+    }
+
     /// The IPv4 flow-table entry of `key` (as on the wire), if there is one.
     pub fn flow(&self, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
         match self.maps.flows.get(key, 0) {

@@ -354,10 +354,7 @@ impl Dataplane {
     fn write_filter(&mut self, addrs: &HashSet<IpAddr>) -> Result<(), DataplaneError> {
         let mut words = vec![0u64; self.filter.len()];
         for &a in addrs {
-            let bit = match a {
-                IpAddr::V4(a) => lb_common::addr_filter_bit(u32::from(a).to_be()),
-                IpAddr::V6(a) => lb_common::addr_filter_bit6(&words6(&a)),
-            };
+            let bit = filter_bit(a);
             words[(bit / 64) as usize] |= 1u64 << (bit % 64);
         }
         let arr = &mut self.maps.addr_filter;
@@ -473,6 +470,14 @@ fn members(backends: &[AppliedBackend]) -> Vec<Member> {
 
 /// A table's place in SELECT: (first entry, length), or none.
 type Region = Option<(u32, u32)>;
+
+/// The address filter's bit of `a`, as the datapath computes it.
+pub(super) fn filter_bit(a: IpAddr) -> u32 {
+    match a {
+        IpAddr::V4(a) => lb_common::addr_filter_bit(u32::from(a).to_be()),
+        IpAddr::V6(a) => lb_common::addr_filter_bit6(&words6(&a)),
+    }
+}
 
 #[cfg(test)]
 mod tests {
