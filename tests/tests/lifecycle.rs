@@ -99,12 +99,37 @@ fn idle_and_reset_flows_leave_and_active_counts_stay_exact() {
 
     // 2. UDP: 20 flows that went on after an answer expire by the UDP
     // idle timeout, 20 one-shot exchanges (half-open) by the short one.
-    let r = lab.client(&["udp", "--target", "10.10.0.100:53", "--count", "20", "--per-socket", "3"]).unwrap();
-    assert_eq!(r["failed"], 0, "{r}");
+    // Each exchange from an address of its own, the two sets apart: 40
+    // distinct 5-tuples (from one address, an ephemeral port drawn twice
+    // would make two exchanges one flow, about 3% of runs).
+    let udp = |sources: &str, per_socket: &str| {
+        let r = lab
+            .client(&[
+                "udp",
+                "--target",
+                "10.10.0.100:53",
+                "--count",
+                "20",
+                "--per-socket",
+                per_socket,
+                "--sources-range",
+                sources,
+            ])
+            .unwrap();
+        assert_eq!(r["failed"], 0, "{r}");
+        assert_eq!(r["distinct_flows"], 20, "{r}");
+    };
+    udp("10.10.1.1-10.10.1.20", "3");
     let t1 = Instant::now();
-    let r = lab.client(&["udp", "--target", "10.10.0.100:53", "--count", "20", "--per-socket", "1"]).unwrap();
-    assert_eq!(r["failed"], 0, "{r}");
-    assert_eq!(active(&lbd, "dns").iter().sum::<u64>(), 40);
+    udp("10.10.1.21-10.10.1.40", "1");
+    let dns_new_flows = |status: &serde_json::Value| {
+        (11..=13).map(|n| Lbd::new_flows(status, "dns", &format!("10.20.0.{n}")).unwrap()).sum::<u64>()
+    };
+    assert_eq!(dns_new_flows(&lbd.status().unwrap()), 40, "every exchange is a new flow");
+    let (now_active, read_after) = (active(&lbd, "dns").iter().sum::<u64>(), t1.elapsed());
+    // No one-shot flow can have expired yet: that takes more than the
+    // half-open timeout of silence after its one packet, sent after t1.
+    assert_eq!(now_active, 40, "active UDP flows {read_after:?} after the one-shot exchanges began");
     let half = wait_for(HALF_OPEN + 4, || (active(&lbd, "dns").iter().sum::<u64>() == 20).then(|| t1.elapsed()));
     let half = half.unwrap_or_else(|| panic!("half-open UDP flows did not expire: {:?}", active(&lbd, "dns")));
     let all = wait_for(UDP_IDLE + 4, || (active(&lbd, "dns").iter().sum::<u64>() == 0).then(|| t1.elapsed()));
