@@ -846,19 +846,12 @@ fn xdp_ctx(len: usize, ifindex: u32) -> [u8; 24] {
     ctx
 }
 
-/// The source and destination addresses of an Ethernet frame carrying
-/// IPv4 or IPv6 (no VLAN tag).
+/// The source and destination addresses of an IPv4 or IPv6 frame, read
+/// by the shared test-frame parsers.
 fn frame_addrs(f: &[u8]) -> Option<[std::net::IpAddr; 2]> {
-    let at = |o: usize, n: usize| f.get(o..o + n);
-    match u16::from_be_bytes(at(12, 2)?.try_into().ok()?) {
-        0x0800 => {
-            let a = |o| <[u8; 4]>::try_from(at(o, 4)?).ok().map(std::net::IpAddr::from);
-            Some([a(26)?, a(30)?])
-        }
-        0x86dd => {
-            let a = |o| <[u8; 16]>::try_from(at(o, 16)?).ok().map(std::net::IpAddr::from);
-            Some([a(22)?, a(38)?])
-        }
+    match (Frame::parse(f), lb_testkit::Frame6::parse(f)) {
+        (Ok(v4), _) => Some([v4.src.into(), v4.dst.into()]),
+        (_, Ok(v6)) => Some([v6.src.into(), v6.dst.into()]),
         _ => None,
     }
 }
