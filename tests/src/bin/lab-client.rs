@@ -214,15 +214,25 @@ struct UdpArgs {
 struct Errors(Arc<Mutex<Vec<String>>>);
 
 impl Errors {
+    /// Records `e` with the UTC time of day it happened, to be read
+    /// beside lbd's log (whose lines carry UTC timestamps).
     fn push(&self, e: String) {
         let mut v = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if v.len() < MAX_ERRORS {
-            v.push(e);
+            v.push(format!("{e} (at {} UTC)", utc_time_of_day()));
         }
     }
     fn take(&self) -> Vec<String> {
         std::mem::take(&mut *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
+}
+
+/// The time of day, UTC, as HH:MM:SS.mmm (only the clock: a whole date
+/// formatter would be a dependency for a diagnostic).
+fn utc_time_of_day() -> String {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let s = t.as_secs() % 86_400;
+    format!("{:02}:{:02}:{:02}.{:03}", s / 3600, s / 60 % 60, s % 60, t.subsec_millis())
 }
 
 fn main() {
