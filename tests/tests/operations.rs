@@ -119,8 +119,26 @@ fn slow_start_ramps_a_returning_backend() {
             let health: Vec<&str> =
                 log.lines().filter(|l| l.contains("backend down") || l.contains("backend up")).collect();
             let status = lbd.lbctl(&["status"]).unwrap_or_else(|e| format!("(lbctl status failed: {e})"));
+            // Which host's TCP sent a reset, and why (a listener's, a
+            // closed socket's): each namespace's TCP counters.
+            let mut tcp = String::new();
+            for role in lab.all_roles() {
+                if let Ok(out) = lab.cmd(&role, "nstat").args(["-a", "-s"]).output() {
+                    let text = String::from_utf8_lossy(&out.stdout);
+                    // "TcpOutRsts   3   0.0" -> "TcpOutRsts=3"
+                    let counts: Vec<String> = text
+                        .lines()
+                        .filter(|l| l.starts_with("Tcp"))
+                        .filter_map(|l| {
+                            let mut f = l.split_whitespace();
+                            Some(format!("{}={}", f.next()?, f.next()?))
+                        })
+                        .collect();
+                    tcp.push_str(&format!("{role}: {}\n", counts.join(" ")));
+                }
+            }
             panic!(
-                "{} of {} connections failed: {}\nhealth transitions in lbd's log:\n{}\n{status}",
+                "{} of {} connections failed: {}\nhealth transitions in lbd's log:\n{}\n{status}\nTCP counters by namespace:\n{tcp}",
                 r["failed"],
                 r["ok"].as_u64().unwrap_or(0) + r["failed"].as_u64().unwrap_or(0),
                 r["errors"],
