@@ -24,7 +24,7 @@ use aya::{
     programs::{ProgramFd, TestRun as _, TestRunOptions, Xdp},
 };
 use lb_common::{FLOW_ESTABLISHED, FLOW_REPLIED, FlowKey};
-use lb_testkit::Frame;
+use lb_testkit::{Frame, Frame6};
 use lb_userspace::{
     config::{Config, XdpMode},
     dataplane::{BENCH_OBJECT, Dataplane, delete_flow_keys, drain_flow_map},
@@ -849,9 +849,8 @@ fn xdp_ctx(len: usize, ifindex: u32) -> [u8; 24] {
 /// The source and destination addresses of an IPv4 or IPv6 frame, read
 /// by the shared test-frame parsers.
 fn frame_addrs(f: &[u8]) -> Option<[std::net::IpAddr; 2]> {
-    match (Frame::parse(f), lb_testkit::Frame6::parse(f)) {
-        (Ok(v4), _) => Some([v4.src.into(), v4.dst.into()]),
-        (_, Ok(v6)) => Some([v6.src.into(), v6.dst.into()]),
-        _ => None,
+    match Frame::parse(f) {
+        Ok(v4) => Some([v4.src.into(), v4.dst.into()]),
+        Err(_) => Frame6::parse(f).ok().map(|v6| [v6.src.into(), v6.dst.into()]),
     }
 }

@@ -78,6 +78,25 @@ fn a_stopped_backend_is_taken_out_and_rejoins() {
     assert!(back["per_backend"]["be1"].as_u64().unwrap_or(0) > 0, "{back}");
 }
 
+/// Why connections of a `conns` result `r` failed, as far as the lab can
+/// tell while it is up: lbd's health transitions (a flow of a backend
+/// marked down is re-dispatched, and reset), the datapath's counters in
+/// `lbctl status`, and each namespace's TCP counters (which host's TCP
+/// sent a reset).
+fn failure_report(lab: &Lab, lbd: &Lbd, r: &serde_json::Value) -> String {
+    let log = lbd.log_text();
+    let health: Vec<&str> = log.lines().filter(|l| l.contains("backend down") || l.contains("backend up")).collect();
+    let status = lbd.lbctl(&["status"]).unwrap_or_else(|e| format!("(lbctl status failed: {e})"));
+    format!(
+        "{} of {} connections failed: {}\nhealth transitions in lbd's log:\n{}\n{status}\nTCP counters by namespace:\n{}",
+        r["failed"],
+        r["ok"].as_u64().unwrap_or(0) + r["failed"].as_u64().unwrap_or(0),
+        r["errors"],
+        health.join("\n"),
+        lab.tcp_counters()
+    )
+}
+
 #[test]
 fn slow_start_ramps_a_returning_backend() {
     let extra = format!("{HEALTH}    slow_start: 10s\n").replace("rise: 2, fall: 3", "rise: 1, fall: 1");
@@ -112,38 +131,7 @@ fn slow_start_ramps_a_returning_backend() {
         let c10 = counts();
         let r = stream.join().unwrap();
         if r["failed"] != 0 {
-            // What the balancer saw, to tell its doing from a backend's:
-            // health transitions (a flow of a backend marked down is
-            // re-dispatched, and reset) and the datapath's counters.
-            let log = lbd.log_text();
-            let health: Vec<&str> =
-                log.lines().filter(|l| l.contains("backend down") || l.contains("backend up")).collect();
-            let status = lbd.lbctl(&["status"]).unwrap_or_else(|e| format!("(lbctl status failed: {e})"));
-            // Which host's TCP sent a reset, and why (a listener's, a
-            // closed socket's): each namespace's TCP counters.
-            let mut tcp = String::new();
-            for role in lab.all_roles() {
-                if let Ok(out) = lab.cmd(&role, "nstat").args(["-a", "-s"]).output() {
-                    let text = String::from_utf8_lossy(&out.stdout);
-                    // "TcpOutRsts   3   0.0" -> "TcpOutRsts=3"
-                    let counts: Vec<String> = text
-                        .lines()
-                        .filter(|l| l.starts_with("Tcp"))
-                        .filter_map(|l| {
-                            let mut f = l.split_whitespace();
-                            Some(format!("{}={}", f.next()?, f.next()?))
-                        })
-                        .collect();
-                    tcp.push_str(&format!("{role}: {}\n", counts.join(" ")));
-                }
-            }
-            panic!(
-                "{} of {} connections failed: {}\nhealth transitions in lbd's log:\n{}\n{status}\nTCP counters by namespace:\n{tcp}",
-                r["failed"],
-                r["ok"].as_u64().unwrap_or(0) + r["failed"].as_u64().unwrap_or(0),
-                r["errors"],
-                health.join("\n")
-            );
+            panic!("{}", failure_report(lab, lbd, &r));
         }
         (share(&c0, &c2), share(&c8, &c10))
     });

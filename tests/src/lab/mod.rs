@@ -599,6 +599,29 @@ impl Lab {
         run(&mut c).with_context(|| format!("{role} stats API {method} {path}"))
     }
 
+    /// Each namespace's non-zero TCP counters (`nstat`), one line per
+    /// role ("be1: TcpOutRsts=3 ..."): which host's TCP reset or dropped
+    /// what, for a test's failure message. Reads absolute values and
+    /// writes no history file.
+    pub fn tcp_counters(&self) -> String {
+        let mut out = String::new();
+        for role in self.all_roles() {
+            let Ok(o) = self.cmd(&role, "nstat").args(["-a", "-s"]).output() else { continue };
+            let text = String::from_utf8_lossy(&o.stdout);
+            // "TcpOutRsts   3   0.0" -> "TcpOutRsts=3"
+            let counts: Vec<String> = text
+                .lines()
+                .filter(|l| l.starts_with("Tcp"))
+                .filter_map(|l| {
+                    let mut f = l.split_whitespace();
+                    Some(format!("{}={}", f.next()?, f.next()?))
+                })
+                .collect();
+            out.push_str(&format!("{role}: {}\n", counts.join(" ")));
+        }
+        out
+    }
+
     /// Every namespace role of this lab, in its topology.
     pub fn all_roles(&self) -> Vec<String> {
         if self.spec.topology == Topology::Ecmp {
