@@ -64,6 +64,7 @@ fn out_dir() -> PathBuf {
 }
 
 pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
+    let t0 = Instant::now();
     let dir = out_dir();
     std::fs::create_dir_all(&dir)?;
     let mut results = json!({
@@ -73,6 +74,7 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
     });
     if opts.parts.contains(&Part::Packet) {
         results["packet"] = packet(opts.full)?;
+        elapsed("per-packet part", t0);
     }
     if opts.parts.contains(&Part::E2e) || opts.parts.contains(&Part::Scenarios) {
         let lab = Lab::up(LabSpec { prefix: PREFIX.into(), bin_dir: bin_dir(), ..LabSpec::default() })?;
@@ -82,9 +84,11 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
         run(cargo().args(["build", "--release", "-p", "lb-tests", "--bin", "lab-client"]))?;
         if opts.parts.contains(&Part::E2e) {
             results["e2e"] = e2e(&env, opts.full)?;
+            elapsed("end-to-end part", t0);
         }
         if opts.parts.contains(&Part::Scenarios) {
             results["scenarios"] = scenarios(&env, opts.full)?;
+            elapsed("scenarios part", t0);
         }
     }
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(&results)?)?;
@@ -96,6 +100,14 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
         bail!("requests failed through our balancer (outside the breakpoint search):\n  {}", failed.join("\n  "));
     }
     Ok(())
+}
+
+/// Print how long the bench has run so far (builds before `bench` not
+/// counted), after the part just finished: the short bench must stay
+/// under 12 minutes with its builds.
+fn elapsed(part: &str, t0: Instant) {
+    let s = t0.elapsed().as_secs();
+    println!("== {part} done: {} min {} s into the bench ==", s / 60, s % 60);
 }
 
 /// Cells of ours with failed requests, outside the breakpoint search
@@ -583,7 +595,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
     println!("== end to end: direct, ours, HAProxy, nginx under wrk ==");
-    let secs = if full { 20 } else { 4 };
+    // Short: 3 s runs (4 s made the short bench 10.9 minutes warm and
+    // more than 12 with its release build, against its bound of 12).
+    let secs = if full { 20 } else { 3 };
     let reps = if full { 5 } else { 3 };
     let loads = [
         (NEW_CONN, Load { connections: 10, close: true, secs, rate: None }),
@@ -702,7 +716,8 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
     }
     // (b) k6-style: ramp in steps of concurrent clients, then hold; new
     // connection per request (what stresses an L4 balancer).
-    let (step, hold) = if full { (10, 60) } else { (2, 6) };
+    // Short: a second per ramp step, 4 s held, 2 s per breakpoint step.
+    let (step, hold, probe) = if full { (10, 60, 10) } else { (1, 4, 2) };
     let profiles: [(&str, Vec<u32>, u32); 2] =
         [("average load", vec![25, 50, 75, 100], 100), ("stress", vec![50, 100, 150, 200], 200)];
     let mut k6 = Vec::new();
@@ -740,12 +755,8 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         let mut steps = Vec::new();
         let limit = if full { 6400 } else { 3200 };
         let broke = loop {
-            let r = run_load(
-                env,
-                b,
-                &Load { connections: c, close: true, secs: step.max(3), rate: None },
-                Measure::Throughput,
-            )?;
+            let r =
+                run_load(env, b, &Load { connections: c, close: true, secs: probe, rate: None }, Measure::Throughput)?;
             let req = r["requests"].as_f64().unwrap_or(0.0);
             let fail_ratio = r["failed"].as_f64().unwrap_or(0.0) / req.max(1.0);
             let p99 = r["p99_ms"].as_f64().unwrap_or(f64::INFINITY);
