@@ -33,7 +33,7 @@ fn main() {
     // always built the same way (release, for BPF), so a release build
     // after a dev build (the benchmark's, after the tests') reuses the
     // objects instead of building them again (about 35 s on 2 cores).
-    let target_dir = out_dir.ancestors().nth(4).map_or_else(|| out_dir.join("ebpf-target"), |t| t.join("ebpf"));
+    let target_dir = out_dir.ancestors().nth(4).expect("OUT_DIR is <target>/<profile>/build/<pkg>/out").join("ebpf");
     let mut cmd = Command::new("rustup");
     cmd.args(["run", "nightly", "cargo", "build", "--package", "lb-ebpf", "--bins", "--release"])
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core", "--target-dir"])

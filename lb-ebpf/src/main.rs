@@ -106,11 +106,10 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
     };
 
     // Neither to a VIP nor from a backend: not ours, skip the maps. An
-    // untagged frame that `parse` takes is IPv4 TCP or UDP, which
-    // `surely_not_ours4` judged: one of its two bits is set, and only the
-    // source's is read again (no value is kept from there: one that lives
-    // across `parse` multiplies the states the verifier explores, beyond
-    // the bound `datapath.rs` keeps). A tagged frame's are both read here.
+    // untagged frame that `parse` takes is IPv4 TCP or UDP, so
+    // `surely_not_ours4` found one of its two bits set: only the source's
+    // is read again. (Keeping that check's result instead costs more: a
+    // value alive across `parse` multiplies the verifier's states.)
     let from_backend = maybe_ours(pkt.saddr);
     if tagged(L2) && !from_backend && !maybe_ours(pkt.daddr) {
         return Ok(xdp_action::XDP_PASS);
