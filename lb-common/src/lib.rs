@@ -125,11 +125,11 @@ pub const DIR_FLOW: u8 = 2;
 pub mod maps {
     pub const VIPS: &str = "VIPS";
     pub const VIP_ADDRS: &str = "VIP_ADDRS";
-    /// The address filter, named for its bit function: a build that
-    /// changes `addr_filter_bit` renames it, so that during an upgrade the
+    /// The address filter, named for its bit function and its layout: a
+    /// build that changes either renames it, so that during an upgrade the
     /// old program goes on reading its own map, with its own bits, until
     /// the new one (whose map is filled before it attaches) replaces it.
-    pub const ADDR_FILTER: &str = "ADDR_BITS";
+    pub const ADDR_FILTER: &str = "ADDR_BITMAP";
     pub const BACKENDS: &str = "BACKENDS";
     pub const SELECT: &str = "SELECT";
     pub const SEQ: &str = "SEQ";
@@ -157,9 +157,10 @@ pub mod maps {
     pub const KEYS6: &str = "KEYS6";
 
     /// Maps that older builds pinned and this one has no use for: removed
-    /// from the pin path once this build's program is attached (`ADDR_FILTER`:
-    /// the address filter under its first bit function).
-    pub const STALE: [&str; 1] = ["ADDR_FILTER"];
+    /// from the pin path once this build's program is attached: the
+    /// address filter under its first bit function (`ADDR_FILTER`), and as
+    /// 1,024 one-word entries (`ADDR_BITS`).
+    pub const STALE: [&str; 2] = ["ADDR_FILTER", "ADDR_BITS"];
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
@@ -594,6 +595,10 @@ pub fn source_hash6(src: &[u32; 4]) -> u32 {
 
 /// Bits in the address filter array (a power of two).
 pub const ADDR_FILTER_BITS: u32 = 1 << 16;
+
+/// The address filter: bit `b` is bit `b % 64` of word `b / 64`. It is one
+/// map value, so that one lookup serves both of a packet's addresses.
+pub type AddrFilter = [u64; (ADDR_FILTER_BITS / 64) as usize];
 
 /// The filter bit of an IPv4 address (network order): an address whose bit
 /// is clear is neither a VIP nor a backend, and its packets skip the maps.

@@ -33,7 +33,7 @@ use lb_common::{
     FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
     Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_BITS, BACKENDS, CLOCK, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
+use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -277,13 +277,34 @@ pub(crate) fn maybe_ours(addr: u32) -> bool {
     filter_has(addr_filter_bit(addr))
 }
 
+/// False when both `a` and `b` are certainly neither a VIP nor a backend
+/// (`a` is read first).
+#[inline(always)]
+pub(crate) fn maybe_either_ours(a: u32, b: u32) -> bool {
+    filter_has_either(addr_filter_bit(a), addr_filter_bit(b))
+}
+
 /// Whether the address filter's bit `bit` is set (either family's).
 #[inline(always)]
 pub(crate) fn filter_has(bit: u32) -> bool {
-    match ADDR_BITS.get(bit / 64) {
-        Some(w) => w & (1u64 << (bit % 64)) != 0,
-        None => true,
-    }
+    ADDR_BITMAP.get_ptr(0).is_none_or(|f| bit_in(f, bit))
+}
+
+/// Whether the address filter has bit `a` or bit `b` set: one lookup for
+/// both reads (the pre-checks of a packet's two addresses).
+#[inline(always)]
+pub(crate) fn filter_has_either(a: u32, b: u32) -> bool {
+    ADDR_BITMAP.get_ptr(0).is_none_or(|f| bit_in(f, a) || bit_in(f, b))
+}
+
+/// Bit `bit` of the filter value at `f`.
+#[inline(always)]
+fn bit_in(f: *const lb_common::AddrFilter, bit: u32) -> bool {
+    // SAFETY: `f` is the map's one value, valid while the program runs; a
+    // plain word read through the pointer (no reference to a value lbd
+    // writes), in bounds as `addr_filter_bit` is below ADDR_FILTER_BITS.
+    let w = unsafe { (*f)[(bit / 64) as usize] };
+    w & (1u64 << (bit % 64)) != 0
 }
 
 #[inline(always)]

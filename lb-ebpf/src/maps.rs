@@ -11,7 +11,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    ADDR_FILTER_BITS, Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6,
+    AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6,
     MAX_BACKENDS, MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, Vip6Key, VipKey, counter,
 };
 
@@ -59,10 +59,11 @@ pub(crate) static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
 #[map]
 pub(crate) static FLOWS: HashMap<FlowKey, Flow> = HashMap::with_max_entries(1, 0);
 
-/// Bitmap over `addr_filter_bit` of every VIP and backend address: one
-/// inlined array read tells a packet that is none of our business.
+/// Bitmap over `addr_filter_bit` of every VIP and backend address, as one
+/// value: one inlined array lookup and a word read per address tell a
+/// packet that is none of our business.
 #[map]
-pub(crate) static ADDR_BITS: Array<u64> = Array::with_max_entries(ADDR_FILTER_BITS / 64, 0);
+pub(crate) static ADDR_BITMAP: Array<AddrFilter> = Array::with_max_entries(1, 0);
 
 /// Per-backend counters, per CPU.
 #[map]
@@ -177,7 +178,7 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKENDS, stringify
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SELECT, stringify!(SELECT)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SEQ, stringify!(SEQ)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS, stringify!(FLOWS)));
-const _: () = assert!(lb_common::maps::same(lb_common::maps::ADDR_FILTER, stringify!(ADDR_BITS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::ADDR_FILTER, stringify!(ADDR_BITMAP)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKEND_STATS, stringify!(BACKEND_STATS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::COUNTERS, stringify!(COUNTERS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::CONNS, stringify!(CONNS)));

@@ -183,10 +183,7 @@ pub(crate) fn surely_not_ours4(ctx: &XdpContext) -> bool {
     };
     // SAFETY: bounds checked by ptr_at.
     let (ether, proto, saddr, daddr) = unsafe { ((*eth).proto, (*ip).proto, (*ip).saddr, (*ip).daddr) };
-    ether == ETH_P_IP.to_be()
-        && (proto == PROTO_TCP || proto == PROTO_UDP)
-        && !crate::maybe_ours(daddr)
-        && !crate::maybe_ours(saddr)
+    ether == ETH_P_IP.to_be() && (proto == PROTO_TCP || proto == PROTO_UDP) && !crate::maybe_either_ours(daddr, saddr)
 }
 
 pub(crate) const ETH_P_8021Q: u16 = 0x8100;

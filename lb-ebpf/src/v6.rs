@@ -398,7 +398,8 @@ pub(crate) fn surely_not_ours(ctx: &XdpContext) -> bool {
     };
     // SAFETY: bounds checked by ptr_at; plain loads of integers.
     let (next, saddr, daddr) = unsafe { ((*ip).nexthdr, (*ip).saddr, (*ip).daddr) };
-    (next == PROTO_TCP || next == PROTO_UDP) && !maybe_ours6(&saddr) && !maybe_ours6(&daddr)
+    (next == PROTO_TCP || next == PROTO_UDP)
+        && !crate::filter_has_either(lb_common::addr_filter_bit6(&saddr), lb_common::addr_filter_bit6(&daddr))
 }
 
 /// False when `addr` is certainly neither a VIP nor a backend (see

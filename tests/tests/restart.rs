@@ -92,25 +92,30 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
 
         // 3. Upgrade: a new binary replaces the old one on disk, then the
         // graceful restart runs it and it replaces the XDP program. The
-        // address filter as the build before the bit-function change
-        // pinned it stands for an older version's map: once the new
-        // program is attached nothing reads it, and it is unpinned.
+        // address filter as older builds pinned it (under the first bit
+        // function, then as 1,024 one-word entries) stands for an older
+        // version's maps: once the new program is attached nothing reads
+        // them, and they are unpinned.
         std::thread::sleep(Duration::from_millis(1000));
-        let stale = lab.pin_dir().join("maps").join("ADDR_FILTER");
-        let out = std::process::Command::new("bpftool")
-            .args(["map", "create"])
-            .arg(&stale)
-            .args(["type", "array", "key", "4", "value", "8", "entries", "1024", "name", "ADDR_FILTER"])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "bpftool map create: {}", String::from_utf8_lossy(&out.stderr));
+        let stale: Vec<_> = ["ADDR_FILTER", "ADDR_BITS"].iter().map(|n| lab.pin_dir().join("maps").join(n)).collect();
+        for (path, name) in stale.iter().zip(["ADDR_FILTER", "ADDR_BITS"]) {
+            let out = std::process::Command::new("bpftool")
+                .args(["map", "create"])
+                .arg(path)
+                .args(["type", "array", "key", "4", "value", "8", "entries", "1024", "name", name])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "bpftool map create {name}: {}", String::from_utf8_lossy(&out.stderr));
+        }
         let staged = bin.join("lbd.new");
         std::fs::copy(lab.spec.bin_dir.join("lbd"), &staged).unwrap();
         std::fs::rename(&staged, &exe).unwrap();
         let fourth_program = lbd.restart().unwrap();
         assert_ne!(fourth_program, third_program);
-        assert!(!stale.exists(), "an older version's map is still pinned after the upgrade");
-        assert!(lab.pin_dir().join("maps").join("ADDR_BITS").exists(), "the address filter is not pinned");
+        for path in &stale {
+            assert!(!path.exists(), "an older version's map {} is still pinned after the upgrade", path.display());
+        }
+        assert!(lab.pin_dir().join("maps").join("ADDR_BITMAP").exists(), "the address filter is not pinned");
 
         let r = load.join().unwrap();
         println!(

@@ -116,7 +116,7 @@ impl Drop for SelectMemory {
 pub(super) struct Maps {
     pub(super) vips: HashMap<MapData, VipKey, Service>,
     pub(super) vip_addrs: HashMap<MapData, u32, u32>,
-    pub(super) addr_filter: Array<MapData, u64>,
+    pub(super) addr_filter: Array<MapData, lb_common::AddrFilter>,
     pub(super) backends: Array<MapData, Backend>,
     pub(super) select: Array<MapData, u32>,
     /// The shared round-robin positions: advanced by the datapath, written

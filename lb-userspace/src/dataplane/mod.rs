@@ -189,8 +189,8 @@ pub struct Dataplane {
     /// Every backend address programmed in this datapath's life (replies
     /// of flows to a removed backend still need the datapath).
     known_backends: HashSet<IpAddr>,
-    /// What ADDR_FILTER holds, word by word.
-    filter: Vec<u64>,
+    /// What ADDR_FILTER holds.
+    filter: Box<lb_common::AddrFilter>,
     filter_written: bool,
     /// What ENDPOINTS holds.
     endpoints: HashMap<endpoints::Key, endpoints::Key>,
@@ -360,7 +360,7 @@ impl Dataplane {
             table_capacity: config.table_capacity,
             ncpus,
             known_backends: HashSet::new(),
-            filter: vec![0; (lb_common::ADDR_FILTER_BITS / 64) as usize],
+            filter: Box::new([0; _]),
             filter_written: false,
             netdevs: BTreeMap::new(),
             netdevs_written: false,
@@ -537,7 +537,8 @@ impl Dataplane {
     /// it is passed before any other map is read.
     pub fn in_filter(&self, addr: IpAddr) -> Result<bool, DataplaneError> {
         let bit = program::filter_bit(addr);
-        let word = self.maps.addr_filter.get(&(bit / 64), 0).map_err(map_err(names::ADDR_FILTER))?;
+        let words = self.maps.addr_filter.get(&0, 0).map_err(map_err(names::ADDR_FILTER))?;
+        let word = words[(bit / 64) as usize];
         Ok(word & (1 << (bit % 64)) != 0)
     }
 

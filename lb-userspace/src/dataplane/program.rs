@@ -349,22 +349,19 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Make ADDR_FILTER hold exactly `addrs`, writing only the words that
-    /// change.
+    /// Make ADDR_FILTER hold exactly `addrs`: one write of its one value
+    /// when a word changes.
     fn write_filter(&mut self, addrs: &HashSet<IpAddr>) -> Result<(), DataplaneError> {
-        let mut words = vec![0u64; self.filter.len()];
+        let mut words: Box<lb_common::AddrFilter> = Box::new([0; _]);
         for &a in addrs {
             let bit = filter_bit(a);
             words[(bit / 64) as usize] |= 1u64 << (bit % 64);
         }
-        let arr = &mut self.maps.addr_filter;
-        for (i, (&new, old)) in words.iter().zip(self.filter.iter_mut()).enumerate() {
-            // The first write after (re)loading goes out whole: an adopted
-            // map may hold bits this process has not recorded.
-            if new != *old || !self.filter_written {
-                arr.set(i as u32, new, 0).map_err(map_err(names::ADDR_FILTER))?;
-                *old = new;
-            }
+        // The first write after (re)loading goes out whatever it holds: an
+        // adopted map may hold bits this process has not recorded.
+        if *words != *self.filter || !self.filter_written {
+            self.maps.addr_filter.set(0, *words, 0).map_err(map_err(names::ADDR_FILTER))?;
+            self.filter = words;
         }
         self.filter_written = true;
         Ok(())
