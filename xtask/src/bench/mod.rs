@@ -21,7 +21,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use lb_tests::{
     lab::{BackendCounts, Lab, LabSpec},
-    lbd::{Lbd, write_config},
+    lbd::{Lbd, path_counts, write_config},
 };
 use serde_json::{Value, json};
 
@@ -239,7 +239,8 @@ impl Balancer {
 /// A running balancer; stopped on drop.
 enum Running {
     None,
-    Ours(#[expect(dead_code, reason = "held so that lbd runs until this is dropped")] Box<Lbd>),
+    /// lbd runs until this is dropped.
+    Ours(Box<Lbd>),
     Proxy(Child),
 }
 
@@ -628,7 +629,12 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
                 } else {
                     load
                 };
+                let before = datapath_status(&running)?;
                 let mut r = run_load(env, *b, load, Measure::Throughput).with_context(|| key.clone())?;
+                if let Some(before) = before {
+                    let after = datapath_status(&running)?.context("lbd's status")?;
+                    r["datapath"] = what_ours_did(&before, &after);
+                }
                 if *b == Balancer::Direct && *lname == KEEP_ALIVE && paced_rate.is_none() {
                     paced_rate = Some((PACED_SHARE * r["rps"].as_f64().unwrap_or(0.0)).round().max(1.0));
                 }
@@ -663,10 +669,52 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
             "failed": rs.iter().map(|r| r["failed"].as_f64().unwrap_or(0.0)).sum::<f64>(),
             "cpu_us_per_request": m("cpu_us_per_request"), "xdp_ns_per_request": m("xdp_ns_per_request"),
             "jain": m("jain"), "backends": rs.last().map_or(Value::Null, |r| r["backends"].clone()),
-            "reps": rs.len(),
+            "reps": rs.len(), "datapath": sum_datapath(rs),
         }));
     }
     Ok(json!({ "secs_per_run": secs, "reps": reps, "paced_rps": paced_rate, "runs": runs, "summary": summary }))
+}
+
+/// lbd's status when `running` is our balancer (None for the others).
+fn datapath_status(running: &Running) -> anyhow::Result<Option<Value>> {
+    match running {
+        Running::Ours(lbd) => Ok(Some(lbd.status().context("lbctl status")?)),
+        _ => Ok(None),
+    }
+}
+
+/// What our balancer did during one run, from its status before and
+/// after: the XDP mode it runs in on each interface (as the kernel
+/// attached it, `xdp_mode: auto`), and how its forwarded packets left
+/// (XDP redirect or the kernel's forwarding path, from the datapath's
+/// counters).
+fn what_ours_did(before: &Value, after: &Value) -> Value {
+    let modes: serde_json::Map<String, Value> = after["interfaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| (a["interface"].as_str().unwrap_or("?").to_owned(), a["mode"].clone()))
+        .collect();
+    let (r0, k0, f0) = path_counts(before);
+    let (r1, k1, f1) = path_counts(after);
+    json!({ "modes": modes, "redirect": r1 - r0, "kernel": k1 - k0, "forwarded": f1 - f0 })
+}
+
+/// The repetitions' [`what_ours_did`] together: packets summed, the
+/// modes as every repetition saw them (one entry per distinct set).
+fn sum_datapath(rs: &[Value]) -> Value {
+    let ds: Vec<&Value> = rs.iter().map(|r| &r["datapath"]).filter(|d| !d.is_null()).collect();
+    if ds.is_empty() {
+        return Value::Null;
+    }
+    let sum = |k: &str| ds.iter().map(|d| d[k].as_u64().unwrap_or(0)).sum::<u64>();
+    let mut modes: Vec<Value> = Vec::new();
+    for d in &ds {
+        if !modes.contains(&d["modes"]) {
+            modes.push(d["modes"].clone());
+        }
+    }
+    json!({ "modes": modes, "redirect": sum("redirect"), "kernel": sum("kernel"), "forwarded": sum("forwarded") })
 }
 
 // ------------------------------------------------------------------ scenarios

@@ -224,6 +224,9 @@ wrk runs from one client address, so the lab's servers and proxies keep no TIME_
             bars.push((label.clone(), f(&s["rps"])));
             p99.push((label, f(&s["p99_ms"])));
         }
+        if let Some(text) = datapath_note(&rows) {
+            let _ = writeln!(md, "\n{text}");
+        }
         let tag = if load == NEW_CONN {
             "newconn"
         } else if load == PACED {
@@ -263,6 +266,49 @@ times: the one cell where the p99s compare at one rate.",
     }
     let _ = writeln!(md);
     Ok(())
+}
+
+/// What our balancer did in a load's cells: the XDP mode on each
+/// interface, and the share of its forwarded packets that left by XDP
+/// redirect (the rest took the kernel's forwarding path), summed over the
+/// repetitions. None when no cell of ours recorded it.
+fn datapath_note(rows: &[&Value]) -> Option<String> {
+    let mut parts = Vec::new();
+    for s in rows.iter().filter(|s| s["balancer"] == "ours") {
+        let d = &s["datapath"];
+        if d.is_null() {
+            continue;
+        }
+        let modes: Vec<String> = d["modes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|m| {
+                let each: Vec<String> = m
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(i, mode)| format!("{i} {}", mode.as_str().unwrap_or("?")))
+                    .collect();
+                each.join(", ")
+            })
+            .collect();
+        let fwd = d["forwarded"].as_u64().unwrap_or(0);
+        let share = if fwd > 0 { 100.0 * d["redirect"].as_u64().unwrap_or(0) as f64 / fwd as f64 } else { f64::NAN };
+        parts.push(format!(
+            "{}: XDP mode {} ({}); {} forwarded packets, {:.2}% by XDP redirect, {} by the kernel's forwarding path",
+            s["method"].as_str().unwrap_or(""),
+            modes.join(" / "),
+            "`xdp_mode: auto`",
+            fwd,
+            share,
+            d["kernel"]
+        ));
+    }
+    if parts.is_empty() {
+        return None;
+    }
+    Some(format!("What ours did here (lbd's status and datapath counters, all repetitions): {}.", parts.join("; ")))
 }
 
 /// The e2e loads, in the report's order.
@@ -489,5 +535,20 @@ mod tests {
             "{text}"
         );
         assert!(tail_note(&e2e(1.5), "keep-alive, c50").is_none(), "no note when every p99 of ours met its target");
+    }
+
+    #[test]
+    fn the_mode_and_the_path_of_our_cells_are_stated() {
+        let ours = json!({
+            "balancer": "ours", "method": "rr",
+            "datapath": { "modes": [{ "eth0": "native", "eth1": "generic" }], "redirect": 990, "kernel": 10, "forwarded": 1000 },
+        });
+        let direct = json!({ "balancer": "direct", "method": "-", "datapath": null });
+        let text = datapath_note(&[&direct, &ours]).expect("a cell of ours gets a note");
+        assert!(
+            text.contains("rr: XDP mode eth0 native, eth1 generic (`xdp_mode: auto`); 1000 forwarded packets, 99.00% by XDP redirect, 10 by the kernel's forwarding path"),
+            "{text}"
+        );
+        assert!(datapath_note(&[&direct]).is_none(), "no note without a cell of ours");
     }
 }
