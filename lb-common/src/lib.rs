@@ -600,6 +600,14 @@ pub const ADDR_FILTER_BITS: u32 = 1 << 16;
 /// map value, so that one lookup serves both of a packet's addresses.
 pub type AddrFilter = [u64; (ADDR_FILTER_BITS / 64) as usize];
 
+/// Where filter bit `bit` lives in an [`AddrFilter`]: its word's index and
+/// the bit's mask in that word (the layout's one definition, for the
+/// datapath and lbd alike).
+#[inline(always)]
+pub const fn filter_word(bit: u32) -> (usize, u64) {
+    ((bit / 64) as usize, 1u64 << (bit % 64))
+}
+
 /// The filter bit of an IPv4 address (network order): an address whose bit
 /// is clear is neither a VIP nor a backend, and its packets skip the maps.
 ///

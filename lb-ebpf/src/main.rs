@@ -300,11 +300,12 @@ pub(crate) fn filter_has_either(a: u32, b: u32) -> bool {
 /// Bit `bit` of the filter value at `f`.
 #[inline(always)]
 fn bit_in(f: *const lb_common::AddrFilter, bit: u32) -> bool {
+    let (word, mask) = lb_common::filter_word(bit);
     // SAFETY: `f` is the map's one value, valid while the program runs; a
     // plain word read through the pointer (no reference to a value lbd
     // writes), in bounds as `addr_filter_bit` is below ADDR_FILTER_BITS.
-    let w = unsafe { (*f)[(bit / 64) as usize] };
-    w & (1u64 << (bit % 64)) != 0
+    let w = unsafe { (*f)[word] };
+    w & mask != 0
 }
 
 #[inline(always)]

@@ -97,8 +97,9 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
         // version's maps: once the new program is attached nothing reads
         // them, and they are unpinned.
         std::thread::sleep(Duration::from_millis(1000));
-        let stale: Vec<_> = ["ADDR_FILTER", "ADDR_BITS"].iter().map(|n| lab.pin_dir().join("maps").join(n)).collect();
-        for (path, name) in stale.iter().zip(["ADDR_FILTER", "ADDR_BITS"]) {
+        let names = ["ADDR_FILTER", "ADDR_BITS"];
+        let stale: Vec<_> = names.iter().map(|n| lab.pin_dir().join("maps").join(n)).collect();
+        for (path, name) in stale.iter().zip(names) {
             let out = std::process::Command::new("bpftool")
                 .args(["map", "create"])
                 .arg(path)

@@ -189,9 +189,8 @@ pub struct Dataplane {
     /// Every backend address programmed in this datapath's life (replies
     /// of flows to a removed backend still need the datapath).
     known_backends: HashSet<IpAddr>,
-    /// What ADDR_FILTER holds.
-    filter: Box<lb_common::AddrFilter>,
-    filter_written: bool,
+    /// What ADDR_FILTER holds; None until this process first wrote it.
+    filter: Option<Box<lb_common::AddrFilter>>,
     /// What ENDPOINTS holds.
     endpoints: HashMap<endpoints::Key, endpoints::Key>,
     /// What NETDEVS holds, and the path report derived with it.
@@ -360,8 +359,7 @@ impl Dataplane {
             table_capacity: config.table_capacity,
             ncpus,
             known_backends: HashSet::new(),
-            filter: Box::new([0; _]),
-            filter_written: false,
+            filter: None,
             netdevs: BTreeMap::new(),
             netdevs_written: false,
             paths: Vec::new(),
@@ -536,10 +534,9 @@ impl Dataplane {
     /// reads (read from the map): a packet between two addresses without
     /// it is passed before any other map is read.
     pub fn in_filter(&self, addr: IpAddr) -> Result<bool, DataplaneError> {
-        let bit = program::filter_bit(addr);
+        let (word, mask) = lb_common::filter_word(program::filter_bit(addr));
         let words = self.maps.addr_filter.get(&0, 0).map_err(map_err(names::ADDR_FILTER))?;
-        let word = words[(bit / 64) as usize];
-        Ok(word & (1 << (bit % 64)) != 0)
+        Ok(words[word] & mask != 0)
     }
 
     /// The IPv4 flow-table entry of `key` (as on the wire), if there is one.

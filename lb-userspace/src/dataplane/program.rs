@@ -354,16 +354,15 @@ impl Dataplane {
     fn write_filter(&mut self, addrs: &HashSet<IpAddr>) -> Result<(), DataplaneError> {
         let mut words: Box<lb_common::AddrFilter> = Box::new([0; _]);
         for &a in addrs {
-            let bit = filter_bit(a);
-            words[(bit / 64) as usize] |= 1u64 << (bit % 64);
+            let (word, mask) = lb_common::filter_word(filter_bit(a));
+            words[word] |= mask;
         }
         // The first write after (re)loading goes out whatever it holds: an
         // adopted map may hold bits this process has not recorded.
-        if *words != *self.filter || !self.filter_written {
+        if self.filter.as_ref() != Some(&words) {
             self.maps.addr_filter.set(0, *words, 0).map_err(map_err(names::ADDR_FILTER))?;
-            self.filter = words;
+            self.filter = Some(words);
         }
-        self.filter_written = true;
         Ok(())
     }
 

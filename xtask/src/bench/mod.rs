@@ -21,7 +21,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use lb_tests::{
     lab::{BackendCounts, Lab, LabSpec},
-    lbd::{Lbd, path_counts, write_config},
+    lbd::{Lbd, path_counts, write_config, xdp_mode_in_use},
 };
 use serde_json::{Value, json};
 
@@ -633,7 +633,7 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
                 let mut r = run_load(env, *b, load, Measure::Throughput).with_context(|| key.clone())?;
                 if let Some(before) = before {
                     let after = datapath_status(&running)?.context("lbd's status")?;
-                    r["datapath"] = what_ours_did(&before, &after);
+                    r["datapath"] = what_ours_did(env.lab, &before, &after)?;
                 }
                 if *b == Balancer::Direct && *lname == KEEP_ALIVE && paced_rate.is_none() {
                     paced_rate = Some((PACED_SHARE * r["rps"].as_f64().unwrap_or(0.0)).round().max(1.0));
@@ -683,21 +683,20 @@ fn datapath_status(running: &Running) -> anyhow::Result<Option<Value>> {
     }
 }
 
-/// What our balancer did during one run, from its status before and
-/// after: the XDP mode it runs in on each interface (as the kernel
-/// attached it, `xdp_mode: auto`), and how its forwarded packets left
-/// (XDP redirect or the kernel's forwarding path, from the datapath's
-/// counters).
-fn what_ours_did(before: &Value, after: &Value) -> Value {
-    let modes: serde_json::Map<String, Value> = after["interfaces"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|a| (a["interface"].as_str().unwrap_or("?").to_owned(), a["mode"].clone()))
-        .collect();
+/// What our balancer did during one run: the XDP mode its program runs in
+/// on each gateway interface, as the kernel reports it (`xdp_mode: auto`),
+/// and how its forwarded packets left (XDP redirect or the kernel's
+/// forwarding path), from the datapath's counters in lbd's status before
+/// and after.
+fn what_ours_did(lab: &Lab, before: &Value, after: &Value) -> anyhow::Result<Value> {
+    let mut modes = serde_json::Map::new();
+    for iface in lab.gw_interfaces() {
+        let mode = xdp_mode_in_use(lab, &iface)?.unwrap_or_else(|| "none".into());
+        modes.insert(iface, mode.into());
+    }
     let (r0, k0, f0) = path_counts(before);
     let (r1, k1, f1) = path_counts(after);
-    json!({ "modes": modes, "redirect": r1 - r0, "kernel": k1 - k0, "forwarded": f1 - f0 })
+    Ok(json!({ "modes": modes, "redirect": r1 - r0, "kernel": k1 - k0, "forwarded": f1 - f0 }))
 }
 
 /// The repetitions' [`what_ours_did`] together: packets summed, the

@@ -279,29 +279,13 @@ fn datapath_note(rows: &[&Value]) -> Option<String> {
         if d.is_null() {
             continue;
         }
-        let modes: Vec<String> = d["modes"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|m| {
-                let each: Vec<String> = m
-                    .as_object()
-                    .into_iter()
-                    .flatten()
-                    .map(|(i, mode)| format!("{i} {}", mode.as_str().unwrap_or("?")))
-                    .collect();
-                each.join(", ")
-            })
-            .collect();
+        let modes: Vec<String> = d["modes"].as_array().into_iter().flatten().map(modes_text).collect();
         let fwd = d["forwarded"].as_u64().unwrap_or(0);
         let share = if fwd > 0 { 100.0 * d["redirect"].as_u64().unwrap_or(0) as f64 / fwd as f64 } else { f64::NAN };
         parts.push(format!(
-            "{}: XDP mode {} ({}); {} forwarded packets, {:.2}% by XDP redirect, {} by the kernel's forwarding path",
+            "{}: XDP mode {} (`xdp_mode: auto`); {fwd} forwarded packets, {share:.2}% by XDP redirect, {} by the kernel's forwarding path",
             s["method"].as_str().unwrap_or(""),
             modes.join(" / "),
-            "`xdp_mode: auto`",
-            fwd,
-            share,
             d["kernel"]
         ));
     }
@@ -309,6 +293,13 @@ fn datapath_note(rows: &[&Value]) -> Option<String> {
         return None;
     }
     Some(format!("What ours did here (lbd's status and datapath counters, all repetitions): {}.", parts.join("; ")))
+}
+
+/// One set of modes, `{"eth0": "native", ...}`, as `eth0 native, ...`.
+fn modes_text(m: &Value) -> String {
+    let each: Vec<String> =
+        m.as_object().into_iter().flatten().map(|(i, mode)| format!("{i} {}", mode.as_str().unwrap_or("?"))).collect();
+    each.join(", ")
 }
 
 /// The e2e loads, in the report's order.
