@@ -292,7 +292,10 @@ fn datapath_note(rows: &[&Value]) -> Option<String> {
     if parts.is_empty() {
         return None;
     }
-    Some(format!("What ours did here (lbd's status and datapath counters, all repetitions): {}.", parts.join("; ")))
+    Some(format!(
+        "What ours did here (the XDP mode as the kernel reports it, the packets from the datapath's counters in lbd's status; all repetitions): {}.",
+        parts.join("; ")
+    ))
 }
 
 /// One set of modes, `{"eth0": "native", ...}`, as `eth0 native, ...`.
