@@ -6,9 +6,9 @@
 use std::{path::PathBuf, time::Duration};
 
 use lb_tests::{
-    harness::{config_dir, socket_for},
+    harness::{config_dir, serial, socket_for},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config},
+    lbd::{Lbd, wait_for, write_config, write_config_with, xdp_mode_in_use},
 };
 
 const WEB: &str = "  - name: web
@@ -23,6 +23,7 @@ const WEB: &str = "  - name: web
 
 #[test]
 fn kill_restart_and_upgrade_under_load_lose_nothing() {
+    let _serial = serial();
     lb_tests::require_root().expect("needs root");
     let prefix = "lbt-restart";
     let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
@@ -138,4 +139,71 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
     assert!(status.success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
     let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// A restart whose configuration cannot be attached everywhere (here a
+/// bridge in forced native mode, listed after the two interfaces the
+/// running datapath is on) fails with an error naming the interface, and
+/// leaves the datapath attached and forwarding on the interfaces it had:
+/// the links it adopted before the failure are not rolled back, since
+/// unpinning them would stop the balancer that was running.
+#[test]
+fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-restartf";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
+    let sock = socket_for(prefix);
+    let dir = config_dir(prefix);
+    let good = write_config(&dir, "lbd", &sock, WEB).unwrap();
+    let bridge = "lbtbr0";
+    lab.ip("gw", &["link", "add", bridge, "type", "bridge"]).unwrap();
+    lab.ip("gw", &["link", "set", bridge, "up"]).unwrap();
+    let bad = write_config_with(
+        &dir,
+        "bad",
+        &sock,
+        &["eth0".into(), "eth1".into(), bridge.into()],
+        "conntrack_max: 262144\nxdp_mode: native\n",
+        WEB,
+    )
+    .unwrap();
+
+    let mut lbd = Lbd::start(&lab, &good, &sock).unwrap();
+    let modes: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(&lab, i).unwrap()).collect();
+    assert!(modes.iter().all(Option::is_some), "XDP not attached at start: {modes:?}");
+    lab.reset_backend_counts().unwrap();
+    let balanced = || {
+        let r = lab
+            .client(&["conns", "--target", "10.10.0.100:80", "--concurrency", "4", "--duration-ms", "1000"])
+            .unwrap();
+        assert_eq!(r["failed"], 0, "{r}");
+        r["ok"].as_u64().unwrap()
+    };
+    assert!(balanced() > 0);
+    lbd.kill().unwrap();
+
+    let err = Lbd::start(&lab, &bad, &sock).err().expect("lbd started with a bridge in forced native mode");
+    let text = format!("{err:#}");
+    assert!(text.contains(bridge), "the error does not name the interface: {text}");
+    let after: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(&lab, i).unwrap()).collect();
+    assert_eq!(after, modes, "the failed start changed or removed XDP on the running interfaces");
+    assert_eq!(xdp_mode_in_use(&lab, bridge).unwrap(), None, "XDP left on {bridge}");
+    assert!(!lab.pin_dir().join("links").join(bridge).exists(), "a link pinned for {bridge}");
+    // Nothing else routes the VIP: an answered connection went through the
+    // datapath.
+    let before: u64 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum();
+    let ok = balanced();
+    let now: u64 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum();
+    assert!(
+        ok > 0 && now >= before + ok,
+        "not balanced after the failed start: {ok} answered, backends {before} -> {now}"
+    );
+
+    // The good configuration adopts the datapath again; the counters went on.
+    let mut lbd = Lbd::start(&lab, &good, &sock).unwrap();
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == now));
+    assert_eq!(flows, Some(now), "lbd counted {} new flows, the backends saw {now}", lbd.total_new_flows());
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
 }

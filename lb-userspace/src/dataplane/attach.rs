@@ -14,7 +14,10 @@ use aya::programs::{
 use lb_common::maps as names;
 use tracing::{info, warn};
 
-use super::{Attachment, Dataplane, DataplaneError, PROGRAM, map_err, pin::saved_mode};
+use super::{
+    Attachment, Dataplane, DataplaneError, PROGRAM, map_err,
+    pin::{mode_path, saved_mode},
+};
 use crate::{
     config::XdpMode,
     netdev,
@@ -39,21 +42,20 @@ impl Dataplane {
     /// pinned link from a previous lbd exists, the program is swapped in
     /// atomically (link update) instead, keeping its mode. The NETDEVS map
     /// is filled first, so the first packet already knows its paths. On
-    /// error, interfaces attached here are detached again.
+    /// error, interfaces attached here are detached again (adopted links
+    /// stay), and links of interfaces no longer configured stay too.
     pub fn attach(&mut self, interfaces: &[String], requested: XdpMode) -> Result<(), DataplaneError> {
         let links_dir = self.pin.as_ref().map(|p| p.join("links"));
+        // Links pinned for interfaces no longer configured: detached once
+        // every configured one is attached.
+        let mut unconfigured: Vec<(String, PathBuf)> = Vec::new();
         if let Some(d) = &links_dir {
             std::fs::create_dir_all(d).map_err(|source| DataplaneError::Pin { path: d.clone(), source })?;
-            // Interfaces no longer configured: unpinning detaches them.
             if let Ok(rd) = std::fs::read_dir(d) {
                 for e in rd.flatten() {
                     let name = e.file_name().to_string_lossy().into_owned();
-                    let iface = name.strip_suffix(".mode").unwrap_or(&name);
-                    if !interfaces.iter().any(|i| i == iface) {
-                        let _ = std::fs::remove_file(e.path());
-                        if !name.ends_with(".mode") {
-                            info!(interface = %iface, "detached (no longer configured)");
-                        }
+                    if !name.ends_with(".mode") && !interfaces.contains(&name) {
+                        unconfigured.push((name, e.path()));
                     }
                 }
             }
@@ -80,24 +82,34 @@ impl Dataplane {
         }
         let planned: BTreeMap<String, Mode> = plan.iter().map(|(i, m, _)| (i.clone(), *m)).collect();
         self.write_netdevs(&paths::netdev_flags(&links, &planned))?;
-        let mut done: Vec<Attached> = Vec::new();
-        let mut result = Ok(());
+        let mut done: Vec<(Attached, bool)> = Vec::new();
         for (iface, mode, reason) in plan {
+            let adopted = links_dir.as_ref().is_some_and(|d| d.join(&iface).exists());
             match self.attach_one(&iface, mode, requested, reason, links_dir.as_deref()) {
-                Ok(a) => done.push(a),
+                Ok(a) => done.push((a, adopted)),
                 Err(e) => {
-                    result = Err(e);
-                    break;
+                    // Undo what this call attached. A link adopted from
+                    // the previous lbd stays pinned, this build's program
+                    // already in it: unpinning it would stop the balancer
+                    // that was running (and the program it had is gone).
+                    for (a, adopted) in done {
+                        if !adopted {
+                            self.detach_one(a);
+                        }
+                    }
+                    return Err(e);
                 }
             }
         }
-        if result.is_err() {
-            for a in done.drain(..) {
-                self.detach_one(a);
+        self.attached.extend(done.into_iter().map(|(a, _)| a));
+        for (iface, path) in unconfigured {
+            if let Err(e) = super::link::detach_pinned(&path) {
+                warn!(interface = %iface, error = %e, "detaching the XDP link; it goes with its pin");
             }
+            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_file(mode_path(&path));
+            info!(interface = %iface, "detached (no longer configured)");
         }
-        self.attached.extend(done);
-        result?;
         self.remove_stale_pins();
         self.refresh_paths().map(drop)
     }
@@ -173,7 +185,7 @@ impl Dataplane {
         let pinned = fd
             .pin(&path)
             .map_err(|e| DataplaneError::Pin { path: path.clone(), source: std::io::Error::other(e.to_string()) })?;
-        let _ = std::fs::write(path.with_extension("mode"), format!("{}\n{reason}\n", mode.name()));
+        let _ = std::fs::write(mode_path(&path), format!("{}\n{reason}\n", mode.name()));
         Ok(Attached { attachment, link: AttachedLink::Pinned { fd: FdLink::from(pinned), path } })
     }
 
@@ -241,11 +253,15 @@ impl Dataplane {
     fn detach_one(&mut self, a: Attached) {
         match a.link {
             AttachedLink::Pinned { fd, path } => {
-                // Dropping the last reference (pin file and our fd) detaches.
+                // Detached now (see `link`), not whenever the kernel
+                // drops the last reference after the pin and our fd go.
+                if let Err(e) = super::link::detach_pinned(&path) {
+                    warn!(interface = %a.attachment.interface, error = %e, "detaching the XDP link; it goes with its pin");
+                }
                 if let Err(e) = std::fs::remove_file(&path) {
                     warn!(interface = %a.attachment.interface, error = %e, "unpinning the XDP link");
                 }
-                let _ = std::fs::remove_file(path.with_extension("mode"));
+                let _ = std::fs::remove_file(mode_path(&path));
                 drop(fd);
             }
             AttachedLink::Owned(id) => {

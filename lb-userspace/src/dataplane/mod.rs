@@ -41,6 +41,7 @@ mod attach;
 mod batch;
 mod endpoints;
 mod layout;
+mod link;
 mod maps;
 mod pin;
 mod program;

@@ -22,9 +22,18 @@ pub(super) fn saved_mode(links_dir: Option<&Path>, iface: &str) -> Option<(Mode,
     if !link.exists() {
         return None;
     }
-    let saved = std::fs::read_to_string(link.with_extension("mode")).unwrap_or_default();
+    let saved = std::fs::read_to_string(mode_path(&link)).unwrap_or_default();
     let mode = Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native);
     Some((mode, saved.lines().nth(1).unwrap_or_default().to_owned()))
+}
+
+/// The file beside a pinned link that records the mode it was attached in:
+/// the link's name with ".mode" appended (not an extension replaced: a
+/// VLAN device's name, `eth0.100`, has a dot of its own).
+pub(super) fn mode_path(link: &Path) -> std::path::PathBuf {
+    let mut name = link.as_os_str().to_owned();
+    name.push(".mode");
+    name.into()
 }
 
 /// bpffs magic number (statfs f_type).
@@ -63,4 +72,19 @@ pub(super) fn ensure_bpffs(pin: &Path) -> Result<(), DataplaneError> {
         pin.display(),
         base.display()
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::mode_path;
+
+    #[test]
+    fn each_interface_has_a_mode_file_of_its_own() {
+        let links = Path::new("/sys/fs/bpf/lbd/links");
+        assert_eq!(mode_path(&links.join("eth0")), links.join("eth0.mode"));
+        // A VLAN device beside its parent: two files, not one.
+        assert_eq!(mode_path(&links.join("eth0.100")), links.join("eth0.100.mode"));
+    }
 }
