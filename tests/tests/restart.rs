@@ -186,6 +186,7 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
     let err = Lbd::start(&lab, &bad, &sock).err().expect("lbd started with a bridge in forced native mode");
     let text = format!("{err:#}");
     assert!(text.contains(bridge), "the error does not name the interface: {text}");
+    assert!(text.contains("does not offer (xdp_mode: auto"), "the error does not say what to do: {text}");
     let after: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(&lab, i).unwrap()).collect();
     assert_eq!(after, modes, "the failed start changed or removed XDP on the running interfaces");
     assert_eq!(xdp_mode_in_use(&lab, bridge).unwrap(), None, "XDP left on {bridge}");

@@ -36,6 +36,20 @@ pub(super) struct Attached {
     link: AttachedLink,
 }
 
+/// What an attach error adds when the device refused native mode
+/// (EOPNOTSUPP: it has no driver XDP), which only a forced mode asks for:
+/// the way out.
+pub(super) fn hint(mode: &str, e: &ProgramError) -> &'static str {
+    match e {
+        ProgramError::SyscallError(s)
+            if mode == Mode::Native.name() && s.io_error.raw_os_error() == Some(libc::EOPNOTSUPP) =>
+        {
+            ", which this device does not offer (xdp_mode: auto falls back to generic mode)"
+        }
+        _ => "",
+    }
+}
+
 impl Dataplane {
     /// Attach to every interface, each in the mode [`paths::choose_mode`]
     /// picks from what the devices can do (`auto`), or as forced. Where a

@@ -87,7 +87,7 @@ pub enum DataplaneError {
     Map { map: &'static str, source: MapError },
     #[error("BPF map {map}, batch operation: {source}")]
     Batch { map: &'static str, source: std::io::Error },
-    #[error("attaching XDP to {iface} in {mode} mode: {source}")]
+    #[error("attaching XDP to {iface} in {mode} mode{}: {source}", attach::hint(mode, source))]
     Attach { iface: String, mode: &'static str, source: ProgramError },
     #[error("the selection-table array ({capacity} entries) has no free run of {need} entries for service {service}")]
     TableSpace { service: String, need: u32, capacity: u32 },
