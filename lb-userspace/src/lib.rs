@@ -42,9 +42,55 @@ pub mod sched;
 pub mod tasks;
 pub mod watch;
 
+/// An error and its causes on one line, each cause once. Most errors here
+/// (and aya's) print their cause inside their own message and also hand it
+/// on as their source, so `{:#}` would print it twice ("`bpf_link_create`
+/// failed: `bpf_link_create` failed: ..."): a cause the text so far already
+/// ends with is left out.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.is_empty() {
+            text = part;
+        } else if !text.ends_with(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+    }
+    text
+}
+
 /// True when running as root (needed to load BPF and attach XDP).
 pub fn is_root() -> bool {
     rustix::process::geteuid().is_root()
+}
+
+#[cfg(test)]
+mod tests {
+    /// As aya's SyscallError: names the call, hands on the OS error.
+    #[derive(Debug, thiserror::Error)]
+    #[error("`bpf_link_create` failed")]
+    struct Syscall(#[source] std::io::Error);
+
+    /// As DataplaneError::Attach: prints its cause and hands it on.
+    #[derive(Debug, thiserror::Error)]
+    #[error("attaching XDP to br0 in native mode: {0}")]
+    struct Attach(#[source] Syscall);
+
+    #[test]
+    fn an_error_line_names_each_cause_once() {
+        let e = anyhow::Error::new(Attach(Syscall(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP))))
+            .context("attaching XDP");
+        assert_eq!(
+            super::error_text(&e),
+            "attaching XDP: attaching XDP to br0 in native mode: `bpf_link_create` failed: Operation not supported (os error 95)",
+            "{e:#}"
+        );
+        // A cause that is not part of the message before it stays.
+        let e = anyhow::Error::new(Syscall(std::io::Error::from_raw_os_error(libc::ENOENT))).context("pinning");
+        assert_eq!(super::error_text(&e), "pinning: `bpf_link_create` failed: No such file or directory (os error 2)");
+    }
 }
 
 #[cfg(test)]

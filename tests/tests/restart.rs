@@ -184,9 +184,14 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
     lbd.kill().unwrap();
 
     let err = Lbd::start(&lab, &bad, &sock).err().expect("lbd started with a bridge in forced native mode");
-    let text = format!("{err:#}");
+    // The line lbd printed on its way out (its log holds the whole run).
+    let log = format!("{err:#}");
+    let text = log.lines().rev().find(|l| l.starts_with("lbd: ")).unwrap_or_else(|| panic!("no error line: {log}"));
     assert!(text.contains(bridge), "the error does not name the interface: {text}");
     assert!(text.contains("does not offer (xdp_mode: auto"), "the error does not say what to do: {text}");
+    // Each cause once: the kernel's answer, and the call that got it.
+    assert!(text.contains("Operation not supported"), "the error does not give the kernel's answer: {text}");
+    assert_eq!(text.matches("bpf_link_create").count(), 1, "a cause said twice: {text}");
     let after: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(&lab, i).unwrap()).collect();
     assert_eq!(after, modes, "the failed start changed or removed XDP on the running interfaces");
     assert_eq!(xdp_mode_in_use(&lab, bridge).unwrap(), None, "XDP left on {bridge}");

@@ -71,8 +71,9 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
         Err(e) => {
-            error!("{e:#}");
-            eprintln!("lbd: {e:#}");
+            let text = lb_userspace::error_text(&e);
+            error!("{text}");
+            eprintln!("lbd: {text}");
             ExitCode::from(1)
         }
     }
