@@ -6,7 +6,7 @@
 use std::{path::PathBuf, time::Duration};
 
 use lb_tests::{
-    harness::{config_dir, serial, socket_for},
+    harness::{Running, config_dir, serial, socket_for},
     lab::{Lab, LabSpec},
     lbd::{Lbd, wait_for, write_config, write_config_with, xdp_mode_in_use},
 };
@@ -75,9 +75,9 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
         // 1. Crash: the pinned datapath keeps forwarding without lbd.
         let before_kill = lbd.total_new_flows();
         lbd.kill().unwrap();
-        let c0 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum::<u64>();
+        let c0 = lab.connections_served().unwrap();
         std::thread::sleep(Duration::from_millis(1000));
-        let c1 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum::<u64>();
+        let c1 = lab.connections_served().unwrap();
         assert!(c1 > c0, "no connections were balanced while lbd was down ({c0} -> {c1})");
         lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
         let after_kill = lbd.total_new_flows();
@@ -132,7 +132,7 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
         assert_eq!(r["switched"], 0, "{r}");
     });
     // Counters continued across all three: they equal what the backends saw.
-    let counts: u64 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum();
+    let counts = lab.connections_served().unwrap();
     let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
     assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
     let status = lbd.stop().unwrap();
@@ -149,18 +149,13 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
 /// unpinning them would stop the balancer that was running.
 #[test]
 fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
-    let _serial = serial();
-    lb_tests::require_root().expect("needs root");
-    let prefix = "lbt-restartf";
-    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
-    let sock = socket_for(prefix);
-    let dir = config_dir(prefix);
-    let good = write_config(&dir, "lbd", &sock, WEB).unwrap();
+    let mut s = Running::start("lbt-restartf", 3, WEB);
+    let (lab, good, sock) = (&s.lab, s.config.clone(), s.lbd.socket.clone());
     let bridge = "lbtbr0";
     lab.ip("gw", &["link", "add", bridge, "type", "bridge"]).unwrap();
     lab.ip("gw", &["link", "set", bridge, "up"]).unwrap();
     let bad = write_config_with(
-        &dir,
+        good.parent().unwrap(),
         "bad",
         &sock,
         &["eth0".into(), "eth1".into(), bridge.into()],
@@ -169,10 +164,8 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
     )
     .unwrap();
 
-    let mut lbd = Lbd::start(&lab, &good, &sock).unwrap();
-    let modes: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(&lab, i).unwrap()).collect();
+    let modes: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(lab, i).unwrap()).collect();
     assert!(modes.iter().all(Option::is_some), "XDP not attached at start: {modes:?}");
-    lab.reset_backend_counts().unwrap();
     let balanced = || {
         let r = lab
             .client(&["conns", "--target", "10.10.0.100:80", "--concurrency", "4", "--duration-ms", "1000"])
@@ -181,9 +174,9 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
         r["ok"].as_u64().unwrap()
     };
     assert!(balanced() > 0);
-    lbd.kill().unwrap();
+    s.lbd.kill().unwrap();
 
-    let err = Lbd::start(&lab, &bad, &sock).err().expect("lbd started with a bridge in forced native mode");
+    let err = Lbd::start(lab, &bad, &sock).err().expect("lbd started with a bridge in forced native mode");
     // The line lbd printed on its way out (its log holds the whole run).
     let log = format!("{err:#}");
     let text = log.lines().rev().find(|l| l.starts_with("lbd: ")).unwrap_or_else(|| panic!("no error line: {log}"));
@@ -192,22 +185,22 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
     // Each cause once: the kernel's answer, and the call that got it.
     assert!(text.contains("Operation not supported"), "the error does not give the kernel's answer: {text}");
     assert_eq!(text.matches("bpf_link_create").count(), 1, "a cause said twice: {text}");
-    let after: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(&lab, i).unwrap()).collect();
+    let after: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(lab, i).unwrap()).collect();
     assert_eq!(after, modes, "the failed start changed or removed XDP on the running interfaces");
-    assert_eq!(xdp_mode_in_use(&lab, bridge).unwrap(), None, "XDP left on {bridge}");
+    assert_eq!(xdp_mode_in_use(lab, bridge).unwrap(), None, "XDP left on {bridge}");
     assert!(!lab.pin_dir().join("links").join(bridge).exists(), "a link pinned for {bridge}");
     // Nothing else routes the VIP: an answered connection went through the
     // datapath.
-    let before: u64 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum();
+    let before = lab.connections_served().unwrap();
     let ok = balanced();
-    let now: u64 = lab.backend_counts().unwrap().iter().map(|c| c.connections).sum();
+    let now = lab.connections_served().unwrap();
     assert!(
         ok > 0 && now >= before + ok,
         "not balanced after the failed start: {ok} answered, backends {before} -> {now}"
     );
 
     // The good configuration adopts the datapath again; the counters went on.
-    let mut lbd = Lbd::start(&lab, &good, &sock).unwrap();
+    let mut lbd = Lbd::start(lab, &good, &sock).unwrap();
     let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == now));
     assert_eq!(flows, Some(now), "lbd counted {} new flows, the backends saw {now}", lbd.total_new_flows());
     assert!(lbd.stop().unwrap().success());

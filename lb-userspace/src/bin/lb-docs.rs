@@ -70,7 +70,7 @@ lbd\*(Aqs control socket (as \fB\-\-socket\fR).
 
 fn main() {
     if let Err(e) = real_main() {
-        eprintln!("lb-docs: {e:#}");
+        eprintln!("lb-docs: {}", lb_userspace::error_text(&e));
         std::process::exit(1);
     }
 }

@@ -25,8 +25,9 @@ use crate::{
 };
 
 pub(super) enum AttachedLink {
-    /// Pinned in bpffs: survives us; detached only by unpinning.
-    Pinned { fd: FdLink, path: PathBuf },
+    /// Pinned in bpffs: survives us. `adopted`: the link was pinned by a
+    /// previous lbd, and this one swapped its program in.
+    Pinned { fd: FdLink, path: PathBuf, adopted: bool },
     /// Owned by the program object (unpinned data planes, for tests).
     Owned(XdpLinkId),
 }
@@ -39,15 +40,28 @@ pub(super) struct Attached {
 /// What an attach error adds when the device refused native mode
 /// (EOPNOTSUPP: it has no driver XDP), which only a forced mode asks for:
 /// the way out.
-pub(super) fn hint(mode: &str, e: &ProgramError) -> &'static str {
+pub(super) fn hint(mode: Mode, e: &ProgramError) -> &'static str {
     match e {
         ProgramError::SyscallError(s)
-            if mode == Mode::Native.name() && s.io_error.raw_os_error() == Some(libc::EOPNOTSUPP) =>
+            if mode == Mode::Native && s.io_error.raw_os_error() == Some(libc::EOPNOTSUPP) =>
         {
             ", which this device does not offer (xdp_mode: auto falls back to generic mode)"
         }
         _ => "",
     }
+}
+
+/// Detach the link pinned at `path` for `iface` and remove its pin and
+/// mode file. Detached now (see `sys`), not whenever the kernel drops the
+/// link's last reference after the pin goes.
+fn unpin_link(iface: &str, path: &Path) {
+    if let Err(e) = super::sys::detach_pinned(path) {
+        warn!(interface = %iface, error = %e, "detaching the XDP link; it goes with its pin");
+    }
+    if let Err(e) = std::fs::remove_file(path) {
+        warn!(interface = %iface, error = %e, "unpinning the XDP link");
+    }
+    let _ = std::fs::remove_file(mode_path(path));
 }
 
 impl Dataplane {
@@ -96,18 +110,17 @@ impl Dataplane {
         }
         let planned: BTreeMap<String, Mode> = plan.iter().map(|(i, m, _)| (i.clone(), *m)).collect();
         self.write_netdevs(&paths::netdev_flags(&links, &planned))?;
-        let mut done: Vec<(Attached, bool)> = Vec::new();
+        let mut done: Vec<Attached> = Vec::new();
         for (iface, mode, reason) in plan {
-            let adopted = links_dir.as_ref().is_some_and(|d| d.join(&iface).exists());
             match self.attach_one(&iface, mode, requested, reason, links_dir.as_deref()) {
-                Ok(a) => done.push((a, adopted)),
+                Ok(a) => done.push(a),
                 Err(e) => {
                     // Undo what this call attached. A link adopted from
                     // the previous lbd stays pinned, this build's program
                     // already in it: unpinning it would stop the balancer
                     // that was running (and the program it had is gone).
-                    for (a, adopted) in done {
-                        if !adopted {
+                    for a in done {
+                        if !matches!(a.link, AttachedLink::Pinned { adopted: true, .. }) {
                             self.detach_one(a);
                         }
                     }
@@ -115,13 +128,9 @@ impl Dataplane {
                 }
             }
         }
-        self.attached.extend(done.into_iter().map(|(a, _)| a));
+        self.attached.extend(done);
         for (iface, path) in unconfigured {
-            if let Err(e) = super::link::detach_pinned(&path) {
-                warn!(interface = %iface, error = %e, "detaching the XDP link; it goes with its pin");
-            }
-            let _ = std::fs::remove_file(&path);
-            let _ = std::fs::remove_file(mode_path(&path));
+            unpin_link(&iface, &path);
             info!(interface = %iface, "detached (no longer configured)");
         }
         self.remove_stale_pins();
@@ -165,7 +174,7 @@ impl Dataplane {
             info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
             return Ok(Attached {
                 attachment: Attachment { interface: iface.to_owned(), mode, reason },
-                link: AttachedLink::Pinned { fd, path: path.clone() },
+                link: AttachedLink::Pinned { fd, path: path.clone(), adopted: true },
             });
         }
         let try_mode = |prog: &mut Xdp, m: Mode| {
@@ -175,7 +184,7 @@ impl Dataplane {
             };
             prog.attach(iface, aya_mode).map_err(|source| DataplaneError::Attach {
                 iface: iface.to_owned(),
-                mode: m.name(),
+                mode: m,
                 source,
             })
         };
@@ -200,7 +209,7 @@ impl Dataplane {
             .pin(&path)
             .map_err(|e| DataplaneError::Pin { path: path.clone(), source: std::io::Error::other(e.to_string()) })?;
         let _ = std::fs::write(mode_path(&path), format!("{}\n{reason}\n", mode.name()));
-        Ok(Attached { attachment, link: AttachedLink::Pinned { fd: FdLink::from(pinned), path } })
+        Ok(Attached { attachment, link: AttachedLink::Pinned { fd: FdLink::from(pinned), path, adopted: false } })
     }
 
     /// Re-read the network devices and bring NETDEVS (which egress takes
@@ -266,16 +275,8 @@ impl Dataplane {
 
     fn detach_one(&mut self, a: Attached) {
         match a.link {
-            AttachedLink::Pinned { fd, path } => {
-                // Detached now (see `link`), not whenever the kernel
-                // drops the last reference after the pin and our fd go.
-                if let Err(e) = super::link::detach_pinned(&path) {
-                    warn!(interface = %a.attachment.interface, error = %e, "detaching the XDP link; it goes with its pin");
-                }
-                if let Err(e) = std::fs::remove_file(&path) {
-                    warn!(interface = %a.attachment.interface, error = %e, "unpinning the XDP link");
-                }
-                let _ = std::fs::remove_file(mode_path(&path));
+            AttachedLink::Pinned { fd, path, .. } => {
+                unpin_link(&a.attachment.interface, &path);
                 drop(fd);
             }
             AttachedLink::Owned(id) => {

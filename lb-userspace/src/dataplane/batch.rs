@@ -2,10 +2,11 @@
 //! BPF_MAP_LOOKUP_AND_DELETE_BATCH and BPF_MAP_DELETE_BATCH (and one
 //! BPF_MAP_LOOKUP_ELEM on the same raw fd, for the sweep's second look).
 //!
-//! Kept here, on `libc::syscall`, because aya 0.14 has no batch operations:
-//! walking a map through aya's iterator costs two syscalls per entry
-//! (next key, lookup), which at a million flows is seconds of the
-//! sweeper's time; a batch costs one syscall per chunk of thousands.
+//! Kept here, on bpf(2) itself (`sys::bpf`), because aya 0.14 has no
+//! batch operations: walking a map through aya's iterator costs two
+//! syscalls per entry (next key, lookup), which at a million flows is
+//! seconds of the sweeper's time; a batch costs one syscall per chunk of
+//! thousands.
 use std::{
     io,
     os::fd::{AsRawFd as _, BorrowedFd},
@@ -37,8 +38,7 @@ const CHUNK: usize = 8192;
 fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
     // SAFETY: `attr` is a valid bpf_attr prefix for the batch commands; the
     // buffers it points at outlive the call (the callers' locals).
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size_of::<BatchAttr>()) };
-    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    unsafe { super::sys::bpf(cmd, attr) }.map(drop)
 }
 
 /// Call `f` with every (key, value) of the hash map `fd`, read in chunks,
@@ -148,14 +148,10 @@ pub(super) fn lookup<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, key: &K) -> i
     // SAFETY: `attr` is a valid bpf_attr prefix for BPF_MAP_LOOKUP_ELEM;
     // key and value point at buffers of the map's key and value sizes
     // (the caller's types are the map's), alive for the call.
-    let rc = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_ELEM, std::ptr::from_mut(&mut attr), size_of::<ElemAttr>())
-    };
-    if rc == 0 {
+    match unsafe { super::sys::bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) } {
         // SAFETY: the kernel wrote the whole value; V is Pod.
-        Ok(Some(unsafe { value.assume_init() }))
-    } else {
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::ENOENT) { Ok(None) } else { Err(e) }
+        Ok(_) => Ok(Some(unsafe { value.assume_init() })),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
     }
 }

@@ -41,11 +41,11 @@ mod attach;
 mod batch;
 mod endpoints;
 mod layout;
-mod link;
 mod maps;
 mod pin;
 mod program;
 mod sweep;
+mod sys;
 
 use alloc::{Ids, Regions};
 use attach::Attached;
@@ -87,8 +87,8 @@ pub enum DataplaneError {
     Map { map: &'static str, source: MapError },
     #[error("BPF map {map}, batch operation: {source}")]
     Batch { map: &'static str, source: std::io::Error },
-    #[error("attaching XDP to {iface} in {mode} mode{}: {source}", attach::hint(mode, source))]
-    Attach { iface: String, mode: &'static str, source: ProgramError },
+    #[error("attaching XDP to {iface} in {mode} mode{}: {source}", attach::hint(*mode, source))]
+    Attach { iface: String, mode: Mode, source: ProgramError },
     #[error("the selection-table array ({capacity} entries) has no free run of {need} entries for service {service}")]
     TableSpace { service: String, need: u32, capacity: u32 },
     #[error("no free {what} id left")]

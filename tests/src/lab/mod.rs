@@ -499,6 +499,12 @@ impl Lab {
             .collect()
     }
 
+    /// Connections the backends accepted in all, since their counters were
+    /// last reset.
+    pub fn connections_served(&self) -> anyhow::Result<u64> {
+        Ok(self.backend_counts()?.iter().map(|c| c.connections).sum())
+    }
+
     /// Zeroes every backend's counters (`active` is a gauge and stays).
     pub fn reset_backend_counts(&self) -> anyhow::Result<()> {
         for i in 0..self.spec.backends {
