@@ -152,8 +152,6 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
     let mut s = Running::start("lbt-restartf", 3, WEB);
     let (lab, good, sock) = (&s.lab, s.config.clone(), s.lbd.socket.clone());
     let bridge = "lbtbr0";
-    lab.ip("gw", &["link", "add", bridge, "type", "bridge"]).unwrap();
-    lab.ip("gw", &["link", "set", bridge, "up"]).unwrap();
     let bad = write_config_with(
         good.parent().unwrap(),
         "bad",
@@ -175,6 +173,23 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
     };
     assert!(balanced() > 0);
     s.lbd.kill().unwrap();
+    // The bridge appears while no lbd runs: the running datapath's egress
+    // table (NETDEVS) has never seen it, and must not after the failed start.
+    lab.ip("gw", &["link", "add", bridge, "type", "bridge"]).unwrap();
+    lab.ip("gw", &["link", "set", bridge, "up"]).unwrap();
+    let netdevs = lab.pin_dir().join("maps").join("NETDEVS");
+    let dump = || {
+        let out =
+            std::process::Command::new("bpftool").args(["-j", "map", "dump", "pinned"]).arg(&netdevs).output().unwrap();
+        assert!(out.status.success(), "bpftool map dump: {}", String::from_utf8_lossy(&out.stderr));
+        // By key: a hash map dumps in bucket order, which rewriting can change.
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let mut entries: Vec<String> =
+            v.as_array().unwrap().iter().map(|e| format!("{} -> {}", e["key"], e["value"])).collect();
+        entries.sort();
+        entries
+    };
+    let egresses = dump();
 
     let err = Lbd::start(lab, &bad, &sock).err().expect("lbd started with a bridge in forced native mode");
     // The line lbd printed on its way out (its log holds the whole run).
@@ -188,6 +203,7 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
     let after: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(lab, i).unwrap()).collect();
     assert_eq!(after, modes, "the failed start changed or removed XDP on the running interfaces");
     assert_eq!(xdp_mode_in_use(lab, bridge).unwrap(), None, "XDP left on {bridge}");
+    assert_eq!(dump(), egresses, "the failed start left its egress flags in NETDEVS");
     assert!(!lab.pin_dir().join("links").join(bridge).exists(), "a link pinned for {bridge}");
     // Nothing else routes the VIP: an answered connection went through the
     // datapath.

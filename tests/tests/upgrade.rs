@@ -19,7 +19,7 @@ use std::{
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config},
+    lbd::{Lbd, wait_for, write_config, write_config_with},
 };
 
 /// The old release's lbd: where `cargo xtask test` built it.
@@ -34,12 +34,16 @@ fn old_lbd(lab: &Lab) -> PathBuf {
     path
 }
 
-/// The XDP program attached to the gateway's `eth0`, by id (bpftool's view,
-/// not lbd's).
-fn attached_program(lab: &Lab) -> u64 {
-    let out = lab.cmd("gw", "ip").args(["-j", "-d", "link", "show", "eth0"]).output().unwrap();
+/// The XDP program attached to the gateway's `iface`, by id (the kernel's
+/// view, not lbd's).
+fn program_on(lab: &Lab, iface: &str) -> u64 {
+    let out = lab.cmd("gw", "ip").args(["-j", "-d", "link", "show", iface]).output().unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v[0]["xdp"]["prog"]["id"].as_u64().unwrap_or_else(|| panic!("no XDP program on eth0: {v}"))
+    v[0]["xdp"]["prog"]["id"].as_u64().unwrap_or_else(|| panic!("no XDP program on {iface}: {v}"))
+}
+
+fn attached_program(lab: &Lab) -> u64 {
+    program_on(lab, "eth0")
 }
 
 fn set_layout(maps: &Path, version: u32) {
@@ -76,6 +80,44 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     assert!(!maps.join("LAYOUT").exists(), "the old release pins no layout version");
     assert!(lbd.status().unwrap().get("flood").is_none(), "not the old release");
     lab.reset_backend_counts().unwrap();
+
+    // An upgrade whose configuration cannot be attached everywhere (a
+    // bridge in forced native mode) fails before the old program is
+    // replaced on any interface: the migration it began is undone, the old
+    // release's datapath forwards on its own maps, and the old lbd adopts
+    // it again.
+    let before = lbd.program_id().unwrap();
+    lbd.kill().unwrap();
+    let bridge = "lbtbr1";
+    lab.ip("gw", &["link", "add", bridge, "type", "bridge"]).unwrap();
+    lab.ip("gw", &["link", "set", bridge, "up"]).unwrap();
+    let bad = write_config_with(
+        &config_dir(prefix),
+        "bad",
+        &sock,
+        &["eth0".into(), "eth1".into(), bridge.into()],
+        "conntrack_max: 262144\nxdp_mode: native\n",
+        &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]),
+    )
+    .unwrap();
+    let err = Lbd::start_binary(&lab, &lab.spec.bin_dir.join("lbd"), &bad, &sock)
+        .err()
+        .expect("the new lbd started with a bridge in forced native mode");
+    let text = format!("{err:#}");
+    assert!(text.contains(&format!("attaching XDP to {bridge}")), "{text}");
+    assert!(text.contains("the migration was undone"), "{text}");
+    for iface in ["eth0", "eth1"] {
+        assert_eq!(program_on(&lab, iface), before, "the failed upgrade replaced the old program on {iface}");
+    }
+    assert!(!lab.pin_dir().join("maps-v1").exists(), "the old maps were left aside");
+    assert!(!maps.join("LAYOUT").exists(), "the new layout's maps were left pinned");
+    let served = lab.connections_served().unwrap();
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "50"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
+    assert_eq!(lab.connections_served().unwrap(), served + 50, "the old datapath did not balance: {r}");
+    let mut lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
+    assert!(lbd.status().unwrap().get("flood").is_none(), "not the old release");
+    assert!(lbd.total_new_flows() >= 50, "the old release lost its counters: {}", lbd.total_new_flows());
     let old_program = lbd.program_id().unwrap();
 
     std::thread::scope(|scope| {

@@ -150,7 +150,11 @@ async fn serve(
     // Fill the maps before attaching, so the first packet sees the whole pool.
     let programmed = agent.apply().context("programming the services");
     if let Err(e) = programmed.and_then(|()| agent.dp.attach(&cfg.interfaces, cfg.xdp_mode).context("attaching XDP")) {
-        if !adopting {
+        if adopting {
+            // The running datapath stays; a layout migration this start
+            // began is undone while the old program is still the one in use.
+            agent.dp.abandon_migration();
+        } else {
             // Nothing of ours is forwarding yet: leave nothing pinned.
             agent.dp.shutdown();
         }

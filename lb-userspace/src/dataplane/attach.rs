@@ -69,9 +69,15 @@ impl Dataplane {
     /// picks from what the devices can do (`auto`), or as forced. Where a
     /// pinned link from a previous lbd exists, the program is swapped in
     /// atomically (link update) instead, keeping its mode. The NETDEVS map
-    /// is filled first, so the first packet already knows its paths. On
-    /// error, interfaces attached here are detached again (adopted links
-    /// stay), and links of interfaces no longer configured stay too.
+    /// is filled first, so the first packet already knows its paths.
+    ///
+    /// Interfaces without a pinned link are attached first and adopted
+    /// links swapped last, so that an interface that cannot be attached
+    /// fails the call before the running program is replaced anywhere. On
+    /// error, interfaces attached here are detached again, NETDEVS gets
+    /// back what it held, adopted links stay (with this build's program
+    /// where it was already swapped in) and links of interfaces no longer
+    /// configured stay too.
     pub fn attach(&mut self, interfaces: &[String], requested: XdpMode) -> Result<(), DataplaneError> {
         let links_dir = self.pin.as_ref().map(|p| p.join("links"));
         // Links pinned for interfaces no longer configured: detached once
@@ -108,12 +114,19 @@ impl Dataplane {
             }
             plan.push((iface.clone(), mode, reason));
         }
+        // New attachments first (a stable sort keeps the configured order
+        // within each kind).
+        plan.sort_by_key(|(iface, _, _)| saved_mode(links_dir.as_deref(), iface).is_some());
         let planned: BTreeMap<String, Mode> = plan.iter().map(|(i, m, _)| (i.clone(), *m)).collect();
+        let netdevs_before: BTreeMap<u32, u32> = self.maps.netdevs.iter().filter_map(Result::ok).collect();
         self.write_netdevs(&paths::netdev_flags(&links, &planned))?;
         let mut done: Vec<Attached> = Vec::new();
         for (iface, mode, reason) in plan {
             match self.attach_one(&iface, mode, requested, reason, links_dir.as_deref()) {
-                Ok(a) => done.push(a),
+                Ok(a) => {
+                    self.swapped |= matches!(a.link, AttachedLink::Pinned { adopted: true, .. });
+                    done.push(a);
+                }
                 Err(e) => {
                     // Undo what this call attached. A link adopted from
                     // the previous lbd stays pinned, this build's program
@@ -123,6 +136,9 @@ impl Dataplane {
                         if !matches!(a.link, AttachedLink::Pinned { adopted: true, .. }) {
                             self.detach_one(a);
                         }
+                    }
+                    if let Err(e) = self.write_netdevs(&netdevs_before) {
+                        warn!(error = %e, "restoring the egress paths (NETDEVS) after a failed attach");
                     }
                     return Err(e);
                 }

@@ -32,7 +32,7 @@ use lb_common::{
     Backend, BackendStats, Conns, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, FlowKey, LAYOUT_VERSION,
     MAX_BACKENDS, MAX_SERVICES, Service, VipKey, flow_closed, maps as names,
 };
-use tracing::info;
+use tracing::{info, warn};
 
 use super::{Dataplane, DataplaneError, batch, map_err};
 
@@ -80,6 +80,15 @@ pub(super) fn aside_dir(pin: &Path, version: u32) -> PathBuf {
     pin.join(format!("maps-v{version}"))
 }
 
+/// Undo the set-aside of a migration that has not replaced the running
+/// program anywhere: the maps this build pinned in `maps_dir` go, and the
+/// old maps in `aside` are put back as they were (the old program, still
+/// attached, never stopped using them).
+pub(super) fn put_back(maps_dir: &Path, aside: &Path) -> std::io::Result<()> {
+    std::fs::remove_dir_all(maps_dir)?;
+    std::fs::rename(aside, maps_dir)
+}
+
 fn open<T: TryFrom<Map, Error = aya::maps::MapError>>(path: &Path, name: &'static str) -> Result<T, DataplaneError> {
     let data = MapData::from_pin(path).map_err(map_err(name))?;
     let map = Map::from_map_data(data).map_err(map_err(name))?;
@@ -107,6 +116,9 @@ unsafe impl aya::Pod for ServiceV1 {}
 pub(super) struct Migration {
     from: u32,
     dir: PathBuf,
+    /// Begun by this process (the old maps were set aside at this load),
+    /// not resumed from an earlier start's.
+    fresh: bool,
     flows: MapData,
     conns: Array<MapData, Conns>,
     conns_copied: Vec<Conns>,
@@ -130,7 +142,7 @@ impl Migration {
             stats_copied.push((id, stats.get(&id, 0).map_err(map_err(names::BACKEND_STATS))?));
         }
         info!(dir = %dir.display(), "an earlier migration did not finish: its flows are copied again after attaching");
-        Ok(Self { from: 1, dir: dir.to_path_buf(), flows, conns, conns_copied, stats, stats_copied })
+        Ok(Self { from: 1, dir: dir.to_path_buf(), fresh: false, flows, conns, conns_copied, stats, stats_copied })
     }
 }
 
@@ -219,7 +231,29 @@ impl Dataplane {
         let flows = MapData::from_pin(at(names::FLOWS)).map_err(map_err(names::FLOWS))?;
         let copied = copy_flows(&flows, &mut self.maps.flows)?;
         info!(flows = copied, from = 1, to = LAYOUT_VERSION, "migrating the pinned datapath: maps copied");
-        Ok(Migration { from: 1, dir: dir.to_path_buf(), flows, conns, conns_copied, stats, stats_copied })
+        Ok(Migration { from: 1, dir: dir.to_path_buf(), fresh: true, flows, conns, conns_copied, stats, stats_copied })
+    }
+
+    /// After a start that failed (programming the services or attaching)
+    /// before this build's program replaced the running one on any
+    /// interface: undo the migration begun at load, so that the old
+    /// datapath, still attached, keeps its maps where its own lbd finds
+    /// them, and no half-made layout is left pinned beside them. Once
+    /// some link runs this build's program, or for a migration resumed
+    /// from an earlier start, the new maps are in use: they stay, and the
+    /// next start finishes the migration.
+    pub fn abandon_migration(&mut self) {
+        let (Some(pin), Some(m)) = (&self.pin, &self.migration) else { return };
+        if self.swapped || !m.fresh {
+            info!(dir = %m.dir.display(), "the migration of the pinned datapath is left for the next start to finish");
+            return;
+        }
+        let maps_dir = pin.join("maps");
+        match put_back(&maps_dir, &m.dir) {
+            Ok(()) => info!(from = m.from, "the migration was undone: the old datapath keeps its maps"),
+            Err(e) => warn!(error = %e, dir = %m.dir.display(), "putting the old maps back"),
+        }
+        self.migration = None;
     }
 
     /// After attaching (the new program swapped in): copy the flows the

@@ -206,6 +206,9 @@ pub struct Dataplane {
     conntrack_max: u32,
     /// A migration from an older pinned layout, finished after attaching.
     migration: Option<layout::Migration>,
+    /// Whether this process swapped its program into a link a previous
+    /// lbd pinned (from then on the running datapath is this build's).
+    swapped: bool,
     /// While migrating: until when (coarse seconds) the datapath holds
     /// TCP packets without an entry (see `lb_common::Flood::hold_until`).
     hold_until: u32,
@@ -289,10 +292,7 @@ impl Dataplane {
                 let dp =
                     loaded.and_then(|(ebpf, ncpus)| Self::build(config, pin, ebpf, ncpus, true, Some(aside), None));
                 if dp.is_err() {
-                    // Put the old maps back as they were: the old program,
-                    // still attached, never stopped using them.
-                    let _ = std::fs::remove_dir_all(maps_dir);
-                    let _ = std::fs::rename(aside, maps_dir);
+                    let _ = layout::put_back(maps_dir, aside);
                 }
                 dp
             }
@@ -369,6 +369,7 @@ impl Dataplane {
             maglev_seed: config.maglev_seed,
             conntrack_max: config.conntrack_max,
             migration: None,
+            swapped: false,
             hold_until: 0,
         };
         if let Some(dir) = migrate_from {
