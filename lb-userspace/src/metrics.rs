@@ -228,10 +228,14 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
     }
     redirected.push(Labels::new(), Value::Counter(redirects));
     partial.push(Labels::new(), Value::Counter(partials));
-    let mut modes =
-        Samples::new("lb_interface_xdp_mode", "The XDP mode in use per attached interface (always 1)", Gauge);
+    let mut modes = Samples::new(
+        "lb_interface_xdp_mode",
+        "The XDP mode per configured interface: 1 while the program is attached in it, 0 while the interface is missing (gone, or replaced and not yet attached again)",
+        Gauge,
+    );
     for a in &status.interfaces {
-        modes.push(labels(&[("interface", &a.interface), ("mode", a.mode.name())]), Value::Gauge(1));
+        modes
+            .push(labels(&[("interface", &a.interface), ("mode", a.mode.name())]), Value::Gauge(i64::from(!a.missing)));
     }
     let mut path = Samples::new(
         "lb_forwarding_path",
@@ -595,11 +599,20 @@ mod tests {
         let status = Status {
             bgp: None,
             program_id: Some(7),
-            interfaces: vec![Attachment {
-                interface: "lb0".into(),
-                mode: crate::paths::Mode::Generic,
-                reason: "asked".into(),
-            }],
+            interfaces: vec![
+                Attachment {
+                    interface: "lb0".into(),
+                    mode: crate::paths::Mode::Generic,
+                    reason: "asked".into(),
+                    missing: false,
+                },
+                Attachment {
+                    interface: "lb2".into(),
+                    mode: crate::paths::Mode::Native,
+                    reason: "auto".into(),
+                    missing: true,
+                },
+            ],
             paths: vec![PathReport {
                 ingress: "lb0".into(),
                 mode: crate::paths::Mode::Generic,
@@ -732,7 +745,9 @@ mod tests {
         }
         let modes = Family::<Labels, Gauge>::default();
         for a in &status.interfaces {
-            modes.get_or_create(&labels(&[("interface", &a.interface), ("mode", a.mode.name())])).set(1);
+            modes
+                .get_or_create(&labels(&[("interface", &a.interface), ("mode", a.mode.name())]))
+                .set(i64::from(!a.missing));
         }
         let path = Family::<Labels, Gauge>::default();
         for r in &status.paths {
@@ -781,7 +796,7 @@ mod tests {
             stateless,
         );
         reg.register("lb_icmp_translated_packets", "ICMP errors about balanced flows, translated and sent on: to_client (about a forwarded packet), to_backend (about a reply)", icmp);
-        reg.register("lb_interface_xdp_mode", "The XDP mode in use per attached interface (always 1)", modes);
+        reg.register("lb_interface_xdp_mode", "The XDP mode per configured interface: 1 while the program is attached in it, 0 while the interface is missing (gone, or replaced and not yet attached again)", modes);
         reg.register(
             "lb_forwarding_path",
             "Path packets take from an ingress interface to an egress interface (always 1; see the path label)",
@@ -881,6 +896,7 @@ mod tests {
             "lb_config_reloads_total{result=\"ok\"} 3",
             "lb_vip_announced{service=\"web\",vip=\"10.10.0.100\"} 1",
             "lb_interface_xdp_mode{interface=\"lb0\",mode=\"generic\"} 1",
+            "lb_interface_xdp_mode{interface=\"lb2\",mode=\"native\"} 0",
             "lb_forwarding_path{ingress=\"lb0\",mode=\"generic\",egress=\"lb1\",path=\"kernel\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");

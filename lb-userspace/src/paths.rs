@@ -245,6 +245,7 @@ mod tests {
             up: true,
             mtu: 1500,
             xdp_features: features,
+            xdp_progs: Vec::new(),
         }
     }
 

@@ -147,7 +147,15 @@ fn render(s: &Status) -> String {
         let _ = writeln!(out, "interfaces: none");
     }
     for a in &s.interfaces {
-        let _ = writeln!(out, "interface {} XDP {} ({})", a.interface, a.mode, a.reason);
+        if a.missing {
+            let _ = writeln!(
+                out,
+                "interface {} MISSING: XDP is not on it (the device is gone or was replaced); attached again when it is there",
+                a.interface
+            );
+        } else {
+            let _ = writeln!(out, "interface {} XDP {} ({})", a.interface, a.mode, a.reason);
+        }
     }
     for r in &s.paths {
         let _ = writeln!(out, "  path {} -> {}: {} ({})", r.ingress, r.egress, r.path.describe(), r.reason);

@@ -30,6 +30,9 @@ pub(super) enum AttachedLink {
     Pinned { fd: FdLink, path: PathBuf, adopted: bool },
     /// Owned by the program object (unpinned data planes, for tests).
     Owned(XdpLinkId),
+    /// None: the interface was replaced and attaching to the new device
+    /// failed (tried again by `reattach`).
+    Detached,
 }
 
 pub(super) struct Attached {
@@ -100,6 +103,16 @@ impl Dataplane {
         };
         let mut plan: Vec<(String, Mode, String)> = Vec::new();
         for iface in interfaces {
+            // A pinned link whose device carries no XDP program at all was
+            // severed: its device was deleted (and this one made again
+            // under the name) while no lbd ran. Nothing can be swapped
+            // into it; the interface is attached as a new one.
+            if let Some(path) = links_dir.as_ref().map(|d| d.join(iface)).filter(|p| p.exists())
+                && find(iface)?.xdp_progs.is_empty()
+            {
+                info!(interface = %iface, "the pinned XDP link's device is gone (the interface was replaced): attaching anew");
+                unpin_link(iface, &path);
+            }
             let egresses: Vec<&netdev::Link> =
                 paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
             let (mut mode, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
@@ -145,6 +158,8 @@ impl Dataplane {
             }
         }
         self.attached.extend(done);
+        self.interfaces = interfaces.to_vec();
+        self.requested = requested;
         for (iface, path) in unconfigured {
             unpin_link(&iface, &path);
             info!(interface = %iface, "detached (no longer configured)");
@@ -189,7 +204,7 @@ impl Dataplane {
             let (mode, reason) = saved_mode(links_dir, iface).unwrap_or((Mode::Native, String::new()));
             info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
             return Ok(Attached {
-                attachment: Attachment { interface: iface.to_owned(), mode, reason },
+                attachment: Attachment { interface: iface.to_owned(), mode, reason, missing: false },
                 link: AttachedLink::Pinned { fd, path: path.clone(), adopted: true },
             });
         }
@@ -215,7 +230,7 @@ impl Dataplane {
             (m, _) => (try_mode(prog, m)?, m, reason),
         };
         info!(interface = %iface, mode = mode.name(), reason = %reason, "XDP attached");
-        let attachment = Attachment { interface: iface.to_owned(), mode, reason: reason.clone() };
+        let attachment = Attachment { interface: iface.to_owned(), mode, reason: reason.clone(), missing: false };
         let Some(path) = pin_path else {
             return Ok(Attached { attachment, link: AttachedLink::Owned(id) });
         };
@@ -235,9 +250,17 @@ impl Dataplane {
     /// logged, one line per ingress and egress. Returns whether anything
     /// changed.
     pub fn refresh_paths(&mut self) -> Result<bool, DataplaneError> {
-        let links = netdev::links()?;
-        let modes: BTreeMap<String, Mode> =
-            self.attached.iter().map(|a| (a.attachment.interface.clone(), a.attachment.mode)).collect();
+        let mut links = netdev::links()?;
+        let reattached = self.reattach(&links);
+        if reattached {
+            links = netdev::links()?;
+        }
+        let modes: BTreeMap<String, Mode> = self
+            .attached
+            .iter()
+            .filter(|a| !a.attachment.missing)
+            .map(|a| (a.attachment.interface.clone(), a.attachment.mode))
+            .collect();
         self.write_netdevs(&paths::netdev_flags(&links, &modes))?;
         let rows = paths::report(&links, &modes);
         let mut changed = false;
@@ -257,7 +280,81 @@ impl Dataplane {
             }
         }
         self.paths = rows;
-        Ok(changed)
+        Ok(changed || reattached)
+    }
+
+    /// Check that the program is on every interface it was attached to,
+    /// as the kernel reports it (`links`). A device deleted takes its XDP
+    /// link with it (the link, pinned or not, stays, attached to nothing);
+    /// one made again under the same name, or moved back from another
+    /// namespace, is a new device without the program. Such an interface
+    /// is reported missing while it is gone, and attached again, in the
+    /// mode chosen anew, once it is there. Returns whether anything
+    /// changed.
+    fn reattach(&mut self, links: &[netdev::Link]) -> bool {
+        let Some(prog) = self.program_id() else { return false };
+        let mut changed = false;
+        for i in 0..self.attached.len() {
+            let iface = self.attached[i].attachment.interface.clone();
+            let was_missing = self.attached[i].attachment.missing;
+            let Some(link) = links.iter().find(|l| l.name == iface) else {
+                if !was_missing {
+                    warn!(interface = %iface, "the interface is gone, and XDP with it; attached again when it is back");
+                    self.attached[i].attachment.missing = true;
+                    changed = true;
+                }
+                continue;
+            };
+            if link.xdp_progs.contains(&prog) {
+                continue;
+            }
+            match self.attach_again(i, link, links) {
+                Ok(()) => {
+                    let a = &self.attached[i].attachment;
+                    info!(interface = %iface, ifindex = link.ifindex, mode = a.mode.name(),
+                          "the interface was replaced: XDP attached again");
+                    changed = true;
+                }
+                Err(e) => {
+                    if !was_missing {
+                        warn!(interface = %iface, error = %crate::error_text(&anyhow::Error::new(e)),
+                              "the interface was replaced and XDP cannot be attached to it; trying again every second");
+                        self.attached[i].attachment.missing = true;
+                        changed = true;
+                    }
+                }
+            }
+        }
+        changed
+    }
+
+    /// Attach to `link` again in place of `self.attached[i]`, whose link
+    /// points at a device that is gone: the old link is detached and
+    /// unpinned, and the mode chosen as at start.
+    fn attach_again(&mut self, i: usize, link: &netdev::Link, links: &[netdev::Link]) -> Result<(), DataplaneError> {
+        let iface = link.name.clone();
+        let egresses: Vec<&netdev::Link> = paths::egresses_of(&iface, &self.interfaces)
+            .into_iter()
+            .filter_map(|e| links.iter().find(|l| l.name == e))
+            .collect();
+        let (mode, reason) = paths::choose_mode(self.requested, link, &egresses);
+        match std::mem::replace(&mut self.attached[i].link, AttachedLink::Detached) {
+            AttachedLink::Pinned { fd, path, .. } => {
+                unpin_link(&iface, &path);
+                drop(fd);
+            }
+            AttachedLink::Owned(id) => {
+                if let Some(prog) = self.ebpf.program_mut(PROGRAM).and_then(|p| <&mut Xdp>::try_from(p).ok()) {
+                    // Its device is gone: nothing is left to detach from.
+                    let _ = prog.detach(id);
+                }
+            }
+            AttachedLink::Detached => {}
+        }
+        let links_dir = self.pin.as_ref().map(|p| p.join("links"));
+        let fresh = self.attach_one(&iface, mode, self.requested, reason, links_dir.as_deref())?;
+        self.attached[i] = fresh;
+        Ok(())
     }
 
     /// The current path report (see [`refresh_paths`](Self::refresh_paths)).
@@ -302,6 +399,7 @@ impl Dataplane {
                     warn!(interface = %a.attachment.interface, error = %e, "XDP detach failed");
                 }
             }
+            AttachedLink::Detached => {}
         }
         info!(interface = %a.attachment.interface, "XDP detached");
     }

@@ -143,6 +143,12 @@ pub struct Attachment {
     /// Why this mode (what `xdp_mode` asked, what `auto` found).
     #[serde(default)]
     pub reason: String,
+    /// The program is not on the interface: the device is gone (deleted,
+    /// or moved to another namespace), or it came back and attaching to
+    /// it again failed. lbd attaches again when a device of that name is
+    /// there (checked every second).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub missing: bool,
 }
 
 /// One backend as programmed into the maps.
@@ -209,6 +215,10 @@ pub struct Dataplane {
     /// Whether this process swapped its program into a link a previous
     /// lbd pinned (from then on the running datapath is this build's).
     swapped: bool,
+    /// What the last `attach` was given: the interfaces and the mode
+    /// asked for (to attach again to an interface that was replaced).
+    interfaces: Vec<String>,
+    requested: crate::config::XdpMode,
     /// While migrating: until when (coarse seconds) the datapath holds
     /// TCP packets without an entry (see `lb_common::Flood::hold_until`).
     hold_until: u32,
@@ -370,6 +380,8 @@ impl Dataplane {
             conntrack_max: config.conntrack_max,
             migration: None,
             swapped: false,
+            interfaces: Vec::new(),
+            requested: crate::config::XdpMode::Auto,
             hold_until: 0,
         };
         if let Some(dir) = migrate_from {

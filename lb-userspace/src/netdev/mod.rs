@@ -57,6 +57,8 @@ pub struct Link {
     /// netdev genetlink NETDEV_A_DEV_XDP_FEATURES bits (`XDP_ACT_*`); None
     /// when the kernel has no netdev family or did not report the device.
     pub xdp_features: Option<u64>,
+    /// Ids of the XDP programs attached to the device (IFLA_XDP), any mode.
+    pub xdp_progs: Vec<u32>,
 }
 
 impl Link {
@@ -139,6 +141,7 @@ fn parse_link(body: &[u8]) -> Option<Link> {
     let mut kind = None;
     let mut master = None;
     let mut mtu = 0;
+    let mut xdp_progs = Vec::new();
     for (t, v) in attributes(&body[IFINFOMSG_LEN..])? {
         match t {
             IFLA_IFNAME => name = Some(c_string(v)),
@@ -151,10 +154,30 @@ fn parse_link(body: &[u8]) -> Option<Link> {
                     }
                 }
             }
+            IFLA_XDP => {
+                for (xt, xv) in attributes(v)? {
+                    if IFLA_XDP_PROG_IDS.contains(&xt) {
+                        let id = u32_of(xv)?;
+                        if !xdp_progs.contains(&id) {
+                            xdp_progs.push(id);
+                        }
+                    }
+                }
+            }
             _ => {}
         }
     }
-    Some(Link { ifindex, name: name?, kind, link_type, master, up: flags & IFF_UP != 0, mtu, xdp_features: None })
+    Some(Link {
+        ifindex,
+        name: name?,
+        kind,
+        link_type,
+        master,
+        up: flags & IFF_UP != 0,
+        mtu,
+        xdp_features: None,
+        xdp_progs,
+    })
 }
 
 fn rt_links() -> Result<Vec<Link>, NetdevError> {

@@ -37,6 +37,10 @@ pub(super) const IFLA_MASTER: u16 = 10;
 pub(super) const IFLA_LINKINFO: u16 = 18;
 pub(super) const IFLA_EXT_MASK: u16 = 29;
 pub(super) const IFLA_INFO_KIND: u16 = 1;
+pub(super) const IFLA_XDP: u16 = 43;
+/// IFLA_XDP_PROG_ID (the one program) through IFLA_XDP_HW_PROG_ID: one
+/// id per mode in use (drv 5, skb 6, hw 7 when several are).
+pub(super) const IFLA_XDP_PROG_IDS: std::ops::RangeInclusive<u16> = 4..=7;
 pub(super) const RTEXT_FILTER_SKIP_STATS: u32 = 1 << 3;
 pub(super) const IFF_UP: u32 = 1;
 // <linux/genetlink.h>

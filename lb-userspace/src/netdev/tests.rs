@@ -21,6 +21,13 @@ fn link_attributes_parse_with_padding_and_nesting() {
     let mut info = attr(IFLA_INFO_KIND, b"veth\0");
     info.extend(attr(2 | 0x8000, &attr(1, &[0; 4])));
     body.extend(attr(IFLA_LINKINFO | 0x8000, &info));
+    // IFLA_XDP: attached in two modes (ATTACHED_MULTI), the same program
+    // also named as the one; IFLA_XDP_ATTACHED is not an id.
+    let mut xdp = attr(2, &[3]);
+    xdp.extend(attr(4, &41u32.to_ne_bytes()));
+    xdp.extend(attr(5, &41u32.to_ne_bytes()));
+    xdp.extend(attr(6, &42u32.to_ne_bytes()));
+    body.extend(attr(IFLA_XDP | 0x8000, &xdp));
     assert_eq!(
         parse_link(&body).unwrap(),
         Link {
@@ -31,14 +38,15 @@ fn link_attributes_parse_with_padding_and_nesting() {
             master: Some(3),
             up: true,
             mtu: 0,
-            xdp_features: None
+            xdp_features: None,
+            xdp_progs: vec![41, 42],
         }
     );
     // A physical NIC: no linkinfo, no master, down.
     let mut nic = ifinfo(1, 2, 0);
     nic.extend(attr(IFLA_IFNAME, b"eth0\0"));
     let l = parse_link(&nic).unwrap();
-    assert_eq!((l.kind.as_deref(), l.master, l.up), (None, None, false));
+    assert_eq!((l.kind.as_deref(), l.master, l.up, l.xdp_progs.len()), (None, None, false, 0));
     assert!(l.is_ethernet() && !l.native_xdp() && !l.native_xmit());
 }
 
@@ -88,6 +96,7 @@ fn genl_answers_parse() {
         up: true,
         mtu: 1500,
         xdp_features: Some(f),
+        xdp_progs: Vec::new(),
     };
     assert!(l.native_xdp() && l.native_xmit());
     let l = Link { xdp_features: Some(XDP_ACT_BASIC | XDP_ACT_REDIRECT), ..l };

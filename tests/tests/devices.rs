@@ -1,0 +1,134 @@
+//! An interface replaced under the balancer: a device deleted and made
+//! again under the same name (a driver reload, a veth re-created by its
+//! owner) is a new device, without the XDP program the old one had.
+//! lbd reports it missing while it is gone (`lbctl status`, the
+//! `lb_interface_xdp_mode` gauge at 0) and attaches to the new device by
+//! itself, in the mode `auto` picks; the same when the device was
+//! replaced while no lbd ran and a new lbd adopts the pinned link of the
+//! old one. Verified with the kernel's view (the program on the device),
+//! the datapath's path counters and the backends' accept counts. Needs
+//! root.
+#![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
+use lb_tests::{
+    harness::Running,
+    lab::{GW6_BACKEND, Lab},
+    lbd::{Lbd, path_counts, wait_for, xdp_mode_in_use},
+};
+
+const SERVICES: &str = "  - name: web
+    vip: 10.10.0.100
+    port: 80
+    scheduler: maglev
+    backends:
+      - { address: 10.20.0.11, port: 8080, weight: 1 }
+      - { address: 10.20.0.12, port: 8080, weight: 1 }
+      - { address: 10.20.0.13, port: 8080, weight: 1 }
+";
+
+/// Delete the gateway's backend-side veth (`eth1`, its peer `p0` in the
+/// switch) and make it again as the lab first made it, with the same MAC
+/// address (as a reloaded NIC has), so the backends' neighbour entries
+/// stay right. `between` runs while the device is gone.
+fn replace_eth1(lab: &Lab, between: impl FnOnce()) {
+    let out = lab.cmd("gw", "ip").args(["-j", "link", "show", "eth1"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mac = v[0]["address"].as_str().expect("eth1's address").to_owned();
+    lab.ip("gw", &["link", "del", "eth1"]).unwrap();
+    between();
+    let sw = lab.ns("sw");
+    lab.ip("gw", &["link", "add", "eth1", "address", &mac, "type", "veth", "peer", "name", "p0", "netns", &sw])
+        .unwrap();
+    lab.ip("sw", &["link", "set", "p0", "master", "br0"]).unwrap();
+    lab.ip("sw", &["link", "set", "p0", "up"]).unwrap();
+    // The tuned lab's redirect target: GRO on the peer.
+    let ok = lab.cmd("sw", "ethtool").args(["-K", "p0", "gro", "on"]).status().unwrap();
+    assert!(ok.success(), "ethtool -K p0 gro on");
+    lab.ip("gw", &["addr", "add", "10.20.0.1/24", "dev", "eth1"]).unwrap();
+    lab.ip("gw", &["addr", "add", &format!("{GW6_BACKEND}/64"), "dev", "eth1", "nodad"]).unwrap();
+    let ok = lab.cmd("gw", "sysctl").args(["-q", "-w", "net.ipv4.conf.eth1.rp_filter=0"]).status().unwrap();
+    assert!(ok.success(), "sysctl rp_filter");
+    lab.ip("gw", &["link", "set", "eth1", "up"]).unwrap();
+}
+
+/// lbd's report for `iface` (`lbctl status`).
+fn reported(lbd: &Lbd, iface: &str) -> serde_json::Value {
+    let s = lbd.status().unwrap();
+    s["interfaces"]
+        .as_array()
+        .expect("interfaces")
+        .iter()
+        .find(|a| a["interface"] == iface)
+        .unwrap_or_else(|| panic!("{iface} not in {}", s["interfaces"]))
+        .clone()
+}
+
+/// New connections for a second: none fails, every one reaches a backend
+/// through the datapath (the backends' accept counts and lbd's new-flow
+/// counters move together), and the forwarded packets left by XDP
+/// redirect (the tuned lab's path, into the new device too).
+fn balanced(lab: &Lab, lbd: &Lbd) {
+    let (redirected, _, _) = path_counts(&lbd.status().unwrap());
+    let served = lab.connections_served().unwrap();
+    let flows = lbd.total_new_flows();
+    let r =
+        lab.client(&["conns", "--target", "10.10.0.100:80", "--concurrency", "4", "--duration-ms", "1000"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
+    let ok = r["ok"].as_u64().unwrap();
+    assert!(ok > 50, "{r}");
+    assert_eq!(lab.connections_served().unwrap(), served + ok, "connections not served by the backends: {r}");
+    let counted = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == flows + ok));
+    assert_eq!(counted, Some(flows + ok), "lbd counted {} new flows, {ok} were made", lbd.total_new_flows() - flows);
+    let (now, _, _) = path_counts(&lbd.status().unwrap());
+    // Each connection's packets both ways: at least three per connection
+    // left by redirect (SYN, SYN-ACK, ACK, request, answer, closes).
+    assert!(now >= redirected + 3 * ok, "{} packets left by XDP redirect for {ok} connections", now - redirected);
+}
+
+/// The `lb_interface_xdp_mode` sample of `iface` (the default metrics
+/// address, in the gateway).
+fn metric(lab: &Lab, iface: &str) -> Option<String> {
+    let url = "http://127.0.0.1:9464/metrics";
+    let out = lab.cmd("gw", "curl").args(["-sf", "--max-time", "5", url]).output().unwrap();
+    assert!(out.status.success(), "GET {url}: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let prefix = format!("lb_interface_xdp_mode{{interface=\"{iface}\",");
+    text.lines().find(|l| l.starts_with(&prefix)).map(str::to_owned)
+}
+
+#[test]
+fn a_replaced_interface_gets_the_program_again() {
+    let mut s = Running::start("lbt-devices", 3, SERVICES);
+    let (lab, config, sock) = (&s.lab, s.config.clone(), s.lbd.socket.clone());
+    let mode = xdp_mode_in_use(lab, "eth1").unwrap();
+    assert_eq!(mode.as_deref(), Some("native"), "the tuned lab's eth1 takes native XDP");
+    balanced(lab, &s.lbd);
+
+    // Replaced while lbd runs.
+    replace_eth1(lab, || {
+        let missing = wait_for(5, || Some(reported(&s.lbd, "eth1")).filter(|a| a["missing"] == true));
+        assert!(missing.is_some(), "eth1 is gone and lbd does not say so: {}", reported(&s.lbd, "eth1"));
+        assert_eq!(metric(lab, "eth1").as_deref(), Some("lb_interface_xdp_mode{interface=\"eth1\",mode=\"native\"} 0"));
+        let text = s.lbd.lbctl(&["status"]).unwrap();
+        assert!(text.contains("interface eth1 MISSING"), "{text}");
+    });
+    let back = wait_for(5, || xdp_mode_in_use(lab, "eth1").unwrap().filter(|m| m == "native"));
+    assert!(back.is_some(), "XDP not on the new eth1 after 5 s; log:\n{}", s.lbd.log_text());
+    let reattached = wait_for(5, || Some(reported(&s.lbd, "eth1")).filter(|a| a.get("missing").is_none()));
+    assert!(reattached.is_some(), "lbd still reports eth1 missing: {}", reported(&s.lbd, "eth1"));
+    assert!(s.lbd.log_text().contains("the interface was replaced: XDP attached again"), "{}", s.lbd.log_text());
+    assert_eq!(metric(lab, "eth1").as_deref(), Some("lb_interface_xdp_mode{interface=\"eth1\",mode=\"native\"} 1"));
+    balanced(lab, &s.lbd);
+
+    // Replaced while no lbd runs: the next one adopts the pinned link of
+    // the old device, finds the program not on the new one, and attaches.
+    s.lbd.kill().unwrap();
+    replace_eth1(lab, || {});
+    assert_eq!(xdp_mode_in_use(lab, "eth1").unwrap(), None, "a new device came with XDP");
+    let mut lbd = Lbd::start(lab, &config, &sock).unwrap();
+    let back = wait_for(5, || xdp_mode_in_use(lab, "eth1").unwrap().filter(|m| m == "native"));
+    assert!(back.is_some(), "XDP not on the new eth1 after the restart; log:\n{}", lbd.log_text());
+    assert_eq!(xdp_mode_in_use(lab, "eth0").unwrap().as_deref(), Some("native"));
+    balanced(lab, &lbd);
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+}
