@@ -43,6 +43,21 @@ fn replace_eth1(lab: &Lab, between: impl FnOnce()) {
     // The tuned lab's redirect target: GRO on the peer.
     let ok = lab.cmd("sw", "ethtool").args(["-K", "p0", "gro", "on"]).status().unwrap();
     assert!(ok.success(), "ethtool -K p0 gro on");
+    configure_eth1(lab);
+}
+
+/// Move the gateway's `eth1` into another namespace and back (its
+/// addresses go on the way out). `between` runs while it is away.
+fn move_eth1_away_and_back(lab: &Lab, between: impl FnOnce()) {
+    let (gw, sw) = (lab.ns("gw"), lab.ns("sw"));
+    lab.ip("gw", &["link", "set", "eth1", "netns", &sw]).unwrap();
+    between();
+    lab.ip("sw", &["link", "set", "eth1", "netns", &gw]).unwrap();
+    configure_eth1(lab);
+}
+
+/// The gateway's addresses and settings on `eth1`, as the lab made them.
+fn configure_eth1(lab: &Lab) {
     lab.ip("gw", &["addr", "add", "10.20.0.1/24", "dev", "eth1"]).unwrap();
     lab.ip("gw", &["addr", "add", &format!("{GW6_BACKEND}/64"), "dev", "eth1", "nodad"]).unwrap();
     let ok = lab.cmd("gw", "sysctl").args(["-q", "-w", "net.ipv4.conf.eth1.rp_filter=0"]).status().unwrap();
@@ -117,6 +132,20 @@ fn a_replaced_interface_gets_the_program_again() {
     assert!(reattached.is_some(), "lbd still reports eth1 missing: {}", reported(&s.lbd, "eth1"));
     assert!(s.lbd.log_text().contains("the interface was replaced: XDP attached again"), "{}", s.lbd.log_text());
     assert_eq!(metric(lab, "eth1").as_deref(), Some("lb_interface_xdp_mode{interface=\"eth1\",mode=\"native\"} 1"));
+    balanced(lab, &s.lbd);
+
+    // Moved to another namespace and back: whether the device keeps the
+    // program on the way (the kernel decides), lbd ends with it on eth1
+    // and reports it attached.
+    move_eth1_away_and_back(lab, || {
+        let missing = wait_for(5, || Some(reported(&s.lbd, "eth1")).filter(|a| a["missing"] == true));
+        assert!(missing.is_some(), "eth1 moved away and lbd does not say so: {}", reported(&s.lbd, "eth1"));
+    });
+    let back = wait_for(5, || {
+        let attached = xdp_mode_in_use(lab, "eth1").unwrap().is_some_and(|m| m == "native");
+        (attached && reported(&s.lbd, "eth1").get("missing").is_none()).then_some(())
+    });
+    assert!(back.is_some(), "eth1 back: {:?}, {}", xdp_mode_in_use(lab, "eth1"), reported(&s.lbd, "eth1"));
     balanced(lab, &s.lbd);
 
     // Replaced while no lbd runs: the next one adopts the pinned link of

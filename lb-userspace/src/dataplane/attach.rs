@@ -299,13 +299,20 @@ impl Dataplane {
             let was_missing = self.attached[i].attachment.missing;
             let Some(link) = links.iter().find(|l| l.name == iface) else {
                 if !was_missing {
-                    warn!(interface = %iface, "the interface is gone, and XDP with it; attached again when it is back");
+                    warn!(interface = %iface, "the interface is gone (deleted, or moved to another namespace): XDP is not on it; attached again if it comes back without");
                     self.attached[i].attachment.missing = true;
                     changed = true;
                 }
                 continue;
             };
             if link.xdp_progs.contains(&prog) {
+                // Back with the program (moved to another namespace and
+                // back keeps it), or never gone.
+                if was_missing {
+                    info!(interface = %iface, "the interface is back, with XDP on it");
+                    self.attached[i].attachment.missing = false;
+                    changed = true;
+                }
                 continue;
             }
             match self.attach_again(i, link, links) {
