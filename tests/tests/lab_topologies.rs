@@ -45,6 +45,10 @@ fn kind(details: &str) -> &'static str {
         "bridge"
     } else if details.contains(r#""info_kind":"veth""#) {
         "veth"
+    } else if details.contains(r#""info_kind":"macvlan""#) {
+        "macvlan"
+    } else if details.contains(r#""info_kind":"vxlan""#) {
+        "vxlan"
     } else {
         "other"
     }
@@ -63,6 +67,8 @@ fn expected_gw_links(t: Topology, backends: usize) -> Vec<(String, &'static str,
         Topology::BridgeBackend => vec![d("eth0", "veth", None), d("br0", "bridge", None)],
         Topology::BridgeClient => vec![d("br0", "bridge", None), d("c0", "veth", Some("br0")), d("eth1", "veth", None)],
         Topology::OneArm => vec![d("eth0", "veth", None)],
+        Topology::Macvlan => vec![d("eth0", "macvlan", None), d("eth1", "macvlan", None)],
+        Topology::Vxlan => vec![d("eth0", "veth", None), d("eth1", "vxlan", None), d("u0", "veth", None)],
         Topology::Ecmp => panic!("the ecmp lab has no gateway (tests/ecmp.rs covers it)"),
     };
     if t == Topology::BridgeBackend {
@@ -174,7 +180,7 @@ fn every_topology_forwards_without_a_balancer() {
     lb_tests::require_root().expect("lab tests need root");
     assert_eq!(
         Topology::ALL.map(Topology::name),
-        ["tuned", "default", "bridge-backend", "bridge-client", "one-arm", "mixed"]
+        ["tuned", "default", "bridge-backend", "bridge-client", "one-arm", "mixed", "macvlan", "vxlan"]
     );
     for t in Topology::ALL {
         assert_eq!(t.name().parse::<Topology>(), Ok(t));

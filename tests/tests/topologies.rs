@@ -52,6 +52,9 @@ fn expected_modes(t: Topology) -> Vec<(&'static str, &'static str)> {
         Topology::OneArm => vec![("eth0", "generic")],
         // eth1's peer runs XDP (native redirects into eth1 work), eth0's does not.
         Topology::Mixed => vec![("eth0", "native"), ("eth1", "generic")],
+        // Neither a macvlan nor a VXLAN device has native XDP.
+        Topology::Macvlan => vec![("eth0", "generic"), ("eth1", "generic")],
+        Topology::Vxlan => vec![("eth0", "generic"), ("eth1", "generic")],
         // On each node, as Mixed: GRO on the switch end of eth1.
         Topology::Ecmp => vec![("eth0", "native"), ("eth1", "generic")],
     }

@@ -133,6 +133,14 @@ pub enum Topology {
     /// Default wiring and offloads, but the far end of the backend link runs
     /// its own XDP program: native redirects into `eth1` work, into `eth0` not.
     Mixed,
+    /// The gateway's two interfaces are macvlan devices (bridge mode) whose
+    /// lower devices, the switch's bridges, live in another namespace, as
+    /// a container's do on its host's network.
+    Macvlan,
+    /// A veth to the client; the backends' network reached over VXLAN
+    /// (`eth1`, VNI 42, UDP 4789) across an underlay veth (`u0`, MTU
+    /// 1600) to the switch, whose VTEP is a port of the backends' bridge.
+    Vxlan,
     /// Scale-out: [`LabSpec::nodes`] balancer nodes `n1`.. behind a BGP
     /// router doing ECMP (module `ecmp`); not one of [`Topology::ALL`],
     /// which are the single-gateway variants.
@@ -140,8 +148,16 @@ pub enum Topology {
 }
 
 impl Topology {
-    pub const ALL: [Self; 6] =
-        [Self::Tuned, Self::Default, Self::BridgeBackend, Self::BridgeClient, Self::OneArm, Self::Mixed];
+    pub const ALL: [Self; 8] = [
+        Self::Tuned,
+        Self::Default,
+        Self::BridgeBackend,
+        Self::BridgeClient,
+        Self::OneArm,
+        Self::Mixed,
+        Self::Macvlan,
+        Self::Vxlan,
+    ];
 
     /// The name on the command line (`cargo xtask lab up --topology NAME`).
     pub fn name(self) -> &'static str {
@@ -152,6 +168,8 @@ impl Topology {
             Self::BridgeClient => "bridge-client",
             Self::OneArm => "one-arm",
             Self::Mixed => "mixed",
+            Self::Macvlan => "macvlan",
+            Self::Vxlan => "vxlan",
             Self::Ecmp => "ecmp",
         }
     }
@@ -166,6 +184,12 @@ impl Topology {
             Self::BridgeClient => "the client on a port of a bridge br0 inside the gateway; veth to a switch bridge",
             Self::OneArm => "one veth to a switch bridge that holds the client and the backends",
             Self::Mixed => "default wiring and offloads; the switch end of eth1 runs an XDP program",
+            Self::Macvlan => {
+                "macvlan eth0 and eth1 on the switch's bridges (client's, backends'), lower devices in the switch namespace"
+            }
+            Self::Vxlan => {
+                "veth to the client; eth1 a VXLAN device over an underlay veth to the switch, whose VTEP bridges to the backends"
+            }
             Self::Ecmp => {
                 "balancer nodes n1..nN behind a BIRD router spreading the VIPs over them by ECMP; DSR backends"
             }
@@ -175,7 +199,7 @@ impl Topology {
     /// The gateway interfaces lbd attaches to, client side first.
     pub fn gw_interfaces(self) -> Vec<String> {
         let v: &[&str] = match self {
-            Self::Tuned | Self::Default | Self::Mixed | Self::Ecmp => &["eth0", "eth1"],
+            Self::Tuned | Self::Default | Self::Mixed | Self::Macvlan | Self::Vxlan | Self::Ecmp => &["eth0", "eth1"],
             Self::BridgeBackend => &["eth0", "br0"],
             Self::BridgeClient => &["br0", "eth1"],
             Self::OneArm => &["eth0"],
@@ -734,6 +758,34 @@ impl Lab {
                 );
                 gw.push_str("addr add 10.10.0.1/16 dev br0\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n");
             }
+            Topology::Macvlan => {
+                // The client on a bridge of its own in the switch.
+                self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "pc", "netns", &sw_ns])?;
+                let mut sw = ports(1);
+                sw.push_str(
+                    "link add brc type bridge stp_state 0\nlink set brc up\nlink set pc master brc\nlink set pc up\n",
+                );
+                sw.push_str("link add eth0 link brc type macvlan mode bridge\nlink add eth1 link br0 type macvlan mode bridge\n");
+                writeln!(sw, "link set eth0 netns {gw_ns}\nlink set eth1 netns {gw_ns}").unwrap();
+                self.ip_batch("sw", &sw)?;
+                gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n");
+            }
+            Topology::Vxlan => {
+                self.ip_ns(
+                    "client",
+                    &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns],
+                )?;
+                self.ip_ns("gw", &["link", "add", "u0", "type", "veth", "peer", "name", "u1", "netns", &sw_ns])?;
+                let mut sw = ports(1);
+                sw.push_str("addr add 10.99.0.2/30 dev u1\nlink set u1 mtu 1600 up\n");
+                sw.push_str("link add vx0 type vxlan id 42 local 10.99.0.2 remote 10.99.0.1 dstport 4789 dev u1\n");
+                sw.push_str("link set vx0 mtu 1500 master br0 up\n");
+                self.ip_batch("sw", &sw)?;
+                gw.push_str("addr add 10.99.0.1/30 dev u0\nlink set u0 mtu 1600 up\n");
+                gw.push_str("link add eth1 type vxlan id 42 local 10.99.0.1 remote 10.99.0.2 dstport 4789 dev u0\n");
+                gw.push_str("link set eth1 mtu 1500\n");
+                gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n");
+            }
             Topology::OneArm => {
                 self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "pc", "netns", &sw_ns])?;
                 self.ip_ns("gw", &["link", "add", "eth0", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
@@ -745,7 +797,12 @@ impl Lab {
         }
         // IPv6 beside IPv4, on the same devices.
         let (v6_client_side, v6_backend_side) = match topo {
-            Topology::Tuned | Topology::Default | Topology::Mixed | Topology::Ecmp => ("eth0", "eth1"),
+            Topology::Tuned
+            | Topology::Default
+            | Topology::Mixed
+            | Topology::Macvlan
+            | Topology::Vxlan
+            | Topology::Ecmp => ("eth0", "eth1"),
             Topology::BridgeBackend => ("eth0", "br0"),
             Topology::BridgeClient => ("br0", "eth1"),
             Topology::OneArm => ("eth0", "eth0"),
