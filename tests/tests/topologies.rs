@@ -5,7 +5,7 @@
 //! must pick; 2,000 new HTTP connections and 20 long-lived ones pass with
 //! no failure; lbd's new-flow counters equal the backends' accept counts;
 //! UDP flows of several datagrams each stay on one backend (a second
-//! service); and the path counters account for every forwarded packet,
+//! service); 300 IPv6 connections pass (a third service); and the path counters account for every forwarded packet,
 //! agreeing with the path lbd reports. Prints the share of packets that
 //! left by XDP redirect. Needs root.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
@@ -13,8 +13,8 @@ use std::collections::BTreeMap;
 
 use lb_tests::{
     harness::{config_dir, serial, socket_for},
-    lab::{Lab, LabSpec, Topology},
-    lbd::{Lbd, path_counts, write_config_for, xdp_mode_in_use},
+    lab::{Lab, LabSpec, Topology, VIP6},
+    lbd::{Lbd, path_counts, wait_for, write_config_for, xdp_mode_in_use},
 };
 
 const SERVICES: &str = "  - name: web
@@ -60,6 +60,16 @@ fn expected_modes(t: Topology) -> Vec<(&'static str, &'static str)> {
     }
 }
 
+/// The IPv4 services and an IPv6 HTTP service on the same backends.
+fn services(lab: &Lab) -> String {
+    let mut s = SERVICES.to_owned();
+    s.push_str(&format!("  - name: web6\n    vip: \"{VIP6}\"\n    port: 80\n    protocol: tcp\n    backends:\n"));
+    for a in lab.backend_addrs6() {
+        s.push_str(&format!("      - {{ address: \"{a}\", port: 8080 }}\n"));
+    }
+    s
+}
+
 fn u(v: &serde_json::Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"))
 }
@@ -73,7 +83,7 @@ fn run_topology(t: Topology) {
     let lab = Lab::up(LabSpec { prefix: prefix.into(), backends: 3, topology: t, ..LabSpec::default() })
         .unwrap_or_else(|e| panic!("{}: lab up: {e:#}", t.name()));
     let sock = socket_for(prefix);
-    let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), SERVICES).unwrap();
+    let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), &services(&lab)).unwrap();
     let lbd = Lbd::start(&lab, &config, &sock).unwrap_or_else(|e| panic!("{}: lbd start: {e:#}", t.name()));
     let status = lbd.status().unwrap();
 
@@ -168,15 +178,40 @@ fn run_topology(t: Topology) {
     assert_eq!(u(&udp, "ok"), 250, "{}: {udp}", t.name());
     assert_eq!(u(&udp, "flows_switched"), 0, "{}: a UDP flow changed backend: {udp}", t.name());
 
+    // IPv6 through the same interfaces: 300 connections from 20 sources
+    // once the IPv6 health probes find the backends up.
+    let up = wait_for(10, || {
+        lab.backend_addrs6().iter().all(|a| lbd.backend_state("web6", &a.to_string()) == "up").then_some(())
+    });
+    assert!(up.is_some(), "{}: IPv6 backends not up", t.name());
+    let sources6: Vec<String> = lab.client_sources6().iter().take(20).map(ToString::to_string).collect();
+    let target6 = format!("[{VIP6}]:80");
+    let r6 = lab
+        .client(&[
+            "conns",
+            "--target",
+            &target6,
+            "--count",
+            "300",
+            "--concurrency",
+            "10",
+            "--sources",
+            &sources6.join(","),
+        ])
+        .unwrap();
+    assert_eq!(u(&r6, "failed"), 0, "{}: IPv6 failures: {r6}", t.name());
+    assert_eq!(u(&r6, "ok"), 300, "{}: {r6}", t.name());
+
     let status = lbd.status().unwrap();
-    // New-flow counters equal the backends' own accept counts.
+    // New-flow counters (IPv4 and IPv6) equal the backends' own accept counts.
     let counts = lab.backend_counts().unwrap();
-    for (i, addr) in lab.backend_addrs().iter().enumerate() {
-        let ours = Lbd::new_flows(&status, "web", &addr.to_string()).unwrap();
+    for (i, (addr, addr6)) in lab.backend_addrs().iter().zip(lab.backend_addrs6()).enumerate() {
+        let ours = Lbd::new_flows(&status, "web", &addr.to_string()).unwrap()
+            + Lbd::new_flows(&status, "web6", &addr6.to_string()).unwrap();
         assert_eq!(
             ours,
             counts[i].connections,
-            "{}: lbd counted {ours} new flows for {addr}, the backend {counts:?}",
+            "{}: lbd counted {ours} new flows for {addr} and {addr6}, the backend {counts:?}",
             t.name()
         );
         let udp_flows = Lbd::new_flows(&status, "dns", &addr.to_string()).unwrap();
@@ -218,9 +253,12 @@ fn run_topology(t: Topology) {
     );
     if all_redirect {
         assert_eq!(c["kernel_egress"], 0, "{}: lbd reports XDP redirect everywhere, yet {c:?}", t.name());
-        // Only first packets towards a not-yet-resolved neighbour (250
-        // client source addresses, 3 backends) take the kernel path.
-        assert!(c["fib_fallback"] <= 290, "{}: {c:?}", t.name());
+        // Only first packets towards a not-yet-resolved neighbour take
+        // the kernel path: 250 IPv4 and 20 IPv6 client source addresses,
+        // 3 backends in each family, and as before a few more while one
+        // is being resolved.
+        let neighbours = 250 + 20 + 2 * 3;
+        assert!(c["fib_fallback"] <= neighbours + 37, "{}: {c:?}", t.name());
         assert!(steady >= 0.99, "{}: only {:.2}% by XDP redirect after warm-up: {c2:?}", t.name(), steady * 100.0);
     } else {
         assert!(c["kernel_egress"] > 0, "{}: lbd reports a kernel path, no packet took it: {c:?}", t.name());
