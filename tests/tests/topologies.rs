@@ -331,7 +331,7 @@ fn forced_native_takes_the_kernel_path_and_follows_device_changes() {
     };
     ethtool("sw", "p0", "on");
     ethtool("client", "eth0", "on");
-    let switched = lb_tests::lbd::wait_for(10, || {
+    let switched = wait_for(10, || {
         let s = lbd.status().ok()?;
         s["paths"].as_array()?.iter().all(|p| p["path"] == "xdp_redirect").then_some(())
     });
@@ -343,7 +343,7 @@ fn forced_native_takes_the_kernel_path_and_follows_device_changes() {
     assert_eq!(c2["kernel_egress"], c["kernel_egress"], "{c2:?}");
     // And back: the datapath stops redirecting into eth1 at once.
     ethtool("sw", "p0", "off");
-    let back = lb_tests::lbd::wait_for(10, || {
+    let back = wait_for(10, || {
         let s = lbd.status().ok()?;
         s["paths"].as_array()?.iter().any(|p| p["egress"] == "eth1" && p["path"] == "kernel").then_some(())
     });
