@@ -1,6 +1,6 @@
 //! What a killed test, lab or benchmark leaves behind is removed by
 //! `cargo xtask lab down --all` (`Lab::down_all`): every lab's namespaces
-//! and processes, lb-bench's namespaces, pins under the lab bpffs, and a
+//! and processes, lb-bench's namespaces, pins under the lab bpffs (then the bpffs mount itself), and a
 //! sysctl a benchmark changed. Its own test binary: it removes every lab
 //! on the machine, so nothing else may run beside it. Needs root.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
@@ -57,6 +57,9 @@ fn lab_down_all_removes_what_killed_runs_left() {
         .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect())
         .unwrap_or_default();
     assert!(in_bpffs.is_empty(), "pin directories left in {BPFFS}: {in_bpffs:?}");
+    // Nothing pinned any more: the labs' bpf filesystem is unmounted.
+    let fs = Command::new("stat").args(["-f", "-c", "%T", BPFFS]).output().unwrap();
+    assert_ne!(String::from_utf8_lossy(&fs.stdout).trim(), "bpf_fs", "{BPFFS} still mounted");
     assert_eq!(bpf_stats(), before, "kernel.bpf_stats_enabled not restored");
     let saved: Vec<_> =
         std::fs::read_dir(SAVED_DIR).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();

@@ -115,9 +115,13 @@ fn main() {
             .and_then(|()| ensure_setup())
             .and_then(|()| build())
             .and_then(|()| if topology == Topology::Ecmp { ecmp_up(nodes) } else { lab_up(topology) }),
-        Cmd::Lab { action: LabAction::Down { all } } => {
-            need_root("cargo xtask lab down").and_then(|()| if all { Lab::down_all() } else { Lab::down(LAB_PREFIX) })
-        }
+        Cmd::Lab { action: LabAction::Down { all } } => need_root("cargo xtask lab down").and_then(|()| {
+            if all {
+                Lab::down_all()
+            } else {
+                Lab::down(LAB_PREFIX).and_then(|()| lb_tests::lab::release_bpffs().map(drop))
+            }
+        }),
         Cmd::Demo { requests } => need_root("cargo xtask demo")
             .and_then(|()| ensure_setup())
             .and_then(|()| build())
@@ -346,6 +350,7 @@ fn demo(requests: u32) -> anyhow::Result<()> {
     }
     drop(lbd);
     drop(lab);
+    lb_tests::lab::release_bpffs()?;
     println!("\nlab taken down.");
     if failed != 0 || ok != u64::from(requests) {
         bail!("{failed} of {requests} requests failed");
@@ -370,11 +375,17 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         lint_ebpf()?;
     }
     let old_lbd = build_upgrade_from()?;
-    run(cargo()
+    let result = run(cargo()
         .args(["test", "--no-fail-fast"])
         .args(extra)
         .env("LB_BIN_DIR", bin_dir())
-        .env("LB_UPGRADE_FROM_LBD", old_lbd))
+        .env("LB_UPGRADE_FROM_LBD", old_lbd));
+    // The labs' bpf filesystem, once no lab (the user's own included)
+    // has anything pinned in it.
+    if let Err(e) = lb_tests::lab::release_bpffs() {
+        eprintln!("warning: {e:#}");
+    }
+    result
 }
 
 /// The release the upgrade test (tests/upgrade.rs) upgrades from: the last

@@ -293,6 +293,36 @@ pub fn ensure_bpffs() -> anyhow::Result<()> {
     run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS])).map(drop)
 }
 
+/// Unmount the labs' bpf filesystem ([`BPFFS`]) once nothing is pinned in
+/// it (bpffs's own `maps.debug` and `progs.debug` aside), and remove the
+/// directories the labs and benchmarks made under /run/lbd when they are
+/// empty. Leaves everything as it is while a lab's pins remain. Returns
+/// whether it unmounted.
+pub fn release_bpffs() -> anyhow::Result<bool> {
+    let own = |n: &OsStr| n == "maps.debug" || n == "progs.debug";
+    let mounted = Command::new("stat")
+        .args(["-f", "-c", "%T", BPFFS])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "bpf_fs");
+    let mut unmounted = false;
+    if mounted {
+        let pinned = std::fs::read_dir(BPFFS)
+            .with_context(|| format!("reading {BPFFS}"))?
+            .flatten()
+            .any(|e| !own(&e.file_name()));
+        if pinned {
+            return Ok(false);
+        }
+        run(Command::new("umount").arg(BPFFS))?;
+        unmounted = true;
+    }
+    // Empty directories only (remove_dir refuses any other).
+    for dir in [BPFFS, lb_testkit::sysctl::SAVED_DIR, "/run/lbd"] {
+        let _ = std::fs::remove_dir(dir);
+    }
+    Ok(unmounted)
+}
+
 /// Counters reported by one backend's stats API: the whole backend, and
 /// each address it serves apart ([`BackendCounts::at`]).
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -453,6 +483,13 @@ impl Lab {
         }
         for prefix in &prefixes {
             println!("removed lab {prefix}");
+        }
+        match release_bpffs() {
+            Ok(true) => println!("unmounted {BPFFS}"),
+            Ok(false) => {}
+            Err(e) => {
+                first_err.get_or_insert(e.context(format!("unmounting {BPFFS}")));
+            }
         }
         match first_err {
             None => Ok(()),

@@ -90,6 +90,10 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
             results["scenarios"] = scenarios(&env, opts.full)?;
             elapsed("scenarios part", t0);
         }
+        drop(env);
+        drop(lab);
+        // The lab's bpf filesystem, unless another lab still pins in it.
+        lb_tests::lab::release_bpffs()?;
     }
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(&results)?)?;
     let report = report(&results, &dir)?;
