@@ -328,3 +328,104 @@ fn a_global_counter_map_pinned_by_an_older_version_is_replaced() {
     let status = lbd.status().unwrap();
     assert!(u(&status["counters"], "xdp_redirect") > 0, "{status}");
 }
+
+/// A memory cgroup of `limit` bytes for the test's lbd (cgroup v1's
+/// memory hierarchy or cgroup v2's, whichever the machine has), removed
+/// on drop. BPF maps are charged to the cgroup of the process that
+/// creates them.
+struct MemCgroup(std::path::PathBuf);
+
+impl MemCgroup {
+    fn new(name: &str, limit: u64) -> Self {
+        let v1 = std::path::Path::new("/sys/fs/cgroup/memory");
+        let v2 = std::path::Path::new("/sys/fs/cgroup/cgroup.controllers");
+        let (dir, file) = if v1.join("memory.limit_in_bytes").exists() {
+            (v1.join(name), "memory.limit_in_bytes")
+        } else if std::fs::read_to_string(v2).is_ok_and(|c| c.split_whitespace().any(|c| c == "memory")) {
+            let _ = std::fs::write("/sys/fs/cgroup/cgroup.subtree_control", "+memory");
+            (std::path::PathBuf::from("/sys/fs/cgroup").join(name), "memory.max")
+        } else {
+            panic!("no memory cgroup controller (v1 or v2) on this machine");
+        };
+        let _ = std::fs::remove_dir(&dir);
+        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+        let me = Self(dir);
+        std::fs::write(me.0.join(file), limit.to_string()).unwrap();
+        me
+    }
+
+    /// `cmd` run as a member of the cgroup (the shell joins it, then
+    /// execs the command).
+    fn command(&self, cmd: &Command) -> Command {
+        let procs = self.0.join("cgroup.procs");
+        let mut c = Command::new("sh");
+        c.arg("-c").arg(format!("echo $$ > {} && exec \"$@\"", procs.display())).arg("sh");
+        c.arg(cmd.get_program()).args(cmd.get_args());
+        c
+    }
+}
+
+impl Drop for MemCgroup {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir(&self.0) {
+            eprintln!("removing {}: {e}", self.0.display());
+        }
+    }
+}
+
+/// Flow tables the kernel has no memory for (lbd in a memory cgroup of
+/// 120 MB; the default `conntrack_max` takes about 330 MB, each of the
+/// two flow tables more than 120 MB, whichever the loader creates first):
+/// the start
+/// fails with one line naming the map, what takes the memory and what to
+/// do, and leaves nothing pinned or attached.
+#[test]
+fn flow_tables_without_the_memory_fail_the_start_clearly_and_leave_nothing() {
+    let _serial = serial();
+    let prefix = "lbt-e2e-mem";
+    let lab = lab(prefix);
+    let sock = socket_for(prefix);
+    let config = lb_tests::lbd::write_config_with(
+        &config_dir(prefix),
+        "lbd",
+        &sock,
+        &["eth0".into(), "eth1".into()],
+        "conntrack_max: 1048576\n",
+        WEB,
+    )
+    .unwrap();
+    let cgroup = MemCgroup::new(prefix, 120 << 20);
+    let mut lbd = lab.cmd("gw", lab.spec.bin_dir.join("lbd"));
+    lbd.arg("--config").arg(&config);
+    let out = cgroup.command(&lbd).output().unwrap();
+    drop(cgroup);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "lbd started in 120 MB with 1M-entry flow tables:\n{stderr}");
+    let line =
+        stderr.lines().rev().find(|l| l.starts_with("lbd: ")).unwrap_or_else(|| panic!("no error line:\n{stderr}"));
+    for want in [
+        "creating BPF map FLOWS",
+        "The flow tables take about 327 MB (conntrack_max: 1048576)",
+        "lower them, or give the machine (or lbd's memory cgroup) more memory",
+        "Cannot allocate memory",
+    ] {
+        assert!(line.contains(want), "{want:?} not in {line:?}");
+    }
+    assert!(!lab.pin_dir().exists(), "the failed start left pins: {:?}", bpffs_entries_under(&lab.pin_dir()));
+    assert!(!xdp_attached(&lab, "eth0") && !xdp_attached(&lab, "eth1"), "XDP attached");
+    assert!(!sock.exists(), "control socket created");
+}
+
+fn bpffs_entries_under(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            out.push(e.path().display().to_string());
+            if e.path().is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    out
+}

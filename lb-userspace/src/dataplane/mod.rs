@@ -81,6 +81,20 @@ pub const PROGRAM: &str = "lb_xdp";
 pub enum DataplaneError {
     #[error("loading the XDP program into the kernel: {0}")]
     Load(#[from] aya::EbpfError),
+    #[error(
+        "creating BPF map {map}: the kernel could not allocate it. The flow tables take about {flows_mb} MB \
+         (conntrack_max: {conntrack_max}) and the selection tables about {select_mb} MB (table_capacity: \
+         {table_capacity}), all allocated at start: lower them, or give the machine (or lbd's memory cgroup) \
+         more memory: {source}"
+    )]
+    Memory {
+        map: String,
+        conntrack_max: u32,
+        flows_mb: u64,
+        table_capacity: u32,
+        select_mb: u64,
+        source: std::io::Error,
+    },
     #[error("XDP program: {0}")]
     Program(#[from] ProgramError),
     #[error("BPF map {map}: {source}")]
@@ -224,6 +238,32 @@ pub struct Dataplane {
     hold_until: u32,
 }
 
+/// Kernel memory per flow-table entry (the IPv4 and the IPv6 table, both
+/// `conntrack_max` entries, preallocated) and per selection-table entry,
+/// as `bpftool map` reported it on kernel 6.18 (142,607,488 and
+/// 184,550,608 bytes for 1,048,576 entries; 33,558,528 for 4,194,304).
+const FLOW_BYTES: u64 = 136 + 176;
+const SELECT_BYTES: u64 = 8;
+
+/// A map the kernel had no memory for, said with what takes the memory.
+fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
+    match e {
+        DataplaneError::Load(aya::EbpfError::MapError(MapError::CreateError { name, io_error }))
+            if io_error.raw_os_error() == Some(libc::ENOMEM) =>
+        {
+            DataplaneError::Memory {
+                map: name,
+                conntrack_max: config.conntrack_max,
+                flows_mb: u64::from(config.conntrack_max) * FLOW_BYTES / 1_000_000,
+                table_capacity: config.table_capacity,
+                select_mb: u64::from(config.table_capacity) * SELECT_BYTES / 1_000_000,
+                source: io_error,
+            }
+        }
+        e => e,
+    }
+}
+
 impl Dataplane {
     /// Load the program with its maps pinned under `config.pin_path`,
     /// adopting maps already pinned there (a previous lbd's datapath).
@@ -307,7 +347,19 @@ impl Dataplane {
                 dp
             }
             _ => {
-                let (ebpf, ncpus) = loaded?;
+                let (ebpf, ncpus) = match loaded {
+                    Ok(l) => l,
+                    Err(e) => {
+                        // A first start that failed: the maps it created
+                        // before the failing one were pinned; nothing uses
+                        // them, and nothing of ours should stay.
+                        if let (false, Some(pin), Some(maps_dir)) = (adopting, pin, &maps_dir) {
+                            let _ = std::fs::remove_dir_all(maps_dir);
+                            let _ = std::fs::remove_dir(pin);
+                        }
+                        return Err(memory_hint(e, config));
+                    }
+                };
                 Self::build(config, pin, ebpf, ncpus, adopting, None, resume_from.as_deref())
             }
         }
