@@ -10,20 +10,10 @@
 //! root.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use lb_tests::{
-    harness::Running,
+    harness::{Running, web},
     lab::{GW6_BACKEND, Lab},
     lbd::{Lbd, path_counts, wait_for, xdp_mode_in_use},
 };
-
-const SERVICES: &str = "  - name: web
-    vip: 10.10.0.100
-    port: 80
-    scheduler: maglev
-    backends:
-      - { address: 10.20.0.11, port: 8080, weight: 1 }
-      - { address: 10.20.0.12, port: 8080, weight: 1 }
-      - { address: 10.20.0.13, port: 8080, weight: 1 }
-";
 
 /// Delete the gateway's backend-side veth (`eth1`, its peer `p0` in the
 /// switch) and make it again as the lab first made it, with the same MAC
@@ -112,7 +102,7 @@ fn metric(lab: &Lab, iface: &str) -> Option<String> {
 
 #[test]
 fn a_replaced_interface_gets_the_program_again() {
-    let mut s = Running::start("lbt-devices", 3, SERVICES);
+    let mut s = Running::start("lbt-devices", 3, &web("    scheduler: maglev\n", &[(1, 1), (2, 1), (3, 1)]));
     let (lab, config, sock) = (&s.lab, s.config.clone(), s.lbd.socket.clone());
     let mode = xdp_mode_in_use(lab, "eth1").unwrap();
     assert_eq!(mode.as_deref(), Some("native"), "the tuned lab's eth1 takes native XDP");
