@@ -245,18 +245,42 @@ pub struct Dataplane {
 const FLOW_BYTES: u64 = 136 + 176;
 const SELECT_BYTES: u64 = 8;
 
+/// Bytes of kernel memory the flow tables (`conntrack_max`) and the
+/// selection tables (`table_capacity`) take, allocated in full at load.
+pub fn table_memory(config: &Config) -> (u64, u64) {
+    (u64::from(config.conntrack_max) * FLOW_BYTES, u64::from(config.table_capacity) * SELECT_BYTES)
+}
+
+/// A warning when the tables would take more than half of `mem_total`
+/// bytes of memory (a fresh datapath allocates them in full at load).
+pub fn memory_warning(config: &Config, mem_total: u64) -> Option<String> {
+    let (flows, select) = table_memory(config);
+    (flows + select > mem_total / 2).then(|| {
+        format!(
+            "the flow tables (conntrack_max: {}) and selection tables (table_capacity: {}) take about {} MB of kernel \
+             memory, allocated at start: {}% of this machine's {} MB",
+            config.conntrack_max,
+            config.table_capacity,
+            (flows + select) / 1_000_000,
+            (flows + select) * 100 / mem_total,
+            mem_total / 1_000_000
+        )
+    })
+}
+
 /// A map the kernel had no memory for, said with what takes the memory.
 fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
     match e {
         DataplaneError::Load(aya::EbpfError::MapError(MapError::CreateError { name, io_error }))
             if io_error.raw_os_error() == Some(libc::ENOMEM) =>
         {
+            let (flows, select) = table_memory(config);
             DataplaneError::Memory {
                 map: name,
                 conntrack_max: config.conntrack_max,
-                flows_mb: u64::from(config.conntrack_max) * FLOW_BYTES / 1_000_000,
+                flows_mb: flows / 1_000_000,
                 table_capacity: config.table_capacity,
-                select_mb: u64::from(config.table_capacity) * SELECT_BYTES / 1_000_000,
+                select_mb: select / 1_000_000,
                 source: io_error,
             }
         }
@@ -644,5 +668,36 @@ pub fn backend_key(addr: IpAddr, port: u16) -> u64 {
             let mixed = (hi ^ lo.rotate_left(29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
             (mixed << 16) | u64::from(port)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Environment, parse};
+
+    struct AnyInterface;
+    impl Environment for AnyInterface {
+        fn interface_exists(&self, _: &str) -> bool {
+            true
+        }
+    }
+
+    fn config(conntrack_max: u32) -> Config {
+        let text = format!("interfaces: [eth0]\nconntrack_max: {conntrack_max}\nservices: []\n");
+        parse(&text, "lbd.yaml", &AnyInterface).unwrap()
+    }
+
+    #[test]
+    fn tables_taking_over_half_the_memory_are_warned_about() {
+        // The defaults: 1,048,576 flows and 4,194,304 selection entries.
+        let c = config(1 << 20);
+        assert_eq!(table_memory(&c), ((1 << 20) * 312, (1 << 22) * 8));
+        let gib = 1 << 30;
+        assert_eq!(memory_warning(&c, 24 * gib), None);
+        // 64M flows on the 24 GiB machine the README speaks of: 20.9 GB.
+        let w = memory_warning(&config(1 << 26), 24 * gib).expect("a warning");
+        assert!(w.contains("conntrack_max: 67108864") && w.contains("about 20971 MB") && w.contains("81%"), "{w}");
+        assert!(memory_warning(&c, gib / 2).is_some());
     }
 }
