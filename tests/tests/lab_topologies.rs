@@ -63,7 +63,9 @@ fn master(details: &str) -> Option<String> {
 fn expected_gw_links(t: Topology, backends: usize) -> Vec<(String, &'static str, Option<&'static str>)> {
     let d = |n: &str, k, m| (n.to_owned(), k, m);
     let mut v = match t {
-        Topology::Tuned | Topology::Default | Topology::Mixed => vec![d("eth0", "veth", None), d("eth1", "veth", None)],
+        Topology::Tuned | Topology::Default | Topology::Mixed | Topology::Routed => {
+            vec![d("eth0", "veth", None), d("eth1", "veth", None)]
+        }
         Topology::BridgeBackend => vec![d("eth0", "veth", None), d("br0", "bridge", None)],
         Topology::BridgeClient => vec![d("br0", "bridge", None), d("c0", "veth", Some("br0")), d("eth1", "veth", None)],
         Topology::OneArm => vec![d("eth0", "veth", None)],
@@ -126,9 +128,11 @@ fn check(t: Topology) {
         addrs.lines().any(|l| l.contains(&format!(" {client_side} ")) && l.contains("10.10.0.1/16")),
         "{name}: 10.10.0.1/16 on {client_side}:\n{addrs}"
     );
+    // In `routed`, the link to the backends' router.
+    let backend_net = if t == Topology::Routed { "10.21.0.1/30" } else { "10.20.0.1/24" };
     assert!(
-        addrs.lines().any(|l| l.contains(&format!(" {backend_side} ")) && l.contains("10.20.0.1/24")),
-        "{name}: 10.20.0.1/24 on {backend_side}:\n{addrs}"
+        addrs.lines().any(|l| l.contains(&format!(" {backend_side} ")) && l.contains(backend_net)),
+        "{name}: {backend_net} on {backend_side}:\n{addrs}"
     );
     assert!(!addrs.contains("10.10.0.9") && !addrs.contains("10.10.0.10"), "{name}: a VIP on the gateway:\n{addrs}");
 
@@ -180,7 +184,7 @@ fn every_topology_forwards_without_a_balancer() {
     lb_tests::require_root().expect("lab tests need root");
     assert_eq!(
         Topology::ALL.map(Topology::name),
-        ["tuned", "default", "bridge-backend", "bridge-client", "one-arm", "mixed", "macvlan", "vxlan"]
+        ["tuned", "default", "bridge-backend", "bridge-client", "one-arm", "mixed", "macvlan", "vxlan", "routed"]
     );
     for t in Topology::ALL {
         assert_eq!(t.name().parse::<Topology>(), Ok(t));

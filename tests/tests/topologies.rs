@@ -55,6 +55,8 @@ fn expected_modes(t: Topology) -> Vec<(&'static str, &'static str)> {
         // Neither a macvlan nor a VXLAN device has native XDP.
         Topology::Macvlan => vec![("eth0", "generic"), ("eth1", "generic")],
         Topology::Vxlan => vec![("eth0", "generic"), ("eth1", "generic")],
+        // Default veths, the backends behind a router.
+        Topology::Routed => vec![("eth0", "generic"), ("eth1", "generic")],
         // On each node, as Mixed: GRO on the switch end of eth1.
         Topology::Ecmp => vec![("eth0", "native"), ("eth1", "generic")],
     }

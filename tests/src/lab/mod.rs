@@ -141,6 +141,10 @@ pub enum Topology {
     /// (`eth1`, VNI 42, UDP 4789) across an underlay veth (`u0`, MTU
     /// 1600) to the switch, whose VTEP is a port of the backends' bridge.
     Vxlan,
+    /// The backends one router hop away: `eth1` is a point-to-point link
+    /// (10.21.0.0/30, fd00:21::/64) to a router namespace (`br`), which is
+    /// the backends' gateway (10.20.0.1, fd00:20::1) on their switch.
+    Routed,
     /// Scale-out: [`LabSpec::nodes`] balancer nodes `n1`.. behind a BGP
     /// router doing ECMP (module `ecmp`); not one of [`Topology::ALL`],
     /// which are the single-gateway variants.
@@ -148,7 +152,7 @@ pub enum Topology {
 }
 
 impl Topology {
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::Tuned,
         Self::Default,
         Self::BridgeBackend,
@@ -157,6 +161,7 @@ impl Topology {
         Self::Mixed,
         Self::Macvlan,
         Self::Vxlan,
+        Self::Routed,
     ];
 
     /// The name on the command line (`cargo xtask lab up --topology NAME`).
@@ -170,6 +175,7 @@ impl Topology {
             Self::Mixed => "mixed",
             Self::Macvlan => "macvlan",
             Self::Vxlan => "vxlan",
+            Self::Routed => "routed",
             Self::Ecmp => "ecmp",
         }
     }
@@ -190,6 +196,7 @@ impl Topology {
             Self::Vxlan => {
                 "veth to the client; eth1 a VXLAN device over an underlay veth to the switch, whose VTEP bridges to the backends"
             }
+            Self::Routed => "veth to the client; eth1 a link to a router, the backends' gateway on their switch",
             Self::Ecmp => {
                 "balancer nodes n1..nN behind a BIRD router spreading the VIPs over them by ECMP; DSR backends"
             }
@@ -199,7 +206,9 @@ impl Topology {
     /// The gateway interfaces lbd attaches to, client side first.
     pub fn gw_interfaces(self) -> Vec<String> {
         let v: &[&str] = match self {
-            Self::Tuned | Self::Default | Self::Mixed | Self::Macvlan | Self::Vxlan | Self::Ecmp => &["eth0", "eth1"],
+            Self::Tuned | Self::Default | Self::Mixed | Self::Macvlan | Self::Vxlan | Self::Routed | Self::Ecmp => {
+                &["eth0", "eth1"]
+            }
             Self::BridgeBackend => &["eth0", "br0"],
             Self::BridgeClient => &["br0", "eth1"],
             Self::OneArm => &["eth0"],
@@ -701,6 +710,9 @@ impl Lab {
         if self.spec.dsr {
             v.push("rt".into());
         }
+        if self.spec.topology == Topology::Routed {
+            v.push("br".into());
+        }
         v.extend(self.backend_names());
         v
     }
@@ -823,6 +835,35 @@ impl Lab {
                 gw.push_str("link set eth1 mtu 1500\n");
                 gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n");
             }
+            Topology::Routed => {
+                let br_ns = self.ns("br");
+                self.ip_ns(
+                    "client",
+                    &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns],
+                )?;
+                self.ip_ns("gw", &["link", "add", "eth1", "type", "veth", "peer", "name", "r0", "netns", &br_ns])?;
+                self.ip_ns("br", &["link", "add", "r1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
+                self.ip_batch("sw", &ports(0))?;
+                self.ip_batch(
+                    "br",
+                    &format!(
+                        "addr add 10.21.0.2/30 dev r0\naddr add fd00:21::2/64 dev r0 nodad\nlink set r0 up\naddr add 10.20.0.1/24 dev r1\naddr add {GW6_BACKEND}/64 dev r1 nodad\nlink set r1 up\nroute add 10.10.0.0/16 via 10.21.0.1\nroute add fd00:10::/64 via fd00:21::1\n"
+                    ),
+                )?;
+                self.ns_exec(
+                    "br",
+                    "sysctl",
+                    &[
+                        "-q",
+                        "-w",
+                        "net.ipv4.ip_forward=1",
+                        "net.ipv6.conf.all.forwarding=1",
+                        "net.ipv4.conf.all.rp_filter=0",
+                        "net.ipv4.conf.default.rp_filter=0",
+                    ],
+                )?;
+                gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.21.0.1/30 dev eth1\nlink set eth1 up\nroute add 10.20.0.0/24 via 10.21.0.2\n");
+            }
             Topology::OneArm => {
                 self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "pc", "netns", &sw_ns])?;
                 self.ip_ns("gw", &["link", "add", "eth0", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
@@ -839,13 +880,19 @@ impl Lab {
             | Topology::Mixed
             | Topology::Macvlan
             | Topology::Vxlan
+            | Topology::Routed
             | Topology::Ecmp => ("eth0", "eth1"),
             Topology::BridgeBackend => ("eth0", "br0"),
             Topology::BridgeClient => ("br0", "eth1"),
             Topology::OneArm => ("eth0", "eth0"),
         };
         writeln!(gw, "addr add {GW6_CLIENT}/64 dev {v6_client_side} nodad").unwrap();
-        writeln!(gw, "addr add {GW6_BACKEND}/64 dev {v6_backend_side} nodad").unwrap();
+        if topo == Topology::Routed {
+            // The router is the backends' gateway; the gateway reaches them by it.
+            writeln!(gw, "addr add fd00:21::1/64 dev eth1 nodad\nroute add fd00:20::/64 via fd00:21::2").unwrap();
+        } else {
+            writeln!(gw, "addr add {GW6_BACKEND}/64 dev {v6_backend_side} nodad").unwrap();
+        }
         self.ip_batch("gw", &gw)?;
         let mut sysctls: Vec<String> = [
             "net.ipv4.ip_forward=1",
@@ -1005,6 +1052,9 @@ impl Lab {
     fn dsr_bypass(&self) -> anyhow::Result<()> {
         if self.spec.topology == Topology::BridgeBackend {
             bail!("the DSR lab needs the backends' bridge outside the gateway (not bridge-backend)");
+        }
+        if self.spec.topology == Topology::Routed {
+            bail!("the DSR lab needs the backends on the gateway's own network (not routed)");
         }
         let (sw_ns, rt_ns) = (self.ns("sw"), self.ns("rt"));
         self.ip_ns("client", &["link", "add", "eth1", "type", "veth", "peer", "name", "c0", "netns", &rt_ns])?;

@@ -83,7 +83,7 @@ pub(super) fn is_lab_ns(prefix: &str, ns: &str) -> bool {
     };
     let numbered =
         |p: &str| role.strip_prefix(p).is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()));
-    matches!(role, "client" | "gw" | "sw" | "rt") || numbered("be") || numbered("n")
+    matches!(role, "client" | "gw" | "sw" | "rt" | "br") || numbered("be") || numbered("n")
 }
 
 /// The lab prefix of a namespace of one of this project's labs (`lb`,
