@@ -149,6 +149,11 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
 /// unpinning them would stop the balancer that was running.
 #[test]
 fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
+    let program_on = |lab: &Lab, iface: &str| {
+        let out = lab.cmd("gw", "ip").args(["-j", "-d", "link", "show", iface]).output().unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v[0]["xdp"]["prog"]["id"].as_u64().unwrap_or_else(|| panic!("no XDP program on {iface}: {v}"))
+    };
     let mut s = Running::start("lbt-restartf", 3, WEB);
     let (lab, good, sock) = (&s.lab, s.config.clone(), s.lbd.socket.clone());
     let bridge = "lbtbr0";
@@ -164,6 +169,8 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
 
     let modes: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(lab, i).unwrap()).collect();
     assert!(modes.iter().all(Option::is_some), "XDP not attached at start: {modes:?}");
+    let programs = || ["eth0", "eth1"].map(|i| program_on(lab, i));
+    let running = programs();
     let balanced = || {
         let r = lab
             .client(&["conns", "--target", "10.10.0.100:80", "--concurrency", "4", "--duration-ms", "1000"])
@@ -202,6 +209,7 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
     assert_eq!(text.matches("bpf_link_create").count(), 1, "a cause said twice: {text}");
     let after: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(lab, i).unwrap()).collect();
     assert_eq!(after, modes, "the failed start changed or removed XDP on the running interfaces");
+    assert_eq!(programs(), running, "the failed start replaced the running program");
     assert_eq!(xdp_mode_in_use(lab, bridge).unwrap(), None, "XDP left on {bridge}");
     assert_eq!(dump(), egresses, "the failed start left its egress flags in NETDEVS");
     assert!(!lab.pin_dir().join("links").join(bridge).exists(), "a link pinned for {bridge}");
@@ -214,6 +222,38 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
         ok > 0 && now >= before + ok,
         "not balanced after the failed start: {ok} answered, backends {before} -> {now}"
     );
+
+    // A start that fails while swapping its program into the pinned links
+    // (eth1's pin is not a link: the link itself is held by a pin
+    // elsewhere, so XDP stays on eth1): eth0, already swapped, gets the
+    // running program back.
+    let links = lab.pin_dir().join("links");
+    let hold = lab.pin_dir().join("held-eth1");
+    let bpftool = |args: &[&str]| {
+        let out = std::process::Command::new("bpftool").args(args).output().unwrap();
+        assert!(out.status.success(), "bpftool {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let eth1_link = links.join("eth1").display().to_string();
+    let info: serde_json::Value =
+        serde_json::from_str(&bpftool(&["-j", "link", "show", "pinned", &eth1_link])).unwrap();
+    let id = info["id"].as_u64().expect("link id").to_string();
+    bpftool(&["link", "pin", "id", &id, &hold.display().to_string()]);
+    std::fs::remove_file(links.join("eth1")).unwrap();
+    bpftool(&[
+        "map", "create", &eth1_link, "type", "array", "key", "4", "value", "4", "entries", "1", "name", "notalink",
+    ]);
+    let err = Lbd::start(lab, &good, &sock).err().expect("lbd started with eth1's pin not a link");
+    let log = format!("{err:#}");
+    assert!(log.contains("the program the link ran before is back in it"), "{log}");
+    assert_eq!(programs(), running, "the failed swap left this build's program on eth0");
+    std::fs::remove_file(links.join("eth1")).unwrap();
+    bpftool(&["link", "pin", "id", &id, &eth1_link]);
+    std::fs::remove_file(&hold).unwrap();
+    let now = lab.connections_served().unwrap();
+    let ok = balanced();
+    assert_eq!(lab.connections_served().unwrap(), now + ok, "not balanced after the failed swap");
+    let now = now + ok;
 
     // The good configuration adopts the datapath again; the counters went on.
     let mut lbd = Lbd::start(lab, &good, &sock).unwrap();

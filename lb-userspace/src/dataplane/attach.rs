@@ -3,6 +3,7 @@
 //! the path report in step with the devices, detaching and the clean stop.
 use std::{
     collections::BTreeMap,
+    os::fd::OwnedFd,
     path::{Path, PathBuf},
 };
 
@@ -26,8 +27,10 @@ use crate::{
 
 pub(super) enum AttachedLink {
     /// Pinned in bpffs: survives us. `adopted`: the link was pinned by a
-    /// previous lbd, and this one swapped its program in.
-    Pinned { fd: FdLink, path: PathBuf, adopted: bool },
+    /// previous lbd, and this one swapped its program in; `previous` holds
+    /// the program it had, until the whole attach succeeded (to put it
+    /// back if it does not).
+    Pinned { fd: FdLink, path: PathBuf, adopted: bool, previous: Option<OwnedFd> },
     /// Owned by the program object (unpinned data planes, for tests).
     Owned(XdpLinkId),
     /// None: the interface was replaced and attaching to the new device
@@ -51,6 +54,25 @@ pub(super) fn hint(mode: Mode, e: &ProgramError) -> &'static str {
             ", which this device does not offer (xdp_mode: auto falls back to generic mode)"
         }
         _ => "",
+    }
+}
+
+/// Swap the program an adopted link ran before back into it (`previous`,
+/// held since before the swap); whether it is back.
+fn put_back(iface: &str, path: &Path, previous: Option<&OwnedFd>) -> bool {
+    let Some(prog) = previous else {
+        warn!(interface = %iface, "the program this link ran before is gone: this build's stays in it");
+        return false;
+    };
+    match super::sys::relink_pinned(path, prog) {
+        Ok(()) => {
+            info!(interface = %iface, "the program the link ran before is back in it");
+            true
+        }
+        Err(e) => {
+            warn!(interface = %iface, error = %e, "putting the previous program back into the link");
+            false
+        }
     }
 }
 
@@ -142,19 +164,31 @@ impl Dataplane {
                 }
                 Err(e) => {
                     // Undo what this call attached. A link adopted from
-                    // the previous lbd stays pinned, this build's program
-                    // already in it: unpinning it would stop the balancer
-                    // that was running (and the program it had is gone).
+                    // the previous lbd stays pinned (unpinning it would
+                    // stop the balancer that was running), with the
+                    // program it had put back.
+                    let mut restored = true;
                     for a in done {
-                        if !matches!(a.link, AttachedLink::Pinned { adopted: true, .. }) {
-                            self.detach_one(a);
+                        match &a.link {
+                            AttachedLink::Pinned { adopted: true, path, previous, .. } => {
+                                restored &= put_back(&a.attachment.interface, path, previous.as_ref());
+                            }
+                            _ => self.detach_one(a),
                         }
                     }
+                    // Nothing runs this build's program any more.
+                    self.swapped &= !restored;
                     if let Err(e) = self.write_netdevs(&netdevs_before) {
                         warn!(error = %e, "restoring the egress paths (NETDEVS) after a failed attach");
                     }
                     return Err(e);
                 }
+            }
+        }
+        // Done: the previous programs may go.
+        for a in &mut done {
+            if let AttachedLink::Pinned { previous, .. } = &mut a.link {
+                *previous = None;
             }
         }
         self.attached.extend(done);
@@ -197,15 +231,17 @@ impl Dataplane {
         if let Some(path) = pin_path.as_ref().filter(|p| p.exists()) {
             // Adopt: replace the program behind the existing link.
             let link_err = |source| DataplaneError::Link { path: path.clone(), source };
-            let pinned = PinnedLink::from_pin(path).map_err(link_err)?;
-            let xdp = XdpLink::try_from(FdLink::from(pinned)).map_err(link_err)?;
+            let pinned = FdLink::from(PinnedLink::from_pin(path).map_err(link_err)?);
+            // The program it runs, held until the whole attach succeeded.
+            let previous = pinned.info().ok().and_then(|i| super::sys::prog_by_id(i.program_id()).ok());
+            let xdp = XdpLink::try_from(pinned).map_err(link_err)?;
             let id = prog.attach_to_link(xdp)?;
             let fd = FdLink::try_from(prog.take_link(id)?).map_err(link_err)?;
             let (mode, reason) = saved_mode(links_dir, iface).unwrap_or((Mode::Native, String::new()));
             info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
             return Ok(Attached {
                 attachment: Attachment { interface: iface.to_owned(), mode, reason, missing: false },
-                link: AttachedLink::Pinned { fd, path: path.clone(), adopted: true },
+                link: AttachedLink::Pinned { fd, path: path.clone(), adopted: true, previous },
             });
         }
         let try_mode = |prog: &mut Xdp, m: Mode| {
@@ -240,7 +276,10 @@ impl Dataplane {
             .pin(&path)
             .map_err(|e| DataplaneError::Pin { path: path.clone(), source: std::io::Error::other(e.to_string()) })?;
         let _ = std::fs::write(mode_path(&path), format!("{}\n{reason}\n", mode.name()));
-        Ok(Attached { attachment, link: AttachedLink::Pinned { fd: FdLink::from(pinned), path, adopted: false } })
+        Ok(Attached {
+            attachment,
+            link: AttachedLink::Pinned { fd: FdLink::from(pinned), path, adopted: false, previous: None },
+        })
     }
 
     /// Re-read the network devices and bring NETDEVS (which egress takes

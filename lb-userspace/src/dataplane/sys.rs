@@ -9,6 +9,11 @@
 //! link-detach call and does not hand out the fd inside an `FdLink`, so
 //! [`detach_pinned`] takes a handle from the pin (BPF_OBJ_GET) and issues
 //! BPF_LINK_DETACH on it.
+//!
+//! Putting a pinned link's previous program back ([`relink_pinned`]) after
+//! a start that failed half-way needs that program held by id before the
+//! swap (BPF_PROG_GET_FD_BY_ID, [`prog_by_id`]) and a link update with a
+//! raw program fd (BPF_LINK_UPDATE), which aya does not offer either.
 use std::{
     ffi::CString,
     io,
@@ -46,22 +51,71 @@ struct DetachAttr {
     link_fd: u32,
 }
 
+/// The `link_update` member of `union bpf_attr`.
+#[repr(C)]
+struct LinkUpdateAttr {
+    link_fd: u32,
+    new_prog_fd: u32,
+    flags: u32,
+    old_prog_fd: u32,
+}
+
+/// The id member of `union bpf_attr` (BPF_*_GET_FD_BY_ID).
+#[repr(C)]
+struct GetByIdAttr {
+    id: u32,
+    next_id: u32,
+    open_flags: u32,
+}
+
+const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_DETACH: libc::c_long = 34;
+
+/// A new fd the kernel returned.
+fn owned(fd: libc::c_long) -> io::Result<OwnedFd> {
+    let fd = i32::try_from(fd).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    // SAFETY: the kernel just returned this fd to us (close-on-exec), and
+    // nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A handle on the object pinned at `path`.
+fn obj_get(path: &Path) -> io::Result<OwnedFd> {
+    let name = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut get = ObjAttr { pathname: name.as_ptr() as u64, bpf_fd: 0, file_flags: 0 };
+    // SAFETY: an obj_get prefix; `name` outlives the call.
+    owned(unsafe { bpf(BPF_OBJ_GET, &mut get) }?)
+}
 
 /// Detach the link pinned at `path` from its interface now. The pin stays
 /// (the caller removes it); the link object, defunct, goes with its last
 /// reference.
 pub(super) fn detach_pinned(path: &Path) -> io::Result<()> {
-    let name = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut get = ObjAttr { pathname: name.as_ptr() as u64, bpf_fd: 0, file_flags: 0 };
-    // SAFETY: an obj_get prefix; `name` outlives the call.
-    let fd = unsafe { bpf(BPF_OBJ_GET, &mut get) }?;
-    let fd = i32::try_from(fd).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    // SAFETY: the kernel just returned this fd to us (close-on-exec), and
-    // nothing else owns it.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let fd = obj_get(path)?;
     let mut detach = DetachAttr { link_fd: fd.as_raw_fd().cast_unsigned() };
     // SAFETY: a link_detach prefix, no pointers.
     unsafe { bpf(BPF_LINK_DETACH, &mut detach) }.map(drop)
+}
+
+/// A reference to the loaded program `id` (it stays loaded while held).
+pub(super) fn prog_by_id(id: u32) -> io::Result<OwnedFd> {
+    let mut get = GetByIdAttr { id, next_id: 0, open_flags: 0 };
+    // SAFETY: a get-by-id prefix, no pointers.
+    owned(unsafe { bpf(BPF_PROG_GET_FD_BY_ID, &mut get) }?)
+}
+
+/// Swap `prog` into the link pinned at `path` (atomically, as any link
+/// update).
+pub(super) fn relink_pinned(path: &Path, prog: &OwnedFd) -> io::Result<()> {
+    let link = obj_get(path)?;
+    let mut update = LinkUpdateAttr {
+        link_fd: link.as_raw_fd().cast_unsigned(),
+        new_prog_fd: prog.as_raw_fd().cast_unsigned(),
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    // SAFETY: a link_update prefix, no pointers.
+    unsafe { bpf(BPF_LINK_UPDATE, &mut update) }.map(drop)
 }
