@@ -850,18 +850,7 @@ impl Lab {
                         "addr add 10.21.0.2/30 dev r0\naddr add fd00:21::2/64 dev r0 nodad\nlink set r0 up\naddr add 10.20.0.1/24 dev r1\naddr add {GW6_BACKEND}/64 dev r1 nodad\nlink set r1 up\nroute add 10.10.0.0/16 via 10.21.0.1\nroute add fd00:10::/64 via fd00:21::1\n"
                     ),
                 )?;
-                self.ns_exec(
-                    "br",
-                    "sysctl",
-                    &[
-                        "-q",
-                        "-w",
-                        "net.ipv4.ip_forward=1",
-                        "net.ipv6.conf.all.forwarding=1",
-                        "net.ipv4.conf.all.rp_filter=0",
-                        "net.ipv4.conf.default.rp_filter=0",
-                    ],
-                )?;
+                self.router_sysctls("br")?;
                 gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.21.0.1/30 dev eth1\nlink set eth1 up\nroute add 10.20.0.0/24 via 10.21.0.2\n");
             }
             Topology::OneArm => {
@@ -1025,6 +1014,23 @@ impl Lab {
         )
     }
 
+    /// A router namespace's settings: forwarding both families, no
+    /// reverse-path filter.
+    fn router_sysctls(&self, role: &str) -> anyhow::Result<()> {
+        self.ns_exec(
+            role,
+            "sysctl",
+            &[
+                "-q",
+                "-w",
+                "net.ipv4.ip_forward=1",
+                "net.ipv6.conf.all.forwarding=1",
+                "net.ipv4.conf.all.rp_filter=0",
+                "net.ipv4.conf.default.rp_filter=0",
+            ],
+        )
+    }
+
     /// A DSR backend never tells its network about the VIPs on its
     /// loopback: ARP answers only for eth0's own addresses (IPv6 neighbour
     /// discovery never answers for loopback's).
@@ -1066,18 +1072,7 @@ impl Lab {
                 "addr add 10.30.0.1/24 dev c0\naddr add fd00:30::1/64 dev c0 nodad\nlink set c0 up\naddr add {BYPASS_ROUTER}/24 dev b0\naddr add {BYPASS_ROUTER6}/64 dev b0 nodad\nlink set b0 up\nroute add 10.10.0.0/16 via 10.30.0.2\nroute add fd00:10::/64 via fd00:30::2\nroute add 10.10.0.96/28 via 10.20.0.1\nroute add {VIPS6_NET} via {GW6_BACKEND}\nroute add default via 10.20.0.1\nroute add default via {GW6_BACKEND}\n"
             ),
         )?;
-        self.ns_exec(
-            "rt",
-            "sysctl",
-            &[
-                "-q",
-                "-w",
-                "net.ipv4.ip_forward=1",
-                "net.ipv6.conf.all.forwarding=1",
-                "net.ipv4.conf.all.rp_filter=0",
-                "net.ipv4.conf.default.rp_filter=0",
-            ],
-        )?;
+        self.router_sysctls("rt")?;
         self.ip_batch(
             "client",
             "addr add 10.30.0.2/24 dev eth1\naddr add fd00:30::2/64 dev eth1 nodad\nlink set eth1 up\n",
