@@ -86,15 +86,7 @@ pub fn xdp_mode_in_use(lab: &Lab, iface: &str) -> anyhow::Result<Option<String>>
 
 /// As [`xdp_mode_in_use`], on `iface` in the namespace of lab role `role`.
 pub fn xdp_mode_in(lab: &Lab, role: &str, iface: &str) -> anyhow::Result<Option<String>> {
-    let out = Command::new("ip")
-        .args(["-n", &lab.ns(role), "-j", "-d", "link", "show", "dev", iface])
-        .output()
-        .context("running ip link show")?;
-    if !out.status.success() {
-        bail!("ip link show dev {iface}: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("ip -j link output")?;
-    let xdp = &v[0]["xdp"];
+    let xdp = xdp_of(lab, role, iface)?;
     // XDP_ATTACHED_* from linux/if_link.h.
     Ok(match xdp["mode"].as_u64() {
         None | Some(0) => None,
@@ -103,6 +95,26 @@ pub fn xdp_mode_in(lab: &Lab, role: &str, iface: &str) -> anyhow::Result<Option<
         Some(3) => Some("offload".into()),
         Some(m) => bail!("{iface}: XDP attach mode {m} ({xdp}) is not a single program"),
     })
+}
+
+/// The `xdp` object `ip -j -d link` reports for `iface` in lab role `role`.
+fn xdp_of(lab: &Lab, role: &str, iface: &str) -> anyhow::Result<serde_json::Value> {
+    let out = Command::new("ip")
+        .args(["-n", &lab.ns(role), "-j", "-d", "link", "show", "dev", iface])
+        .output()
+        .context("running ip link show")?;
+    if !out.status.success() {
+        bail!("ip link show dev {iface}: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("ip -j link output")?;
+    Ok(v[0]["xdp"].clone())
+}
+
+/// The id of the XDP program the kernel reports on the gateway's `iface`
+/// (the one program, in whichever mode). Panics when there is none.
+pub fn xdp_program_in_use(lab: &Lab, iface: &str) -> u64 {
+    let xdp = xdp_of(lab, "gw", iface).unwrap();
+    xdp["prog"]["id"].as_u64().unwrap_or_else(|| panic!("no XDP program on {iface}: {xdp}"))
 }
 
 /// Where the forwarded packets of a status report went: (left by XDP

@@ -58,8 +58,7 @@ fn lab_down_all_removes_what_killed_runs_left() {
         .unwrap_or_default();
     assert!(in_bpffs.is_empty(), "pin directories left in {BPFFS}: {in_bpffs:?}");
     // Nothing pinned any more: the labs' bpf filesystem is unmounted.
-    let fs = Command::new("stat").args(["-f", "-c", "%T", BPFFS]).output().unwrap();
-    assert_ne!(String::from_utf8_lossy(&fs.stdout).trim(), "bpf_fs", "{BPFFS} still mounted");
+    assert!(!lb_tests::lab::bpffs_mounted(), "{BPFFS} still mounted");
     assert_eq!(bpf_stats(), before, "kernel.bpf_stats_enabled not restored");
     let saved: Vec<_> =
         std::fs::read_dir(SAVED_DIR).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();

@@ -243,7 +243,8 @@ fn bpf_programs_named(name: &str) -> usize {
     v.as_array().unwrap().iter().filter(|p| p["name"] == name).count()
 }
 
-fn bpffs_entries() -> Vec<String> {
+/// Every path under `dir` (pins and their directories), sorted.
+fn entries_under(dir: &std::path::Path) -> Vec<String> {
     fn walk(dir: &std::path::Path, out: &mut Vec<String>) {
         if let Ok(rd) = std::fs::read_dir(dir) {
             for e in rd.flatten() {
@@ -255,9 +256,13 @@ fn bpffs_entries() -> Vec<String> {
         }
     }
     let mut v = Vec::new();
-    walk(std::path::Path::new("/sys/fs/bpf"), &mut v);
+    walk(dir, &mut v);
     v.sort();
     v
+}
+
+fn bpffs_entries() -> Vec<String> {
+    entries_under(std::path::Path::new("/sys/fs/bpf"))
 }
 
 #[test]
@@ -411,21 +416,7 @@ fn flow_tables_without_the_memory_fail_the_start_clearly_and_leave_nothing() {
     ] {
         assert!(line.contains(want), "{want:?} not in {line:?}");
     }
-    assert!(!lab.pin_dir().exists(), "the failed start left pins: {:?}", bpffs_entries_under(&lab.pin_dir()));
+    assert!(!lab.pin_dir().exists(), "the failed start left pins: {:?}", entries_under(&lab.pin_dir()));
     assert!(!xdp_attached(&lab, "eth0") && !xdp_attached(&lab, "eth1"), "XDP attached");
     assert!(!sock.exists(), "control socket created");
-}
-
-fn bpffs_entries_under(dir: &std::path::Path) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            out.push(e.path().display().to_string());
-            if e.path().is_dir() {
-                stack.push(e.path());
-            }
-        }
-    }
-    out
 }

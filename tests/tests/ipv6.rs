@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
-    lab::{GW6_BACKEND, GW6_CLIENT, Lab, LabSpec, Topology, VIP6},
+    lab::{GW6_BACKEND, GW6_CLIENT, Lab, LabSpec, ROUTED_GW6, Topology, VIP6},
     lbd::{Lbd, path_counts, wait_for, write_config_for, xdp_mode_in_use},
 };
 
@@ -70,7 +70,7 @@ fn ipv6_goes_through_the_gateway_in_every_topology() {
         let gw = output(Command::new("ip").args(["-n", &lab.ns("gw"), "-6", "-o", "addr", "show"]));
         // In `routed`, the backends' gateway is the router; the gateway has
         // the link to it.
-        let backend_addr = if t == Topology::Routed { "fd00:21::1".parse().unwrap() } else { GW6_BACKEND };
+        let backend_addr = if t == Topology::Routed { ROUTED_GW6 } else { GW6_BACKEND };
         for (dev, addr) in [(client_side, GW6_CLIENT), (backend_side, backend_addr)] {
             assert!(
                 gw.lines().any(|l| l.contains(&format!(" {dev} ")) && l.contains(&format!("{addr}/64"))),

@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use lb_tests::lab::{BPFFS, Lab, LabSpec, Topology};
+use lb_tests::lab::{BPFFS, Lab, LabSpec, ROUTED_GW, Topology};
 
 const PREFIX: &str = "lbt-topo";
 
@@ -129,9 +129,9 @@ fn check(t: Topology) {
         "{name}: 10.10.0.1/16 on {client_side}:\n{addrs}"
     );
     // In `routed`, the link to the backends' router.
-    let backend_net = if t == Topology::Routed { "10.21.0.1/30" } else { "10.20.0.1/24" };
+    let backend_net = if t == Topology::Routed { format!("{ROUTED_GW}/30") } else { "10.20.0.1/24".to_owned() };
     assert!(
-        addrs.lines().any(|l| l.contains(&format!(" {backend_side} ")) && l.contains(backend_net)),
+        addrs.lines().any(|l| l.contains(&format!(" {backend_side} ")) && l.contains(&backend_net)),
         "{name}: {backend_net} on {backend_side}:\n{addrs}"
     );
     assert!(!addrs.contains("10.10.0.9") && !addrs.contains("10.10.0.10"), "{name}: a VIP on the gateway:\n{addrs}");

@@ -8,7 +8,7 @@ use std::{path::PathBuf, time::Duration};
 use lb_tests::{
     harness::{Running, config_dir, serial, socket_for},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config, write_config_with, xdp_mode_in_use},
+    lbd::{Lbd, wait_for, write_config, write_config_with, xdp_mode_in_use, xdp_program_in_use},
 };
 
 const WEB: &str = "  - name: web
@@ -149,11 +149,6 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
 /// unpinning them would stop the balancer that was running.
 #[test]
 fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
-    let program_on = |lab: &Lab, iface: &str| {
-        let out = lab.cmd("gw", "ip").args(["-j", "-d", "link", "show", iface]).output().unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v[0]["xdp"]["prog"]["id"].as_u64().unwrap_or_else(|| panic!("no XDP program on {iface}: {v}"))
-    };
     let mut s = Running::start("lbt-restartf", 3, WEB);
     let (lab, good, sock) = (&s.lab, s.config.clone(), s.lbd.socket.clone());
     let bridge = "lbtbr0";
@@ -169,7 +164,7 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
 
     let modes: Vec<_> = ["eth0", "eth1"].iter().map(|i| xdp_mode_in_use(lab, i).unwrap()).collect();
     assert!(modes.iter().all(Option::is_some), "XDP not attached at start: {modes:?}");
-    let programs = || ["eth0", "eth1"].map(|i| program_on(lab, i));
+    let programs = || ["eth0", "eth1"].map(|i| xdp_program_in_use(lab, i));
     let running = programs();
     let balanced = || {
         let r = lab

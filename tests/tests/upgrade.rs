@@ -19,7 +19,7 @@ use std::{
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config, write_config_with},
+    lbd::{Lbd, wait_for, write_config, write_config_with, xdp_program_in_use},
 };
 
 /// The old release's lbd: where `cargo xtask test` built it.
@@ -34,16 +34,10 @@ fn old_lbd(lab: &Lab) -> PathBuf {
     path
 }
 
-/// The XDP program attached to the gateway's `iface`, by id (the kernel's
-/// view, not lbd's).
-fn program_on(lab: &Lab, iface: &str) -> u64 {
-    let out = lab.cmd("gw", "ip").args(["-j", "-d", "link", "show", iface]).output().unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v[0]["xdp"]["prog"]["id"].as_u64().unwrap_or_else(|| panic!("no XDP program on {iface}: {v}"))
-}
-
+/// The XDP program on the gateway's `eth0`, by id (the kernel's view,
+/// not lbd's).
 fn attached_program(lab: &Lab) -> u64 {
-    program_on(lab, "eth0")
+    xdp_program_in_use(lab, "eth0")
 }
 
 fn set_layout(maps: &Path, version: u32) {
@@ -107,7 +101,7 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     assert!(text.contains(&format!("attaching XDP to {bridge}")), "{text}");
     assert!(text.contains("the migration was undone"), "{text}");
     for iface in ["eth0", "eth1"] {
-        assert_eq!(program_on(&lab, iface), before, "the failed upgrade replaced the old program on {iface}");
+        assert_eq!(xdp_program_in_use(&lab, iface), before, "the failed upgrade replaced the old program on {iface}");
     }
     assert!(!lab.pin_dir().join("maps-v1").exists(), "the old maps were left aside");
     assert!(!maps.join("LAYOUT").exists(), "the new layout's maps were left pinned");

@@ -121,13 +121,6 @@ async fn run(cfg: config::Config, path: PathBuf) -> anyhow::Result<Exit> {
     result
 }
 
-/// The machine's memory in bytes (`MemTotal` of /proc/meminfo).
-fn mem_total() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kb = text.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().strip_suffix("kB")?.trim();
-    kb.parse::<u64>().ok().map(|k| k * 1024)
-}
-
 async fn serve(
     cfg: &config::Config,
     path: PathBuf,
@@ -137,11 +130,13 @@ async fn serve(
     sigint: &mut tokio::signal::unix::Signal,
 ) -> anyhow::Result<Exit> {
     let adopting = Dataplane::pinned_at(&cfg.pin_path);
-    if !adopting
-        && let Some(total) = mem_total()
-        && let Some(w) = lb_userspace::dataplane::memory_warning(cfg, total)
-    {
-        warn!("{w}");
+    if !adopting {
+        // The machine's memory (sysinfo(2), as /proc/meminfo's MemTotal).
+        let info = rustix::system::sysinfo();
+        let total = info.totalram * u64::from(info.mem_unit);
+        if let Some(w) = lb_userspace::dataplane::memory_warning(cfg, total) {
+            warn!("{w}");
+        }
     }
     let mut dp = Dataplane::load(cfg).context("loading the datapath")?;
     let logger = match aya_log::EbpfLogger::init(dp.ebpf_mut()) {

@@ -59,7 +59,7 @@ pub(super) fn hint(mode: Mode, e: &ProgramError) -> &'static str {
 
 /// Swap the program an adopted link ran before back into it (`previous`,
 /// held since before the swap); whether it is back.
-fn put_back(iface: &str, path: &Path, previous: Option<&OwnedFd>) -> bool {
+fn restore_previous(iface: &str, path: &Path, previous: Option<&OwnedFd>) -> bool {
     let Some(prog) = previous else {
         warn!(interface = %iface, "the program this link ran before is gone: this build's stays in it");
         return false;
@@ -100,9 +100,9 @@ impl Dataplane {
     /// links swapped last, so that an interface that cannot be attached
     /// fails the call before the running program is replaced anywhere. On
     /// error, interfaces attached here are detached again, NETDEVS gets
-    /// back what it held, adopted links stay (with this build's program
-    /// where it was already swapped in) and links of interfaces no longer
-    /// configured stay too.
+    /// back what it held, adopted links already swapped get the program
+    /// they ran before back, and links of interfaces no longer configured
+    /// stay.
     pub fn attach(&mut self, interfaces: &[String], requested: XdpMode) -> Result<(), DataplaneError> {
         let links_dir = self.pin.as_ref().map(|p| p.join("links"));
         // Links pinned for interfaces no longer configured: detached once
@@ -123,7 +123,8 @@ impl Dataplane {
         let find = |name: &str| {
             links.iter().find(|l| l.name == name).ok_or_else(|| DataplaneError::NoInterface(name.to_owned()))
         };
-        let mut plan: Vec<(String, Mode, String)> = Vec::new();
+        // (interface, mode, why, adopted: a pinned link is swapped)
+        let mut plan: Vec<(String, Mode, String, bool)> = Vec::new();
         for iface in interfaces {
             // A pinned link whose device carries no XDP program at all was
             // severed: its device was deleted (and this one made again
@@ -139,24 +140,25 @@ impl Dataplane {
                 paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
             let (mut mode, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
             // A pinned link is adopted in the mode it has: plan with that one.
-            if let Some((saved, _)) = saved_mode(links_dir.as_deref(), iface) {
-                mode = saved;
+            let saved = saved_mode(links_dir.as_deref(), iface);
+            if let Some((m, _)) = saved {
+                mode = m;
             }
             if requested == XdpMode::Native {
                 for c in paths::native_caveats(&egresses) {
                     warn!(interface = %iface, "xdp_mode native: {c}");
                 }
             }
-            plan.push((iface.clone(), mode, reason));
+            plan.push((iface.clone(), mode, reason, saved.is_some()));
         }
         // New attachments first (a stable sort keeps the configured order
         // within each kind).
-        plan.sort_by_key(|(iface, _, _)| saved_mode(links_dir.as_deref(), iface).is_some());
-        let planned: BTreeMap<String, Mode> = plan.iter().map(|(i, m, _)| (i.clone(), *m)).collect();
+        plan.sort_by_key(|p| p.3);
+        let planned: BTreeMap<String, Mode> = plan.iter().map(|(i, m, ..)| (i.clone(), *m)).collect();
         let netdevs_before: BTreeMap<u32, u32> = self.maps.netdevs.iter().filter_map(Result::ok).collect();
         self.write_netdevs(&paths::netdev_flags(&links, &planned))?;
         let mut done: Vec<Attached> = Vec::new();
-        for (iface, mode, reason) in plan {
+        for (iface, mode, reason, _) in plan {
             match self.attach_one(&iface, mode, requested, reason, links_dir.as_deref()) {
                 Ok(a) => {
                     self.swapped |= matches!(a.link, AttachedLink::Pinned { adopted: true, .. });
@@ -171,7 +173,7 @@ impl Dataplane {
                     for a in done {
                         match &a.link {
                             AttachedLink::Pinned { adopted: true, path, previous, .. } => {
-                                restored &= put_back(&a.attachment.interface, path, previous.as_ref());
+                                restored &= restore_previous(&a.attachment.interface, path, previous.as_ref());
                             }
                             _ => self.detach_one(a),
                         }

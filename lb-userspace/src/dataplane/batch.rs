@@ -26,10 +26,7 @@ struct BatchAttr {
     flags: u64,
 }
 
-const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-const BPF_MAP_LOOKUP_AND_DELETE_BATCH: libc::c_long = 25;
-const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+use super::sys::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_AND_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM};
 
 /// Entries per lookup chunk. A hash map's batch never splits a bucket, so
 /// a chunk must hold the longest bucket: far more than any bucket has.

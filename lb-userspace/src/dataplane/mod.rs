@@ -360,7 +360,7 @@ impl Dataplane {
                 loader.map_pin_path(name, maps_dir.join(name));
             }
         }
-        let loaded = Self::load_program(loader);
+        let loaded = Self::load_program(loader).map_err(|e| memory_hint(e, config));
         match (&migrate_from, &maps_dir) {
             (Some(aside), Some(maps_dir)) => {
                 let dp =
@@ -371,19 +371,15 @@ impl Dataplane {
                 dp
             }
             _ => {
-                let (ebpf, ncpus) = match loaded {
-                    Ok(l) => l,
-                    Err(e) => {
-                        // A first start that failed: the maps it created
-                        // before the failing one were pinned; nothing uses
-                        // them, and nothing of ours should stay.
-                        if let (false, Some(pin), Some(maps_dir)) = (adopting, pin, &maps_dir) {
-                            let _ = std::fs::remove_dir_all(maps_dir);
-                            let _ = std::fs::remove_dir(pin);
-                        }
-                        return Err(memory_hint(e, config));
+                let (ebpf, ncpus) = loaded.inspect_err(|_| {
+                    // A first start that failed: the maps it created before
+                    // the failing one were pinned; nothing uses them, and
+                    // nothing of ours should stay.
+                    if let (false, Some(pin), Some(maps_dir)) = (adopting, pin, &maps_dir) {
+                        let _ = std::fs::remove_dir_all(maps_dir);
+                        let _ = std::fs::remove_dir(pin);
                     }
-                };
+                })?;
                 Self::build(config, pin, ebpf, ncpus, adopting, None, resume_from.as_deref())
             }
         }

@@ -92,6 +92,10 @@ const STATS_URL: &str = "http://127.0.0.1:9000";
 /// The gateway's IPv6 addresses on the client and backend sides.
 pub const GW6_CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 1);
 pub const GW6_BACKEND: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 1);
+/// The `routed` topology's gateway end of its link to the backends'
+/// router (/30 and /64; the router is .2 and ::2).
+pub const ROUTED_GW: Ipv4Addr = Ipv4Addr::new(10, 21, 0, 1);
+pub const ROUTED_GW6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x21, 0, 0, 0, 0, 0, 1);
 /// The client's main IPv6 address.
 pub const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 2);
 /// IPv6 VIPs live in this prefix, routed by the client to the gateway.
@@ -292,11 +296,18 @@ fn default_bin_dir() -> PathBuf {
 /// remounts /sys but not /run), so that pins outlive one lbd process.
 pub const BPFFS: &str = "/run/lbd/bpf";
 
+/// Whether a bpf filesystem is mounted on [`BPFFS`].
+pub fn bpffs_mounted() -> bool {
+    Command::new("stat")
+        .args(["-f", "-c", "%T", BPFFS])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "bpf_fs")
+}
+
 /// Mount bpffs on [`BPFFS`] unless it is mounted already.
 pub fn ensure_bpffs() -> anyhow::Result<()> {
     std::fs::create_dir_all(BPFFS).with_context(|| format!("creating {BPFFS}"))?;
-    let out = Command::new("stat").args(["-f", "-c", "%T", BPFFS]).output().context("stat -f")?;
-    if String::from_utf8_lossy(&out.stdout).trim() == "bpf_fs" {
+    if bpffs_mounted() {
         return Ok(());
     }
     run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS])).map(drop)
@@ -309,12 +320,8 @@ pub fn ensure_bpffs() -> anyhow::Result<()> {
 /// whether it unmounted.
 pub fn release_bpffs() -> anyhow::Result<bool> {
     let own = |n: &OsStr| n == "maps.debug" || n == "progs.debug";
-    let mounted = Command::new("stat")
-        .args(["-f", "-c", "%T", BPFFS])
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "bpf_fs");
     let mut unmounted = false;
-    if mounted {
+    if bpffs_mounted() {
         let pinned = std::fs::read_dir(BPFFS)
             .with_context(|| format!("reading {BPFFS}"))?
             .flatten()
@@ -847,11 +854,11 @@ impl Lab {
                 self.ip_batch(
                     "br",
                     &format!(
-                        "addr add 10.21.0.2/30 dev r0\naddr add fd00:21::2/64 dev r0 nodad\nlink set r0 up\naddr add 10.20.0.1/24 dev r1\naddr add {GW6_BACKEND}/64 dev r1 nodad\nlink set r1 up\nroute add 10.10.0.0/16 via 10.21.0.1\nroute add fd00:10::/64 via fd00:21::1\n"
+                        "addr add 10.21.0.2/30 dev r0\naddr add fd00:21::2/64 dev r0 nodad\nlink set r0 up\naddr add 10.20.0.1/24 dev r1\naddr add {GW6_BACKEND}/64 dev r1 nodad\nlink set r1 up\nroute add 10.10.0.0/16 via {ROUTED_GW}\nroute add fd00:10::/64 via {ROUTED_GW6}\n"
                     ),
                 )?;
                 self.router_sysctls("br")?;
-                gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.21.0.1/30 dev eth1\nlink set eth1 up\nroute add 10.20.0.0/24 via 10.21.0.2\n");
+                writeln!(gw, "addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add {ROUTED_GW}/30 dev eth1\nlink set eth1 up\nroute add 10.20.0.0/24 via 10.21.0.2").unwrap();
             }
             Topology::OneArm => {
                 self.ip_ns("client", &["link", "add", "eth0", "type", "veth", "peer", "name", "pc", "netns", &sw_ns])?;
@@ -878,7 +885,7 @@ impl Lab {
         writeln!(gw, "addr add {GW6_CLIENT}/64 dev {v6_client_side} nodad").unwrap();
         if topo == Topology::Routed {
             // The router is the backends' gateway; the gateway reaches them by it.
-            writeln!(gw, "addr add fd00:21::1/64 dev eth1 nodad\nroute add fd00:20::/64 via fd00:21::2").unwrap();
+            writeln!(gw, "addr add {ROUTED_GW6}/64 dev eth1 nodad\nroute add fd00:20::/64 via fd00:21::2").unwrap();
         } else {
             writeln!(gw, "addr add {GW6_BACKEND}/64 dev {v6_backend_side} nodad").unwrap();
         }
