@@ -70,6 +70,9 @@ pub const BACKEND_F_V6: u32 = 2;
 /// into its slot before attaching.
 pub const TAIL_CALLS: [(u32, &str); 5] =
     [(0, "lb_xdp6"), (1, "lb_icmp"), (2, "lb_icmp6"), (3, "lb_vlan"), (4, "lb_qinq")];
+/// The sweeper's program (see [`SweepHeader`]): loaded by lbd beside the
+/// balancer, run by it through BPF_PROG_TEST_RUN, never attached.
+pub const SWEEP_PROGRAM: &str = "lb_sweep";
 /// Slots of [`TAIL_CALLS`].
 pub const PROG_V6: u32 = 0;
 pub const PROG_ICMP: u32 = 1;
@@ -564,6 +567,54 @@ pub struct Flow6 {
     pub nh_gen: u32,
 }
 
+/// The sweeper's request to the datapath's `lb_sweep` program, run by
+/// lbd through BPF_PROG_TEST_RUN (never attached): the frame it is given
+/// is this header and then `count` items of [`SweepItem`] (`family` 4) or
+/// [`SweepItem6`] (`family` 6). For each item the program removes the
+/// flow-table entry of `key` only if its `state` and `last_seen` are still
+/// those the sweeper judged it by, and sets the item's `removed`; an entry
+/// a packet touched since, or one made anew for the same 5-tuple (a
+/// client reusing its port), stays. lbd reads the frame back.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SweepHeader {
+    /// 4: IPv4 items (`FLOWS`); 6: IPv6 items (`FLOWS6`).
+    pub family: u32,
+    /// Items that follow (at most [`SWEEP_BATCH`] or [`SWEEP_BATCH6`]).
+    pub count: u32,
+}
+
+/// One IPv4 flow the sweeper would remove; see [`SweepHeader`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SweepItem {
+    pub key: FlowKey,
+    /// The entry's `state` and `last_seen` as the sweeper read them.
+    pub state: u64,
+    pub last_seen: u64,
+    /// Set to 1 by the program when it removed the entry.
+    pub removed: u32,
+    pub _pad: u32,
+}
+
+/// One IPv6 flow the sweeper would remove; see [`SweepHeader`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SweepItem6 {
+    pub key: FlowKey6,
+    pub state: u64,
+    pub last_seen: u64,
+    pub removed: u32,
+    pub _pad: u32,
+}
+
+/// Items per `lb_sweep` run. A BPF_PROG_TEST_RUN frame of an XDP program
+/// holds at most a page less the XDP headroom (256 bytes) and the
+/// `skb_shared_info` tailroom (320): 3,520 bytes. IPv4: 8 + 64 x 40 =
+/// 2,568 bytes; IPv6: 8 + 48 x 64 = 3,080.
+pub const SWEEP_BATCH: u32 = 64;
+pub const SWEEP_BATCH6: u32 = 48;
+
 /// An IPv6 address folded to 32 bits (never 0): the address filter, the
 /// flow hash and the next-hop cache's address check use it.
 #[inline(always)]
@@ -733,6 +784,9 @@ mod pod {
         ClockCache,
         Vip6Key,
         FlowKey6,
+        SweepHeader,
+        SweepItem,
+        SweepItem6,
         Flow6
     );
 }
@@ -788,6 +842,11 @@ mod tests {
         assert_eq!(size_of::<Vip6Key>(), 20);
         assert_eq!(size_of::<FlowKey6>(), 40);
         assert_eq!(size_of::<Flow6>(), 72);
+        assert_eq!(size_of::<SweepHeader>(), 8);
+        assert_eq!(size_of::<SweepItem>(), 40);
+        assert_eq!(size_of::<SweepItem6>(), 64);
+        assert!(8 + SWEEP_BATCH as usize * size_of::<SweepItem>() <= 3520);
+        assert!(8 + SWEEP_BATCH6 as usize * size_of::<SweepItem6>() <= 3520);
         assert_eq!(align_of::<Flow6>(), 8);
         assert_eq!(size_of::<BackendStats>(), 40);
         assert_eq!(align_of::<BackendStats>(), 8);

@@ -18,6 +18,7 @@ mod maps;
 mod parse;
 mod select;
 mod stats;
+mod sweep;
 mod v6;
 
 use core::intrinsics::{AtomicOrdering, atomic_or};

@@ -735,6 +735,74 @@ fn half_open_flows_expire_early_and_active_counts_return_to_exactly_zero() {
     });
 }
 
+fn key4(cport: u16) -> lb_common::FlowKey {
+    lb_common::FlowKey {
+        src_addr: u32::from_ne_bytes(CLIENT.octets()),
+        dst_addr: u32::from_ne_bytes(VIP.octets()),
+        src_port: cport.to_be(),
+        dst_port: 80u16.to_be(),
+        proto: lb_common::PROTO_TCP,
+        _pad: [0; 3],
+    }
+}
+
+fn sweep_item(key: lb_common::FlowKey, f: &lb_common::Flow) -> lb_common::SweepItem {
+    lb_common::SweepItem { key, state: f.state, last_seen: f.last_seen, removed: 0, _pad: 0 }
+}
+
+#[test]
+fn the_sweeper_removes_a_flow_only_while_it_is_as_it_was_judged() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        // A connection is reset; the sweeper reads its entry (closed) and
+        // would remove it. Before it does, the client reuses the port: the
+        // SYN makes a new entry under the same 5-tuple.
+        handshake(&fx, 42_000, 80, 8080);
+        fx.forward(&tcp(CLIENT, 42_000, VIP, 80, RST).bytes());
+        let key = key4(42_000);
+        let judged = fx.dp.flow(&key).unwrap().expect("the reset flow's entry");
+        assert!(lb_common::flow_closed(judged.state));
+        fx.forward(&tcp(CLIENT, 42_000, VIP, 80, SYN).bytes());
+        let live = fx.dp.flow(&key).unwrap().expect("the new connection's entry");
+        assert!(!lb_common::flow_closed(live.state));
+        let done = fx.dp.remove_unchanged(&[sweep_item(key, &judged)]).unwrap();
+        assert_eq!(done[0].removed, 0, "the new connection's entry was removed on the strength of the old one's");
+        assert_eq!(fx.dp.flow(&key).unwrap(), Some(live), "the new connection lost its entry");
+        // An entry whose last packet is newer than the one judged stays too.
+        let stale = lb_common::SweepItem { last_seen: live.last_seen.wrapping_sub(1), ..sweep_item(key, &live) };
+        assert_eq!(fx.dp.remove_unchanged(&[stale]).unwrap()[0].removed, 0);
+        assert!(fx.dp.flow(&key).unwrap().is_some());
+        // As judged: removed.
+        assert_eq!(fx.dp.remove_unchanged(&[sweep_item(key, &live)]).unwrap()[0].removed, 1);
+        assert_eq!(fx.dp.flow(&key).unwrap(), None);
+
+        // More flows than one run of the program takes (64): every other
+        // one changed since it was judged; exactly the others go, and a key
+        // with no entry is reported not removed.
+        let n = 150u16;
+        for i in 0..n {
+            fx.forward(&tcp(CLIENT, 43_000 + i, VIP, 80, SYN).bytes());
+        }
+        let mut items: Vec<_> = (0..n)
+            .map(|i| {
+                let k = key4(43_000 + i);
+                let f = fx.dp.flow(&k).unwrap().expect("entry");
+                let item = sweep_item(k, &f);
+                if i % 2 == 1 { lb_common::SweepItem { state: f.state ^ lb_common::FLOW_RST, ..item } } else { item }
+            })
+            .collect();
+        items.push(sweep_item(key4(44_999), &lb_common::Flow::default()));
+        let done = fx.dp.remove_unchanged(&items).unwrap();
+        assert_eq!(done.len(), items.len());
+        for (i, d) in done.iter().enumerate() {
+            let want = u32::from(i < usize::from(n) && i % 2 == 0);
+            assert_eq!(d.removed, want, "item {i}");
+            assert_eq!(d.key, items[i].key, "item {i} came back in its place");
+        }
+        assert_eq!(fx.entries(), u64::from(n / 2));
+    });
+}
+
 #[test]
 fn the_program_verifies_with_room_to_spare() {
     in_netns(|| {

@@ -560,3 +560,29 @@ fn a_truncated_icmp_error_is_left_untouched() {
         assert_eq!(fx.counter("icmp_to_client"), 1, "the whole error is translated");
     });
 }
+
+#[test]
+fn the_sweeper_removes_an_ipv6_flow_only_while_it_is_as_it_was_judged() {
+    in_netns(|| {
+        let mut fx = web6();
+        assert_eq!(fx.run(&tcp6(CLIENT6, 40100, VIP6, 80, SYN).bytes(), fx.if_a).0, XDP_REDIRECT);
+        let key = lb_common::FlowKey6 {
+            src_addr: lb_userspace::dataplane::words6(&CLIENT6),
+            dst_addr: lb_userspace::dataplane::words6(&VIP6),
+            src_port: 40100u16.to_be(),
+            dst_port: 80u16.to_be(),
+            proto: lb_common::PROTO_TCP,
+            _pad: [0; 3],
+        };
+        let f = fx.dp.flow6(&key).unwrap().expect("the flow's entry");
+        let item = lb_common::SweepItem6 { key, state: f.state, last_seen: f.last_seen, removed: 0, _pad: 0 };
+        // Judged before its last packet: it stays.
+        let older = lb_common::SweepItem6 { last_seen: f.last_seen.wrapping_sub(1), ..item };
+        assert_eq!(fx.dp.remove_unchanged6(&[older]).unwrap()[0].removed, 0);
+        assert_eq!(fx.dp.flow6(&key).unwrap(), Some(f));
+        // As judged: it goes.
+        assert_eq!(fx.dp.remove_unchanged6(&[item]).unwrap()[0].removed, 1);
+        assert_eq!(fx.dp.flow6(&key).unwrap(), None);
+        assert_eq!(fx.entries(), 0);
+    });
+}

@@ -1,6 +1,5 @@
 //! Batched operations on a BPF hash map: BPF_MAP_LOOKUP_BATCH,
-//! BPF_MAP_LOOKUP_AND_DELETE_BATCH and BPF_MAP_DELETE_BATCH (and one
-//! BPF_MAP_LOOKUP_ELEM on the same raw fd, for the sweep's second look).
+//! BPF_MAP_LOOKUP_AND_DELETE_BATCH and BPF_MAP_DELETE_BATCH.
 //!
 //! Kept here, on bpf(2) itself (`sys::bpf`), because aya 0.14 has no
 //! batch operations: walking a map through aya's iterator costs two
@@ -26,7 +25,7 @@ struct BatchAttr {
     flags: u64,
 }
 
-use super::sys::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_AND_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH, BPF_MAP_LOOKUP_ELEM};
+use super::sys::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_AND_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH};
 
 /// Entries per lookup chunk. A hash map's batch never splits a bucket, so
 /// a chunk must hold the longest bucket: far more than any bucket has.
@@ -120,35 +119,4 @@ pub(super) fn delete<K: aya::Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> io::Result<
         }
     }
     Ok(removed)
-}
-
-/// The element member of `union bpf_attr` (linux/bpf.h).
-#[repr(C)]
-#[derive(Default)]
-struct ElemAttr {
-    map_fd: u32,
-    _pad: u32,
-    key: u64,
-    value: u64,
-    flags: u64,
-}
-
-/// The value of `key` in the hash map `fd` now; None when it has none.
-pub(super) fn lookup<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, key: &K) -> io::Result<Option<V>> {
-    let mut value = std::mem::MaybeUninit::<V>::uninit();
-    let mut attr = ElemAttr {
-        map_fd: fd.as_raw_fd() as u32,
-        key: std::ptr::from_ref(key) as u64,
-        value: value.as_mut_ptr() as u64,
-        ..Default::default()
-    };
-    // SAFETY: `attr` is a valid bpf_attr prefix for BPF_MAP_LOOKUP_ELEM;
-    // key and value point at buffers of the map's key and value sizes
-    // (the caller's types are the map's), alive for the call.
-    match unsafe { super::sys::bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) } {
-        // SAFETY: the kernel wrote the whole value; V is Pod.
-        Ok(_) => Ok(Some(unsafe { value.assume_init() })),
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
-        Err(e) => Err(e),
-    }
 }

@@ -35,7 +35,7 @@ pub(super) struct Key {
 }
 
 /// The 16 bytes of an IPv6 address as the datapath's maps hold them.
-pub(crate) fn words6(a: &Ipv6Addr) -> [u32; 4] {
+pub fn words6(a: &Ipv6Addr) -> [u32; 4] {
     let o = a.octets();
     std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
 }

@@ -27,7 +27,7 @@ use aya::{
 };
 use lb_common::{
     BACKEND_F_V6, BackendStats, Flood, Flow, Flow6, FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES,
-    TAIL_CALLS, counter, maps as names,
+    SWEEP_PROGRAM, TAIL_CALLS, counter, maps as names,
 };
 use tracing::{info, warn};
 
@@ -49,6 +49,7 @@ mod sys;
 
 use alloc::{Ids, Regions};
 use attach::Attached;
+pub use endpoints::words6;
 use maps::{Maps, SelectMemory, map_err};
 pub use sweep::{CLOSED_LINGER, DSR_FIN_TIMEOUT, SweepReport, monotonic_coarse_secs};
 
@@ -101,6 +102,8 @@ pub enum DataplaneError {
     Map { map: &'static str, source: MapError },
     #[error("BPF map {map}, batch operation: {source}")]
     Batch { map: &'static str, source: std::io::Error },
+    #[error("BPF map {map}, removing expired flows (lb_sweep through BPF_PROG_TEST_RUN): {source}")]
+    Sweep { map: &'static str, source: std::io::Error },
     #[error("attaching XDP to {iface} in {mode} mode{}: {source}", attach::hint(*mode, source))]
     Attach { iface: String, mode: Mode, source: ProgramError },
     #[error("the selection-table array ({capacity} entries) has no free run of {need} entries for service {service}")]
@@ -395,6 +398,9 @@ impl Dataplane {
             let prog: &mut Xdp = ebpf.program_mut(name).ok_or(ProgramError::NotLoaded)?.try_into()?;
             prog.load()?;
         }
+        // The sweeper's remover, run by `sweep`, never attached.
+        let prog: &mut Xdp = ebpf.program_mut(SWEEP_PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
+        prog.load()?;
         let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
         Ok((ebpf, ncpus))
     }
@@ -631,6 +637,15 @@ impl Dataplane {
             Ok(f) => Ok(Some(f)),
             Err(MapError::KeyNotFound) => Ok(None),
             Err(e) => Err(map_err(names::FLOWS)(e)),
+        }
+    }
+
+    /// The IPv6 flow-table entry of `key` (as on the wire), if there is one.
+    pub fn flow6(&self, key: &FlowKey6) -> Result<Option<Flow6>, DataplaneError> {
+        match self.maps.flows6.get(key, 0) {
+            Ok(f) => Ok(Some(f)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::FLOWS6)(e)),
         }
     }
 

@@ -4,9 +4,10 @@ use std::{collections::HashMap, os::fd::AsFd as _};
 
 use aya::maps::IterableMap as _;
 
+use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
     DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, Flow, Flow6, FlowKey, FlowKey6, PROTO_TCP,
-    flow_closed, maps as names,
+    SWEEP_BATCH, SWEEP_BATCH6, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed, maps as names,
 };
 
 use super::{Dataplane, DataplaneError, batch, map_err};
@@ -15,12 +16,21 @@ use super::{Dataplane, DataplaneError, batch, map_err};
 trait Table {
     type K: aya::Pod + Copy;
     type V: aya::Pod + Copy;
+    /// What `lb_sweep` is handed per flow (`lb_common::SweepItem`).
+    type Item: aya::Pod + Copy;
     /// The map's name (errors).
     const NAME: &'static str;
+    /// `SweepHeader::family` of this table, and items per `lb_sweep` run.
+    const FAMILY: u32;
+    const BATCH: usize;
     /// (dir, proto, state, last_seen, backend id, service id) of an entry.
     fn view(k: &Self::K, v: &Self::V) -> (u8, u8, u64, u64, u32, u32);
     /// The key of a forward entry's reply entry.
     fn reply_key(k: &Self::K, v: &Self::V) -> Self::K;
+    /// The request to remove `k` if its state and last packet are still these.
+    fn item(k: &Self::K, state: u64, last_seen: u64) -> Self::Item;
+    /// Whether `lb_sweep` removed the item's entry.
+    fn removed(i: &Self::Item) -> bool;
 }
 
 struct V4;
@@ -29,7 +39,16 @@ struct V6;
 impl Table for V4 {
     type K = FlowKey;
     type V = Flow;
+    type Item = SweepItem;
     const NAME: &'static str = names::FLOWS;
+    const FAMILY: u32 = 4;
+    const BATCH: usize = SWEEP_BATCH as usize;
+    fn item(k: &FlowKey, state: u64, last_seen: u64) -> SweepItem {
+        SweepItem { key: *k, state, last_seen, removed: 0, _pad: 0 }
+    }
+    fn removed(i: &SweepItem) -> bool {
+        i.removed != 0
+    }
     fn view(k: &FlowKey, f: &Flow) -> (u8, u8, u64, u64, u32, u32) {
         (f.dir, k.proto, f.state, f.last_seen, f.backend_id, f.service_id)
     }
@@ -48,7 +67,16 @@ impl Table for V4 {
 impl Table for V6 {
     type K = FlowKey6;
     type V = Flow6;
+    type Item = SweepItem6;
     const NAME: &'static str = names::FLOWS6;
+    const FAMILY: u32 = 6;
+    const BATCH: usize = SWEEP_BATCH6 as usize;
+    fn item(k: &FlowKey6, state: u64, last_seen: u64) -> SweepItem6 {
+        SweepItem6 { key: *k, state, last_seen, removed: 0, _pad: 0 }
+    }
+    fn removed(i: &SweepItem6) -> bool {
+        i.removed != 0
+    }
     fn view(k: &FlowKey6, f: &Flow6) -> (u8, u8, u64, u64, u32, u32) {
         (f.dir, k.proto, f.state, f.last_seen, f.backend_id, f.service_id)
     }
@@ -64,18 +92,18 @@ impl Table for V6 {
     }
 }
 
-/// A flow the sweep removes: its key, its reply entry's key if it has
-/// one, its backend if it expired open, and whether it was half-open.
-type Doomed<K> = (K, Option<K>, Option<u32>, bool);
-
-/// Entries the sweep reads again and deletes at a time (see `sweep_table`).
-/// One: the gap between the second look and the delete is then two
-/// syscalls. Measured in the lab (rr, 200 clients, a new connection per
-/// request, one client address, a sweep a second, 40 s): reset
-/// connections 15 in 472,447 with the walk's look alone, 1 in 435,074
-/// with 64 at a time, 0 in 448,568 with one. It costs two syscalls per
-/// removed flow instead of a share of one batch.
-const RECHECK: usize = 1;
+/// A flow the sweep would remove, as the walk judged it.
+struct Doomed<K> {
+    key: K,
+    /// Its reply entry's key, when it has one (removed with it).
+    reply: Option<K>,
+    /// Its backend, when it expired open (counted expired for it).
+    expired_from: Option<u32>,
+    half_open: bool,
+    /// The entry's state bits and last packet the verdict rests on.
+    state: u64,
+    last_seen: u64,
+}
 
 /// What a sweep decides, for the limits in force.
 struct Limits<'a> {
@@ -140,73 +168,60 @@ fn judge(dir: u8, proto: u8, state: u64, last_seen: u64, service: u32, l: &Limit
 }
 
 /// Sweep one flow table (see [`Dataplane::sweep`]): expired flows counted
-/// into `expired_by`, the rest into `report`.
+/// into `expired_by`, the rest into `report`. `remover` is `lb_sweep`.
 fn sweep_table<T: Table>(
     fd: std::os::fd::BorrowedFd<'_>,
+    remover: &Xdp,
     l: &Limits<'_>,
     report: &mut SweepReport,
     expired_by: &mut HashMap<u32, u64>,
 ) -> Result<(), DataplaneError> {
-    // Judged once in the walk, which at a million flows takes hundreds of
-    // milliseconds; each candidate is read and judged again just before it
-    // goes (below).
-    let mut candidates: Vec<T::K> = Vec::new();
+    // Judged once, in the walk (which at a million flows takes hundreds of
+    // milliseconds). A closed flow's 5-tuple comes back when its client
+    // reuses the port: the new connection's SYN replaces the entry (same
+    // key). Deleting by key on the strength of the walk's look would then
+    // lose a live flow, whose next packets a round-robin service would
+    // send to another backend (a reset connection: seen in the lab at 200
+    // clients, once in about 31,000 new connections). So the removal is
+    // `lb_sweep`'s: in the kernel, each entry goes only if its state bits
+    // and last packet are still those judged here (see `lb-ebpf/src/sweep.rs`).
+    let mut doomed: Vec<Doomed<T::K>> = Vec::new();
     let read = batch::for_each::<T::K, T::V>(fd, |k, f| {
         report.entries += 1;
-        let (dir, proto, state, last_seen, _, service) = T::view(k, f);
+        let (dir, proto, state, last_seen, backend, service) = T::view(k, f);
         let verdict = judge(dir, proto, state, last_seen, service, l);
         if verdict == Verdict::Reply {
             return;
         }
         report.scanned += 1;
-        if matches!(verdict, Verdict::Closed | Verdict::Expired { .. }) {
-            candidates.push(*k);
-        }
+        let (expired_from, half_open) = match verdict {
+            Verdict::Reply | Verdict::Keep => return,
+            Verdict::Closed => (None, false),
+            Verdict::Expired { half_open } => (Some(backend), half_open),
+        };
+        // Only a NAT flow with a reply entry of its own has one to remove.
+        let reply = (dir == DIR_FORWARD).then(|| T::reply_key(k, f));
+        doomed.push(Doomed { key: *k, reply, expired_from, half_open, state, last_seen });
     });
     read.map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
     let mut replies = Vec::new();
     let mut removed_here = 0;
-    for chunk in candidates.chunks(RECHECK) {
-        // A closed flow's 5-tuple comes back when its client reuses the
-        // port: the new connection's SYN replaces the entry (same key).
-        // Deleting it then, on the strength of the walk's old look, would
-        // lose a live flow, whose next packets a round-robin service
-        // would send to another backend (a reset connection: seen in the
-        // lab at 200 clients, once in about 31,000 new connections). So
-        // the entry is read again here and goes only if it still should:
-        // the gap left between that read and the delete is a syscall, not
-        // the whole walk. (Still a gap: BPF maps have no compare-and-delete.)
-        let mut doomed: Vec<Doomed<T::K>> = Vec::with_capacity(chunk.len());
-        for k in chunk {
-            let Some(f) =
-                batch::lookup::<T::K, T::V>(fd, k).map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?
-            else {
-                continue;
-            };
-            let (dir, proto, state, last_seen, backend, service) = T::view(k, &f);
-            // Only a NAT flow with a reply entry of its own has one to remove.
-            let reply = (dir == DIR_FORWARD).then(|| T::reply_key(k, &f));
-            match judge(dir, proto, state, last_seen, service, l) {
-                Verdict::Reply | Verdict::Keep => {}
-                Verdict::Closed => doomed.push((*k, reply, None, false)),
-                Verdict::Expired { half_open } => doomed.push((*k, reply, Some(backend), half_open)),
-            }
-        }
-        // The flow's own entry first: if a packet raced us and it is gone
-        // already, nothing is counted twice.
-        let keys: Vec<T::K> = doomed.iter().map(|d| d.0).collect();
-        let removed = batch::delete(fd, &keys).map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
-        for ((_, reply, backend, half_open), gone) in doomed.into_iter().zip(removed) {
-            if !gone {
+    for chunk in doomed.chunks(4096) {
+        let items: Vec<T::Item> = chunk.iter().map(|d| T::item(&d.key, d.state, d.last_seen)).collect();
+        let done = remove_unchanged::<T>(remover, &items)?;
+        // The flow's own entry went first: if a packet raced us and it is
+        // gone already, nothing is counted twice.
+        for (d, item) in chunk.iter().zip(&done) {
+            if !T::removed(item) {
                 continue;
             }
             removed_here += 1;
-            replies.extend(reply);
-            if let Some(b) = backend {
+            replies.extend(d.reply);
+            if let Some(b) = d.expired_from {
                 *expired_by.entry(b).or_default() += 1;
                 report.expired += 1;
             }
-            if half_open {
+            if d.half_open {
                 report.half_open_expired += 1;
             }
         }
@@ -220,7 +235,69 @@ fn sweep_table<T: Table>(
     Ok(())
 }
 
+/// `lb_sweep`'s answer to a request it carried out (XDP_PASS, linux/bpf.h).
+const XDP_PASS: u32 = 2;
+
+/// `lb_sweep` over `items`, in runs of `T::BATCH`: the items as the
+/// program left them, each marked if its entry was removed.
+fn remove_unchanged<T: Table>(remover: &Xdp, items: &[T::Item]) -> Result<Vec<T::Item>, DataplaneError> {
+    let err = |source| DataplaneError::Sweep { map: T::NAME, source };
+    let (hs, is) = (size_of::<SweepHeader>(), size_of::<T::Item>());
+    let mut done = Vec::with_capacity(items.len());
+    let mut frame = Vec::with_capacity(hs + T::BATCH * is);
+    let mut out = Vec::new();
+    for run in items.chunks(T::BATCH) {
+        let header = SweepHeader { family: T::FAMILY, count: u32::try_from(run.len()).unwrap_or(u32::MAX) };
+        frame.clear();
+        frame.resize(hs + run.len() * is, 0);
+        // SAFETY: both are aya::Pod (repr(C) integers, no implicit
+        // padding), so their bytes are initialised; the frame holds them
+        // (sized above).
+        unsafe {
+            std::ptr::from_ref(&header).cast::<u8>().copy_to_nonoverlapping(frame.as_mut_ptr(), hs);
+            run.as_ptr().cast::<u8>().copy_to_nonoverlapping(frame.as_mut_ptr().add(hs), run.len() * is);
+        }
+        out.clear();
+        out.resize(frame.len(), 0);
+        let res = remover
+            .test_run(TestRunOptions { data_in: Some(&frame), data_out: Some(&mut out), ..TestRunOptions::default() })
+            .map_err(|e| err(std::io::Error::other(e)))?;
+        if res.return_value != XDP_PASS || res.data_size_out as usize != frame.len() {
+            return Err(err(std::io::Error::other(format!(
+                "the program refused a request of {} flows (answer {}, {} of {} bytes back)",
+                run.len(),
+                res.return_value,
+                res.data_size_out,
+                frame.len()
+            ))));
+        }
+        done.extend((0..run.len()).map(|i| {
+            // SAFETY: the program wrote back the whole frame (checked
+            // above); T::Item is Pod, so any bytes are a valid value.
+            unsafe { out.as_ptr().add(hs + i * is).cast::<T::Item>().read_unaligned() }
+        }));
+    }
+    Ok(done)
+}
+
 impl Dataplane {
+    /// Remove each IPv4 flow of `items` whose entry still has the item's
+    /// `state` and `last_seen`, as `sweep` removes the flows it judged
+    /// (in the kernel, by `lb_sweep`); returns the items, those removed
+    /// marked `removed`.
+    pub fn remove_unchanged(&self, items: &[SweepItem]) -> Result<Vec<SweepItem>, DataplaneError> {
+        remove_unchanged::<V4>(self.remover()?, items)
+    }
+
+    /// [`Dataplane::remove_unchanged`] for IPv6 flows.
+    pub fn remove_unchanged6(&self, items: &[SweepItem6]) -> Result<Vec<SweepItem6>, DataplaneError> {
+        remove_unchanged::<V6>(self.remover()?, items)
+    }
+
+    fn remover(&self) -> Result<&Xdp, DataplaneError> {
+        Ok(self.ebpf.program(SWEEP_PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?)
+    }
+
     /// Expire idle flows: an open flow silent for longer than its
     /// protocol's idle timeout (a UDP service's own, when it has one), or a
     /// half-open one (no `FLOW_ESTABLISHED`: the client never spoke after
@@ -244,8 +321,9 @@ impl Dataplane {
             udp_by_service: &udp_by_service,
         };
         let mut expired_by: HashMap<u32, u64> = HashMap::new();
-        sweep_table::<V4>(self.maps.flows.map().fd().as_fd(), &limits, &mut report, &mut expired_by)?;
-        sweep_table::<V6>(self.maps.flows6.map().fd().as_fd(), &limits, &mut report, &mut expired_by)?;
+        let remover = self.remover()?;
+        sweep_table::<V4>(self.maps.flows.map().fd().as_fd(), remover, &limits, &mut report, &mut expired_by)?;
+        sweep_table::<V6>(self.maps.flows6.map().fd().as_fd(), remover, &limits, &mut report, &mut expired_by)?;
         if !expired_by.is_empty() {
             let expired = &mut self.maps.expired;
             for (b, n) in expired_by {

@@ -70,7 +70,6 @@ struct GetByIdAttr {
 
 // bpf(2) commands (`enum bpf_cmd`, linux/bpf.h), every one used here or
 // in `batch`.
-pub(super) const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 pub(super) const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;

@@ -161,7 +161,7 @@ left by XDP redirect as a new flow counted on one of the service's backends: {wh
     if let Some(sw) = p.get("sweeper") {
         let _ = writeln!(
             md,
-            "Sweeper at {} flows (batched reads and deletes): {:.0} ms to read the table with nothing idle, {:.0} ms to read it and expire every flow.\n",
+            "Sweeper at {} flows (batched reads, removal in the kernel by `lb_sweep`): {:.0} ms to read the table with nothing idle, {:.0} ms to read it and expire every flow.\n",
             sw["flows"],
             f(&sw["read_ms"]),
             f(&sw["read_and_expire_ms"])
