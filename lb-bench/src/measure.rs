@@ -347,8 +347,11 @@ impl Bench {
 
     /// The sweeper's cost at `n` flows: the table is filled, then swept
     /// once with nothing to expire (a read of every entry) and once with
-    /// everything expired (a read and a delete of every entry); ms each.
-    pub(crate) fn sweep_cost(&mut self, n: u32) -> anyhow::Result<(u64, f64, f64)> {
+    /// everything expired (a read of every entry and its removal by
+    /// `lb_sweep`); then filled again and emptied the way the sweeper
+    /// removed flows before `lb_sweep`, the baseline: a batched read, then
+    /// per flow a lookup and a delete syscall. ms each.
+    pub(crate) fn sweep_cost(&mut self, n: u32) -> anyhow::Result<(u64, f64, f64, f64)> {
         self.flush_flows()?;
         self.fill(n)?;
         let now = lb_userspace::dataplane::monotonic_coarse_secs();
@@ -360,7 +363,19 @@ impl Bench {
         let all = self.dp.sweep(now + 1_000_000, 1, 1)?;
         let delete_ms = t.elapsed().as_secs_f64() * 1e3;
         ensure!(all.removed == keep.entries && all.expired == keep.entries, "expiring {n} flows: {all:?}");
-        Ok((keep.entries, read_ms, delete_ms))
+        self.flush_flows()?;
+        self.fill(n)?;
+        let t = Instant::now();
+        let keys = self.dp.flow_keys()?;
+        let mut removed = 0;
+        for k in &keys {
+            if self.dp.flow(k)?.is_some() {
+                removed += self.dp.forget_flows(std::slice::from_ref(k))?;
+            }
+        }
+        let syscalls_ms = t.elapsed().as_secs_f64() * 1e3;
+        ensure!(removed == u64::from(n), "removing {n} flows by syscalls: {removed} removed");
+        Ok((keep.entries, read_ms, delete_ms, syscalls_ms))
     }
 
     /// Check one run's return value and output frame. For a new flow, the

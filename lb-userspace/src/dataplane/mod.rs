@@ -615,6 +615,15 @@ impl Dataplane {
         Ok(v4 + v6)
     }
 
+    /// The keys of every IPv4 flow-table entry (for benchmarks), read in
+    /// batches.
+    pub fn flow_keys(&self) -> Result<Vec<FlowKey>, DataplaneError> {
+        let mut keys = Vec::new();
+        batch::for_each::<FlowKey, Flow>(self.maps.flows.map().fd().as_fd(), |k, _| keys.push(*k))
+            .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
+        Ok(keys)
+    }
+
     /// Forget the IPv4 flows `keys` (for benchmarks, as `flush_flows`);
     /// returns how many of them were there.
     pub fn forget_flows(&mut self, keys: &[FlowKey]) -> Result<u64, DataplaneError> {
