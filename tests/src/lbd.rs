@@ -313,3 +313,38 @@ impl Drop for Lbd {
         }
     }
 }
+
+/// Start the lbd binary `lbd` with `config` in the lab's gateway and kill
+/// it (SIGKILL) the moment `path` appears under its pin directory: an lbd
+/// that dies part-way through its start. Panics if `path` never appears.
+pub fn kill_once_pinned(lab: &Lab, lbd: &Path, config: &Path, path: &Path) {
+    let mut child = lab.cmd("gw", lbd).arg("--config").arg(config).stderr(Stdio::null()).spawn().expect("lbd");
+    let seen = wait_for(20, || path.exists().then_some(()));
+    child.kill().expect("kill lbd");
+    child.wait().expect("reap lbd");
+    assert!(seen.is_some(), "lbd never pinned {}", path.display());
+}
+
+/// The layout version held by the `LAYOUT` map pinned in `maps` (0: an
+/// lbd pinned it and never wrote it).
+pub fn pinned_layout(maps: &Path) -> u32 {
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(maps.join("LAYOUT"))
+        .output()
+        .expect("bpftool");
+    assert!(out.status.success(), "bpftool map dump: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
+    // A number when the map has BTF, else its bytes as hex strings.
+    let value = &v[0]["value"];
+    if let Some(n) = value.as_u64() {
+        return u32::try_from(n).expect("u32");
+    }
+    let bytes: Vec<u8> = value
+        .as_array()
+        .unwrap_or_else(|| panic!("LAYOUT dump: {v}"))
+        .iter()
+        .map(|b| u8::from_str_radix(b.as_str().expect("hex byte").trim_start_matches("0x"), 16).expect("hex byte"))
+        .collect();
+    u32::from_le_bytes(bytes.try_into().unwrap_or_else(|b| panic!("LAYOUT value of {b:?}")))
+}

@@ -8,7 +8,10 @@ use std::{path::PathBuf, time::Duration};
 use lb_tests::{
     harness::{Running, config_dir, serial, socket_for},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config, write_config_with, xdp_mode_in_use, xdp_program_in_use},
+    lbd::{
+        Lbd, kill_once_pinned, pinned_layout, wait_for, write_config, write_config_with, xdp_mode_in_use,
+        xdp_program_in_use,
+    },
 };
 
 const WEB: &str = "  - name: web
@@ -256,4 +259,60 @@ fn a_restart_that_cannot_attach_leaves_the_datapath_forwarding() {
     assert_eq!(flows, Some(now), "lbd counted {} new flows, the backends saw {now}", lbd.total_new_flows());
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+}
+
+#[test]
+fn a_killed_first_start_and_a_resized_restart_go_by_the_maps_pinned() {
+    let _serial = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    let prefix = "lbt-restartk";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), backends: 3, ..LabSpec::default() }).expect("lab up");
+    let sock = socket_for(prefix);
+    let config = write_config(&config_dir(prefix), "lbd", &sock, WEB).unwrap();
+    let maps = lab.pin_dir().join("maps");
+    let layout = maps.join("LAYOUT");
+    assert!(!layout.exists(), "a datapath is pinned before the first start");
+
+    // The first start is killed once its maps are pinned: lbd pins them as
+    // it creates them, then verifies its programs (a second or more here)
+    // before it writes the layout version and attaches.
+    kill_once_pinned(&lab, &lab.spec.bin_dir.join("lbd"), &config, &layout);
+    assert_eq!(pinned_layout(&maps), 0, "the killed start had written its layout already");
+    assert!(xdp_mode_in_use(&lab, "eth0").unwrap().is_none(), "the killed start attached to eth0");
+
+    // The next start sets the datapath up afresh instead of refusing the
+    // half-made one ("layout version 0, which this lbd cannot migrate").
+    let mut lbd = Lbd::start(&lab, &config, &sock).expect("lbd refused the maps a killed first start left");
+    assert!(lbd.log_text().contains("never finished setting up"), "no word of the half-made maps in the log");
+    lab.reset_backend_counts().unwrap();
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "300"]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{r}");
+    assert_eq!(lbd.total_new_flows(), 300);
+    assert_eq!(lab.connections_served().unwrap(), 300);
+    assert_eq!(lbd.status().unwrap()["flood"]["flow_capacity"], 262_144);
+
+    // A restart with a larger flow table and selection array in the
+    // config adopts the maps as they are: what lbd reports and limits by
+    // is their size, and it says the config's waits for a clean stop.
+    lbd.kill().unwrap();
+    let bigger = write_config_with(
+        config.parent().unwrap(),
+        "bigger",
+        &sock,
+        &["eth0".into(), "eth1".into()],
+        "conntrack_max: 524288\ntable_capacity: 8388608\n",
+        WEB,
+    )
+    .unwrap();
+    let mut lbd = Lbd::start(&lab, &bigger, &sock).unwrap();
+    let status = lbd.status().unwrap();
+    assert_eq!(status["flood"]["flow_capacity"], 262_144, "the status reports the config's size, not the table's");
+    let log = lbd.log_text();
+    for (map, size, key) in [("FLOWS", 262_144, "conntrack_max"), ("SELECT", 4_194_304, "table_capacity")] {
+        let line = format!("the adopted {map} map has {size} entries, the config's {key} says");
+        assert!(log.contains(&line), "no warning \"{line}\" in the log");
+    }
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(100), Some(0)), "{r}");
+    lbd.stop().unwrap();
 }

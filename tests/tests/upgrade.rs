@@ -19,7 +19,7 @@ use std::{
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config, write_config_with, xdp_program_in_use},
+    lbd::{Lbd, kill_once_pinned, pinned_layout, wait_for, write_config, write_config_with, xdp_program_in_use},
 };
 
 /// The old release's lbd: where `cargo xtask test` built it.
@@ -193,4 +193,52 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
     let _ = std::fs::remove_dir_all(&bin);
+}
+
+#[test]
+fn an_upgrade_killed_while_migrating_is_migrated_again_by_the_next_start() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-upgradek";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
+    let sock = socket_for(prefix);
+    let config =
+        write_config(&config_dir(prefix), "lbd", &sock, &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]))
+            .unwrap();
+    let maps = lab.pin_dir().join("maps");
+    let aside = lab.pin_dir().join("maps-v1");
+    let mut old = Lbd::start_binary(&lab, &old_lbd(&lab), &config, &sock).unwrap();
+    lab.reset_backend_counts().unwrap();
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
+    let program = attached_program(&lab);
+    old.kill().unwrap();
+
+    // The new lbd is killed while migrating: the old maps are aside, its
+    // new ones pinned, their layout not yet written, the old program still
+    // attached and forwarding on the old maps.
+    kill_once_pinned(&lab, &lab.spec.bin_dir.join("lbd"), &config, &maps.join("LAYOUT"));
+    assert!(aside.join("FLOWS").exists(), "the killed start had not set the old maps aside");
+    assert_eq!(pinned_layout(&maps), 0, "the killed start had written its layout already");
+    assert_eq!(attached_program(&lab), program, "the killed start swapped its program in");
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "50"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
+    assert_eq!(lab.connections_served().unwrap(), 150);
+
+    // The next start puts the old maps back and migrates them, counters
+    // and all, instead of refusing "layout version 0".
+    let mut lbd = Lbd::start(&lab, &config, &sock).expect("the next start refused what the killed one left");
+    let log = lbd.log_text();
+    assert!(log.contains("never finished setting up"), "no word of the half-made maps in the log");
+    assert!(log.contains("migrated the pinned datapath"), "not migrated");
+    assert_ne!(attached_program(&lab), program);
+    assert!(!aside.exists(), "the old maps were not removed after the migration");
+    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
+    let served = lab.connections_served().unwrap();
+    assert_eq!(served, 250);
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == served));
+    assert_eq!(flows, Some(served), "lbd counted {} new flows, the backends {served}", lbd.total_new_flows());
+    assert!(lbd.stop().unwrap().success());
 }

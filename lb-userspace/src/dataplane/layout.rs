@@ -51,6 +51,35 @@ pub(super) fn pinned_version(maps_dir: &Path) -> Result<u32, DataplaneError> {
     layout.get(&0, 0).map_err(map_err(names::LAYOUT))
 }
 
+/// Maps an lbd pinned and was killed before it finished setting up.
+pub(super) enum Unfinished {
+    /// Its first start: no link is pinned, nothing runs on the maps.
+    FirstStart,
+    /// A migration: the old maps are still aside in this directory (and
+    /// the old program, attached, still uses them).
+    Migration(PathBuf),
+}
+
+/// Whether the maps pinned in `maps_dir` were never finished by the lbd
+/// that created them: their `LAYOUT` still holds the 0 a new array starts
+/// with (every lbd that pins `LAYOUT` writes its version before it swaps
+/// its program in anywhere; version 1 had no such map).
+pub(super) fn unfinished(pin: &Path, maps_dir: &Path) -> Result<Option<Unfinished>, DataplaneError> {
+    if !maps_dir.join(names::LAYOUT).exists() || pinned_version(maps_dir)? != 0 {
+        return Ok(None);
+    }
+    if let Some(aside) = (1..LAYOUT_VERSION).map(|v| aside_dir(pin, v)).find(|d| d.join(names::FLOWS).exists()) {
+        return Ok(Some(Unfinished::Migration(aside)));
+    }
+    let links = pin.join("links");
+    let unused = match std::fs::read_dir(&links) {
+        Ok(mut d) => d.next().is_none(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(source) => return Err(DataplaneError::Pin { path: links, source }),
+    };
+    Ok(unused.then_some(Unfinished::FirstStart))
+}
+
 /// What to do with a datapath pinned at version `found`: Ok(false) adopt
 /// it, Ok(true) migrate it; Err: refuse, with the line that says why and
 /// what to do.

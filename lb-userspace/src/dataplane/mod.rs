@@ -248,6 +248,26 @@ pub struct Dataplane {
 const FLOW_BYTES: u64 = 136 + 176;
 const SELECT_BYTES: u64 = 8;
 
+/// The entries `map` was made with. When that is not `configured` (the
+/// config's `key`), the map was adopted from an lbd that ran with another
+/// size: said once, as a warning, and the map's size is what counts.
+fn adopted_size(
+    map: &aya::maps::MapData,
+    name: &'static str,
+    key: &str,
+    configured: u32,
+) -> Result<u32, DataplaneError> {
+    let size = map.info().map_err(map_err(name))?.max_entries();
+    if size != configured {
+        warn!(
+            map = name,
+            entries = size,
+            "the adopted {name} map has {size} entries, the config's {key} says {configured}: it keeps {size} until a clean stop (SIGTERM) and a fresh start"
+        );
+    }
+    Ok(size)
+}
+
 /// Bytes of kernel memory the flow tables (`conntrack_max`) and the
 /// selection tables (`table_capacity`) take, allocated in full at load.
 pub fn table_memory(config: &Config) -> (u64, u64) {
@@ -328,6 +348,35 @@ impl Dataplane {
         if let (Some(pin), Some(maps_dir)) = (pin, &maps_dir) {
             pin::ensure_bpffs(pin)?;
             adopting = Self::pinned_at(pin);
+            match if adopting { layout::unfinished(pin, maps_dir)? } else { None } {
+                // An lbd killed in its first start (SIGKILL, a start
+                // timeout, the OOM killer) after its maps were pinned and
+                // before it wrote their layout, which it does before
+                // attaching anywhere: a datapath with no flows, no
+                // counters and no traffic. Nothing to adopt.
+                Some(layout::Unfinished::FirstStart) => {
+                    warn!(
+                        path = %maps_dir.display(),
+                        "found maps an lbd pinned and never finished setting up (killed during its first start; nothing attached): removed, starting afresh"
+                    );
+                    std::fs::remove_dir_all(maps_dir)
+                        .map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
+                    adopting = false;
+                }
+                // One killed while migrating, before its new maps were set
+                // up: the old program still runs on the old maps, aside.
+                // They go back, and are migrated again below.
+                Some(layout::Unfinished::Migration(aside)) => {
+                    warn!(
+                        path = %maps_dir.display(),
+                        old = %aside.display(),
+                        "found maps a migrating lbd pinned and never finished setting up (killed before it swapped its program in): removed, the old maps put back and migrated again"
+                    );
+                    layout::put_back(maps_dir, &aside)
+                        .map_err(|source| DataplaneError::Pin { path: aside.clone(), source })?;
+                }
+                None => {}
+            }
             if adopting {
                 // The version first: nothing else pinned is opened before.
                 let found = layout::pinned_version(maps_dir)?;
@@ -428,6 +477,12 @@ impl Dataplane {
             let fd = prog.fd()?.try_clone().map_err(|e| DataplaneError::Pin { path: name.into(), source: e })?;
             maps.progs.set(slot, &fd, 0).map_err(map_err(names::PROGS))?;
         }
+        // The sizes the maps have: adopted maps keep the ones they were
+        // made with, whatever the config now says (a change takes effect
+        // after a clean stop), and limits, allocation and reports follow
+        // the maps.
+        let conntrack_max = adopted_size(maps.flows.map(), names::FLOWS, "conntrack_max", config.conntrack_max)?;
+        let table_capacity = adopted_size(maps.select.map(), names::SELECT, "table_capacity", config.table_capacity)?;
         let select_memory = SelectMemory::map(&maps.select);
         if select_memory.is_none() {
             warn!(
@@ -444,8 +499,8 @@ impl Dataplane {
             services: BTreeMap::new(),
             service_ids: Ids::new(MAX_SERVICES),
             backend_ids: Ids::new(MAX_BACKENDS),
-            regions: Regions::new(config.table_capacity),
-            table_capacity: config.table_capacity,
+            regions: Regions::new(table_capacity),
+            table_capacity,
             ncpus,
             known_backends: HashSet::new(),
             filter: None,
@@ -455,7 +510,7 @@ impl Dataplane {
             endpoints: HashMap::new(),
             flood: config.flood,
             maglev_seed: config.maglev_seed,
-            conntrack_max: config.conntrack_max,
+            conntrack_max,
             migration: None,
             swapped: false,
             interfaces: Vec::new(),
