@@ -315,14 +315,15 @@ impl Drop for Lbd {
 }
 
 /// Start the lbd binary `lbd` with `config` in the lab's gateway and kill
-/// it (SIGKILL) the moment `path` appears under its pin directory: an lbd
-/// that dies part-way through its start. Panics if `path` never appears.
-pub fn kill_once_pinned(lab: &Lab, lbd: &Path, config: &Path, path: &Path) {
+/// it (SIGKILL) the moment every one of `paths` exists (pins it makes as
+/// it starts): an lbd that dies part-way through its start. Panics if
+/// they never all appear.
+pub fn kill_once_pinned(lab: &Lab, lbd: &Path, config: &Path, paths: &[PathBuf]) {
     let mut child = lab.cmd("gw", lbd).arg("--config").arg(config).stderr(Stdio::null()).spawn().expect("lbd");
-    let seen = wait_for(20, || path.exists().then_some(()));
+    let seen = wait_for(20, || paths.iter().all(|p| p.exists()).then_some(()));
     child.kill().expect("kill lbd");
     child.wait().expect("reap lbd");
-    assert!(seen.is_some(), "lbd never pinned {}", path.display());
+    assert!(seen.is_some(), "lbd never pinned all of {paths:?}");
 }
 
 /// The layout version held by the `LAYOUT` map pinned in `maps` (0: an

@@ -276,7 +276,7 @@ fn a_killed_first_start_and_a_resized_restart_go_by_the_maps_pinned() {
     // The first start is killed once its maps are pinned: lbd pins them as
     // it creates them, then verifies its programs (a second or more here)
     // before it writes the layout version and attaches.
-    kill_once_pinned(&lab, &lab.spec.bin_dir.join("lbd"), &config, &layout);
+    kill_once_pinned(&lab, &lab.spec.bin_dir.join("lbd"), &config, &[layout.clone(), maps.join("FLOWS")]);
     assert_eq!(pinned_layout(&maps), 0, "the killed start had written its layout already");
     assert!(xdp_mode_in_use(&lab, "eth0").unwrap().is_none(), "the killed start attached to eth0");
 
@@ -312,6 +312,28 @@ fn a_killed_first_start_and_a_resized_restart_go_by_the_maps_pinned() {
         let line = format!("the adopted {map} map has {size} entries, the config's {key} says");
         assert!(log.contains(&line), "no warning \"{line}\" in the log");
     }
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(100), Some(0)), "{r}");
+
+    // A second lbd given the same pin_path but a control socket and a
+    // metrics address of its own (which let it past those binds, as in
+    // another network namespace) is refused before it touches the running
+    // datapath.
+    let other_sock = sock.with_file_name("other.sock");
+    let text = std::fs::read_to_string(&bigger).unwrap();
+    let own = format!("control_socket: {}", sock.display());
+    assert!(text.contains(&own), "{text}");
+    let second = config.with_file_name("second.yaml");
+    let text =
+        text.replace(&own, &format!("control_socket: {}\nmetrics_listen: 127.0.0.1:19464", other_sock.display()));
+    std::fs::write(&second, text).unwrap();
+    let program = xdp_program_in_use(&lab, "eth0");
+    let err = Lbd::start(&lab, &second, &other_sock).err().expect("a second lbd started on a datapath in use");
+    let err = format!("{err:#}");
+    assert!(err.contains("another lbd runs the datapath pinned at"), "{err}");
+    assert_eq!(xdp_program_in_use(&lab, "eth0"), program, "the refused lbd swapped its program in");
+    assert!(!other_sock.exists(), "the refused lbd left its socket");
+    assert_eq!(lbd.status().unwrap()["services"].as_array().map(Vec::len), Some(1));
     let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
     assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(100), Some(0)), "{r}");
     lbd.stop().unwrap();

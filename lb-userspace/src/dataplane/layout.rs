@@ -60,16 +60,23 @@ pub(super) enum Unfinished {
     Migration(PathBuf),
 }
 
-/// Whether the maps pinned in `maps_dir` were never finished by the lbd
-/// that created them: their `LAYOUT` still holds the 0 a new array starts
-/// with (every lbd that pins `LAYOUT` writes its version before it swaps
-/// its program in anywhere; version 1 had no such map).
+/// Whether `maps_dir` holds maps an lbd pinned and was killed before it
+/// set them up: every lbd that pins `LAYOUT` writes its version into it
+/// before it swaps its program in anywhere, so a `LAYOUT` still holding
+/// the 0 a new array starts with (or, beside old maps set aside for a
+/// migration, none at all yet) marks them. aya pins maps one by one as it
+/// creates them, so any of them may be missing.
 pub(super) fn unfinished(pin: &Path, maps_dir: &Path) -> Result<Option<Unfinished>, DataplaneError> {
-    if !maps_dir.join(names::LAYOUT).exists() || pinned_version(maps_dir)? != 0 {
+    let version = if maps_dir.join(names::LAYOUT).exists() { Some(pinned_version(maps_dir)?) } else { None };
+    if version.is_some_and(|v| v != 0) {
         return Ok(None);
     }
     if let Some(aside) = (1..LAYOUT_VERSION).map(|v| aside_dir(pin, v)).find(|d| d.join(names::FLOWS).exists()) {
         return Ok(Some(Unfinished::Migration(aside)));
+    }
+    if version.is_none() {
+        // Nothing pinned, or an old release's datapath (no LAYOUT).
+        return Ok(None);
     }
     let links = pin.join("links");
     let unused = match std::fs::read_dir(&links) {
@@ -114,7 +121,11 @@ pub(super) fn aside_dir(pin: &Path, version: u32) -> PathBuf {
 /// old maps in `aside` are put back as they were (the old program, still
 /// attached, never stopped using them).
 pub(super) fn put_back(maps_dir: &Path, aside: &Path) -> std::io::Result<()> {
-    std::fs::remove_dir_all(maps_dir)?;
+    match std::fs::remove_dir_all(maps_dir) {
+        // Killed before it made any: nothing to remove.
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
     std::fs::rename(aside, maps_dir)
 }
 

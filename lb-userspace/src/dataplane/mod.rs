@@ -114,6 +114,10 @@ pub enum DataplaneError {
     Cpus(std::io::Error),
     #[error("{0}")]
     Bpffs(String),
+    #[error(
+        "another lbd runs the datapath pinned at {0} (it holds the lock on that directory): stop it first, or give this lbd a pin_path and control_socket of its own"
+    )]
+    InUse(PathBuf),
     #[error("pinning {path}: {source}")]
     Pin { path: PathBuf, source: std::io::Error },
     #[error("XDP link {path}: {source}")]
@@ -239,6 +243,9 @@ pub struct Dataplane {
     /// While migrating: until when (coarse seconds) the datapath holds
     /// TCP packets without an entry (see `lb_common::Flood::hold_until`).
     hold_until: u32,
+    /// The lock on the pin directory (`pin::lock`), held while this
+    /// process runs the datapath; None for an unpinned one.
+    _pin_lock: Option<std::os::fd::OwnedFd>,
 }
 
 /// Kernel memory per flow-table entry (the IPv4 and the IPv6 table, both
@@ -330,6 +337,15 @@ impl Dataplane {
     }
 
     fn load_inner(config: &Config, pin: Option<&Path>) -> Result<Self, DataplaneError> {
+        // Before anything pinned is looked at: the datapath is this
+        // process's alone.
+        let lock = pin.map(pin::lock).transpose()?;
+        let mut dp = Self::load_maps(config, pin)?;
+        dp._pin_lock = lock;
+        Ok(dp)
+    }
+
+    fn load_maps(config: &Config, pin: Option<&Path>) -> Result<Self, DataplaneError> {
         // Kernel-side log statements exist only on error paths; keep them at
         // warn and above unless asked (level numbers follow aya-log-common).
         let level: u8 = if tracing::enabled!(tracing::Level::DEBUG) { 4 } else { 2 };
@@ -347,8 +363,7 @@ impl Dataplane {
         let maps_dir = pin.map(|p| p.join("maps"));
         if let (Some(pin), Some(maps_dir)) = (pin, &maps_dir) {
             pin::ensure_bpffs(pin)?;
-            adopting = Self::pinned_at(pin);
-            match if adopting { layout::unfinished(pin, maps_dir)? } else { None } {
+            match layout::unfinished(pin, maps_dir)? {
                 // An lbd killed in its first start (SIGKILL, a start
                 // timeout, the OOM killer) after its maps were pinned and
                 // before it wrote their layout, which it does before
@@ -361,7 +376,6 @@ impl Dataplane {
                     );
                     std::fs::remove_dir_all(maps_dir)
                         .map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
-                    adopting = false;
                 }
                 // One killed while migrating, before its new maps were set
                 // up: the old program still runs on the old maps, aside.
@@ -377,6 +391,7 @@ impl Dataplane {
                 }
                 None => {}
             }
+            adopting = Self::pinned_at(pin);
             if adopting {
                 // The version first: nothing else pinned is opened before.
                 let found = layout::pinned_version(maps_dir)?;
@@ -516,6 +531,7 @@ impl Dataplane {
             interfaces: Vec::new(),
             requested: crate::config::XdpMode::Auto,
             hold_until: 0,
+            _pin_lock: None,
         };
         if let Some(dir) = migrate_from {
             dp.migration = Some(dp.migrate_from_v1(dir)?);

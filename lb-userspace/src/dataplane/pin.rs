@@ -1,11 +1,13 @@
 //! Where the datapath lives between lbd processes: the bpf filesystem
 //! (checked, and mounted at the standard place when missing) and the XDP
-//! links' pin files with the mode each was attached in. `statfs` and
-//! `mount` come from rustix.
-use std::path::Path;
+//! links' pin files with the mode each was attached in, and the lock
+//! that keeps a second lbd off a pinned datapath. `statfs`, `mount`,
+//! `open` and `flock` come from rustix.
+use std::{os::fd::OwnedFd, path::Path};
 
 use rustix::{
-    fs::statfs,
+    fs::{FlockOperation, Mode as FileMode, OFlags, flock, open, statfs},
+    io::Errno,
     mount::{MountFlags, mount},
 };
 use tracing::info;
@@ -72,6 +74,25 @@ pub(super) fn ensure_bpffs(pin: &Path) -> Result<(), DataplaneError> {
         pin.display(),
         base.display()
     )))
+}
+
+/// Take the datapath at `pin` for this process: an exclusive lock on the
+/// directory (created if missing), held until the returned fd is closed,
+/// which exiting and exec (a graceful restart) do. Another lbd holding it
+/// (one with another control socket: the socket already keeps out a
+/// second lbd on the same one) is an error: it would adopt the running
+/// datapath and program its own services into it.
+pub(super) fn lock(pin: &Path) -> Result<OwnedFd, DataplaneError> {
+    ensure_bpffs(pin)?;
+    let err = |source: std::io::Error| DataplaneError::Pin { path: pin.to_path_buf(), source };
+    std::fs::create_dir_all(pin).map_err(err)?;
+    let dir = open(pin, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, FileMode::empty())
+        .map_err(|e| err(e.into()))?;
+    match flock(&dir, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(dir),
+        Err(Errno::WOULDBLOCK) => Err(DataplaneError::InUse(pin.to_path_buf())),
+        Err(e) => Err(err(e.into())),
+    }
 }
 
 #[cfg(test)]
