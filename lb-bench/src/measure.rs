@@ -14,7 +14,7 @@ use std::{
         Arc,
         atomic::{AtomicBool, Ordering},
     },
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, anyhow, ensure};
@@ -350,18 +350,29 @@ impl Bench {
     /// everything expired (a read of every entry and its removal by
     /// `lb_sweep`); then filled again and emptied the way the sweeper
     /// removed flows before `lb_sweep`, the baseline: a batched read, then
-    /// per flow a lookup and a delete syscall. ms each.
-    pub(crate) fn sweep_cost(&mut self, n: u32) -> anyhow::Result<(u64, f64, f64, f64)> {
+    /// per flow a lookup and a delete syscall. ms each, and the longest
+    /// part of either sweep (lbd holds its agent's lock for one part at a
+    /// time).
+    pub(crate) fn sweep_cost(&mut self, n: u32) -> anyhow::Result<SweepCost> {
         self.flush_flows()?;
         self.fill(n)?;
         let now = lb_userspace::dataplane::monotonic_coarse_secs();
-        let t = Instant::now();
-        let keep = self.dp.sweep(now, u64::MAX / 2, u64::MAX / 2)?;
-        let read_ms = t.elapsed().as_secs_f64() * 1e3;
+        let mut longest = Duration::ZERO;
+        let mut sweep = |dp: &mut Dataplane, now, idle| -> anyhow::Result<_> {
+            let t = Instant::now();
+            let mut run = dp.sweep_begin(now, idle, idle);
+            loop {
+                let part = Instant::now();
+                let done = dp.sweep_step(&mut run)?;
+                longest = longest.max(part.elapsed());
+                if let Some(r) = done {
+                    return Ok((r, t.elapsed().as_secs_f64() * 1e3));
+                }
+            }
+        };
+        let (keep, read_ms) = sweep(&mut self.dp, now, u64::MAX / 2)?;
         ensure!(keep.entries >= u64::from(n) && keep.removed == 0, "sweep of {n} flows: {keep:?}");
-        let t = Instant::now();
-        let all = self.dp.sweep(now + 1_000_000, 1, 1)?;
-        let delete_ms = t.elapsed().as_secs_f64() * 1e3;
+        let (all, delete_ms) = sweep(&mut self.dp, now + 1_000_000, 1)?;
         ensure!(all.removed == keep.entries && all.expired == keep.entries, "expiring {n} flows: {all:?}");
         self.flush_flows()?;
         self.fill(n)?;
@@ -375,7 +386,13 @@ impl Bench {
         }
         let syscalls_ms = t.elapsed().as_secs_f64() * 1e3;
         ensure!(removed == u64::from(n), "removing {n} flows by syscalls: {removed} removed");
-        Ok((keep.entries, read_ms, delete_ms, syscalls_ms))
+        Ok(SweepCost {
+            flows: keep.entries,
+            read_ms,
+            expire_ms: delete_ms,
+            syscalls_ms,
+            longest_part_ms: longest.as_secs_f64() * 1e3,
+        })
     }
 
     /// Check one run's return value and output frame. For a new flow, the
@@ -495,11 +512,11 @@ impl Bench {
                 // The apply runs on another CPU than the packets, so the
                 // two overlap for real; the traffic runs before and after.
                 pin_to(apply_cpu)?;
-                std::thread::sleep(std::time::Duration::from_millis(5));
+                std::thread::sleep(Duration::from_millis(5));
                 let t0 = Instant::now();
                 let applied = dp.apply_admin(&svcs);
                 let t1 = Instant::now();
-                std::thread::sleep(std::time::Duration::from_millis(5));
+                std::thread::sleep(Duration::from_millis(5));
                 running.store(false, Ordering::Relaxed);
                 let calls = traffic.join().map_err(|_| anyhow!("the traffic thread panicked"))??;
                 pin_to(cpu)?;
@@ -523,7 +540,7 @@ impl Bench {
                 .and_then(|a| a.backends.first())
                 .map(|b| b.runtime.weight);
             ensure!(live == Some(w), "the weight change did not land: {live:?}");
-            std::thread::sleep(std::time::Duration::from_millis(250));
+            std::thread::sleep(Duration::from_millis(250));
         }
         let after = self.traffic_counters()?;
         // Every packet sent was a new flow of the service that left by XDP
@@ -868,4 +885,16 @@ fn frame_addrs(f: &[u8]) -> Option<[std::net::IpAddr; 2]> {
         Ok(v4) => Some([v4.src.into(), v4.dst.into()]),
         Err(_) => Frame6::parse(f).ok().map(|v6| [v6.src.into(), v6.dst.into()]),
     }
+}
+
+/// What sweeping a full flow table cost (`Bench::sweep_cost`), ms.
+pub(crate) struct SweepCost {
+    pub(crate) flows: u64,
+    /// A sweep with nothing idle, and one that expires every flow.
+    pub(crate) read_ms: f64,
+    pub(crate) expire_ms: f64,
+    /// The baseline: read, then a lookup and a delete syscall per flow.
+    pub(crate) syscalls_ms: f64,
+    /// The longest part of either sweep.
+    pub(crate) longest_part_ms: f64,
 }

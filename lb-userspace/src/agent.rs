@@ -19,7 +19,7 @@ use tracing::{info, warn};
 
 use crate::{
     config::{self, BackendConfig, Config, ConfigError, ProbeKind, Problem, ServiceConfig, System},
-    dataplane::{BackendRuntime, Dataplane, DataplaneError, SweepReport, monotonic_coarse_secs},
+    dataplane::{BackendRuntime, Dataplane, DataplaneError, SweepReport, SweepRun, monotonic_coarse_secs},
     health::{Checker, Health, HealthMetrics, slow_start_weight},
     render,
 };
@@ -421,16 +421,36 @@ impl Agent {
         Ok(summary)
     }
 
-    /// Expire idle flows now.
+    /// Expire idle flows now, in one go.
     pub fn sweep(&mut self) -> Result<SweepReport, DataplaneError> {
-        let r = self.dp.sweep(
+        let mut run = self.sweep_begin();
+        loop {
+            if let Some(r) = self.sweep_step(&mut run)? {
+                return Ok(r);
+            }
+        }
+    }
+
+    /// A sweep of the flow tables with the timeouts in force now, run a
+    /// part at a time by [`Agent::sweep_step`] (lbd's sweeper lets go of
+    /// the agent between parts: a sweep of millions of flows takes
+    /// seconds, which a health change or an lbctl request need not wait).
+    pub fn sweep_begin(&self) -> SweepRun {
+        self.dp.sweep_begin(
             monotonic_coarse_secs(),
             u64::from(self.config.tcp_idle_timeout),
             u64::from(self.config.udp_idle_timeout),
-        )?;
+        )
+    }
+
+    /// The next part of `run`; its report once it is done.
+    pub fn sweep_step(&mut self, run: &mut SweepRun) -> Result<Option<SweepReport>, DataplaneError> {
+        let Some(r) = self.dp.sweep_step(run)? else {
+            return Ok(None);
+        };
         self.flow_entries = r.entries.saturating_sub(r.entries_removed);
         self.half_open_expired += r.half_open_expired;
-        Ok(r)
+        Ok(Some(r))
     }
 }
 

@@ -24,7 +24,7 @@ use crate::{
     agent::{Agent, BackendKey},
     bgp,
     config::HealthConfig,
-    dataplane::SweepReport,
+    dataplane::{SweepReport, SweepRun},
     health,
 };
 
@@ -40,8 +40,12 @@ pub trait Driven: Send + 'static {
     fn reprogram(&mut self) -> Result<(), String>;
     /// Re-read the network devices; true when a forwarding path changed.
     fn refresh_devices(&mut self) -> Result<bool, String>;
-    /// Expire idle flows.
-    fn sweep(&mut self) -> Result<SweepReport, String>;
+    /// A sweep of the flow tables under way.
+    type Sweep: Send + 'static;
+    /// Begin expiring idle flows.
+    fn sweep_begin(&mut self) -> Self::Sweep;
+    /// Sweep the next part; the report once the sweep is done.
+    fn sweep_step(&mut self, run: &mut Self::Sweep) -> Result<Option<SweepReport>, String>;
 }
 
 impl Driven for Agent {
@@ -60,8 +64,12 @@ impl Driven for Agent {
     fn refresh_devices(&mut self) -> Result<bool, String> {
         self.dp.refresh_paths().map_err(|e| e.to_string())
     }
-    fn sweep(&mut self) -> Result<SweepReport, String> {
-        Self::sweep(self).map_err(|e| e.to_string())
+    type Sweep = SweepRun;
+    fn sweep_begin(&mut self) -> SweepRun {
+        Self::sweep_begin(self)
+    }
+    fn sweep_step(&mut self, run: &mut SweepRun) -> Result<Option<SweepReport>, String> {
+        Self::sweep_step(self, run).map_err(|e| e.to_string())
     }
 }
 
@@ -230,17 +238,36 @@ async fn watch_devices<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
     }
 }
 
-/// Expire idle flows (the datapath only sees FIN and RST).
+/// Expire idle flows (the datapath only sees FIN and RST). A sweep holds
+/// the state's lock one part at a time (a batch of entries, milliseconds),
+/// letting go in between: at millions of flows a whole sweep takes
+/// seconds, and a health change, a weight change or an lbctl request
+/// would otherwise wait for it.
 async fn sweep_flows<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
     let mut tick = interval(period);
     loop {
         tick.tick().await;
-        match locked(&state, D::sweep).await {
-            Some(Ok(r)) if r.expired > 0 || r.removed > 0 => {
+        let Some(mut run) = locked(&state, D::sweep_begin).await else { continue };
+        let done = loop {
+            match locked(&state, move |d| {
+                let r = d.sweep_step(&mut run);
+                (run, r)
+            })
+            .await
+            {
+                Some((_, Ok(Some(r)))) => break Ok(r),
+                Some((next, Ok(None))) => run = next,
+                Some((_, Err(e))) => break Err(e),
+                // The step's task failed (logged by `locked`).
+                None => break Err("the sweep's task failed".to_owned()),
+            }
+        };
+        match done {
+            Ok(r) if r.expired > 0 || r.removed > 0 => {
                 debug!(scanned = r.scanned, removed = r.removed, expired = r.expired, "flow sweep");
             }
-            Some(Ok(_)) | None => {}
-            Some(Err(e)) => warn!(error = %e, "flow sweep failed"),
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "flow sweep failed"),
         }
     }
 }
@@ -372,7 +399,13 @@ mod tests {
         ramp_left: u32,
         reprograms: u32,
         refreshes: u32,
+        /// Sweeps begun and ended.
         sweeps: u32,
+        /// Parts a sweep takes (at least one), and how long each holds the state.
+        sweep_parts: u32,
+        part_time: Duration,
+        /// Parts left of the sweep under way, seen from outside.
+        sweep_left: Option<u32>,
         fail: bool,
     }
 
@@ -395,9 +428,24 @@ mod tests {
             self.refreshes += 1;
             if self.fail { Err("netlink said no".into()) } else { Ok(false) }
         }
-        fn sweep(&mut self) -> Result<SweepReport, String> {
-            self.sweeps += 1;
-            if self.fail { Err("map said no".into()) } else { Ok(SweepReport::default()) }
+        type Sweep = u32;
+        fn sweep_begin(&mut self) -> u32 {
+            let parts = self.sweep_parts.max(1);
+            self.sweep_left = Some(parts);
+            parts
+        }
+        fn sweep_step(&mut self, left: &mut u32) -> Result<Option<SweepReport>, String> {
+            std::thread::sleep(self.part_time);
+            *left -= 1;
+            self.sweep_left = Some(*left);
+            if self.fail || *left == 0 {
+                self.sweeps += 1;
+                self.sweep_left = None;
+            }
+            if self.fail {
+                return Err("map said no".into());
+            }
+            Ok((*left == 0).then(SweepReport::default))
         }
     }
 
@@ -501,5 +549,21 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let f = lock(&state);
         assert_eq!((f.refreshes, f.sweeps), (r, s), "dropping the tasks stops every loop");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_long_sweep_lets_go_of_the_state_between_its_parts() {
+        // 40 parts of 5 ms: were the lock held for a whole sweep (200 ms),
+        // nobody could ever see one half done.
+        let parts = 40;
+        let state =
+            Arc::new(Mutex::new(Fake { sweep_parts: parts, part_time: Duration::from_millis(5), ..Fake::default() }));
+        let tasks = Tasks::start(&state, fast());
+        wait_for(&state, "the state taken in the middle of a sweep", |f| {
+            f.sweep_left.is_some_and(|left| left > 0 && left < parts)
+        })
+        .await;
+        wait_for(&state, "sweeps to end", |f| f.sweeps >= 2).await;
+        tasks.stop().await;
     }
 }

@@ -37,50 +37,86 @@ fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
     unsafe { super::sys::bpf(cmd, attr) }.map(drop)
 }
 
-/// Call `f` with every (key, value) of the hash map `fd`, read in chunks,
-/// deleting each chunk as it is read when `delete` is set. Entries added
-/// or removed meanwhile may or may not be seen. Returns the number seen.
-fn walk<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, delete: bool, mut f: impl FnMut(&K, &V)) -> io::Result<u64> {
-    let (ks, vs) = (size_of::<K>(), size_of::<V>());
-    let mut keys = vec![0u8; CHUNK * ks];
-    let mut values = vec![0u8; CHUNK * vs];
-    let (mut token_in, mut token_out) = (0u64, 0u64);
-    let mut first = true;
-    let mut total = 0u64;
-    let cmd = if delete { BPF_MAP_LOOKUP_AND_DELETE_BATCH } else { BPF_MAP_LOOKUP_BATCH };
-    loop {
+/// A walk over a hash map in chunks of up to [`CHUNK`] entries, one
+/// syscall each, which can be paused between chunks (the map may change
+/// meanwhile: entries added or removed may or may not be seen).
+pub(super) struct Walk<K, V> {
+    keys: Vec<u8>,
+    values: Vec<u8>,
+    /// Where the next chunk starts (the kernel's token); None: the start.
+    token: Option<u64>,
+    done: bool,
+    kv: std::marker::PhantomData<fn(K, V)>,
+}
+
+impl<K: aya::Pod, V: aya::Pod> Walk<K, V> {
+    pub(super) fn new() -> Self {
+        Self {
+            keys: vec![0u8; CHUNK * size_of::<K>()],
+            values: vec![0u8; CHUNK * size_of::<V>()],
+            token: None,
+            done: false,
+            kv: std::marker::PhantomData,
+        }
+    }
+
+    pub(super) fn done(&self) -> bool {
+        self.done
+    }
+
+    /// Call `f` with each (key, value) of the next chunk of the hash map
+    /// `fd`, deleting the chunk as it is read when `delete` is set.
+    /// Returns how many it read; the walk is done once the map has no more.
+    pub(super) fn next(&mut self, fd: BorrowedFd<'_>, delete: bool, mut f: impl FnMut(&K, &V)) -> io::Result<u64> {
+        if self.done {
+            return Ok(0);
+        }
+        let (ks, vs) = (size_of::<K>(), size_of::<V>());
+        let mut token_out = 0u64;
         let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { std::ptr::from_ref(&token_in) as u64 },
+            in_batch: self.token.as_ref().map_or(0, |t| std::ptr::from_ref(t) as u64),
             out_batch: std::ptr::from_mut(&mut token_out) as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: values.as_mut_ptr() as u64,
+            keys: self.keys.as_mut_ptr() as u64,
+            values: self.values.as_mut_ptr() as u64,
             count: CHUNK as u32,
             map_fd: fd.as_raw_fd() as u32,
             ..Default::default()
         };
+        let cmd = if delete { BPF_MAP_LOOKUP_AND_DELETE_BATCH } else { BPF_MAP_LOOKUP_BATCH };
         let rc = bpf_batch(cmd, &mut attr);
         // On ENOENT (the end) the last entries are still returned.
         let n = attr.count as usize;
         for i in 0..n.min(CHUNK) {
-            // SAFETY: the kernel wrote `n` keys and values of these sizes;
-            // K and V are Pod, so any bytes are valid values of them.
+            // SAFETY: the kernel wrote `n` keys and values of these sizes
+            // (the buffers were sized for K and V); K and V are Pod, so
+            // any bytes are valid values of them.
             let (k, v) = unsafe {
                 (
-                    keys.as_ptr().add(i * ks).cast::<K>().read_unaligned(),
-                    values.as_ptr().add(i * vs).cast::<V>().read_unaligned(),
+                    self.keys.as_ptr().add(i * ks).cast::<K>().read_unaligned(),
+                    self.values.as_ptr().add(i * vs).cast::<V>().read_unaligned(),
                 )
             };
             f(&k, &v);
         }
-        total += n as u64;
         match rc {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(total),
+            Ok(()) => self.token = Some(token_out),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => self.done = true,
             Err(e) => return Err(e),
         }
-        first = false;
-        token_in = token_out;
+        Ok(n as u64)
     }
+}
+
+/// Call `f` with every (key, value) of the hash map `fd`, read in chunks,
+/// deleting each chunk as it is read when `delete` is set. Entries added
+/// or removed meanwhile may or may not be seen. Returns the number seen.
+fn walk<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, delete: bool, mut f: impl FnMut(&K, &V)) -> io::Result<u64> {
+    let mut w = Walk::<K, V>::new();
+    let mut total = 0;
+    while !w.done() {
+        total += w.next(fd, delete, &mut f)?;
+    }
+    Ok(total)
 }
 
 /// Call `f` with every (key, value) of the hash map `fd`.

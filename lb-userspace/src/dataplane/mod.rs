@@ -51,7 +51,7 @@ use alloc::{Ids, Regions};
 use attach::Attached;
 pub use endpoints::words6;
 use maps::{Maps, SelectMemory, map_err};
-pub use sweep::{CLOSED_LINGER, DSR_FIN_TIMEOUT, SweepReport, monotonic_coarse_secs};
+pub use sweep::{CLOSED_LINGER, DSR_FIN_TIMEOUT, SweepReport, SweepRun, monotonic_coarse_secs};
 
 /// The XDP program, built by build.rs and embedded in the binary.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-xdp"));

@@ -10,7 +10,11 @@ use lb_common::{
     SWEEP_BATCH, SWEEP_BATCH6, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed, maps as names,
 };
 
-use super::{Dataplane, DataplaneError, batch, map_err};
+use super::{
+    Dataplane, DataplaneError,
+    batch::{self, Walk},
+    map_err,
+};
 
 /// One flow table's key and value types, seen the same way by the sweep.
 trait Table {
@@ -106,12 +110,12 @@ struct Doomed<K> {
 }
 
 /// What a sweep decides, for the limits in force.
-struct Limits<'a> {
+struct Limits {
     now: u64,
     tcp_idle: u64,
     udp_idle: u64,
     half_open: u64,
-    udp_by_service: &'a HashMap<u32, u64>,
+    udp_by_service: HashMap<u32, u64>,
 }
 
 /// What the sweep does with one flow-table entry.
@@ -134,7 +138,7 @@ enum Verdict {
 /// direction, protocol, state bits, last packet and service. A forward
 /// entry (`DIR_FORWARD`, `DIR_FLOW`, `DIR_DSR`) holds its flow's state;
 /// the same rule for both tables.
-fn judge(dir: u8, proto: u8, state: u64, last_seen: u64, service: u32, l: &Limits<'_>) -> Verdict {
+fn judge(dir: u8, proto: u8, state: u64, last_seen: u64, service: u32, l: &Limits) -> Verdict {
     if dir == DIR_REPLY {
         return Verdict::Reply;
     }
@@ -167,26 +171,27 @@ fn judge(dir: u8, proto: u8, state: u64, last_seen: u64, service: u32, l: &Limit
     }
 }
 
-/// Sweep one flow table (see [`Dataplane::sweep`]): expired flows counted
-/// into `expired_by`, the rest into `report`. `remover` is `lb_sweep`.
-fn sweep_table<T: Table>(
+/// Sweep the next chunk of one flow table (see [`Dataplane::sweep`]):
+/// expired flows counted into `expired_by`, the rest into `report`.
+/// `remover` is `lb_sweep`.
+fn sweep_chunk<T: Table>(
     fd: std::os::fd::BorrowedFd<'_>,
+    walk: &mut Walk<T::K, T::V>,
     remover: &Xdp,
-    l: &Limits<'_>,
+    l: &Limits,
     report: &mut SweepReport,
     expired_by: &mut HashMap<u32, u64>,
 ) -> Result<(), DataplaneError> {
-    // Judged once, in the walk (which at a million flows takes hundreds of
-    // milliseconds). A closed flow's 5-tuple comes back when its client
-    // reuses the port: the new connection's SYN replaces the entry (same
-    // key). Deleting by key on the strength of the walk's look would then
+    // Judged once, as read. A closed flow's 5-tuple comes back when its
+    // client reuses the port: the new connection's SYN replaces the entry
+    // (same key). Deleting by key on the strength of that look would then
     // lose a live flow, whose next packets a round-robin service would
     // send to another backend (a reset connection: seen in the lab at 200
     // clients, once in about 31,000 new connections). So the removal is
     // `lb_sweep`'s: in the kernel, each entry goes only if its state bits
     // and last packet are still those judged here (see `lb-ebpf/src/sweep.rs`).
     let mut doomed: Vec<Doomed<T::K>> = Vec::new();
-    let read = batch::for_each::<T::K, T::V>(fd, |k, f| {
+    let read = walk.next(fd, false, |k, f| {
         report.entries += 1;
         let (dir, proto, state, last_seen, backend, service) = T::view(k, f);
         let verdict = judge(dir, proto, state, last_seen, service, l);
@@ -206,24 +211,22 @@ fn sweep_table<T: Table>(
     read.map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
     let mut replies = Vec::new();
     let mut removed_here = 0;
-    for chunk in doomed.chunks(4096) {
-        let items: Vec<T::Item> = chunk.iter().map(|d| T::item(&d.key, d.state, d.last_seen)).collect();
-        let done = remove_unchanged::<T>(remover, &items)?;
-        // The flow's own entry went first: if a packet raced us and it is
-        // gone already, nothing is counted twice.
-        for (d, item) in chunk.iter().zip(&done) {
-            if !T::removed(item) {
-                continue;
-            }
-            removed_here += 1;
-            replies.extend(d.reply);
-            if let Some(b) = d.expired_from {
-                *expired_by.entry(b).or_default() += 1;
-                report.expired += 1;
-            }
-            if d.half_open {
-                report.half_open_expired += 1;
-            }
+    let items: Vec<T::Item> = doomed.iter().map(|d| T::item(&d.key, d.state, d.last_seen)).collect();
+    let done = remove_unchanged::<T>(remover, &items)?;
+    // The flow's own entry went first: if a packet raced us and it is gone
+    // already, nothing is counted twice.
+    for (d, item) in doomed.iter().zip(&done) {
+        if !T::removed(item) {
+            continue;
+        }
+        removed_here += 1;
+        replies.extend(d.reply);
+        if let Some(b) = d.expired_from {
+            *expired_by.entry(b).or_default() += 1;
+            report.expired += 1;
+        }
+        if d.half_open {
+            report.half_open_expired += 1;
         }
     }
     report.removed += removed_here;
@@ -309,30 +312,68 @@ impl Dataplane {
     /// CLOCK_MONOTONIC_COARSE (see [`monotonic_coarse_secs`]). Both flow
     /// tables (IPv4 and IPv6) are read and pruned in batches (see `batch`).
     pub fn sweep(&mut self, now: u64, tcp_idle: u64, udp_idle: u64) -> Result<SweepReport, DataplaneError> {
-        let mut report = SweepReport::default();
+        let mut run = self.sweep_begin(now, tcp_idle, udp_idle);
+        loop {
+            if let Some(report) = self.sweep_step(&mut run)? {
+                return Ok(report);
+            }
+        }
+    }
+
+    /// A sweep (see [`Dataplane::sweep`]) to be run a part at a time by
+    /// [`Dataplane::sweep_step`], its limits fixed now.
+    pub fn sweep_begin(&self, now: u64, tcp_idle: u64, udp_idle: u64) -> SweepRun {
         // Services with a UDP idle timeout of their own, by service id.
         let udp_by_service: HashMap<u32, u64> =
             self.services.values().filter_map(|s| s.config.udp_idle_timeout.map(|t| (s.id, u64::from(t)))).collect();
-        let limits = Limits {
-            now,
-            tcp_idle,
-            udp_idle,
-            half_open: u64::from(self.flood.half_open_timeout),
-            udp_by_service: &udp_by_service,
-        };
-        let mut expired_by: HashMap<u32, u64> = HashMap::new();
-        let remover = self.remover()?;
-        sweep_table::<V4>(self.maps.flows.map().fd().as_fd(), remover, &limits, &mut report, &mut expired_by)?;
-        sweep_table::<V6>(self.maps.flows6.map().fd().as_fd(), remover, &limits, &mut report, &mut expired_by)?;
-        if !expired_by.is_empty() {
-            let expired = &mut self.maps.expired;
-            for (b, n) in expired_by {
-                let cur = expired.get(&b, 0).map_err(map_err(names::EXPIRED))?;
-                expired.set(b, cur + n, 0).map_err(map_err(names::EXPIRED))?;
-            }
+        SweepRun {
+            limits: Limits {
+                now,
+                tcp_idle,
+                udp_idle,
+                half_open: u64::from(self.flood.half_open_timeout),
+                udp_by_service,
+            },
+            v4: Walk::new(),
+            v6: Walk::new(),
+            report: SweepReport::default(),
+            expired_by: HashMap::new(),
         }
-        Ok(report)
     }
+
+    /// Sweep the next part of the flow tables: one batch of entries (up to
+    /// 8,192) read, judged and removed, a few milliseconds at a million
+    /// flows. The report once the run has swept both tables; until then
+    /// None. Between steps the maps may change, and the caller may do
+    /// anything else (lbd's agent lets other work have its lock).
+    pub fn sweep_step(&mut self, run: &mut SweepRun) -> Result<Option<SweepReport>, DataplaneError> {
+        let remover = self.remover()?;
+        let SweepRun { limits, v4, v6, report, expired_by } = run;
+        if !v4.done() {
+            sweep_chunk::<V4>(self.maps.flows.map().fd().as_fd(), v4, remover, limits, report, expired_by)?;
+        } else if !v6.done() {
+            sweep_chunk::<V6>(self.maps.flows6.map().fd().as_fd(), v6, remover, limits, report, expired_by)?;
+        }
+        if !(v4.done() && v6.done()) {
+            return Ok(None);
+        }
+        let expired = &mut self.maps.expired;
+        for (b, n) in expired_by.drain() {
+            let cur = expired.get(&b, 0).map_err(map_err(names::EXPIRED))?;
+            expired.set(b, cur + n, 0).map_err(map_err(names::EXPIRED))?;
+        }
+        Ok(Some(*report))
+    }
+}
+
+/// A sweep under way ([`Dataplane::sweep_begin`]): its limits, where each
+/// table's walk is, and what it did so far.
+pub struct SweepRun {
+    limits: Limits,
+    v4: Walk<FlowKey, Flow>,
+    v6: Walk<FlowKey6, Flow6>,
+    report: SweepReport,
+    expired_by: HashMap<u32, u64>,
 }
 
 /// Seconds a closed TCP flow's entries stay (late retransmissions, the
@@ -379,12 +420,12 @@ mod tests {
 
     const NOW: u64 = 100_000;
 
-    fn limits(udp_by_service: &HashMap<u32, u64>) -> Limits<'_> {
-        Limits { now: NOW, tcp_idle: 900, udp_idle: 300, half_open: 10, udp_by_service }
+    fn limits(udp_by_service: &HashMap<u32, u64>) -> Limits {
+        Limits { now: NOW, tcp_idle: 900, udp_idle: 300, half_open: 10, udp_by_service: udp_by_service.clone() }
     }
 
     /// An IPv6 flow entry, judged as the sweep judges FLOWS6's.
-    fn judge6(dir: u8, proto: u8, state: u64, idle: u64, l: &Limits<'_>) -> Verdict {
+    fn judge6(dir: u8, proto: u8, state: u64, idle: u64, l: &Limits) -> Verdict {
         let k =
             FlowKey6 { src_addr: [1, 2, 3, 4], dst_addr: [5, 6, 7, 8], src_port: 1, dst_port: 2, proto, _pad: [0; 3] };
         let f = Flow6 { backend_id: 3, service_id: 7, dir, state, last_seen: NOW - idle, ..Flow6::default() };
@@ -393,7 +434,7 @@ mod tests {
     }
 
     /// The same entry in FLOWS.
-    fn judge4(dir: u8, proto: u8, state: u64, idle: u64, l: &Limits<'_>) -> Verdict {
+    fn judge4(dir: u8, proto: u8, state: u64, idle: u64, l: &Limits) -> Verdict {
         let k = FlowKey { src_addr: 1, dst_addr: 5, src_port: 1, dst_port: 2, proto, _pad: [0; 3] };
         let f = Flow { backend_id: 3, service_id: 7, dir, state, last_seen: NOW - idle, ..Flow::default() };
         let (dir, proto, state, last_seen, _, service) = V4::view(&k, &f);
