@@ -804,6 +804,26 @@ fn the_sweeper_removes_a_flow_only_while_it_is_as_it_was_judged() {
 }
 
 #[test]
+fn a_sweep_left_half_done_still_counts_the_flows_it_removed() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        for port in [45_000, 45_001] {
+            fx.forward(&tcp(CLIENT, port, VIP, 80, SYN).bytes());
+        }
+        assert_eq!(active(&fx, "web"), 2);
+        // lbd sweeps a part at a time and may stop between parts (a stop,
+        // a restart): the part that removed the two half-open flows has
+        // counted them expired already.
+        let now = lb_userspace::dataplane::monotonic_coarse_secs();
+        let mut run = fx.dp.sweep_begin(now + 11, 900, 300);
+        assert_eq!(fx.dp.sweep_step(&mut run).unwrap(), None, "one part swept both tables");
+        drop(run);
+        assert_eq!(fx.entries(), 0);
+        assert_eq!(active(&fx, "web"), 0, "flows removed by an unfinished sweep still count as active");
+    });
+}
+
+#[test]
 fn the_program_verifies_with_room_to_spare() {
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);

@@ -354,15 +354,16 @@ impl Dataplane {
         } else if !v6.done() {
             sweep_chunk::<V6>(self.maps.flows6.map().fd().as_fd(), v6, remover, limits, report, expired_by)?;
         }
-        if !(v4.done() && v6.done()) {
-            return Ok(None);
-        }
+        // Counted at once, part by part: a sweep may be left half done
+        // (lbd stopping or restarting between parts), and the flows it
+        // removed must still count as expired (active = opened - closed -
+        // expired, which least-conn schedules by).
         let expired = &mut self.maps.expired;
         for (b, n) in expired_by.drain() {
             let cur = expired.get(&b, 0).map_err(map_err(names::EXPIRED))?;
             expired.set(b, cur + n, 0).map_err(map_err(names::EXPIRED))?;
         }
-        Ok(Some(*report))
+        Ok((v4.done() && v6.done()).then_some(*report))
     }
 }
 
