@@ -45,6 +45,8 @@ pub struct Agent {
     pub flow_entries: u64,
     /// Half-open flows the sweeper expired early, since lbd started.
     pub half_open_expired: u64,
+    /// How long the last complete sweep took, start to end (ms).
+    pub last_sweep_ms: Option<u64>,
     pub health_metrics: HealthMetrics,
     /// VIP announcement, while the config has a `bgp:` section (kept by
     /// lbd's announcer loop).
@@ -132,6 +134,7 @@ impl Agent {
             reloads_failed: 0,
             flow_entries: 0,
             half_open_expired: 0,
+            last_sweep_ms: None,
             health_metrics: HealthMetrics::default(),
             bgp: None,
         };
@@ -450,6 +453,7 @@ impl Agent {
         };
         self.flow_entries = r.entries.saturating_sub(r.entries_removed);
         self.half_open_expired += r.half_open_expired;
+        self.last_sweep_ms = Some(r.duration_ms);
         Ok(Some(r))
     }
 }

@@ -30,6 +30,7 @@ pub const SERIES: &[&str] = &[
     "lb_flow_table_entries",
     "lb_flow_table_capacity",
     "lb_half_open_expired_flows_total",
+    "lb_flow_sweep_duration_seconds",
     "lb_stateless_packets_total",
     "lb_icmp_translated_packets_total",
     "lb_health_check_duration_seconds",
@@ -95,6 +96,9 @@ struct Samples {
     kind: MetricType,
     rows: Vec<(Labels, Value)>,
 }
+
+/// Help of `lb_flow_sweep_duration_seconds`.
+const SWEEP_HELP: &str = "How long the last complete sweep of the flow tables took, start to end, pauses between its parts included (none before the first); longer than the sweep interval (5 s, less with a short flood.half_open_timeout) means flows outlive their timeouts";
 
 enum Value {
     Counter(u64),
@@ -263,6 +267,10 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         Counter,
     );
     half_open.push(Labels::new(), Value::Counter(status.flood.half_open_expired));
+    let mut sweep = Samples::new("lb_flow_sweep_duration_seconds", SWEEP_HELP, Gauge);
+    if let Some(ms) = status.flood.last_sweep_ms {
+        sweep.push(Labels::new(), Value::GaugeF(Duration::from_millis(ms).as_secs_f64()));
+    }
     let mut capacity = Samples::new("lb_flow_table_capacity", "Flow table size (conntrack_max)", Gauge);
     capacity.push(Labels::new(), Value::Gauge(i64::from(status.flood.flow_capacity)));
     let mut reloads = Samples::new("lb_config_reloads", "Configuration reloads by result", Counter);
@@ -289,6 +297,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         entries,
         capacity,
         half_open,
+        sweep,
         reloads,
         announced,
     ]
@@ -635,6 +644,7 @@ mod tests {
                 flow_entries: 24,
                 flow_capacity: 1024,
                 half_open_expired: 6,
+                last_sweep_ms: Some(1250),
             },
             services: vec![ServiceStatus {
                 name: "web".into(),
@@ -813,6 +823,16 @@ mod tests {
             "Half-open flows (no completed handshake) expired after flood.half_open_timeout, since lbd started",
             half_open,
         );
+        // One unlabelled sample once there is a value; before, the family
+        // alone (its HELP and TYPE), as the collector writes it.
+        if let Some(ms) = status.flood.last_sweep_ms {
+            let sweep = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+            sweep.set(Duration::from_millis(ms).as_secs_f64());
+            reg.register("lb_flow_sweep_duration_seconds", SWEEP_HELP, sweep);
+        } else {
+            let sweep = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+            reg.register("lb_flow_sweep_duration_seconds", SWEEP_HELP, sweep);
+        }
         reg.register("lb_config_reloads", "Configuration reloads by result", reloads);
         let announced = Family::<Labels, Gauge>::default();
         for s in &status.services {

@@ -100,6 +100,12 @@ pub struct FloodStatus {
     pub flow_capacity: u32,
     /// Half-open flows expired early since lbd started.
     pub half_open_expired: u64,
+    /// How long the last complete sweep of the flow tables took, start to
+    /// end, in ms (none yet: lbd has not finished one). A sweep longer than
+    /// its interval means closed and idle flows stay longer than their
+    /// timeouts say.
+    #[serde(default)]
+    pub last_sweep_ms: Option<u64>,
 }
 
 /// Jain's fairness index `(sum x)^2 / (n * sum x^2)` over `x`; None when
@@ -177,6 +183,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             flow_entries: agent.flow_entries,
             flow_capacity: capacity,
             half_open_expired: agent.half_open_expired,
+            last_sweep_ms: agent.last_sweep_ms,
         },
         bgp: agent.bgp.clone(),
         services,

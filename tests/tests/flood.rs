@@ -139,6 +139,15 @@ fn a_syn_flood_at_twice_the_table_per_second_spares_live_and_new_connections() {
     assert!(metric_total > TABLE as f64, "lb_stateless_packets_total: {by_reason:?}");
     let half_open = samples(&text, "lb_half_open_expired_flows_total");
     assert!(half_open.values().sum::<f64>() > 0.0, "lb_half_open_expired_flows_total: {half_open:?}");
+    // Sweeps ran to their end (they expired the half-open flows): how long
+    // the last one took is in the status and the metrics.
+    let sweep_ms = status["flood"]["last_sweep_ms"].as_u64().unwrap_or_else(|| panic!("{}", status["flood"]));
+    assert!(sweep_ms < 5_000, "a sweep of a {TABLE}-entry table took {sweep_ms} ms");
+    let sweep = samples(&text, "lb_flow_sweep_duration_seconds");
+    assert!(
+        sweep.len() == 1 && sweep.values().all(|s| (0.0..5.0).contains(s)),
+        "lb_flow_sweep_duration_seconds: {sweep:?}"
+    );
     // The default xdp_mode (auto) ran natively on this topology, and the
     // connections' packets left by XDP redirect (the answers to spoofed
     // sources went to the kernel, which blackholed them).
@@ -149,4 +158,5 @@ fn a_syn_flood_at_twice_the_table_per_second_spares_live_and_new_connections() {
     assert!(redirected > 10 * ok, "{redirected} packets by XDP redirect for {ok} new connections: {counters}");
     let text = lbd.lbctl(&["status"]).expect("lbctl status");
     assert!(text.contains("flood protection: flow table"), "{text}");
+    assert!(text.contains(" entries (last sweep "), "{text}");
 }

@@ -338,6 +338,7 @@ impl Dataplane {
             v6: Walk::new(),
             report: SweepReport::default(),
             expired_by: HashMap::new(),
+            started: std::time::Instant::now(),
         }
     }
 
@@ -348,7 +349,7 @@ impl Dataplane {
     /// anything else (lbd's agent lets other work have its lock).
     pub fn sweep_step(&mut self, run: &mut SweepRun) -> Result<Option<SweepReport>, DataplaneError> {
         let remover = self.remover()?;
-        let SweepRun { limits, v4, v6, report, expired_by } = run;
+        let SweepRun { limits, v4, v6, report, expired_by, started } = run;
         if !v4.done() {
             sweep_chunk::<V4>(self.maps.flows.map().fd().as_fd(), v4, remover, limits, report, expired_by)?;
         } else if !v6.done() {
@@ -363,7 +364,11 @@ impl Dataplane {
             let cur = expired.get(&b, 0).map_err(map_err(names::EXPIRED))?;
             expired.set(b, cur + n, 0).map_err(map_err(names::EXPIRED))?;
         }
-        Ok((v4.done() && v6.done()).then_some(*report))
+        if !(v4.done() && v6.done()) {
+            return Ok(None);
+        }
+        report.duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        Ok(Some(*report))
     }
 }
 
@@ -375,6 +380,7 @@ pub struct SweepRun {
     v6: Walk<FlowKey6, Flow6>,
     report: SweepReport,
     expired_by: HashMap<u32, u64>,
+    started: std::time::Instant,
 }
 
 /// Seconds a closed TCP flow's entries stay (late retransmissions, the
@@ -404,6 +410,9 @@ pub struct SweepReport {
     pub expired: u64,
     /// Of those, half-open flows expired early (`flood.half_open_timeout`).
     pub half_open_expired: u64,
+    /// Milliseconds from the sweep's start to its end, pauses between its
+    /// parts included.
+    pub duration_ms: u64,
 }
 
 /// The datapath's idle clock: CLOCK_MONOTONIC_COARSE in whole seconds
