@@ -11,12 +11,12 @@
 //!
 //! Run by lbd through BPF_PROG_TEST_RUN, never attached: the "frame" is
 //! the request, and the program marks in it what it removed.
-use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
+use aya_ebpf::{bindings::xdp_action, macros::xdp, maps::HashMap, programs::XdpContext};
 use core::{
     mem::size_of,
     ptr::{addr_of, addr_of_mut, read_volatile},
 };
-use lb_common::{Flow6, SWEEP_BATCH, SWEEP_BATCH6, SweepHeader, SweepItem, SweepItem6};
+use lb_common::{Flow, Flow6, FlowKey, FlowKey6, SWEEP_BATCH, SWEEP_BATCH6, SweepHeader, SweepItem, SweepItem6};
 
 use crate::{
     maps::{FLOWS, FLOWS6},
@@ -35,51 +35,91 @@ pub(crate) fn lb_sweep(ctx: XdpContext) -> u32 {
 
 const HDR: usize = size_of::<SweepHeader>();
 
+/// A request item and the flow-table value it names, of either family.
+trait Item {
+    type Key;
+    type Value;
+    /// The item's key and the state bits and last packet it was judged by.
+    fn judged(&self) -> (Self::Key, u64, u64);
+    /// The entry's state bits and last packet now.
+    ///
+    /// # Safety
+    /// `v` points at a live flow-table value.
+    unsafe fn now(v: *const Self::Value) -> (u64, u64);
+    /// Mark the item removed.
+    ///
+    /// # Safety
+    /// `item` points at a whole item inside the frame.
+    unsafe fn mark(item: *mut Self);
+}
+
+impl Item for SweepItem {
+    type Key = FlowKey;
+    type Value = Flow;
+    fn judged(&self) -> (FlowKey, u64, u64) {
+        (self.key, self.state, self.last_seen)
+    }
+    unsafe fn now(v: *const Flow) -> (u64, u64) {
+        // SAFETY: the caller's promise; the fields are read (not
+        // referenced) while other CPUs may write them.
+        unsafe { (read_volatile(addr_of!((*v).state)), read_volatile(addr_of!((*v).last_seen))) }
+    }
+    unsafe fn mark(item: *mut Self) {
+        // SAFETY: the caller's promise; a store through the raw pointer.
+        unsafe { addr_of_mut!((*item).removed).write(1) };
+    }
+}
+
+impl Item for SweepItem6 {
+    type Key = FlowKey6;
+    type Value = Flow6;
+    fn judged(&self) -> (FlowKey6, u64, u64) {
+        (self.key, self.state, self.last_seen)
+    }
+    unsafe fn now(v: *const Flow6) -> (u64, u64) {
+        // SAFETY: as above.
+        unsafe { (read_volatile(addr_of!((*v).state)), read_volatile(addr_of!((*v).last_seen))) }
+    }
+    unsafe fn mark(item: *mut Self) {
+        // SAFETY: as above.
+        unsafe { addr_of_mut!((*item).removed).write(1) };
+    }
+}
+
 fn try_sweep(ctx: &XdpContext) -> Option<()> {
     let hdr = ptr_at::<SweepHeader>(ctx, 0)?;
     // SAFETY: `ptr_at` proved the header inside the frame.
     let (family, count) = unsafe { ((*hdr).family, (*hdr).count) };
     match family {
-        4 => {
-            // Bounded for the verifier by the batch size; `count` may be less.
-            for i in 0..SWEEP_BATCH {
-                if i >= count {
-                    break;
-                }
-                let item = ptr_at::<SweepItem>(ctx, HDR + i as usize * size_of::<SweepItem>())?;
-                // SAFETY: `ptr_at` proved the item inside the frame; the
-                // key is copied out before the map is touched.
-                let (key, state, seen) = unsafe { ((*item).key, (*item).state, (*item).last_seen) };
-                let now = FLOWS.get_ptr(&key).map(|f| {
-                    // SAFETY: a live entry's fields, read (not referenced)
-                    // while other CPUs may write them.
-                    unsafe { (read_volatile(addr_of!((*f).state)), read_volatile(addr_of!((*f).last_seen))) }
-                });
-                if now == Some((state, seen)) && FLOWS.remove(&key).is_ok() {
-                    // SAFETY: inside the frame (above).
-                    unsafe { addr_of_mut!((*item).removed).write(1) };
-                }
-            }
+        4 => remove_unchanged::<SweepItem, { SWEEP_BATCH as usize }>(ctx, count, &FLOWS),
+        6 => remove_unchanged::<SweepItem6, { SWEEP_BATCH6 as usize }>(ctx, count, &FLOWS6),
+        _ => None,
+    }
+}
+
+/// Remove the entry of each of the request's `count` items (at most `N`)
+/// from `map` if it is as the item says it was judged, and mark the item.
+#[inline(always)]
+fn remove_unchanged<I: Item, const N: usize>(
+    ctx: &XdpContext,
+    count: u32,
+    map: &HashMap<I::Key, I::Value>,
+) -> Option<()> {
+    // Bounded for the verifier by the batch size; `count` may be less.
+    for i in 0..N {
+        if i >= count as usize {
+            break;
         }
-        6 => {
-            for i in 0..SWEEP_BATCH6 {
-                if i >= count {
-                    break;
-                }
-                let item = ptr_at::<SweepItem6>(ctx, HDR + i as usize * size_of::<SweepItem6>())?;
-                // SAFETY: as above.
-                let (key, state, seen) = unsafe { ((*item).key, (*item).state, (*item).last_seen) };
-                let now = FLOWS6.get_ptr(&key).map(|f: *const Flow6| {
-                    // SAFETY: as above.
-                    unsafe { (read_volatile(addr_of!((*f).state)), read_volatile(addr_of!((*f).last_seen))) }
-                });
-                if now == Some((state, seen)) && FLOWS6.remove(&key).is_ok() {
-                    // SAFETY: inside the frame (above).
-                    unsafe { addr_of_mut!((*item).removed).write(1) };
-                }
-            }
+        let item = ptr_at::<I>(ctx, HDR + i * size_of::<I>())?;
+        // SAFETY: `ptr_at` proved the item inside the frame; the key is
+        // copied out before the map is touched.
+        let (key, state, seen) = unsafe { (*item).judged() };
+        // SAFETY: a live entry's value (`get_ptr`).
+        let now = map.get_ptr(&key).map(|v| unsafe { I::now(v) });
+        if now == Some((state, seen)) && map.remove(&key).is_ok() {
+            // SAFETY: inside the frame (above).
+            unsafe { I::mark(item) };
         }
-        _ => return None,
     }
     Some(())
 }
