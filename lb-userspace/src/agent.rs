@@ -424,16 +424,6 @@ impl Agent {
         Ok(summary)
     }
 
-    /// Expire idle flows now, in one go.
-    pub fn sweep(&mut self) -> Result<SweepReport, DataplaneError> {
-        let mut run = self.sweep_begin();
-        loop {
-            if let Some(r) = self.sweep_step(&mut run)? {
-                return Ok(r);
-            }
-        }
-    }
-
     /// A sweep of the flow tables with the timeouts in force now, run a
     /// part at a time by [`Agent::sweep_step`] (lbd's sweeper lets go of
     /// the agent between parts: a sweep of millions of flows takes

@@ -362,7 +362,7 @@ impl Dataplane {
         let mut resume_from: Option<PathBuf> = None;
         let maps_dir = pin.map(|p| p.join("maps"));
         if let (Some(pin), Some(maps_dir)) = (pin, &maps_dir) {
-            pin::ensure_bpffs(pin)?;
+            // bpffs was checked (and mounted if need be) by `pin::lock`.
             match layout::unfinished(pin, maps_dir)? {
                 // An lbd killed in its first start (SIGKILL, a start
                 // timeout, the OOM killer) after its maps were pinned and
