@@ -70,27 +70,31 @@ const fn tagged(l2: usize) -> bool {
 }
 
 fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
-    if !tagged(L2) && parse::surely_not_ours4(ctx) {
-        return Ok(xdp_action::XDP_PASS);
+    if !tagged(L2) {
+        match parse::first_look(ctx) {
+            parse::Look::NotOurs => return Ok(xdp_action::XDP_PASS),
+            // IPv6 has a program of its own (`v6.rs`): the verifier checks
+            // each family's path once, and IPv4 pays for no IPv6 code.
+            // SAFETY: a tail call with this program's own context; when
+            // the slot is empty (lbd has not filled it yet) it returns and
+            // the packet goes to the kernel.
+            parse::Look::V6 => {
+                unsafe { PROGS.tail_call(ctx, lb_common::PROG_V6) };
+                return Ok(xdp_action::XDP_PASS);
+            }
+            parse::Look::Other => {}
+        }
     }
     let pkt = match parse::parse::<L2>(ctx) {
         Ok(pkt) => pkt,
         Err(ParseError::NotOurs) => {
-            // IPv6 has a program of its own (`v6.rs`): the verifier checks
-            // each family's path once, and IPv4 pays for no IPv6 code.
             if tagged(L2) {
                 return Ok(xdp_action::XDP_PASS);
             }
-            if parse::is_ipv6(ctx) {
-                if v6::surely_not_ours(ctx) {
-                    return Ok(xdp_action::XDP_PASS);
-                }
-                // SAFETY: a tail call with this program's own context;
-                // when slot 0 is empty (lbd has not filled it yet) it
-                // returns and the packet goes to the kernel.
-                unsafe { PROGS.tail_call(ctx, lb_common::PROG_V6) };
-            } else if parse::is_icmp4(ctx) {
-                // SAFETY: as above (ICMP errors about balanced flows).
+            if parse::is_icmp4(ctx) {
+                // SAFETY: a tail call with this program's own context
+                // (ICMP errors about balanced flows); when the slot is
+                // empty it returns and the packet goes to the kernel.
                 unsafe { PROGS.tail_call(ctx, lb_common::PROG_ICMP) };
             } else if let Some(slot) = parse::vlan_slot(ctx) {
                 // SAFETY: as above (IPv4 in VLAN tags).
@@ -108,7 +112,7 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
 
     // Neither to a VIP nor from a backend: not ours, skip the maps. An
     // untagged frame that `parse` takes is IPv4 TCP or UDP, so
-    // `surely_not_ours4` found one of its two bits set: only the source's
+    // `first_look` found one of its two bits set: only the source's
     // is read again. (Keeping that check's result instead costs more: a
     // value alive across `parse` multiplies the verifier's states.)
     let from_backend = maybe_ours(pkt.saddr);

@@ -152,13 +152,6 @@ impl Packet {
     }
 }
 
-/// Whether the frame is IPv6 (its EtherType; nothing else is read).
-#[inline(always)]
-pub(crate) fn is_ipv6(ctx: &XdpContext) -> bool {
-    // SAFETY: bounds checked by ptr_at.
-    ptr_at::<EthHdr>(ctx, 0).is_some_and(|eth| unsafe { (*eth).proto } == ETH_P_IPV6.to_be())
-}
-
 /// Whether the frame is IPv4 ICMP (EtherType and protocol only).
 #[inline(always)]
 pub(crate) fn is_icmp4(ctx: &XdpContext) -> bool {
@@ -169,21 +162,48 @@ pub(crate) fn is_icmp4(ctx: &XdpContext) -> bool {
     }
 }
 
-/// Whether the frame is IPv4 TCP or UDP between two addresses that are
-/// neither a VIP nor a backend (the address filter says so): the kernel's,
-/// untouched, whatever the rest of it holds. The first thing the program
-/// looks at, before any check of the headers, so that traffic that is not
-/// ours, most of what a gateway sees, pays only this. (A broken packet
-/// that is not ours goes to the kernel all the same: only one to a VIP
-/// address is dropped, and a VIP address always has its filter bit.)
+/// What the first look at an untagged frame tells (`first_look`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Look {
+    /// TCP or UDP between two addresses that are neither a VIP nor a
+    /// backend (the address filter says so): the kernel's, untouched.
+    NotOurs,
+    /// IPv6 that may be ours: the IPv6 program's.
+    V6,
+    /// Anything else: parsed as IPv4.
+    Other,
+}
+
+/// The first thing the program looks at, before any check of the headers,
+/// so that traffic that is not ours, most of what a gateway sees, pays
+/// only this: IPv4 or IPv6 TCP or UDP between two addresses that are
+/// neither a VIP nor a backend is `NotOurs`, whatever the rest of it
+/// holds. (A broken packet that is not ours goes to the kernel all the
+/// same: only one to a VIP address is dropped, and a VIP address always
+/// has its filter bit.) The EtherType is read once for both families, so
+/// an IPv6 packet skips the IPv4 parse's checks on its way.
 #[inline(always)]
-pub(crate) fn surely_not_ours4(ctx: &XdpContext) -> bool {
-    let (Some(eth), Some(ip)) = (ptr_at::<EthHdr>(ctx, 0), ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN)) else {
-        return false;
+pub(crate) fn first_look(ctx: &XdpContext) -> Look {
+    let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
+        return Look::Other;
     };
     // SAFETY: bounds checked by ptr_at.
-    let (ether, proto, saddr, daddr) = unsafe { ((*eth).proto, (*ip).proto, (*ip).saddr, (*ip).daddr) };
-    ether == ETH_P_IP.to_be() && (proto == PROTO_TCP || proto == PROTO_UDP) && !crate::maybe_either_ours(daddr, saddr)
+    let ether = unsafe { (*eth).proto };
+    if ether == ETH_P_IP.to_be() {
+        let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, ETH_HLEN) else {
+            return Look::Other;
+        };
+        // SAFETY: bounds checked by ptr_at.
+        let (proto, saddr, daddr) = unsafe { ((*ip).proto, (*ip).saddr, (*ip).daddr) };
+        if (proto == PROTO_TCP || proto == PROTO_UDP) && !crate::maybe_either_ours(daddr, saddr) {
+            return Look::NotOurs;
+        }
+        Look::Other
+    } else if ether == ETH_P_IPV6.to_be() {
+        if crate::v6::surely_not_ours(ctx) { Look::NotOurs } else { Look::V6 }
+    } else {
+        Look::Other
+    }
 }
 
 pub(crate) const ETH_P_8021Q: u16 = 0x8100;
