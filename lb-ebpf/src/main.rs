@@ -75,10 +75,10 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
             parse::Look::NotOurs => return Ok(xdp_action::XDP_PASS),
             // IPv6 has a program of its own (`v6.rs`): the verifier checks
             // each family's path once, and IPv4 pays for no IPv6 code.
-            // SAFETY: a tail call with this program's own context; when
-            // the slot is empty (lbd has not filled it yet) it returns and
-            // the packet goes to the kernel.
             parse::Look::V6 => {
+                // SAFETY: a tail call with this program's own context; when
+                // the slot is empty (lbd has not filled it yet) it returns
+                // and the packet goes to the kernel.
                 unsafe { PROGS.tail_call(ctx, lb_common::PROG_V6) };
                 return Ok(xdp_action::XDP_PASS);
             }
