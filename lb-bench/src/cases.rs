@@ -89,13 +89,15 @@ pub(crate) enum Prog {
     Lb,
     FloorPass,
     FloorTx,
-    /// `floor_table`: the flow table alone (a lookup, and an insert when
-    /// the 5-tuple is missing).
+    /// `floor_table`: a kernel hash alone with the flow table's key, value
+    /// and size (the datapath's flow table up to layout 2): a lookup, and
+    /// an insert when the 5-tuple is missing.
     Table,
     /// `floor_lru`: the same on an LRU hash (Katran's kind of flow table).
     Lru,
-    /// `floor_open`: the same on an open-addressing array of our own (a
-    /// candidate flow table the datapath does not use).
+    /// `floor_open`: the same on an open-addressing array of our own (the
+    /// prototype of the datapath's flow table: the same probing and claim
+    /// protocol, without its entry count and replace path).
     Open,
 }
 
@@ -277,16 +279,17 @@ pub(crate) fn items() -> Vec<Item> {
             fill: 0,
         },
     ];
-    // The flow table alone, as a kernel hash and as an LRU hash: a hit on
-    // the established frame, a new entry per repeat on the new-flow one.
-    // (An LRU hash's hit costs what the plain hash's does: not timed.)
-    let hit = |key| (key, MODE_RESTORE, est.clone(), "lookup hit", "lookup (FLOWS' key, value, size), PASS");
+    // A flow table alone, as a kernel hash (the datapath's up to layout
+    // 2), an LRU hash and an array of our own: a hit on the established
+    // frame, a new entry per repeat on the new-flow one. (An LRU hash's
+    // hit costs what the plain hash's does: not timed.)
+    let hit = |key| (key, MODE_RESTORE, est.clone(), "lookup hit", "lookup (the flow table's key, value, size), PASS");
     let new = |key| {
         let frame = tcp(NEW_FLOW_BASE, 1, VIP, 80, SYN).bytes();
         (key, MODE_NEW_TCP, frame, "new entry", "lookup miss + insert of a fresh 5-tuple, PASS")
     };
     for (prog, cases, what, kind) in [
-        (Prog::Table, vec![hit("table_hit"), new("table_new")], "flow table alone", "kernel hash"),
+        (Prog::Table, vec![hit("table_hit"), new("table_new")], "kernel hash alone", "kernel hash"),
         (Prog::Lru, vec![new("lru_new")], "LRU table alone", "kernel LRU hash"),
         (Prog::Open, vec![hit("open_hit"), new("open_new")], "open-addressing table alone", "array, open addressing,"),
     ] {

@@ -232,23 +232,30 @@ pub(crate) fn report(
     })
 }
 
-/// What the kernel's hash alone (`floor_table`) costs of the datapath's
-/// established and new flows, each with the same number of flows in the
-/// table: one line per pair measured.
+/// What a flow table alone costs of the datapath's established and new
+/// flows, each with the same number of flows in the table: the
+/// open-addressing array (`floor_open`, the datapath's kind of table), and
+/// beside it the kernel hash the datapath used up to layout 2
+/// (`floor_table`) and an LRU hash (Katran's kind).
 fn table_shares(medians: &[(&str, f64)], tx_med: f64) -> Vec<String> {
     let get = |k: &str| medians.iter().find(|(key, _)| *key == k).map(|&(_, v)| v);
     let mut out = Vec::new();
     for suffix in ["", "_full"] {
-        for (case, alone, what) in [
-            ("tcp_established", "table_hit", "a lookup hit"),
-            ("new_maglev", "table_new", "a lookup miss and an insert"),
+        let flows = if suffix.is_empty() { "empty table" } else { "full table" };
+        for (case, alone, kernel, what) in [
+            ("tcp_established", "open_hit", "table_hit", "a lookup hit"),
+            ("new_maglev", "open_new", "table_new", "a lookup miss and an insert"),
         ] {
             let (Some(ours), Some(t)) = (get(&format!("{case}{suffix}")), get(&format!("{alone}{suffix}"))) else {
                 continue;
             };
-            let flows = if suffix.is_empty() { "empty table" } else { "full table" };
+            let before = match get(&format!("{kernel}{suffix}")) {
+                Some(k) => format!("; the kernel hash of layout 2 alone: {k:.1} ns"),
+                None => String::new(),
+            };
             out.push(format!(
-                "{case} ({flows}): {ours:.1} ns, of which the table alone ({what}) {t:.1} ns = {:.0}%; the rest {:.1} ns",
+                "{case} ({flows}): {ours:.1} ns, of which an open-addressing table alone ({what}) {t:.1} ns = {:.0}%; \
+the rest {:.1} ns{before}",
                 100.0 * t / ours,
                 ours - t
             ));
@@ -260,22 +267,6 @@ fn table_shares(medians: &[(&str, f64)], tx_med: f64) -> Vec<String> {
             out.push(format!(
                 "an LRU hash of the same size alone ({flows}; Katran's kind of flow table): a new entry {new:.1} ns = \
 {:.1}x floor_tx (Katran* gives 20.0x for its whole new flow)",
-                new / tx_med
-            ));
-        }
-        // A table of our own (open addressing in an array), not used by
-        // the datapath: what a flow table costs beyond the memory it
-        // touches, beside the kernel hash's figures.
-        if let (Some(hit), Some(new)) = (get(&format!("open_hit{suffix}")), get(&format!("open_new{suffix}"))) {
-            let flows = if suffix.is_empty() { "empty" } else { "full" };
-            let kernel = match (get(&format!("table_hit{suffix}")), get(&format!("table_new{suffix}"))) {
-                (Some(h), Some(n)) => format!(" (the kernel hash: {h:.1} and {n:.1} ns)"),
-                _ => String::new(),
-            };
-            out.push(format!(
-                "an open-addressing array of our own alone ({flows}; a candidate flow table the datapath does not use): \
-a hit {hit:.1} ns = {:.1}x floor_tx, a new entry {new:.1} ns = {:.1}x floor_tx{kernel}",
-                hit / tx_med,
                 new / tx_med
             ));
         }

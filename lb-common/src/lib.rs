@@ -136,7 +136,7 @@ pub mod maps {
     pub const BACKENDS: &str = "BACKENDS";
     pub const SELECT: &str = "SELECT";
     pub const SEQ: &str = "SEQ";
-    pub const FLOWS: &str = "FLOWS";
+    pub const FLOWS: &str = "FLOW_SLOTS";
     pub const BACKEND_STATS: &str = "BACKEND_STATS";
     pub const COUNTERS: &str = "COUNTERS";
     pub const CONNS: &str = "CONNS";
@@ -153,11 +153,12 @@ pub mod maps {
     pub const VIP_ADDRS6: &str = "VIP_ADDRS6";
     pub const BACKEND_ADDRS6: &str = "BACKEND_ADDRS6";
     pub const ENDPOINTS6: &str = "ENDPOINTS6";
-    pub const FLOWS6: &str = "FLOWS6";
+    pub const FLOWS6: &str = "FLOW_SLOTS6";
     pub const SCRATCH6: &str = "SCRATCH6";
     pub const CLOCK: &str = "CLOCK";
     pub const PROGS: &str = "PROGS";
     pub const KEYS6: &str = "KEYS6";
+    pub const FLOW_COUNT: &str = "FLOW_COUNT";
 
     /// Maps that older builds pinned and this one has no use for: removed
     /// from the pin path once this build's program is attached: the
@@ -167,7 +168,7 @@ pub mod maps {
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 28] = [
+    pub const ALL: [&str; 29] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -196,6 +197,7 @@ pub mod maps {
         PROGS,
         KEYS6,
         CLOCK,
+        FLOW_COUNT,
     ];
 
     /// `a == b`, usable in a constant (the datapath's compile-time check).
@@ -320,7 +322,7 @@ pub mod counter {
 /// (every lbd before versions existed). Bump it whenever any of those
 /// changes, and teach `lb-userspace`'s `dataplane::layout` to migrate from
 /// the previous one.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Flood protection, read by the datapath (`FLOOD`, one entry), written by
 /// lbd from the config.
@@ -463,8 +465,9 @@ pub struct Conns {
     pub closed: u64,
 }
 
-/// Key of the flow table: a 5-tuple as seen on the wire.
-#[repr(C)]
+/// Key of the flow table: a 5-tuple as seen on the wire. Aligned to 8
+/// bytes: the flow table hashes and compares it as two 8-byte words.
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct FlowKey {
     pub src_addr: u32,
@@ -531,10 +534,11 @@ pub struct Vip6Key {
     pub _pad: u8,
 }
 
-/// Key of the IPv6 flow table (`FLOWS6`): a 5-tuple as seen on the wire.
+/// Key of the IPv6 flow table (`FLOW_SLOTS6`): a 5-tuple as seen on the wire.
 /// IPv6 flows have their own table so that the IPv4 key stays 16 bytes
-/// (the hash of a 40-byte key costs every IPv4 packet more).
-#[repr(C)]
+/// (the hash of a 40-byte key costs every IPv4 packet more). Aligned to 8
+/// bytes: hashed and compared as five 8-byte words.
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct FlowKey6 {
     pub src_addr: [u32; 4],
@@ -567,18 +571,159 @@ pub struct Flow6 {
     pub nh_gen: u32,
 }
 
+/// One slot of a flow table (`FLOW_SLOTS`, `FLOW_SLOTS6`): an array of
+/// our own, with open addressing, where a kernel hash map would cost every
+/// packet a helper's hash and bucket walk and every new flow a free-list
+/// pop, a bucket lock and three or more cold cache lines. A key's slots
+/// are `hash, hash + 1, ...` (linear probing, at most [`SLOT_PROBES`]),
+/// masked by the table's size, a power of two.
+///
+/// `claim` says what the slot holds: [`SLOT_EMPTY`] (0; ends every probe
+/// sequence), [`SLOT_TOMB`] (removed: free for an insert, skipped by a
+/// lookup), or the key's tag (the high 32 bits of its hash) with
+/// [`SLOT_BUSY`] while one CPU writes the entry or [`SLOT_READY`] once it
+/// is whole. A writer takes a slot by compare-and-swap of the claim and
+/// publishes it with an atomic add (a full barrier), after the key and
+/// value; a reader compares the claim first and the key only on a match.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Slot<K, V> {
+    pub claim: u64,
+    pub key: K,
+    pub value: V,
+}
+
+/// An IPv4 flow-table slot (80 bytes).
+pub type FlowSlot = Slot<FlowKey, Flow>;
+/// An IPv6 flow-table slot (120 bytes).
+pub type FlowSlot6 = Slot<FlowKey6, Flow6>;
+
+/// Slots per element of a flow-table array: slot `i` is slot `i %
+/// SLOT_BUCKET` of element `i / SLOT_BUCKET`. One element is what the
+/// kernel hands userspace per step of a batched read, which costs about a
+/// microsecond a step on the development VM whatever the element's size:
+/// the sweeper reads sixteen slots a step instead of one. (Probing within
+/// an element is also pointer arithmetic rather than a map lookup.)
+pub const SLOT_BUCKET: u32 = 16;
+
+/// An element of the IPv4 flow-table array (1,280 bytes).
+pub type FlowBucket = [FlowSlot; SLOT_BUCKET as usize];
+/// An element of the IPv6 flow-table array (1,920 bytes).
+pub type FlowBucket6 = [FlowSlot6; SLOT_BUCKET as usize];
+
+/// [`Slot::claim`]: nothing was ever here since the table was made (or
+/// since the sweeper cleared the end of a run of removed slots).
+pub const SLOT_EMPTY: u64 = 0;
+/// [`Slot::claim`] state bits: being written by the CPU that claimed it.
+pub const SLOT_BUSY: u64 = 1;
+/// [`Slot::claim`] state bits: a whole entry.
+pub const SLOT_READY: u64 = 2;
+/// [`Slot::claim`]: removed (no tag).
+pub const SLOT_TOMB: u64 = 3;
+/// The state bits of a claim word.
+pub const SLOT_STATE: u64 = 3;
+/// The tag bits of a claim word (the high half of the key's hash).
+pub const SLOT_TAG: u64 = !0 << 32;
+/// Slots a lookup or an insert probes at most: bounds the loops. At the
+/// table's fill of at most one half (two slots per `conntrack_max`),
+/// linear probing's clusters leave a run of 32 taken slots about once in
+/// millions of inserts; such an insert fails like a full table's
+/// (`counter::TABLE_FULL`: the flow is routed by consistent hash without
+/// an entry).
+pub const SLOT_PROBES: u32 = 32;
+
+/// Slots of a flow table for `conntrack_max` flows: twice as many, to a
+/// power of two, at least one element's ([`SLOT_BUCKET`]) and at most 2^30
+/// (the datapath's insert keeps slot indexes in 31 bits).
+pub const fn flow_slots(conntrack_max: u32) -> u32 {
+    let want = (conntrack_max as u64) * 2;
+    let slots = if want < SLOT_BUCKET as u64 { SLOT_BUCKET as u64 } else { want.next_power_of_two() };
+    if slots > 1 << 30 { 1 << 30 } else { slots as u32 }
+}
+
+/// A flow-table key: hashed to its slots, compared as whole words.
+pub trait SlotKey: Copy {
+    /// 64 bits: the low 32 pick the first slot, the high 32 are the tag.
+    fn slot_hash(&self) -> u64;
+    /// Equal keys, word by word (no memcmp: BPF has none).
+    fn same(&self, other: &Self) -> bool;
+}
+
+/// The slot hash of `n` 8-byte words: a multiply-xorshift mix per word.
+/// (Not seeded: a client that aims its 5-tuples at one probe sequence
+/// fills those 32 slots, and its further flows go without an entry,
+/// routed by consistent hash; other flows are not affected.)
+#[inline(always)]
+fn slot_mix(words: &[u64]) -> u64 {
+    let mut h: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut i = 0;
+    while i < words.len() {
+        h = (h ^ words[i]).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        h ^= h >> 29;
+        i += 1;
+    }
+    h = h.wrapping_mul(0x1656_67b1_9e37_79f9);
+    h ^ (h >> 32)
+}
+
+impl FlowKey {
+    /// The key's 16 bytes as two words.
+    #[inline(always)]
+    pub fn words(&self) -> [u64; 2] {
+        // SAFETY: 16 bytes of plain integers with explicit padding,
+        // aligned to 8 (repr(C, align(8))).
+        unsafe { *core::ptr::from_ref(self).cast::<[u64; 2]>() }
+    }
+}
+
+impl SlotKey for FlowKey {
+    #[inline(always)]
+    fn slot_hash(&self) -> u64 {
+        slot_mix(&self.words())
+    }
+    #[inline(always)]
+    fn same(&self, other: &Self) -> bool {
+        let (a, b) = (self.words(), other.words());
+        (a[0] ^ b[0]) | (a[1] ^ b[1]) == 0
+    }
+}
+
+impl FlowKey6 {
+    /// The key's 40 bytes as five words.
+    #[inline(always)]
+    pub fn words(&self) -> [u64; 5] {
+        // SAFETY: 40 bytes of plain integers with explicit padding,
+        // aligned to 8 (repr(C, align(8))).
+        unsafe { *core::ptr::from_ref(self).cast::<[u64; 5]>() }
+    }
+}
+
+impl SlotKey for FlowKey6 {
+    #[inline(always)]
+    fn slot_hash(&self) -> u64 {
+        slot_mix(&self.words())
+    }
+    #[inline(always)]
+    fn same(&self, other: &Self) -> bool {
+        let (a, b) = (self.words(), other.words());
+        (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) == 0
+    }
+}
+
 /// The sweeper's request to the datapath's `lb_sweep` program, run by
 /// lbd through BPF_PROG_TEST_RUN (never attached): the frame it is given
 /// is this header and then `count` items of [`SweepItem`] (`family` 4) or
 /// [`SweepItem6`] (`family` 6). For each item the program removes the
-/// flow-table entry of `key` only if its `state` and `last_seen` are still
-/// those the sweeper judged it by, and sets the item's `removed`; an entry
-/// a packet touched since, or one made anew for the same 5-tuple (a
-/// client reusing its port), stays. lbd reads the frame back.
+/// entry of `key` in slot `slot` only if its `state` and `last_seen` are
+/// still those the sweeper judged it by, and sets the item's `removed`;
+/// an entry a packet touched since, or one made anew for the same 5-tuple
+/// (a client reusing its port), stays. lbd reads the frame back. With
+/// [`SWEEP_INSERT`] in `family`, the items are flows to insert instead.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SweepHeader {
-    /// 4: IPv4 items (`FLOWS`); 6: IPv6 items (`FLOWS6`).
+    /// 4: IPv4 items (`FLOW_SLOTS`); 6: IPv6 items (`FLOW_SLOTS6`); with
+    /// `SWEEP_INSERT`, insert requests.
     pub family: u32,
     /// Items that follow (at most [`SWEEP_BATCH`] or [`SWEEP_BATCH6`]).
     pub count: u32,
@@ -594,7 +739,8 @@ pub struct SweepItem {
     pub last_seen: u64,
     /// Set to 1 by the program when it removed the entry.
     pub removed: u32,
-    pub _pad: u32,
+    /// The entry's slot in the flow table, or [`SWEEP_BY_KEY`].
+    pub slot: u32,
 }
 
 /// One IPv6 flow the sweeper would remove; see [`SweepHeader`].
@@ -605,8 +751,51 @@ pub struct SweepItem6 {
     pub state: u64,
     pub last_seen: u64,
     pub removed: u32,
+    pub slot: u32,
+}
+
+/// [`SweepHeader::family`] bit of a request to insert flows (with 4 or 6):
+/// items of [`InsertItem`] or [`InsertItem6`], each inserted unless its
+/// key has an entry already (a migration's copy of an old table, which
+/// the datapath fills at the same time).
+pub const SWEEP_INSERT: u32 = 0x100;
+
+/// One IPv4 flow to insert; see [`SWEEP_INSERT`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InsertItem {
+    pub key: FlowKey,
+    pub value: Flow,
+    /// Set by the program: [`INSERTED`], [`INSERT_EXISTS`], or 0 (no free
+    /// slot for it).
+    pub inserted: u32,
     pub _pad: u32,
 }
+
+/// One IPv6 flow to insert; see [`SWEEP_INSERT`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InsertItem6 {
+    pub key: FlowKey6,
+    pub value: Flow6,
+    pub inserted: u32,
+    pub _pad: u32,
+}
+
+/// [`InsertItem::inserted`]: the entry was inserted.
+pub const INSERTED: u32 = 1;
+/// [`InsertItem::inserted`]: the key had an entry, which stands.
+pub const INSERT_EXISTS: u32 = 2;
+
+/// Items per insert request: 8 + 43 x 80 = 3,448 bytes; IPv6 8 + 29 x
+/// 120 = 3,488 (see [`SWEEP_BATCH`]).
+pub const INSERT_BATCH: u32 = 43;
+pub const INSERT_BATCH6: u32 = 29;
+
+/// [`SweepItem::slot`] when the entry's slot is not known: `lb_sweep`
+/// finds the key's entry wherever it is and removes it whatever its state
+/// (the reply entry of a flow removed in the same request).
+pub const SWEEP_BY_KEY: u32 = u32::MAX;
 
 /// Items per `lb_sweep` run. A BPF_PROG_TEST_RUN frame of an XDP program
 /// holds at most a page less the XDP headroom (256 bytes) and the
@@ -787,7 +976,11 @@ mod pod {
         SweepHeader,
         SweepItem,
         SweepItem6,
-        Flow6
+        Flow6,
+        FlowSlot,
+        FlowSlot6,
+        InsertItem,
+        InsertItem6
     );
 }
 
@@ -847,9 +1040,88 @@ mod tests {
         assert_eq!(size_of::<SweepItem6>(), 64);
         assert!(8 + SWEEP_BATCH as usize * size_of::<SweepItem>() <= 3520);
         assert!(8 + SWEEP_BATCH6 as usize * size_of::<SweepItem6>() <= 3520);
+        assert_eq!(size_of::<InsertItem>(), 80);
+        assert_eq!(size_of::<InsertItem6>(), 120);
+        assert!(8 + INSERT_BATCH as usize * size_of::<InsertItem>() <= 3520);
+        assert!(8 + INSERT_BATCH6 as usize * size_of::<InsertItem6>() <= 3520);
         assert_eq!(align_of::<Flow6>(), 8);
+        assert_eq!(size_of::<FlowSlot>(), 80);
+        assert_eq!(size_of::<FlowSlot6>(), 120);
+        assert_eq!(align_of::<FlowKey>(), 8);
+        assert_eq!(align_of::<FlowKey6>(), 8);
         assert_eq!(size_of::<BackendStats>(), 40);
         assert_eq!(align_of::<BackendStats>(), 8);
+    }
+
+    #[test]
+    fn flow_slots_are_twice_conntrack_max_to_a_power_of_two() {
+        assert_eq!(flow_slots(0), 16);
+        assert_eq!(flow_slots(1), 16);
+        assert_eq!(flow_slots(8), 16);
+        assert_eq!(flow_slots(9), 32);
+        assert_eq!(flow_slots(16), 32);
+        assert_eq!(flow_slots(1_000_000), 1 << 21);
+        assert_eq!(flow_slots(1 << 20), 1 << 21);
+        assert_eq!(flow_slots(u32::MAX), 1 << 30);
+    }
+
+    #[test]
+    fn slot_keys_hash_and_compare_every_field() {
+        let k = FlowKey { src_addr: 1, dst_addr: 2, src_port: 3, dst_port: 4, proto: 6, _pad: [0; 3] };
+        let others = [
+            FlowKey { src_addr: 9, ..k },
+            FlowKey { dst_addr: 9, ..k },
+            FlowKey { src_port: 9, ..k },
+            FlowKey { dst_port: 9, ..k },
+            FlowKey { proto: 17, ..k },
+        ];
+        assert!(k.same(&{ k }));
+        for o in others {
+            assert!(!k.same(&o), "{o:?}");
+            assert_ne!(k.slot_hash(), o.slot_hash(), "{o:?}");
+            assert_ne!(k.slot_hash() >> 32, o.slot_hash() >> 32, "tag of {o:?}");
+        }
+        let k6 = FlowKey6 {
+            src_addr: [1, 2, 3, 4],
+            dst_addr: [5, 6, 7, 8],
+            src_port: 1,
+            dst_port: 2,
+            proto: 6,
+            _pad: [0; 3],
+        };
+        for i in 0..4 {
+            let mut a = k6;
+            a.src_addr[i] ^= 1;
+            let mut b = k6;
+            b.dst_addr[i] ^= 1;
+            for o in
+                [a, b, FlowKey6 { src_port: 9, ..k6 }, FlowKey6 { dst_port: 9, ..k6 }, FlowKey6 { proto: 17, ..k6 }]
+            {
+                assert!(!k6.same(&o), "{o:?}");
+                assert_ne!(k6.slot_hash(), o.slot_hash(), "{o:?}");
+            }
+        }
+        assert!(k6.same(&{ k6 }));
+    }
+
+    /// Consecutive client ports (what a busy client sends) spread over a
+    /// table's slots: no slot of a 2^16-slot table gets more than a few
+    /// of 32,768 such flows.
+    #[test]
+    fn slot_hash_spreads_consecutive_ports() {
+        let mut hits = [0u8; 1 << 16];
+        for port in 0..32_768u16 {
+            let k = FlowKey {
+                src_addr: 0x0a00_0001,
+                dst_addr: 0x0a00_0002,
+                src_port: port,
+                dst_port: 80,
+                proto: 6,
+                _pad: [0; 3],
+            };
+            hits[(k.slot_hash() as u32 & 0xffff) as usize] += 1;
+        }
+        assert!(*hits.iter().max().unwrap() <= 8, "max {}", hits.iter().max().unwrap());
     }
 
     #[test]

@@ -28,12 +28,12 @@ use lb_ebpf::csum;
 
 use crate::{
     forward::{FIB_OK, can_redirect, fib_params, set_macs},
-    maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS, ENDPOINTS6, FLOWS, FLOWS6, KEYS6, VIPS, VIPS6},
+    maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS, ENDPOINTS6, KEYS6, VIPS, VIPS6},
     parse::{
         ETH_HLEN, EthHdr, ICMP_FRAG_NEEDED, ICMP_PARAM_PROBLEM, ICMP_TIME_EXCEEDED, ICMP_UNREACH, ICMP6_PARAM_PROBLEM,
         ICMP6_TIME_EXCEEDED, ICMP6_TOO_BIG, ICMP6_UNREACH, IP6_HLEN, ptr_at,
     },
-    select, stats,
+    select, stats, table,
 };
 
 use aya_ebpf::{bindings::bpf_fib_lookup as FibParams, helpers::generated::bpf_fib_lookup};
@@ -170,8 +170,8 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
         let key =
             FlowKey { src_addr: q_src, dst_addr: vip.addr, src_port: q_sport, dst_port: vip.port, proto, _pad: [0; 3] };
         // SAFETY: as above; plain loads.
-        let owned = unsafe { FLOWS.get(&key) }
-            .is_some_and(|f| f.dir != DIR_REPLY && f.nat_addr == q_dst && f.nat_port == q_dport);
+        let owned = table::flow(&key)
+            .is_some_and(|f| unsafe { (*f).dir != DIR_REPLY && (*f).nat_addr == q_dst && (*f).nat_port == q_dport });
         if owned {
             // Quoted destination back to the VIP: the quoted IP header's
             // checksum, the quoted L4 checksum (its pseudo-header and its
@@ -194,7 +194,7 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
     let svc = unsafe { VIPS.get(&vk) }.copied()?;
     let key = FlowKey { src_addr: q_dst, dst_addr: q_src, src_port: q_dport, dst_port: q_sport, proto, _pad: [0; 3] };
     // SAFETY: plain loads of a copied value.
-    let (id, dsr) = match unsafe { FLOWS.get(&key) }.copied() {
+    let (id, dsr) = match table::flow(&key).map(|f| unsafe { *f }) {
         Some(f) if f.dir != DIR_REPLY => (f.backend_id, f.dir == DIR_DSR),
         _ => {
             let t = select::Tuple { saddr: q_dst, daddr: q_src, sport: q_dport, dport: q_sport, proto };
@@ -329,7 +329,8 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
                 proto,
                 _pad: [0; 3],
             };
-            FLOWS6.get(&(*k).flow).is_some_and(|f| f.dir != DIR_REPLY && f.nat_addr == q_dst && f.nat_port == q_dport)
+            table::flow6(&(*k).flow)
+                .is_some_and(|f| (*f).dir != DIR_REPLY && (*f).nat_addr == q_dst && (*f).nat_port == q_dport)
         };
         if owned {
             let old = quoted_checks(ctx, q_check, 0)?;
@@ -352,7 +353,7 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
     let entry = unsafe {
         (*k).flow =
             FlowKey6 { src_addr: q_dst, dst_addr: q_src, src_port: q_dport, dst_port: q_sport, proto, _pad: [0; 3] };
-        FLOWS6.get(&(*k).flow).map(|f| (f.dir, f.backend_id))
+        table::flow6(&(*k).flow).map(|f| ((*f).dir, (*f).backend_id))
     };
     let (id, dsr) = match entry {
         Some((dir, id)) if dir != DIR_REPLY => (id, dir == DIR_DSR),

@@ -19,6 +19,7 @@ mod parse;
 mod select;
 mod stats;
 mod sweep;
+mod table;
 mod v6;
 
 use core::intrinsics::{AtomicOrdering, atomic_or};
@@ -34,7 +35,7 @@ use lb_common::{
     FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
     Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, FLOWS, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
+use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -146,7 +147,7 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
         _pad: [0; 3],
     };
     if to.is_none()
-        && let Some(flow) = FLOWS.get_ptr_mut(&key)
+        && let Some(flow) = table::flow(&key)
     {
         to = known_flow(&pkt, flow, now);
     }
@@ -396,7 +397,7 @@ fn state_of(flow: *mut Flow) -> *mut u64 {
 // Its own stack frame (flow entry and keys), off the established path; it
 // returns what to rewrite, and the caller forwards (so the FIB lookup's
 // frame is not stacked on this one).
-#[inline(never)]
+#[inline(always)]
 fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat, u32> {
     let opening = pkt.proto != PROTO_TCP || is_syn(pkt);
     // A migration is copying the old datapath's last flows: a TCP packet
@@ -552,7 +553,7 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) ->
         };
         // SAFETY: see above; the shared reference lives for the call only,
         // and nothing writes the slot meanwhile.
-        if FLOWS.insert(&rev_key, unsafe { &*e }, 0).is_err() {
+        if !table::put_flow(&rev_key) {
             return Insert::Full;
         }
         DIR_FORWARD
@@ -568,7 +569,7 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) ->
         (*e).last_seen = now;
     }
     // SAFETY: as above.
-    if FLOWS.insert(key, unsafe { &*e }, 0).is_err() {
+    if !table::put_flow(key) {
         return Insert::Full;
     }
     // A TCP packet other than a SYN that takes an entry belongs to a
@@ -641,7 +642,7 @@ fn dsr<const L2: usize>(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u
 /// at all (`no_flow` set), back to the client statelessly.
 #[inline(always)]
 fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
-    let Some(flow) = FLOWS.get_ptr_mut(&client_key(pkt, vip.addr, vip.port)) else {
+    let Some(flow) = table::flow(&client_key(pkt, vip.addr, vip.port)) else {
         *no_flow = true;
         return None;
     };
@@ -680,7 +681,7 @@ fn reply_entry_seen(pkt: &Packet, entry: *mut Flow, nat: Nat) {
     if !first && !closing {
         return;
     }
-    if let Some(fwd) = FLOWS.get_ptr_mut(&client_key(pkt, nat.addr, nat.port)) {
+    if let Some(fwd) = table::flow(&client_key(pkt, nat.addr, nat.port)) {
         if first {
             set_state(state_of(fwd), FLOW_REPLIED);
         }

@@ -11,7 +11,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6,
+    AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowBucket, FlowBucket6,
     MAX_BACKENDS, MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, Vip6Key, VipKey, counter,
 };
 
@@ -41,23 +41,65 @@ pub(crate) static SELECT: Array<u32> = Array::with_max_entries(1, BPF_F_MMAPABLE
 #[map]
 pub(crate) static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
 
-/// Connection table: wire 5-tuple -> what to rewrite. One entry per flow,
-/// keyed by the client's 5-tuple (`DIR_FLOW`; see `lb_common::Flow` for
-/// the services that keep a reply entry too). Sized by userspace at load
-/// time from `conntrack_max`.
+/// Connection table: wire 5-tuple -> what to rewrite, in slots of our own
+/// (`crate::table`; open addressing, two slots per `conntrack_max`, a
+/// power of two; `SLOT_BUCKET` slots per array element). One entry per flow, keyed by the client's 5-tuple
+/// (`DIR_FLOW`; see `lb_common::Flow` for the services that keep a reply
+/// entry too). Sized by userspace at load time.
 ///
-/// A plain preallocated hash, not an LRU: when it is full an insert fails
-/// and the new flow is routed by consistent hash without an entry
-/// (`counter::TABLE_FULL`), so a flood can never evict an established
-/// flow; entries leave only through the sweeper (closed, idle, or
-/// half-open for `flood.half_open_timeout`). Measured per new flow on this
-/// kernel (4M entries, November 2026): preallocated hash 530 ns, LRU 550
-/// ns, per-CPU LRU lists 1,024 ns, hash without preallocation about
-/// 1,000 ns. Per-CPU tables (Katran's array of maps) would lose a flow
-/// whose packets arrive on two CPUs, which a veth's senders and RSS-less
-/// NICs do.
+/// Not a kernel map of flows, which costs more per packet (see
+/// `crate::table`), and not an LRU: when a flow's slots are all taken an
+/// insert fails and the new flow is routed by consistent hash without an
+/// entry (`counter::TABLE_FULL`), so a flood can never evict an
+/// established flow; entries leave only through the sweeper (closed,
+/// idle, or half-open for `flood.half_open_timeout`). Per-CPU tables
+/// (Katran's array of maps) would lose a flow whose packets arrive on two
+/// CPUs, which a veth's senders and RSS-less NICs do.
 #[map]
-pub(crate) static FLOWS: HashMap<FlowKey, Flow> = HashMap::with_max_entries(1, 0);
+pub(crate) static FLOW_SLOTS: Array<FlowBucket> = Array::with_max_entries(1, 0);
+
+/// Entries in each flow table (0: `FLOW_SLOTS`, 1: `FLOW_SLOTS6`), for
+/// `conntrack_max`: added to by the datapath's inserts and taken from by
+/// the sweeper's removals, atomically (one count for all CPUs, so that
+/// the limit is exact).
+#[map]
+pub(crate) static FLOW_COUNT: Array<u64> = Array::with_max_entries(2, 0);
+
+/// Entries each flow table may hold (`conntrack_max`), set by lbd when it
+/// loads the program (read-only data, as the masks).
+#[unsafe(no_mangle)]
+static FLOW_LIMIT: u32 = 0;
+
+/// The entry limit of `FLOW_SLOTS`.
+#[inline(always)]
+pub(crate) fn flow_limit() -> u32 {
+    // SAFETY: as `flow_mask`.
+    unsafe { core::ptr::read_volatile(&raw const FLOW_LIMIT) }
+}
+
+/// `FLOW_SLOTS`' size - 1, set by lbd when it loads the program (a
+/// constant to the verifier and the JIT: read-only data).
+#[unsafe(no_mangle)]
+static FLOW_SLOT_MASK: u32 = 0;
+
+/// `FLOW_SLOTS6`' size - 1, as `FLOW_SLOT_MASK`.
+#[unsafe(no_mangle)]
+static FLOW_SLOT_MASK6: u32 = 0;
+
+/// `FLOW_SLOTS`' slot mask.
+#[inline(always)]
+pub(crate) fn flow_mask() -> u32 {
+    // SAFETY: a read of a global that lbd sets before loading; volatile so
+    // that the compiler does not fold the 0 it was built with.
+    unsafe { core::ptr::read_volatile(&raw const FLOW_SLOT_MASK) }
+}
+
+/// `FLOW_SLOTS6`' slot mask.
+#[inline(always)]
+pub(crate) fn flow_mask6() -> u32 {
+    // SAFETY: as `flow_mask`.
+    unsafe { core::ptr::read_volatile(&raw const FLOW_SLOT_MASK6) }
+}
 
 /// Bitmap over `addr_filter_bit` of every VIP and backend address, as one
 /// value: one inlined array lookup and a word read per address tell a
@@ -151,10 +193,9 @@ pub(crate) static BACKEND_ADDRS6: Array<[u32; 4]> = Array::with_max_entries(MAX_
 #[map]
 pub(crate) static ENDPOINTS6: HashMap<Vip6Key, Vip6Key> = HashMap::with_max_entries(MAX_ENDPOINTS, 0);
 
-/// IPv6 connection table (see `FLOWS`), sized by userspace from
-/// `conntrack_max`.
+/// IPv6 connection table (see `FLOW_SLOTS`), sized by userspace.
 #[map]
-pub(crate) static FLOWS6: HashMap<FlowKey6, Flow6> = HashMap::with_max_entries(1, 0);
+pub(crate) static FLOW_SLOTS6: Array<FlowBucket6> = Array::with_max_entries(1, 0);
 
 /// One IPv6 flow entry per CPU, where a new flow's entry is built.
 #[map]
@@ -177,7 +218,7 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::VIP_ADDRS, stringif
 const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKENDS, stringify!(BACKENDS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SELECT, stringify!(SELECT)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SEQ, stringify!(SEQ)));
-const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS, stringify!(FLOWS)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS, stringify!(FLOW_SLOTS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::ADDR_FILTER, stringify!(ADDR_BITMAP)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKEND_STATS, stringify!(BACKEND_STATS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::COUNTERS, stringify!(COUNTERS)));
@@ -195,10 +236,11 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::VIPS6, stringify!(V
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIP_ADDRS6, stringify!(VIP_ADDRS6)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::BACKEND_ADDRS6, stringify!(BACKEND_ADDRS6)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::ENDPOINTS6, stringify!(ENDPOINTS6)));
-const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS6, stringify!(FLOWS6)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOWS6, stringify!(FLOW_SLOTS6)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::SCRATCH6, stringify!(SCRATCH6)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::PROGS, stringify!(PROGS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::KEYS6, stringify!(KEYS6)));
 // ... and userspace knows every map.
 const _: () = assert!(lb_common::maps::same(lb_common::maps::CLOCK, stringify!(CLOCK)));
-const _: () = assert!(lb_common::maps::ALL.len() == 28);
+const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOW_COUNT, stringify!(FLOW_COUNT)));
+const _: () = assert!(lb_common::maps::ALL.len() == 29);

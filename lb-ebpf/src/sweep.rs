@@ -1,26 +1,31 @@
 //! The sweeper's remove-if-unchanged, in the kernel (`lb_sweep`): lbd
-//! walks the flow tables in batches and judges every entry, then hands
-//! this program the flows it would remove, with the `state` and
-//! `last_seen` it judged each by (`lb_common::SweepHeader`). Each goes
-//! only if its entry still has both: a flow that saw a packet since, or an
-//! entry made anew for the same 5-tuple by a client reusing its port,
-//! stays. BPF maps have no compare-and-delete; here the gap between the
-//! check and the delete is a few instructions on one CPU, where removing
-//! from userspace left two syscalls between them, and it costs one run
-//! per batch of flows instead of two syscalls per flow.
+//! reads the flow tables in batches and judges every entry, then hands
+//! this program the flows it would remove, each with its slot and the
+//! `state` and `last_seen` it judged it by (`lb_common::SweepHeader`).
+//! Each goes only if its slot still holds that key with both: a flow that
+//! saw a packet since, or an entry made anew for the same 5-tuple by a
+//! client reusing its port, stays. The removal itself is a
+//! compare-and-swap of the slot's claim (`table::remove_if`); between the
+//! check of the value and it lie a few instructions on one CPU, and it
+//! costs one run per batch of flows instead of syscalls per flow.
 //!
 //! Run by lbd through BPF_PROG_TEST_RUN, never attached: the "frame" is
 //! the request, and the program marks in it what it removed.
-use aya_ebpf::{bindings::xdp_action, macros::xdp, maps::HashMap, programs::XdpContext};
+use aya_ebpf::{bindings::xdp_action, macros::xdp, maps::Array, programs::XdpContext};
 use core::{
     mem::size_of,
     ptr::{addr_of, addr_of_mut, read_volatile},
 };
-use lb_common::{Flow, Flow6, FlowKey, FlowKey6, SWEEP_BATCH, SWEEP_BATCH6, SweepHeader, SweepItem, SweepItem6};
+use lb_common::{
+    Flow, Flow6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERTED, InsertItem, InsertItem6,
+    SLOT_BUCKET, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_INSERT, Slot, SlotKey, SweepHeader, SweepItem,
+    SweepItem6,
+};
 
 use crate::{
-    maps::{FLOWS, FLOWS6},
+    maps::{FLOW_SLOTS, FLOW_SLOTS6, flow_mask, flow_mask6},
     parse::ptr_at,
+    table,
 };
 
 #[xdp]
@@ -37,27 +42,33 @@ const HDR: usize = size_of::<SweepHeader>();
 
 /// A request item and the flow-table value it names, of either family.
 trait Item {
-    type Key;
+    type Key: SlotKey;
     type Value;
-    /// The item's key and the state bits and last packet it was judged by.
-    fn judged(&self) -> (Self::Key, u64, u64);
+    /// The item's key, slot, and the state bits and last packet it was
+    /// judged by.
+    fn judged(&self) -> (Self::Key, u32, u64, u64);
     /// The entry's state bits and last packet now.
     ///
     /// # Safety
-    /// `v` points at a live flow-table value.
+    /// `v` points at a flow-table value.
     unsafe fn now(v: *const Self::Value) -> (u64, u64);
     /// Mark the item removed.
     ///
     /// # Safety
     /// `item` points at a whole item inside the frame.
     unsafe fn mark(item: *mut Self);
+    /// The slot of `key`'s entry (`table::NO_SLOT`: none), by the table's
+    /// global lookup.
+    fn slot_of(key: &Self::Key) -> u32;
+    /// The table's entry count.
+    const COUNT: table::Count;
 }
 
 impl Item for SweepItem {
     type Key = FlowKey;
     type Value = Flow;
-    fn judged(&self) -> (FlowKey, u64, u64) {
-        (self.key, self.state, self.last_seen)
+    fn judged(&self) -> (FlowKey, u32, u64, u64) {
+        (self.key, self.slot, self.state, self.last_seen)
     }
     unsafe fn now(v: *const Flow) -> (u64, u64) {
         // SAFETY: the caller's promise; the fields are read (not
@@ -68,13 +79,17 @@ impl Item for SweepItem {
         // SAFETY: the caller's promise; a store through the raw pointer.
         unsafe { addr_of_mut!((*item).removed).write(1) };
     }
+    fn slot_of(key: &FlowKey) -> u32 {
+        table::lb_flow_slot(key)
+    }
+    const COUNT: table::Count = table::Count::V4;
 }
 
 impl Item for SweepItem6 {
     type Key = FlowKey6;
     type Value = Flow6;
-    fn judged(&self) -> (FlowKey6, u64, u64) {
-        (self.key, self.state, self.last_seen)
+    fn judged(&self) -> (FlowKey6, u32, u64, u64) {
+        (self.key, self.slot, self.state, self.last_seen)
     }
     unsafe fn now(v: *const Flow6) -> (u64, u64) {
         // SAFETY: as above.
@@ -84,26 +99,95 @@ impl Item for SweepItem6 {
         // SAFETY: as above.
         unsafe { addr_of_mut!((*item).removed).write(1) };
     }
+    fn slot_of(key: &FlowKey6) -> u32 {
+        table::lb_flow_slot6(key)
+    }
+    const COUNT: table::Count = table::Count::V6;
 }
 
 fn try_sweep(ctx: &XdpContext) -> Option<()> {
     let hdr = ptr_at::<SweepHeader>(ctx, 0)?;
     // SAFETY: `ptr_at` proved the header inside the frame.
     let (family, count) = unsafe { ((*hdr).family, (*hdr).count) };
+    const INSERT4: u32 = SWEEP_INSERT | 4;
+    const INSERT6: u32 = SWEEP_INSERT | 6;
     match family {
-        4 => remove_unchanged::<SweepItem, { SWEEP_BATCH as usize }>(ctx, count, &FLOWS),
-        6 => remove_unchanged::<SweepItem6, { SWEEP_BATCH6 as usize }>(ctx, count, &FLOWS6),
+        4 => remove_unchanged::<SweepItem, { SWEEP_BATCH as usize }>(ctx, count, &FLOW_SLOTS, flow_mask()),
+        6 => remove_unchanged::<SweepItem6, { SWEEP_BATCH6 as usize }>(ctx, count, &FLOW_SLOTS6, flow_mask6()),
+        INSERT4 => insert::<InsertItem, { INSERT_BATCH as usize }>(ctx, count),
+        INSERT6 => insert::<InsertItem6, { INSERT_BATCH6 as usize }>(ctx, count),
         _ => None,
     }
 }
 
+/// An insert request's item and its table's global insert function.
+trait Insert {
+    type Key;
+    type Value;
+    /// `table::lb_put_flow` or `table::lb_put_flow6`, without replacing.
+    fn put(key: *const Self::Key, value: *const Self::Value) -> u32;
+    /// Where the item's key, value and result word are.
+    fn parts(item: *mut Self) -> (*const Self::Key, *const Self::Value, *mut u32);
+}
+
+impl Insert for InsertItem {
+    type Key = FlowKey;
+    type Value = Flow;
+    fn put(key: *const FlowKey, value: *const Flow) -> u32 {
+        table::lb_put_flow(key, value, 0)
+    }
+    fn parts(item: *mut Self) -> (*const FlowKey, *const Flow, *mut u32) {
+        // SAFETY: only the fields' addresses are taken.
+        unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted) }
+    }
+}
+
+impl Insert for InsertItem6 {
+    type Key = FlowKey6;
+    type Value = Flow6;
+    fn put(key: *const FlowKey6, value: *const Flow6) -> u32 {
+        table::lb_put_flow6(key, value, 0)
+    }
+    fn parts(item: *mut Self) -> (*const FlowKey6, *const Flow6, *mut u32) {
+        // SAFETY: only the fields' addresses are taken.
+        unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted) }
+    }
+}
+
+/// Insert each of the request's `count` items (at most `N`) unless its key
+/// has an entry, and write what became of it into the item. The insert
+/// is the table's global function (verified once, not once per item).
+#[inline(always)]
+fn insert<I: Insert, const N: usize>(ctx: &XdpContext, count: u32) -> Option<()> {
+    for i in 0..N {
+        if i >= count as usize {
+            break;
+        }
+        let item = ptr_at::<I>(ctx, HDR + i * size_of::<I>())?;
+        let (key, value, result) = I::parts(item);
+        let done = I::put(key, value);
+        let answer = if done == table::Put::Done as u32 {
+            INSERTED
+        } else if done == table::Put::Exists as u32 {
+            INSERT_EXISTS
+        } else {
+            0
+        };
+        // SAFETY: the result word lies inside the item, inside the frame
+        // (`ptr_at`).
+        unsafe { result.write(answer) };
+    }
+    Some(())
+}
+
 /// Remove the entry of each of the request's `count` items (at most `N`)
-/// from `map` if it is as the item says it was judged, and mark the item.
+/// from `table` if it is as the item says it was judged, and mark the item.
 #[inline(always)]
 fn remove_unchanged<I: Item, const N: usize>(
     ctx: &XdpContext,
     count: u32,
-    map: &HashMap<I::Key, I::Value>,
+    slots: &Array<[Slot<I::Key, I::Value>; SLOT_BUCKET as usize]>,
+    mask: u32,
 ) -> Option<()> {
     // Bounded for the verifier by the batch size; `count` may be less.
     for i in 0..N {
@@ -112,11 +196,16 @@ fn remove_unchanged<I: Item, const N: usize>(
         }
         let item = ptr_at::<I>(ctx, HDR + i * size_of::<I>())?;
         // SAFETY: `ptr_at` proved the item inside the frame; the key is
-        // copied out before the map is touched.
-        let (key, state, seen) = unsafe { (*item).judged() };
-        // SAFETY: a live entry's value (`get_ptr`).
-        let now = map.get_ptr(&key).map(|v| unsafe { I::now(v) });
-        if now == Some((state, seen)) && map.remove(&key).is_ok() {
+        // copied out before the table is touched.
+        let (key, at, state, seen) = unsafe { (*item).judged() };
+        let removed = if at == SWEEP_BY_KEY {
+            let at = I::slot_of(&key);
+            at != table::NO_SLOT && table::remove_if(slots, mask, I::COUNT, at, &key, |_| true)
+        } else {
+            // SAFETY: `remove_if` hands over a value of the table.
+            table::remove_if(slots, mask, I::COUNT, at, &key, |v| unsafe { I::now(v) } == (state, seen))
+        };
+        if removed {
             // SAFETY: inside the frame (above).
             unsafe { I::mark(item) };
         }

@@ -4,7 +4,7 @@
 //!
 //! It reads like the IPv4 path in `main.rs` (parse -> from a backend: its
 //! flow -> flow table -> new flow: VIP -> pick -> rewrite -> next hop),
-//! over the IPv6 maps (`VIPS6`, `ENDPOINTS6`, `FLOWS6`), sharing the
+//! over the IPv6 maps (`VIPS6`, `ENDPOINTS6`, `FLOW_SLOTS6`), sharing the
 //! services' selection tables, the backends, the counters and the
 //! next-hop caches with IPv4. What differs: no IP header checksum; the
 //! hop limit instead of the TTL; a UDP checksum that is never 0;
@@ -27,15 +27,15 @@ use lb_common::{
 use lb_ebpf::csum;
 
 use crate::{
-    Insert, backend_down,
+    backend_down,
     forward::{
         FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, cached_hop, can_redirect,
         classify_segment, generic_ingress, may_cache, segment_sum, set_macs, store_hop,
     },
-    maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, FLOOD, FLOWS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
+    maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, FLOOD, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     no_backend, now_secs, opening_state,
     parse::{ETH_HLEN, ETH_P_IPV6, EthHdr, ICMP6_TOO_BIG, IP6_HLEN, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
-    rate_ok, select, set_state, stats, syn_only, track_close,
+    rate_ok, select, set_state, stats, syn_only, table, track_close,
 };
 
 const AF_INET6: u8 = 10;
@@ -263,7 +263,7 @@ enum To {
 
 /// What a packet of a flow gets rewritten to, and whose counters it counts in.
 #[derive(Clone, Copy)]
-struct Nat6 {
+pub(crate) struct Nat6 {
     backend_id: u32,
     addr: [u32; 4],
     port: u16,
@@ -332,7 +332,7 @@ fn try_lb(ctx: &XdpContext) -> u32 {
     }
     if to.is_none()
         // SAFETY: as above.
-        && let Some(flow) = FLOWS6.get_ptr_mut(unsafe { &(*k).flow })
+        && let Some(flow) = table::flow6(unsafe { &(*k).flow })
     {
         to = known_flow(&pkt, flow, k, now);
     }
@@ -474,42 +474,108 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
     Some(if dsr { To::Dsr(nat) } else { To::Backend(nat) })
 }
 
-#[inline(never)]
+/// A new flow: planned in a frame of its own (`plan_flow`), its entries
+/// inserted from this one, and settled in a frame of its own again
+/// (`settle_flow`). The inserts are calls of their own
+/// (`table::put_flow6`), and the program's deepest chain of frames (this
+/// one, `transmit`, its FIB lookup) leaves no room for them on top of
+/// the planning frame.
+#[inline(always)]
 fn new_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> Result<Nat6, u32> {
+    let mut code = plan_flow(pkt, k, now);
+    if code == PLAN_INSERT || code == PLAN_INSERT_REPLY {
+        // SAFETY: this CPU's scratch slot, where `plan_flow` wrote the
+        // keys; the reference lives for the call only.
+        let mut ok = code != PLAN_INSERT_REPLY || table::put_flow6(unsafe { &(*k).other });
+        if ok && code == PLAN_INSERT_REPLY {
+            forward_entry(pkt, k, DIR_FORWARD, now);
+        }
+        // SAFETY: as above.
+        ok = ok && table::put_flow6(unsafe { &(*k).flow });
+        code = settle_flow(pkt, k, ok);
+    }
+    if code == PLAN_NAT {
+        // SAFETY: as above; a plain copy.
+        Ok(unsafe { (*k).nat })
+    } else {
+        Err(code)
+    }
+}
+
+/// `plan_flow`'s and `settle_flow`'s answers besides an XDP action (which
+/// the packet gets): the rewrite is in `Keys6::nat`; ...
+const PLAN_NAT: u32 = u32::MAX;
+/// ... insert the entry in `SCRATCH6` under `Keys6::flow`; ...
+const PLAN_INSERT: u32 = u32::MAX - 1;
+/// ... insert it under `Keys6::other` as the reply entry, then as the
+/// flow's under `Keys6::flow` (`forward_entry` turns it).
+const PLAN_INSERT_REPLY: u32 = u32::MAX - 2;
+
+/// The new flow's backend and entry (see `new_flow`).
+#[inline(never)]
+fn plan_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> u32 {
     // SAFETY: this CPU's scratch slot, where try_lb copied the service;
     // nothing writes `svc` while this reference lives.
     let svc = unsafe { &(*k).svc };
     let opening = pkt.proto != PROTO_TCP || pkt.is_syn();
     if !opening && FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until) > now) {
         stats::count(counter::HELD);
-        return Err(xdp_action::XDP_DROP);
+        return xdp_action::XDP_DROP;
     }
     let reply_entry = svc.flags & SVC_F_REPLY_ENTRY != 0;
-    // The folded 5-tuple, once: both picks below hash it.
-    let tuple = pkt.tuple();
     if reply_entry || rate_ok(now) {
+        let tuple = pkt.tuple();
         let id = if opening { select::pick(svc, tuple) } else { select::pick_stateless(svc, tuple) };
-        match insert_flow(pkt, k, svc, id, now) {
-            Insert::Done(nat) => return Ok(nat),
-            Insert::NoBackend => return Err(no_backend()),
-            Insert::Full if reply_entry => {
-                stats::count(counter::DROP_FLOW_TABLE);
-                return Err(xdp_action::XDP_DROP);
-            }
-            Insert::Full => stats::count(counter::TABLE_FULL),
-        }
-    } else {
-        stats::count(counter::FLOOD_RATE);
+        return prepare_entry(pkt, k, svc, id, now);
     }
-    let id = select::pick_stateless(svc, tuple);
+    stats::count(counter::FLOOD_RATE);
+    stateless(pkt, k, opening)
+}
+
+/// After the inserts (`inserted`: all went in): the flow counted, or,
+/// without an entry, its consistent-hash answer (see `new_flow`).
+#[inline(never)]
+fn settle_flow(pkt: &Packet6, k: *mut Keys6, inserted: bool) -> u32 {
+    // SAFETY: this CPU's scratch slots; plain loads.
+    let (id, reply_entry) = unsafe { ((*k).nat.backend_id, (*k).svc.flags & SVC_F_REPLY_ENTRY != 0) };
+    if inserted {
+        let state = opening_state(pkt.proto, pkt.tcp_flags);
+        if pkt.proto != PROTO_TCP || pkt.is_syn() {
+            stats::new_flow(id);
+        }
+        stats::flow_opened(id);
+        if flow_closed(state) {
+            stats::flow_closed(id);
+        }
+        return PLAN_NAT;
+    }
+    // A flow of a service whose replies need their own entry cannot go
+    // without one: dropped when the table has no room.
+    if reply_entry {
+        stats::count(counter::DROP_FLOW_TABLE);
+        return xdp_action::XDP_DROP;
+    }
+    stats::count(counter::TABLE_FULL);
+    stateless(pkt, k, pkt.proto != PROTO_TCP || pkt.is_syn())
+}
+
+/// No entry: the consistent-hash answer, the same for every packet of
+/// the flow (and for its SYN's retransmissions).
+#[inline(always)]
+fn stateless(pkt: &Packet6, k: *mut Keys6, opening: bool) -> u32 {
+    // SAFETY: this CPU's scratch slot; the reference lives for the pick.
+    let id = select::pick_stateless(unsafe { &(*k).svc }, pkt.tuple());
     match backend_addr(id) {
         Some((addr, port)) => {
+            // A new connection all the same (its backend accepts it).
             if opening {
                 stats::new_flow(id);
             }
-            Ok(Nat6 { backend_id: id, addr, port })
+            // SAFETY: as above; a plain store.
+            unsafe { (*k).nat = Nat6 { backend_id: id, addr, port } };
+            PLAN_NAT
         }
-        None => Err(no_backend()),
+        None => no_backend(),
     }
 }
 
@@ -528,19 +594,22 @@ fn backend_addr(id: u32) -> Option<([u32; 4], u16)> {
     Some((*BACKEND_ADDRS6.get(id)?, port))
 }
 
+/// A new flow's entry built in this CPU's `SCRATCH6` slot, for backend
+/// `id`: its reply entry first when the service needs one (its key in
+/// `Keys6::other`), the flow's own otherwise; the rewrite in `Keys6::nat`.
 #[inline(always)]
-fn insert_flow(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64) -> Insert<Nat6> {
+fn prepare_entry(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64) -> u32 {
     let Some((addr, port)) = backend_addr(id) else {
-        return Insert::NoBackend;
+        return no_backend();
     };
-    let state = opening_state(pkt.proto, pkt.tcp_flags);
     let Some(e) = SCRATCH6.get_ptr_mut(0) else {
-        return Insert::Full;
+        return xdp_action::XDP_DROP;
     };
-    // SAFETY: this CPU's slot of a per-CPU map, touched by this program
+    // SAFETY: this CPU's slots of per-CPU maps, touched by this program
     // invocation only; plain stores.
     // Field by field: a whole-struct write is built on the stack first.
     unsafe {
+        (*k).nat = Nat6 { backend_id: id, addr, port };
         (*e).backend_id = id;
         (*e).service_id = svc.service_id;
         (*e).nat_addr = pkt.daddr();
@@ -556,12 +625,15 @@ fn insert_flow(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64) -
         (*e).nh_dmac = [0; 6];
         (*e).nh_gen = 0;
     }
-    let dir = if svc.flags & SVC_F_DSR != 0 {
-        DIR_DSR
+    if svc.flags & SVC_F_DSR != 0 {
+        forward_entry(pkt, k, DIR_DSR, now);
+        PLAN_INSERT
     } else if svc.flags & SVC_F_REPLY_ENTRY != 0 {
-        // SAFETY: see above (both slots); the shared references live for
-        // the call only.
-        let inserted = unsafe {
+        // The backend's endpoint names another service's VIP: this flow's
+        // replies need an entry of their own, inserted first so that once
+        // the forward entry exists, replies can come.
+        // SAFETY: as above.
+        unsafe {
             (*k).other = FlowKey6 {
                 src_addr: addr,
                 dst_addr: pkt.saddr(),
@@ -570,35 +642,28 @@ fn insert_flow(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64) -
                 proto: pkt.proto,
                 _pad: [0; 3],
             };
-            FLOWS6.insert(&(*k).other, &*e, 0)
-        };
-        if inserted.is_err() {
-            return Insert::Full;
         }
-        DIR_FORWARD
+        PLAN_INSERT_REPLY
     } else {
-        DIR_FLOW
-    };
-    // SAFETY: as above.
+        forward_entry(pkt, k, DIR_FLOW, now);
+        PLAN_INSERT
+    }
+}
+
+/// Turn the scratch entry into the flow's own (direction `dir`): the
+/// rewrite towards the backend of `Keys6::nat`, the opening state, the
+/// packet's time.
+#[inline(always)]
+fn forward_entry(pkt: &Packet6, k: *mut Keys6, dir: u8, now: u64) {
+    let Some(e) = SCRATCH6.get_ptr_mut(0) else { return };
+    // SAFETY: as in `prepare_entry`.
     unsafe {
-        (*e).nat_addr = addr;
-        (*e).nat_port = port;
+        (*e).nat_addr = (*k).nat.addr;
+        (*e).nat_port = (*k).nat.port;
         (*e).dir = dir;
-        (*e).state = state;
+        (*e).state = opening_state(pkt.proto, pkt.tcp_flags);
         (*e).last_seen = now;
     }
-    // SAFETY: as above.
-    if FLOWS6.insert(unsafe { &(*k).flow }, unsafe { &*e }, 0).is_err() {
-        return Insert::Full;
-    }
-    if pkt.proto != PROTO_TCP || pkt.is_syn() {
-        stats::new_flow(id);
-    }
-    stats::flow_opened(id);
-    if flow_closed(state) {
-        stats::flow_closed(id);
-    }
-    Insert::Done(Nat6 { backend_id: id, addr, port })
 }
 
 /// A packet from a backend's endpoint, `vip` the service that owns it (see
@@ -607,7 +672,7 @@ fn insert_flow(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64) -
 fn reply_of_flow(pkt: &Packet6, k: *mut Keys6, no_flow: &mut bool) -> Option<To> {
     // SAFETY: this CPU's scratch slot (see try_lb); plain copies.
     let vip = unsafe { (*k).vip };
-    let Some(flow) = FLOWS6.get_ptr_mut(client_key(pkt, k, &vip.addr, vip.port)) else {
+    let Some(flow) = table::flow6(client_key(pkt, k, &vip.addr, vip.port)) else {
         *no_flow = true;
         return None;
     };
@@ -629,7 +694,7 @@ fn reply_entry_seen(pkt: &Packet6, entry: *mut Flow6, k: *mut Keys6, nat: &Nat6)
     if !first && !closing {
         return;
     }
-    if let Some(fwd) = FLOWS6.get_ptr_mut(client_key(pkt, k, &nat.addr, nat.port)) {
+    if let Some(fwd) = table::flow6(client_key(pkt, k, &nat.addr, nat.port)) {
         if first {
             set_state(state_of(fwd), FLOW_REPLIED);
         }
@@ -668,6 +733,8 @@ pub(crate) struct Keys6 {
     pub rw: Rewrite6,
     /// The service of a new flow.
     pub svc: Service,
+    /// A new flow's rewrite (see `new_flow`).
+    pub nat: Nat6,
 }
 
 /// What a NAT rewrite changed, for the L4 checksum update.

@@ -262,6 +262,13 @@ impl Fixture {
         let now = lb_userspace::dataplane::monotonic_coarse_secs();
         let r = self.dp.sweep(now, u64::MAX / 2, u64::MAX / 2).expect("sweep");
         assert_eq!(r.removed, 0, "nothing is due yet: {r:?}");
+        // The count the datapath keeps against conntrack_max agrees.
+        let (v4, v6) = self.dp.flow_counts().expect("flow counts");
+        assert_eq!(
+            v4 + v6,
+            r.entries,
+            "entries counted by the datapath (IPv4 {v4}, IPv6 {v6}) against those in the tables"
+        );
         r.entries
     }
 

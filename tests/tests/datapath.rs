@@ -11,7 +11,7 @@
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use lb_common::{NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC};
+use lb_common::{NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, SlotKey as _};
 use lb_testkit::{
     Frame, L4Checksum,
     frame::{
@@ -746,8 +746,10 @@ fn key4(cport: u16) -> lb_common::FlowKey {
     }
 }
 
-fn sweep_item(key: lb_common::FlowKey, f: &lb_common::Flow) -> lb_common::SweepItem {
-    lb_common::SweepItem { key, state: f.state, last_seen: f.last_seen, removed: 0, _pad: 0 }
+/// The request to remove `key`'s entry as `f` (its slot where it has one).
+fn sweep_item(fx: &Fixture, key: lb_common::FlowKey, f: &lb_common::Flow) -> lb_common::SweepItem {
+    let slot = fx.dp.flow_slot(&key).unwrap().unwrap_or(0);
+    lb_common::SweepItem { key, state: f.state, last_seen: f.last_seen, removed: 0, slot }
 }
 
 #[test]
@@ -765,15 +767,15 @@ fn the_sweeper_removes_a_flow_only_while_it_is_as_it_was_judged() {
         fx.forward(&tcp(CLIENT, 42_000, VIP, 80, SYN).bytes());
         let live = fx.dp.flow(&key).unwrap().expect("the new connection's entry");
         assert!(!lb_common::flow_closed(live.state));
-        let done = fx.dp.remove_unchanged(&[sweep_item(key, &judged)]).unwrap();
+        let done = fx.dp.remove_unchanged(&[sweep_item(&fx, key, &judged)]).unwrap();
         assert_eq!(done[0].removed, 0, "the new connection's entry was removed on the strength of the old one's");
         assert_eq!(fx.dp.flow(&key).unwrap(), Some(live), "the new connection lost its entry");
         // An entry whose last packet is newer than the one judged stays too.
-        let stale = lb_common::SweepItem { last_seen: live.last_seen.wrapping_sub(1), ..sweep_item(key, &live) };
+        let stale = lb_common::SweepItem { last_seen: live.last_seen.wrapping_sub(1), ..sweep_item(&fx, key, &live) };
         assert_eq!(fx.dp.remove_unchanged(&[stale]).unwrap()[0].removed, 0);
         assert!(fx.dp.flow(&key).unwrap().is_some());
         // As judged: removed.
-        assert_eq!(fx.dp.remove_unchanged(&[sweep_item(key, &live)]).unwrap()[0].removed, 1);
+        assert_eq!(fx.dp.remove_unchanged(&[sweep_item(&fx, key, &live)]).unwrap()[0].removed, 1);
         assert_eq!(fx.dp.flow(&key).unwrap(), None);
 
         // More flows than one run of the program takes (64): every other
@@ -787,11 +789,11 @@ fn the_sweeper_removes_a_flow_only_while_it_is_as_it_was_judged() {
             .map(|i| {
                 let k = key4(43_000 + i);
                 let f = fx.dp.flow(&k).unwrap().expect("entry");
-                let item = sweep_item(k, &f);
+                let item = sweep_item(&fx, k, &f);
                 if i % 2 == 1 { lb_common::SweepItem { state: f.state ^ lb_common::FLOW_RST, ..item } } else { item }
             })
             .collect();
-        items.push(sweep_item(key4(44_999), &lb_common::Flow::default()));
+        items.push(sweep_item(&fx, key4(44_999), &lb_common::Flow::default()));
         let done = fx.dp.remove_unchanged(&items).unwrap();
         assert_eq!(done.len(), items.len());
         for (i, d) in done.iter().enumerate() {
@@ -833,5 +835,81 @@ fn the_program_verifies_with_room_to_spare() {
         // clearly, instead of failing to load on a kernel whose verifier
         // explores a little more.
         assert!(n <= 700_000, "{n} instructions verified: too close to the verifier's limit of 1,000,000");
+    });
+}
+
+/// The flow table is open addressing in slots of our own: keys whose
+/// first slots collide are found past each other, a removed entry's slot
+/// is skipped by lookups and taken again by inserts, and the table holds
+/// exactly `conntrack_max` flows however its slots are taken.
+#[test]
+fn colliding_flows_and_removed_slots_keep_every_flow_on_its_backend() {
+    in_netns(|| {
+        // Round robin: a flow found anew by its scheduler would change
+        // backend. 32 slots for 16 flows: their first slots collide.
+        let backends = [(BACKEND, 8080), (BACKEND_UNRESOLVED, 8080), (THIRD, 8080)];
+        let mut fx =
+            Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
+                c.conntrack_max = 16;
+                c.flood.new_flow_rate_per_cpu = Some(0);
+            });
+        let mask = lb_common::flow_slots(16) - 1;
+        let home = |k: &lb_common::FlowKey| k.slot_hash() as u32 & mask;
+        let mut flows: Vec<(u16, Ipv4Addr)> =
+            (0..16).map(|i| (41_000 + i, handshake(&fx, 41_000 + i, 80, 8080))).collect();
+        let displaced = flows
+            .iter()
+            .filter(|&&(p, _)| fx.dp.flow_slot(&key4(p)).unwrap().expect("every flow has a slot") != home(&key4(p)))
+            .count();
+        assert!(displaced > 0, "no flow left its first slot: the test exercises no probing");
+        assert_eq!(fx.entries(), 16);
+
+        // Half of them reset and swept: their slots are removed (or emptied
+        // at the end of a run); the others are still found, past them.
+        for &(p, b) in flows.iter().step_by(2) {
+            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, RST).bytes()), b);
+        }
+        let later = lb_userspace::dataplane::monotonic_coarse_secs() + 100;
+        let r = fx.dp.sweep(later, u64::MAX / 2, u64::MAX / 2).unwrap();
+        assert_eq!(r.removed, 8, "{r:?}");
+        assert_eq!(fx.entries(), 8);
+        flows.retain(|&(p, _)| p % 2 == 1);
+        for &(p, b) in &flows {
+            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, ACK | PSH).bytes()), b, "flow {p} after the removals");
+        }
+
+        // Eight new flows take the room back, in removed slots or empty
+        // ones; then the table is full again, and every flow keeps its
+        // backend.
+        flows.extend((0..8).map(|i| (42_000 + i, handshake(&fx, 42_000 + i, 80, 8080))));
+        assert_eq!(fx.entries(), 16);
+        let full = fx.counter("table_full");
+        fx.forward(&tcp(CLIENT, 43_000, VIP, 80, SYN).bytes());
+        assert_eq!(fx.counter("table_full"), full + 1, "a 17th flow found room");
+        for &(p, b) in &flows {
+            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, ACK | PSH).bytes()), b, "flow {p}");
+        }
+        assert_eq!(fx.counter("table_full"), full + 1, "an established flow lost its entry");
+    });
+}
+
+/// A migration copies an old table's flows through the datapath's own
+/// insert: a key the datapath made already keeps its entry, the others go
+/// in, and the table's count follows.
+#[test]
+fn inserted_flows_keep_entries_the_datapath_made() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        handshake(&fx, 44_000, 80, 8080);
+        let made = fx.dp.flow(&key4(44_000)).unwrap().expect("the datapath's entry");
+        let copied = lb_common::Flow { backend_id: made.backend_id + 7, ..made };
+        let flows: Vec<_> = (0..100u16).map(|i| (key4(44_000 + i), copied)).collect();
+        let done = fx.dp.insert_flows(&flows).unwrap();
+        assert_eq!((done.inserted, done.existed, done.no_room), (99, 1, 0));
+        assert_eq!(fx.dp.flow(&key4(44_000)).unwrap(), Some(made), "the datapath's own entry was replaced");
+        for i in 1..100 {
+            assert_eq!(fx.dp.flow(&key4(44_000 + i)).unwrap(), Some(copied), "flow {i}");
+        }
+        assert_eq!(fx.entries(), 100);
     });
 }

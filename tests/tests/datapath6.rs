@@ -575,7 +575,8 @@ fn the_sweeper_removes_an_ipv6_flow_only_while_it_is_as_it_was_judged() {
             _pad: [0; 3],
         };
         let f = fx.dp.flow6(&key).unwrap().expect("the flow's entry");
-        let item = lb_common::SweepItem6 { key, state: f.state, last_seen: f.last_seen, removed: 0, _pad: 0 };
+        let slot = fx.dp.flow_slot6(&key).unwrap().expect("the flow's slot");
+        let item = lb_common::SweepItem6 { key, state: f.state, last_seen: f.last_seen, removed: 0, slot };
         // Judged before its last packet: it stays.
         let older = lb_common::SweepItem6 { last_seen: f.last_seen.wrapping_sub(1), ..item };
         assert_eq!(fx.dp.remove_unchanged6(&[older]).unwrap()[0].removed, 0);

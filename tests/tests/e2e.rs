@@ -270,7 +270,7 @@ fn sigterm_detaches_everything_and_leaves_nothing_pinned() {
     let pinned_before = bpffs_entries();
     let mut s = setup("lbt-e2e-term", WEB);
     assert!(xdp_attached(&s.lab, "eth0") && xdp_attached(&s.lab, "eth1"));
-    assert!(s.lab.pin_dir().join("maps/FLOWS").exists(), "the running datapath is pinned");
+    assert!(s.lab.pin_dir().join("maps/FLOW_SLOTS").exists(), "the running datapath is pinned");
     assert_eq!(bpf_programs_named("lb_xdp"), 1);
     // lbd runs in its own mount namespace (`ip netns exec` makes one):
     // hold it, to look at the pins from where lbd made them.
@@ -293,7 +293,7 @@ fn sigterm_detaches_everything_and_leaves_nothing_pinned() {
             _ => panic!("nsenter failed: {out:?}"),
         }
     };
-    assert!(in_lbd_ns(&s.lab.pin_dir().join("maps/FLOWS")), "lbd's own view shows the pins");
+    assert!(in_lbd_ns(&s.lab.pin_dir().join("maps/FLOW_SLOTS")), "lbd's own view shows the pins");
     let status = s.lbd.stop().unwrap();
     assert!(!in_lbd_ns(&s.lab.pin_dir()), "pins left in lbd's mount namespace");
     assert!(status.success(), "lbd exited with {status}; log:\n{}", s.lbd.log_text());
@@ -379,7 +379,7 @@ impl Drop for MemCgroup {
 }
 
 /// Flow tables the kernel has no memory for (lbd in a memory cgroup of
-/// 120 MB; the default `conntrack_max` takes about 330 MB, each of the
+/// 120 MB; the default `conntrack_max` takes about 420 MB, each of the
 /// two flow tables more than 120 MB, whichever the loader creates first):
 /// the start
 /// fails with one line naming the map, what takes the memory and what to
@@ -409,8 +409,8 @@ fn flow_tables_without_the_memory_fail_the_start_clearly_and_leave_nothing() {
     let line =
         stderr.lines().rev().find(|l| l.starts_with("lbd: ")).unwrap_or_else(|| panic!("no error line:\n{stderr}"));
     for want in [
-        "creating BPF map FLOWS",
-        "The flow tables take about 327 MB (conntrack_max: 1048576)",
+        "creating BPF map FLOW_SLOTS",
+        "The flow tables take about 419 MB (conntrack_max: 1048576)",
         "lower them, or give the machine (or lbd's memory cgroup) more memory",
         "Cannot allocate memory",
     ] {

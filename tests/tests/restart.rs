@@ -276,7 +276,7 @@ fn a_killed_first_start_and_a_resized_restart_go_by_the_maps_pinned() {
     // The first start is killed once its maps are pinned: lbd pins them as
     // it creates them, then verifies its programs (a second or more here)
     // before it writes the layout version and attaches.
-    kill_once_pinned(&lab, &lab.spec.bin_dir.join("lbd"), &config, &[layout.clone(), maps.join("FLOWS")]);
+    kill_once_pinned(&lab, &lab.spec.bin_dir.join("lbd"), &config, &[layout.clone(), maps.join("FLOW_SLOTS")]);
     assert_eq!(pinned_layout(&maps), 0, "the killed start had written its layout already");
     assert!(xdp_mode_in_use(&lab, "eth0").unwrap().is_none(), "the killed start attached to eth0");
 
@@ -308,9 +308,11 @@ fn a_killed_first_start_and_a_resized_restart_go_by_the_maps_pinned() {
     let status = lbd.status().unwrap();
     assert_eq!(status["flood"]["flow_capacity"], 262_144, "the status reports the config's size, not the table's");
     let log = lbd.log_text();
-    for (map, size, key) in [("FLOWS", 262_144, "conntrack_max"), ("SELECT", 4_194_304, "table_capacity")] {
-        let line = format!("the adopted {map} map has {size} entries, the config's {key} says");
-        assert!(log.contains(&line), "no warning \"{line}\" in the log");
+    for line in [
+        "the adopted flow table has 524288 slots, room for 262144 flows where the config's conntrack_max says 524288",
+        "the adopted SELECT map has 4194304 entries, the config's table_capacity says",
+    ] {
+        assert!(log.contains(line), "no warning \"{line}\" in the log");
     }
     let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
     assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(100), Some(0)), "{r}");

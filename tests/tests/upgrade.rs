@@ -34,6 +34,19 @@ fn old_lbd(lab: &Lab) -> PathBuf {
     path
 }
 
+/// The layout-2 release's lbd (flows in kernel hash maps): where `cargo
+/// xtask test` built it.
+fn v2_lbd(lab: &Lab) -> PathBuf {
+    let path = std::env::var_os("LB_UPGRADE_FROM_V2_LBD")
+        .map_or_else(|| lab.spec.bin_dir.join("../upgrade-from-v2/target/debug/lbd"), PathBuf::from);
+    assert!(
+        path.exists(),
+        "{} is missing: the upgrade test needs the layout-2 release's lbd, which `cargo xtask test` builds",
+        path.display()
+    );
+    path
+}
+
 /// The XDP program on the gateway's `eth0`, by id (the kernel's view,
 /// not lbd's).
 fn attached_program(lab: &Lab) -> u64 {
@@ -247,4 +260,96 @@ fn an_upgrade_killed_while_migrating_is_migrated_again_by_the_next_start() {
     let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == served));
     assert_eq!(flows, Some(served), "lbd counted {} new flows, the backends {served}", lbd.total_new_flows());
     assert!(lbd.stop().unwrap().success());
+}
+
+/// From layout 2 (flows in kernel hash maps, `FLOWS` and `FLOWS6`) to
+/// this build's flow table of slots, under load: the restarted lbd copies
+/// every flow through the new datapath's insert, swaps its program in and
+/// copies the flows the old program made meanwhile; no request fails, no
+/// live connection changes backend, counters carry on, and the old maps
+/// are gone.
+#[test]
+fn an_upgrade_from_kernel_hash_flow_tables_keeps_every_flow() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-upgrade2";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
+    let sock = socket_for(prefix);
+    let config =
+        write_config(&config_dir(prefix), "lbd", &sock, &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]))
+            .unwrap();
+    let bin = PathBuf::from(format!("/tmp/{prefix}-bin"));
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = bin.join("lbd");
+    std::fs::copy(v2_lbd(&lab), &exe).unwrap();
+    let maps = lab.pin_dir().join("maps");
+
+    let mut lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
+    assert_eq!(pinned_layout(&maps), 2, "not the layout-2 release");
+    assert!(maps.join("FLOWS").exists() && !maps.join("FLOW_SLOTS").exists(), "not the layout-2 release's maps");
+    lab.reset_backend_counts().unwrap();
+    let old_program = lbd.program_id().unwrap();
+
+    std::thread::scope(|scope| {
+        let load = scope.spawn(|| {
+            lab.client(&[
+                "conns",
+                "--target",
+                "10.10.0.100:80",
+                "--concurrency",
+                "10",
+                "--duration-ms",
+                "6000",
+                "--sources-range",
+                "10.10.1.1-10.10.1.250",
+            ])
+            .unwrap()
+        });
+        let long = scope.spawn(|| {
+            lab.client(&[
+                "longlived",
+                "--target",
+                "10.10.0.100:80",
+                "--connections",
+                "20",
+                "--rounds",
+                "100",
+                "--interval-ms",
+                "50",
+                "--sources-range",
+                "10.10.1.1-10.10.1.20",
+            ])
+            .unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(2000));
+        let staged = bin.join("lbd.new");
+        std::fs::copy(lab.spec.bin_dir.join("lbd"), &staged).unwrap();
+        std::fs::rename(&staged, &exe).unwrap();
+        let new_program = lbd.restart().unwrap();
+        assert_ne!(new_program, old_program);
+        assert_eq!(attached_program(&lab), new_program);
+
+        let r = load.join().unwrap();
+        println!(
+            "new connections through the upgrade: ok {} failed {} per backend {}",
+            r["ok"], r["failed"], r["per_backend"]
+        );
+        assert_eq!(r["failed"], 0, "{r}");
+        assert!(r["ok"].as_u64().unwrap() > 500, "{r}");
+        let r = long.join().unwrap();
+        println!("long-lived connections through the upgrade: {r}");
+        assert_eq!(r["failed"], 0, "{r}");
+        assert_eq!(r["switched"], 0, "a live connection changed backend: {r}");
+    });
+    let log = lbd.log_text();
+    assert!(log.contains("migrated the pinned datapath"), "{log}");
+    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
+    assert!(maps.join("FLOW_SLOTS").exists() && !maps.join("FLOWS").exists(), "the flow tables were not replaced");
+    assert!(!lab.pin_dir().join("maps-v2").exists(), "the old maps were not removed");
+    let counts = lab.connections_served().unwrap();
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+    let _ = std::fs::remove_dir_all(&bin);
 }

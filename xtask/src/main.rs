@@ -374,12 +374,14 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         run(cargo().args(["clippy", "--workspace", "--exclude", "lb-ebpf", "--all-targets", "--", "-D", "warnings"]))?;
         lint_ebpf()?;
     }
-    let old_lbd = build_upgrade_from()?;
+    let old_lbd = build_upgrade_from(UPGRADE_FROM, "upgrade-from")?;
+    let v2_lbd = build_upgrade_from(UPGRADE_FROM_V2, "upgrade-from-v2")?;
     let result = run(cargo()
         .args(["test", "--no-fail-fast"])
         .args(extra)
         .env("LB_BIN_DIR", bin_dir())
-        .env("LB_UPGRADE_FROM_LBD", old_lbd));
+        .env("LB_UPGRADE_FROM_LBD", old_lbd)
+        .env("LB_UPGRADE_FROM_V2_LBD", v2_lbd));
     // The labs' bpf filesystem, once no lab (the user's own included)
     // has anything pinned in it.
     if let Err(e) = lb_tests::lab::release_bpffs() {
@@ -388,55 +390,59 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     result
 }
 
-/// The release the upgrade test (tests/upgrade.rs) upgrades from: the last
+/// The release the first upgrade test (tests/upgrade.rs) upgrades from: the last
 /// commit before the pinned maps carried a layout version (layout 1).
 const UPGRADE_FROM: &str = "8c0cc042adc34afa60df0c41c441d487944d6142";
 
-/// Build that release's lbd from this repository's history, once, into
-/// target/upgrade-from (its source is extracted with `git archive`);
+/// The release the second upgrade test upgrades from: the last commit of
+/// layout 2 (flows in kernel hash maps, before the flow table of slots).
+const UPGRADE_FROM_V2: &str = "44637cace7b7622b7eef548a88e9ee76768d17e4";
+
+/// Build the lbd of commit `commit` from this repository's history, once,
+/// into target/`name` (its source is extracted with `git archive`);
 /// returns the binary's path.
-fn build_upgrade_from() -> anyhow::Result<PathBuf> {
+fn build_upgrade_from(commit: &str, name: &str) -> anyhow::Result<PathBuf> {
     let root = workspace_root();
-    let dir = root.join("target/upgrade-from");
+    let dir = root.join("target").join(name);
     let src = dir.join("src");
     let stamp = src.join(".commit");
-    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(UPGRADE_FROM) {
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(commit) {
         let _ = std::fs::remove_dir_all(&src);
         std::fs::create_dir_all(&src)?;
         // A shallow clone lacks the commit: fetch it from where this clone
         // came from (best effort; the archive below says if it failed).
         let have = Command::new("git")
-            .args(["cat-file", "-e", &format!("{UPGRADE_FROM}^{{commit}}")])
+            .args(["cat-file", "-e", &format!("{commit}^{{commit}}")])
             .current_dir(&root)
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success());
         if !have {
-            eprintln!("xtask: fetching commit {} (the upgrade test's old release)", &UPGRADE_FROM[..7]);
+            eprintln!("xtask: fetching commit {} (the upgrade test's old release)", &commit[..7]);
             let _ = Command::new("git")
-                .args(["fetch", "--quiet", "--depth", "1", "origin", UPGRADE_FROM])
+                .args(["fetch", "--quiet", "--depth", "1", "origin", commit])
                 .current_dir(&root)
                 .status();
         }
         let archive = Command::new("git")
-            .args(["archive", "--format=tar", UPGRADE_FROM])
+            .args(["archive", "--format=tar", commit])
             .current_dir(&root)
             .output()
             .context("running git archive")?;
         if !archive.status.success() {
             bail!(
-                "the upgrade test builds lbd from commit {UPGRADE_FROM}, which this clone does not have and could not fetch from origin ({}); clone the repository with its history",
+                "the upgrade test builds lbd from commit {commit}, which this clone does not have and could not fetch from origin ({}); clone the repository with its history",
                 String::from_utf8_lossy(&archive.stderr).trim()
             );
         }
         let mut tar = Command::new("tar").args(["-x", "-C"]).arg(&src).stdin(Stdio::piped()).spawn()?;
         tar.stdin.take().expect("piped").write_all(&archive.stdout)?;
         if !tar.wait()?.success() {
-            bail!("extracting commit {UPGRADE_FROM} into {} failed", src.display());
+            bail!("extracting commit {commit} into {} failed", src.display());
         }
-        std::fs::write(&stamp, UPGRADE_FROM)?;
+        std::fs::write(&stamp, commit)?;
     }
-    eprintln!("xtask: building lbd of {} (the upgrade test's old release)", &UPGRADE_FROM[..7]);
+    eprintln!("xtask: building lbd of {} (the upgrade test's old release)", &commit[..7]);
     let mut c = cargo();
     c.current_dir(&src).args(["build", "-p", "lb-userspace", "--bin", "lbd", "--target-dir"]).arg(dir.join("target"));
     c.env_remove("CARGO_TARGET_DIR");

@@ -19,7 +19,7 @@
 //!   drains the CPU's store buffer (see [`settle`]).
 //! - `floor_table`: the flow table's own cost, nothing of the balancer's:
 //!   looks the packet's 5-tuple up in `FLOW_TABLE` (a hash with the key,
-//!   value and size of the datapath's `FLOWS`) and, when it is missing,
+//!   value and size of the datapath's flow table up to layout 2) and, when it is missing,
 //!   inserts it; returns XDP_PASS. Through the harness with a fresh source
 //!   per repeat it times what every new flow pays the kernel's table (a
 //!   miss and an insert); with the same packet, a hit.
@@ -109,7 +109,8 @@ static SETTLE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 static PROG_ARRAY: ProgramArray = ProgramArray::with_max_entries(1, 0);
 
 /// `floor_table`'s table: the flow table's key and value, sized by
-/// lb-bench like the datapath's `FLOWS` (preallocated, no flags).
+/// lb-bench like the datapath's flow table (preallocated, no flags; the
+/// datapath kept its flows in such a map up to layout 2).
 #[map]
 static FLOW_TABLE: HashMap<FlowKey, Flow> = HashMap::with_max_entries(1, 0);
 

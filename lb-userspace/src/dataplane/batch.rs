@@ -1,5 +1,6 @@
-//! Batched operations on a BPF hash map: BPF_MAP_LOOKUP_BATCH,
-//! BPF_MAP_LOOKUP_AND_DELETE_BATCH and BPF_MAP_DELETE_BATCH.
+//! Batched operations on a BPF map: BPF_MAP_LOOKUP_BATCH,
+//! BPF_MAP_LOOKUP_AND_DELETE_BATCH and BPF_MAP_DELETE_BATCH on hash maps,
+//! BPF_MAP_LOOKUP_BATCH and BPF_MAP_UPDATE_BATCH on arrays too.
 //!
 //! Kept here, on bpf(2) itself (`sys::bpf`), because aya 0.14 has no
 //! batch operations: walking a map through aya's iterator costs two
@@ -25,7 +26,7 @@ struct BatchAttr {
     flags: u64,
 }
 
-use super::sys::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_AND_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH};
+use super::sys::{BPF_MAP_DELETE_BATCH, BPF_MAP_LOOKUP_AND_DELETE_BATCH, BPF_MAP_LOOKUP_BATCH, BPF_MAP_UPDATE_BATCH};
 
 /// Entries per lookup chunk. A hash map's batch never splits a bucket, so
 /// a chunk must hold the longest bucket: far more than any bucket has.
@@ -41,6 +42,8 @@ fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
 /// syscall each, which can be paused between chunks (the map may change
 /// meanwhile: entries added or removed may or may not be seen).
 pub(super) struct Walk<K, V> {
+    /// Entries per chunk.
+    chunk: usize,
     keys: Vec<u8>,
     values: Vec<u8>,
     /// Where the next chunk starts (the kernel's token); None: the start.
@@ -51,9 +54,15 @@ pub(super) struct Walk<K, V> {
 
 impl<K: aya::Pod, V: aya::Pod> Walk<K, V> {
     pub(super) fn new() -> Self {
+        Self::with_chunk(CHUNK)
+    }
+
+    /// A walk of `chunk` entries a step (an array's elements may be large).
+    pub(super) fn with_chunk(chunk: usize) -> Self {
         Self {
-            keys: vec![0u8; CHUNK * size_of::<K>()],
-            values: vec![0u8; CHUNK * size_of::<V>()],
+            chunk,
+            keys: vec![0u8; chunk * size_of::<K>()],
+            values: vec![0u8; chunk * size_of::<V>()],
             token: None,
             done: false,
             kv: std::marker::PhantomData,
@@ -78,7 +87,7 @@ impl<K: aya::Pod, V: aya::Pod> Walk<K, V> {
             out_batch: std::ptr::from_mut(&mut token_out) as u64,
             keys: self.keys.as_mut_ptr() as u64,
             values: self.values.as_mut_ptr() as u64,
-            count: CHUNK as u32,
+            count: self.chunk as u32,
             map_fd: fd.as_raw_fd() as u32,
             ..Default::default()
         };
@@ -86,7 +95,7 @@ impl<K: aya::Pod, V: aya::Pod> Walk<K, V> {
         let rc = bpf_batch(cmd, &mut attr);
         // On ENOENT (the end) the last entries are still returned.
         let n = attr.count as usize;
-        for i in 0..n.min(CHUNK) {
+        for i in 0..n.min(self.chunk) {
             // SAFETY: the kernel wrote `n` keys and values of these sizes
             // (the buffers were sized for K and V); K and V are Pod, so
             // any bytes are valid values of them.
@@ -155,4 +164,24 @@ pub(super) fn delete<K: aya::Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> io::Result<
         }
     }
     Ok(removed)
+}
+
+/// Write `values[i]` at `keys[i]` in the map `fd`, in chunks of up to
+/// [`CHUNK`] (one syscall each).
+pub(super) fn update<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, keys: &[K], values: &[V]) -> io::Result<()> {
+    assert_eq!(keys.len(), values.len(), "a value per key");
+    for (ks, vs) in keys.chunks(CHUNK).zip(values.chunks(CHUNK)) {
+        let mut attr = BatchAttr {
+            keys: ks.as_ptr() as u64,
+            values: vs.as_ptr() as u64,
+            count: ks.len() as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        bpf_batch(BPF_MAP_UPDATE_BATCH, &mut attr)?;
+        if attr.count as usize != ks.len() {
+            return Err(io::Error::other(format!("{} of {} entries written", attr.count, ks.len())));
+        }
+    }
+    Ok(())
 }

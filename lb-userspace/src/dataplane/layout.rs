@@ -6,12 +6,14 @@
 //! existed have no such map and are version 1. lbd reads the version before
 //! it opens any other pinned map, and then:
 //! - the same version: adopts the maps as they are;
-//! - an older version it knows (1): migrates. The old maps are moved aside
-//!   (`maps` -> `maps-v1`: a rename on bpffs, which reserves names with a
-//!   dot; the running program keeps using them), fresh maps of this layout
-//!   are created and pinned, and what the
-//!   old ones hold is copied over, converted: services, backends, counters,
-//!   endpoints and every flow. The services' tables are rebuilt by the
+//! - an older version it knows (1 or 2): migrates. The old maps are moved
+//!   aside (`maps` -> `maps-v1`: a rename on bpffs, which reserves names
+//!   with a dot; the running program keeps using them), fresh maps of this
+//!   layout are created and pinned, and what the old ones hold is copied
+//!   over, converted: services, backends, counters, endpoints and every
+//!   flow (layouts 1 and 2 kept flows in kernel hash maps named `FLOWS`
+//!   and `FLOWS6`; layout 3 in slots of its own, filled through the
+//!   datapath's insert). The services' tables are rebuilt by the
 //!   first `apply`, before anything is attached. Attaching then swaps the
 //!   program in on its pinned links (one atomic link update per
 //!   interface), and [`Dataplane::finish_migration`] copies the flows the
@@ -29,12 +31,16 @@ use std::{
 
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
 use lb_common::{
-    Backend, BackendStats, Conns, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, FlowKey, LAYOUT_VERSION,
-    MAX_BACKENDS, MAX_SERVICES, Service, VipKey, flow_closed, maps as names,
+    Backend, BackendStats, Conns, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6, FlowKey, FlowKey6,
+    LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, Service, Vip6Key, VipKey, flow_closed, maps as names,
 };
 use tracing::{info, warn};
 
 use super::{Dataplane, DataplaneError, batch, map_err};
+
+/// The flow tables' pin names in layouts 1 and 2 (kernel hash maps).
+pub(super) const OLD_FLOWS: &str = "FLOWS";
+pub(super) const OLD_FLOWS6: &str = "FLOWS6";
 
 /// Seconds the new datapath holds TCP packets that find no entry while
 /// a migration finishes (`lb_common::Flood::hold_until`).
@@ -71,7 +77,7 @@ pub(super) fn unfinished(pin: &Path, maps_dir: &Path) -> Result<Option<Unfinishe
     if version.is_some_and(|v| v != 0) {
         return Ok(None);
     }
-    if let Some(aside) = (1..LAYOUT_VERSION).map(|v| aside_dir(pin, v)).find(|d| d.join(names::FLOWS).exists()) {
+    if let Some(aside) = (1..LAYOUT_VERSION).map(|v| aside_dir(pin, v)).find(|d| d.join(OLD_FLOWS).exists()) {
         return Ok(Some(Unfinished::Migration(aside)));
     }
     if version.is_none() {
@@ -93,7 +99,7 @@ pub(super) fn unfinished(pin: &Path, maps_dir: &Path) -> Result<Option<Unfinishe
 pub(super) fn judge(found: u32, pin: &Path) -> Result<bool, DataplaneError> {
     match found {
         LAYOUT_VERSION => Ok(false),
-        1 => Ok(true),
+        1 | 2 => Ok(true),
         v if v > LAYOUT_VERSION => Err(DataplaneError::Layout(format!(
             "the datapath pinned at {} has map layout version {v}, newer than this lbd's ({LAYOUT_VERSION}); \
              nothing was changed. Run the lbd version that pinned it, or, to start over without its flows, \
@@ -103,7 +109,7 @@ pub(super) fn judge(found: u32, pin: &Path) -> Result<bool, DataplaneError> {
         ))),
         v => Err(DataplaneError::Layout(format!(
             "the datapath pinned at {} has map layout version {v}, which this lbd cannot migrate \
-             (it migrates from version 1); nothing was changed. Upgrade through a release that knows it, \
+             (it migrates from versions 1 and 2); nothing was changed. Upgrade through a release that knows it, \
              or, to start over without its flows, stop that lbd, remove {} and start this one",
             pin.display(),
             pin.display()
@@ -160,6 +166,8 @@ pub(super) struct Migration {
     /// not resumed from an earlier start's.
     fresh: bool,
     flows: MapData,
+    /// The IPv6 flow table (layout 2; layout 1 had none).
+    flows6: Option<MapData>,
     conns: Array<MapData, Conns>,
     conns_copied: Vec<Conns>,
     stats: PerCpuArray<MapData, BackendStats>,
@@ -168,11 +176,11 @@ pub(super) struct Migration {
 }
 
 impl Migration {
-    /// The old maps a migration left in `dir` before it finished: their
-    /// flows are copied again after attaching (entries already copied
-    /// stand), and the counts are taken as they are now.
-    pub(super) fn resume(dir: &Path) -> Result<Self, DataplaneError> {
-        let flows = MapData::from_pin(dir.join(names::FLOWS)).map_err(map_err(names::FLOWS))?;
+    /// The old maps of layout `from` a migration left in `dir` before it
+    /// finished: their flows are copied again after attaching (entries
+    /// already copied stand), and the counts are taken as they are now.
+    pub(super) fn resume(from: u32, dir: &Path) -> Result<Self, DataplaneError> {
+        let (flows, flows6) = old_flow_maps(from, dir)?;
         let conns: Array<MapData, Conns> = open(&dir.join(names::CONNS), names::CONNS)?;
         let stats: PerCpuArray<MapData, BackendStats> = open(&dir.join(names::BACKEND_STATS), names::BACKEND_STATS)?;
         let mut conns_copied = vec![Conns::default(); MAX_BACKENDS as usize];
@@ -182,53 +190,99 @@ impl Migration {
             stats_copied.push((id, stats.get(&id, 0).map_err(map_err(names::BACKEND_STATS))?));
         }
         info!(dir = %dir.display(), "an earlier migration did not finish: its flows are copied again after attaching");
-        Ok(Self { from: 1, dir: dir.to_path_buf(), fresh: false, flows, conns, conns_copied, stats, stats_copied })
+        Ok(Self { from, dir: dir.to_path_buf(), fresh: false, flows, flows6, conns, conns_copied, stats, stats_copied })
     }
 }
 
-/// Copy every flow of the old table `old` that `new` lacks, converted to
-/// this layout; returns how many.
-fn copy_flows(old: &MapData, new: &mut HashMap<MapData, FlowKey, Flow>) -> Result<u64, DataplaneError> {
-    let mut flows: Vec<(FlowKey, Flow)> = Vec::new();
-    batch::for_each::<FlowKey, Flow>(old.fd().as_fd(), |k, f| flows.push((*k, *f)))
-        .map_err(|source| DataplaneError::Batch { map: names::FLOWS, source })?;
-    let mut copied = 0;
-    for (k, mut f) in flows {
-        // Layout 1 did not track handshakes: an open flow it knew is taken
-        // as established (a half-open one then lives its idle timeout, not
-        // the short one; no live flow is expired early).
-        if !flow_closed(f.state) {
-            f.state |= FLOW_REPLIED | FLOW_ESTABLISHED;
-        }
-        // BPF_NOEXIST: an entry the new program already made stands.
-        match new.insert(k, f, 1) {
-            Ok(()) => copied += 1,
-            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
-            Err(e) => return Err(DataplaneError::Map { map: names::FLOWS, source: e }),
-        }
-    }
-    Ok(copied)
+/// The flow tables of the layout-`from` maps in `dir`: IPv4's, and
+/// IPv6's from layout 2 on.
+fn old_flow_maps(from: u32, dir: &Path) -> Result<(MapData, Option<MapData>), DataplaneError> {
+    let flows = MapData::from_pin(dir.join(OLD_FLOWS)).map_err(map_err(names::FLOWS))?;
+    let flows6 =
+        if from >= 2 { Some(MapData::from_pin(dir.join(OLD_FLOWS6)).map_err(map_err(names::FLOWS6))?) } else { None };
+    Ok((flows, flows6))
 }
 
 impl Dataplane {
-    /// Copy what the set-aside layout-1 maps in `dir` hold into this
-    /// datapath's fresh maps (see the module documentation).
-    pub(super) fn migrate_from_v1(&mut self, dir: &Path) -> Result<Migration, DataplaneError> {
+    /// Copy every flow of the old tables (of layout `from`) into this
+    /// datapath's, through its insert: an entry the new program already
+    /// made stands. Returns how many were copied.
+    fn copy_flows(&self, from: u32, old: &MapData, old6: Option<&MapData>) -> Result<u64, DataplaneError> {
+        let mut flows: Vec<(FlowKey, Flow)> = Vec::new();
+        batch::for_each::<FlowKey, Flow>(old.fd().as_fd(), |k, f| flows.push((*k, *f)))
+            .map_err(|source| DataplaneError::Batch { map: names::FLOWS, source })?;
+        if from == 1 {
+            for (_, f) in &mut flows {
+                // Layout 1 did not track handshakes: an open flow it knew
+                // is taken as established (a half-open one then lives its
+                // idle timeout, not the short one; no live flow is expired
+                // early).
+                if !flow_closed(f.state) {
+                    f.state |= FLOW_REPLIED | FLOW_ESTABLISHED;
+                }
+            }
+        }
+        let mut done = self.insert_flows(&flows)?;
+        if let Some(old6) = old6 {
+            let mut flows6: Vec<(FlowKey6, Flow6)> = Vec::new();
+            batch::for_each::<FlowKey6, Flow6>(old6.fd().as_fd(), |k, f| flows6.push((*k, *f)))
+                .map_err(|source| DataplaneError::Batch { map: names::FLOWS6, source })?;
+            let d6 = self.insert_flows6(&flows6)?;
+            done.inserted += d6.inserted;
+            done.no_room += d6.no_room;
+        }
+        if done.no_room > 0 {
+            warn!(
+                flows = done.no_room,
+                "flows of the old table found no free slot in the new one (a smaller conntrack_max?): they go on without an entry"
+            );
+        }
+        Ok(done.inserted)
+    }
+
+    /// Copy what the set-aside maps of layout `from` (1 or 2) in `dir` hold
+    /// into this datapath's fresh maps (see the module documentation).
+    pub(super) fn migrate_from(&mut self, from: u32, dir: &Path) -> Result<Migration, DataplaneError> {
         let at = |name: &str| dir.join(name);
-        let vips: HashMap<MapData, VipKey, ServiceV1> = open(&at(names::VIPS), names::VIPS)?;
-        for item in &vips {
-            let (k, v) = item.map_err(map_err(names::VIPS))?;
-            let s = Service {
-                service_id: v.service_id,
-                scheduler: v.scheduler,
-                table_off: v.table_off,
-                table_len: v.table_len,
-                flags: v.flags,
-                fallback_off: 0,
-                fallback_len: 0,
-                _pad: 0,
-            };
-            self.maps.vips.insert(k, s, 0).map_err(map_err(names::VIPS))?;
+        if from == 1 {
+            let vips: HashMap<MapData, VipKey, ServiceV1> = open(&at(names::VIPS), names::VIPS)?;
+            for item in &vips {
+                let (k, v) = item.map_err(map_err(names::VIPS))?;
+                let s = Service {
+                    service_id: v.service_id,
+                    scheduler: v.scheduler,
+                    table_off: v.table_off,
+                    table_len: v.table_len,
+                    flags: v.flags,
+                    fallback_off: 0,
+                    fallback_len: 0,
+                    _pad: 0,
+                };
+                self.maps.vips.insert(k, s, 0).map_err(map_err(names::VIPS))?;
+            }
+        } else {
+            let vips: HashMap<MapData, VipKey, Service> = open(&at(names::VIPS), names::VIPS)?;
+            for item in &vips {
+                let (k, v) = item.map_err(map_err(names::VIPS))?;
+                self.maps.vips.insert(k, v, 0).map_err(map_err(names::VIPS))?;
+            }
+            let vips6: HashMap<MapData, Vip6Key, Service> = open(&at(names::VIPS6), names::VIPS6)?;
+            for item in &vips6 {
+                let (k, v) = item.map_err(map_err(names::VIPS6))?;
+                self.maps.vips6.insert(k, v, 0).map_err(map_err(names::VIPS6))?;
+            }
+            let addrs6: Array<MapData, [u32; 4]> = open(&at(names::BACKEND_ADDRS6), names::BACKEND_ADDRS6)?;
+            for id in 1..MAX_BACKENDS {
+                let a = addrs6.get(&id, 0).map_err(map_err(names::BACKEND_ADDRS6))?;
+                if a != [0; 4] {
+                    self.maps.backend_addrs6.set(id, a, 0).map_err(map_err(names::BACKEND_ADDRS6))?;
+                }
+            }
+            let endpoints6: HashMap<MapData, Vip6Key, Vip6Key> = open(&at(names::ENDPOINTS6), names::ENDPOINTS6)?;
+            for item in &endpoints6 {
+                let (k, v) = item.map_err(map_err(names::ENDPOINTS6))?;
+                self.maps.endpoints6.insert(k, v, 0).map_err(map_err(names::ENDPOINTS6))?;
+            }
         }
         let backends: Array<MapData, Backend> = open(&at(names::BACKENDS), names::BACKENDS)?;
         let conns: Array<MapData, Conns> = open(&at(names::CONNS), names::CONNS)?;
@@ -268,10 +322,20 @@ impl Dataplane {
             let (k, v) = item.map_err(map_err(names::ENDPOINTS))?;
             self.maps.endpoints.insert(k, v, 0).map_err(map_err(names::ENDPOINTS))?;
         }
-        let flows = MapData::from_pin(at(names::FLOWS)).map_err(map_err(names::FLOWS))?;
-        let copied = copy_flows(&flows, &mut self.maps.flows)?;
-        info!(flows = copied, from = 1, to = LAYOUT_VERSION, "migrating the pinned datapath: maps copied");
-        Ok(Migration { from: 1, dir: dir.to_path_buf(), fresh: true, flows, conns, conns_copied, stats, stats_copied })
+        let (flows, flows6) = old_flow_maps(from, dir)?;
+        let copied = self.copy_flows(from, &flows, flows6.as_ref())?;
+        info!(flows = copied, from, to = LAYOUT_VERSION, "migrating the pinned datapath: maps copied");
+        Ok(Migration {
+            from,
+            dir: dir.to_path_buf(),
+            fresh: true,
+            flows,
+            flows6,
+            conns,
+            conns_copied,
+            stats,
+            stats_copied,
+        })
     }
 
     /// After a start that failed (programming the services or attaching)
@@ -302,7 +366,7 @@ impl Dataplane {
     /// Nothing to do unless this lbd migrated.
     pub fn finish_migration(&mut self) -> Result<(), DataplaneError> {
         let Some(m) = self.migration.take() else { return Ok(()) };
-        let late = copy_flows(&m.flows, &mut self.maps.flows)?;
+        let late = self.copy_flows(m.from, &m.flows, m.flows6.as_ref())?;
         // Every flow is in: stop holding packets without an entry.
         let flood = self.flood;
         self.set_flood(&flood)?;

@@ -8,8 +8,8 @@ use aya::{
     maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowKey, FlowKey6, NextHop, RateWindow,
-    Service, Vip6Key, VipKey, maps as names,
+    Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowBucket, FlowBucket6, NextHop,
+    RateWindow, Service, Vip6Key, VipKey, maps as names,
 };
 
 use super::DataplaneError;
@@ -122,7 +122,7 @@ pub(super) struct Maps {
     /// The shared round-robin positions: advanced by the datapath, written
     /// by userspace only when a migration copies them.
     pub(super) seq: Array<MapData, u64>,
-    pub(super) flows: HashMap<MapData, FlowKey, Flow>,
+    pub(super) flows: Array<MapData, FlowBucket>,
     pub(super) backend_stats: PerCpuArray<MapData, BackendStats>,
     pub(super) counters: PerCpuArray<MapData, u64>,
     pub(super) conns: Array<MapData, Conns>,
@@ -144,7 +144,7 @@ pub(super) struct Maps {
     pub(super) vip_addrs6: HashMap<MapData, [u32; 4], u32>,
     pub(super) backend_addrs6: Array<MapData, [u32; 4]>,
     pub(super) endpoints6: HashMap<MapData, Vip6Key, Vip6Key>,
-    pub(super) flows6: HashMap<MapData, FlowKey6, Flow6>,
+    pub(super) flows6: Array<MapData, FlowBucket6>,
     /// Per-CPU scratch of the IPv6 path (and of FIB lookups); held so
     /// that every map is taken and checked at load.
     pub(super) _scratch6: PerCpuArray<MapData, Flow6>,
@@ -155,6 +155,8 @@ pub(super) struct Maps {
     /// The datapath's per-CPU idle-clock cache; held so that every map is
     /// taken and checked at load.
     pub(super) _clock: PerCpuArray<MapData, ClockCache>,
+    /// Entries per flow table (0: IPv4, 1: IPv6), counted by the datapath.
+    pub(super) flow_count: Array<MapData, u64>,
 }
 
 impl Maps {
@@ -188,6 +190,7 @@ impl Maps {
             progs: take(ebpf, names::PROGS)?,
             _keys6: take_raw(ebpf, names::KEYS6)?,
             _clock: take(ebpf, names::CLOCK)?,
+            flow_count: take(ebpf, names::FLOW_COUNT)?,
         })
     }
 }

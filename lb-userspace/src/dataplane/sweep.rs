@@ -6,20 +6,20 @@ use aya::maps::IterableMap as _;
 
 use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
-    DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, Flow, Flow6, FlowKey, FlowKey6, PROTO_TCP,
-    SWEEP_BATCH, SWEEP_BATCH6, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed, maps as names,
+    DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey,
+    FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET,
+    SLOT_READY, SLOT_STATE, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader,
+    SweepItem, SweepItem6, flow_closed, maps as names,
 };
 
-use super::{
-    Dataplane, DataplaneError,
-    batch::{self, Walk},
-    map_err,
-};
+use super::{Dataplane, DataplaneError, batch::Walk, map_err};
 
 /// One flow table's key and value types, seen the same way by the sweep.
 trait Table {
     type K: aya::Pod + Copy;
     type V: aya::Pod + Copy;
+    /// An element of the table's array: `SLOT_BUCKET` slots.
+    type Bucket: aya::Pod + Copy;
     /// What `lb_sweep` is handed per flow (`lb_common::SweepItem`).
     type Item: aya::Pod + Copy;
     /// The map's name (errors).
@@ -31,8 +31,11 @@ trait Table {
     fn view(k: &Self::K, v: &Self::V) -> (u8, u8, u64, u64, u32, u32);
     /// The key of a forward entry's reply entry.
     fn reply_key(k: &Self::K, v: &Self::V) -> Self::K;
-    /// The request to remove `k` if its state and last packet are still these.
-    fn item(k: &Self::K, state: u64, last_seen: u64) -> Self::Item;
+    /// The request to remove `k`, in slot `slot`, if its state and last
+    /// packet are still these (`slot` `SWEEP_BY_KEY`: wherever, whatever).
+    fn item(k: &Self::K, slot: u32, state: u64, last_seen: u64) -> Self::Item;
+    /// The claim, key and value of slot `i` of an element.
+    fn parts(b: &Self::Bucket, i: usize) -> (u64, &Self::K, &Self::V);
     /// Whether `lb_sweep` removed the item's entry.
     fn removed(i: &Self::Item) -> bool;
 }
@@ -43,12 +46,16 @@ struct V6;
 impl Table for V4 {
     type K = FlowKey;
     type V = Flow;
+    type Bucket = FlowBucket;
     type Item = SweepItem;
     const NAME: &'static str = names::FLOWS;
     const FAMILY: u32 = 4;
     const BATCH: usize = SWEEP_BATCH as usize;
-    fn item(k: &FlowKey, state: u64, last_seen: u64) -> SweepItem {
-        SweepItem { key: *k, state, last_seen, removed: 0, _pad: 0 }
+    fn item(k: &FlowKey, slot: u32, state: u64, last_seen: u64) -> SweepItem {
+        SweepItem { key: *k, state, last_seen, removed: 0, slot }
+    }
+    fn parts(b: &FlowBucket, i: usize) -> (u64, &FlowKey, &Flow) {
+        (b[i].claim, &b[i].key, &b[i].value)
     }
     fn removed(i: &SweepItem) -> bool {
         i.removed != 0
@@ -71,12 +78,16 @@ impl Table for V4 {
 impl Table for V6 {
     type K = FlowKey6;
     type V = Flow6;
+    type Bucket = FlowBucket6;
     type Item = SweepItem6;
     const NAME: &'static str = names::FLOWS6;
     const FAMILY: u32 = 6;
     const BATCH: usize = SWEEP_BATCH6 as usize;
-    fn item(k: &FlowKey6, state: u64, last_seen: u64) -> SweepItem6 {
-        SweepItem6 { key: *k, state, last_seen, removed: 0, _pad: 0 }
+    fn item(k: &FlowKey6, slot: u32, state: u64, last_seen: u64) -> SweepItem6 {
+        SweepItem6 { key: *k, state, last_seen, removed: 0, slot }
+    }
+    fn parts(b: &FlowBucket6, i: usize) -> (u64, &FlowKey6, &Flow6) {
+        (b[i].claim, &b[i].key, &b[i].value)
     }
     fn removed(i: &SweepItem6) -> bool {
         i.removed != 0
@@ -99,6 +110,7 @@ impl Table for V6 {
 /// A flow the sweep would remove, as the walk judged it.
 struct Doomed<K> {
     key: K,
+    slot: u32,
     /// Its reply entry's key, when it has one (removed with it).
     reply: Option<K>,
     /// Its backend, when it expired open (counted expired for it).
@@ -176,7 +188,7 @@ fn judge(dir: u8, proto: u8, state: u64, last_seen: u64, service: u32, l: &Limit
 /// `remover` is `lb_sweep`.
 fn sweep_chunk<T: Table>(
     fd: std::os::fd::BorrowedFd<'_>,
-    walk: &mut Walk<T::K, T::V>,
+    walk: &mut Walk<u32, T::Bucket>,
     remover: &Xdp,
     l: &Limits,
     report: &mut SweepReport,
@@ -191,27 +203,34 @@ fn sweep_chunk<T: Table>(
     // `lb_sweep`'s: in the kernel, each entry goes only if its state bits
     // and last packet are still those judged here (see `lb-ebpf/src/sweep.rs`).
     let mut doomed: Vec<Doomed<T::K>> = Vec::new();
-    let read = walk.next(fd, false, |k, f| {
-        report.entries += 1;
-        let (dir, proto, state, last_seen, backend, service) = T::view(k, f);
-        let verdict = judge(dir, proto, state, last_seen, service, l);
-        if verdict == Verdict::Reply {
-            return;
+    let read = walk.next(fd, false, |&element, b| {
+        for i in 0..SLOT_BUCKET as usize {
+            let (claim, k, f) = T::parts(b, i);
+            if claim & SLOT_STATE != SLOT_READY {
+                continue;
+            }
+            let slot = element * SLOT_BUCKET + i as u32;
+            report.entries += 1;
+            let (dir, proto, state, last_seen, backend, service) = T::view(k, f);
+            let verdict = judge(dir, proto, state, last_seen, service, l);
+            if verdict == Verdict::Reply {
+                continue;
+            }
+            report.scanned += 1;
+            let (expired_from, half_open) = match verdict {
+                Verdict::Reply | Verdict::Keep => continue,
+                Verdict::Closed => (None, false),
+                Verdict::Expired { half_open } => (Some(backend), half_open),
+            };
+            // Only a NAT flow with a reply entry of its own has one to remove.
+            let reply = (dir == DIR_FORWARD).then(|| T::reply_key(k, f));
+            doomed.push(Doomed { key: *k, slot, reply, expired_from, half_open, state, last_seen });
         }
-        report.scanned += 1;
-        let (expired_from, half_open) = match verdict {
-            Verdict::Reply | Verdict::Keep => return,
-            Verdict::Closed => (None, false),
-            Verdict::Expired { half_open } => (Some(backend), half_open),
-        };
-        // Only a NAT flow with a reply entry of its own has one to remove.
-        let reply = (dir == DIR_FORWARD).then(|| T::reply_key(k, f));
-        doomed.push(Doomed { key: *k, reply, expired_from, half_open, state, last_seen });
     });
     read.map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
     let mut replies = Vec::new();
     let mut removed_here = 0;
-    let items: Vec<T::Item> = doomed.iter().map(|d| T::item(&d.key, d.state, d.last_seen)).collect();
+    let items: Vec<T::Item> = doomed.iter().map(|d| T::item(&d.key, d.slot, d.state, d.last_seen)).collect();
     let done = remove_unchanged::<T>(remover, &items)?;
     // The flow's own entry went first: if a packet raced us and it is gone
     // already, nothing is counted twice.
@@ -232,11 +251,15 @@ fn sweep_chunk<T: Table>(
     report.removed += removed_here;
     report.entries_removed += removed_here;
     if !replies.is_empty() {
-        let gone = batch::delete(fd, &replies).map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
-        report.entries_removed += gone.iter().filter(|&&g| g).count() as u64;
+        let items: Vec<T::Item> = replies.iter().map(|k| T::item(k, SWEEP_BY_KEY, 0, 0)).collect();
+        let gone = remove_unchanged::<T>(remover, &items)?;
+        report.entries_removed += gone.iter().filter(|i| T::removed(i)).count() as u64;
     }
     Ok(())
 }
+
+/// Array elements a sweep reads per part: 8,192 slots.
+const PART_ELEMENTS: usize = 8192 / SLOT_BUCKET as usize;
 
 /// `lb_sweep`'s answer to a request it carried out (XDP_PASS, linux/bpf.h).
 const XDP_PASS: u32 = 2;
@@ -244,13 +267,25 @@ const XDP_PASS: u32 = 2;
 /// `lb_sweep` over `items`, in runs of `T::BATCH`: the items as the
 /// program left them, each marked if its entry was removed.
 fn remove_unchanged<T: Table>(remover: &Xdp, items: &[T::Item]) -> Result<Vec<T::Item>, DataplaneError> {
-    let err = |source| DataplaneError::Sweep { map: T::NAME, source };
-    let (hs, is) = (size_of::<SweepHeader>(), size_of::<T::Item>());
+    request(remover, T::NAME, T::FAMILY, T::BATCH, items)
+}
+
+/// `lb_sweep` over `items` (of the request `family`), in runs of `batch`:
+/// the items as the program left them.
+fn request<I: aya::Pod>(
+    remover: &Xdp,
+    map: &'static str,
+    family: u32,
+    batch: usize,
+    items: &[I],
+) -> Result<Vec<I>, DataplaneError> {
+    let err = |source| DataplaneError::Sweep { map, source };
+    let (hs, is) = (size_of::<SweepHeader>(), size_of::<I>());
     let mut done = Vec::with_capacity(items.len());
-    let mut frame = Vec::with_capacity(hs + T::BATCH * is);
+    let mut frame = Vec::with_capacity(hs + batch * is);
     let mut out = Vec::new();
-    for run in items.chunks(T::BATCH) {
-        let header = SweepHeader { family: T::FAMILY, count: u32::try_from(run.len()).unwrap_or(u32::MAX) };
+    for run in items.chunks(batch) {
+        let header = SweepHeader { family, count: u32::try_from(run.len()).unwrap_or(u32::MAX) };
         frame.clear();
         frame.resize(hs + run.len() * is, 0);
         // SAFETY: both are aya::Pod (repr(C) integers, no implicit
@@ -276,11 +311,35 @@ fn remove_unchanged<T: Table>(remover: &Xdp, items: &[T::Item]) -> Result<Vec<T:
         }
         done.extend((0..run.len()).map(|i| {
             // SAFETY: the program wrote back the whole frame (checked
-            // above); T::Item is Pod, so any bytes are a valid value.
-            unsafe { out.as_ptr().add(hs + i * is).cast::<T::Item>().read_unaligned() }
+            // above); I is Pod, so any bytes are a valid value.
+            unsafe { out.as_ptr().add(hs + i * is).cast::<I>().read_unaligned() }
         }));
     }
     Ok(done)
+}
+
+/// What inserting flows (`Dataplane::insert_flows`) came to.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Inserted {
+    pub inserted: u64,
+    /// Keys that had an entry already (which stands).
+    pub existed: u64,
+    /// Flows for which the table had no free slot.
+    pub no_room: u64,
+}
+
+impl Inserted {
+    fn count(results: impl Iterator<Item = u32>) -> Self {
+        let mut c = Self::default();
+        for r in results {
+            match r {
+                INSERTED => c.inserted += 1,
+                INSERT_EXISTS => c.existed += 1,
+                _ => c.no_room += 1,
+            }
+        }
+        c
+    }
 }
 
 impl Dataplane {
@@ -295,6 +354,24 @@ impl Dataplane {
     /// [`Dataplane::remove_unchanged`] for IPv6 flows.
     pub fn remove_unchanged6(&self, items: &[SweepItem6]) -> Result<Vec<SweepItem6>, DataplaneError> {
         remove_unchanged::<V6>(self.remover()?, items)
+    }
+
+    /// Insert the IPv4 flows `flows` into the flow table unless their key
+    /// has an entry (which stands), through the datapath's own insert (by
+    /// `lb_sweep`), safe while packets are balanced: a migration's copy.
+    pub fn insert_flows(&self, flows: &[(FlowKey, Flow)]) -> Result<Inserted, DataplaneError> {
+        let items: Vec<InsertItem> =
+            flows.iter().map(|&(key, value)| InsertItem { key, value, inserted: 0, _pad: 0 }).collect();
+        let done = request(self.remover()?, names::FLOWS, SWEEP_INSERT | 4, INSERT_BATCH as usize, &items)?;
+        Ok(Inserted::count(done.iter().map(|i| i.inserted)))
+    }
+
+    /// [`Dataplane::insert_flows`] for IPv6 flows.
+    pub fn insert_flows6(&self, flows: &[(FlowKey6, Flow6)]) -> Result<Inserted, DataplaneError> {
+        let items: Vec<InsertItem6> =
+            flows.iter().map(|&(key, value)| InsertItem6 { key, value, inserted: 0, _pad: 0 }).collect();
+        let done = request(self.remover()?, names::FLOWS6, SWEEP_INSERT | 6, INSERT_BATCH6 as usize, &items)?;
+        Ok(Inserted::count(done.iter().map(|i| i.inserted)))
     }
 
     fn remover(&self) -> Result<&Xdp, DataplaneError> {
@@ -334,8 +411,8 @@ impl Dataplane {
                 half_open: u64::from(self.flood.half_open_timeout),
                 udp_by_service,
             },
-            v4: Walk::new(),
-            v6: Walk::new(),
+            v4: Walk::with_chunk(PART_ELEMENTS),
+            v6: Walk::with_chunk(PART_ELEMENTS),
             report: SweepReport::default(),
             expired_by: HashMap::new(),
             started: std::time::Instant::now(),
@@ -376,8 +453,8 @@ impl Dataplane {
 /// table's walk is, and what it did so far.
 pub struct SweepRun {
     limits: Limits,
-    v4: Walk<FlowKey, Flow>,
-    v6: Walk<FlowKey6, Flow6>,
+    v4: Walk<u32, FlowBucket>,
+    v6: Walk<u32, FlowBucket6>,
     report: SweepReport,
     expired_by: HashMap<u32, u64>,
     started: std::time::Instant,

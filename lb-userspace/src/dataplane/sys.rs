@@ -74,6 +74,7 @@ const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 pub(super) const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 pub(super) const BPF_MAP_LOOKUP_AND_DELETE_BATCH: libc::c_long = 25;
+pub(super) const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 pub(super) const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_DETACH: libc::c_long = 34;

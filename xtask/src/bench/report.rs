@@ -130,9 +130,10 @@ min-max beside.\n"
     if let Some(lines) = p["flow_table_share"].as_array().filter(|l| !l.is_empty()) {
         let _ = writeln!(
             md,
-            "Where the time goes, measured in this run: `flow table alone` is a program that reads the packet's 5-tuple, \
-looks it up in a kernel hash with the datapath's flow-table key, value and size, inserts it when missing, and returns XDP_PASS. \
-Beside our cases with as many flows in their tables:\n"
+            "Where the time goes, measured in this run: `open-addressing table alone` is a program that reads the packet's \
+5-tuple, looks it up in an array of slots of our own with the flow table's key, value and size (the datapath's kind of flow \
+table, without its entry count), inserts it when missing, and returns XDP_PASS; `kernel hash alone` does the same on a kernel \
+hash, the datapath's flow table up to layout 2. Beside our cases with as many flows in their tables:\n"
         );
         for l in lines {
             let _ = writeln!(md, "- {}", l.as_str().unwrap_or(""));
@@ -161,7 +162,7 @@ left by XDP redirect as a new flow counted on one of the service's backends: {wh
     if let Some(sw) = p.get("sweeper") {
         let _ = writeln!(
             md,
-            "Sweeper at {} flows (batched reads, removal in the kernel by `lb_sweep`): {:.0} ms to read the table with nothing idle, {:.0} ms to read it and expire every flow, in parts of at most {:.1} ms (lbd's agent is free between parts). Baseline in this run, the table filled again and emptied as the sweeper did before `lb_sweep` (a batched read, then a lookup and a delete syscall per flow): {:.0} ms.\n",
+            "Sweeper at {} flows (batched reads, removal in the kernel by `lb_sweep`): {:.0} ms to read the table with nothing idle, {:.0} ms to read it and expire every flow, in parts of at most {:.1} ms (lbd's agent is free between parts). Baseline in this run, the table filled again and emptied without batching (a batched read, then an `lb_sweep` run per flow): {:.0} ms.\n",
             sw["flows"],
             f(&sw["read_ms"]),
             f(&sw["read_and_expire_ms"]),

@@ -1,0 +1,484 @@
+//! The flow tables: open addressing in a plain array of our own
+//! (`lb_common::Slot`; the protocol of a slot's claim word is described
+//! there), for both families.
+//!
+//! Measured against the kernel's preallocated hash with the same key,
+//! value and size (lb-bench, "table alone" cases, November 2026): a hit
+//! 46.5 against 88.5 ns, a new entry 295-347 against 542 ns, where the
+//! floor (XDP_PASS) was 33.5 ns. The kernel's map hashes with a helper,
+//! walks a bucket list, and on insert pops a free-list element and takes
+//! the bucket's lock: three or more cold cache lines for a new flow where
+//! this touches one or two.
+//!
+//! What that costs in exchange, and how it is kept safe:
+//! - Removal is the sweeper's alone (`sweep.rs`): it marks a slot
+//!   removed (`SLOT_TOMB`) by compare-and-swap, and turns a run of removed
+//!   slots that ends at an empty one back to empty, so that lookups stop
+//!   early again.
+//! - An insert takes the first free slot of the key's probe sequence
+//!   after making sure the key is not further on; two CPUs inserting the
+//!   same key race for the same slot, and the loser finds the key there.
+//!   An entry that is replaced (a new connection on a closed flow's
+//!   5-tuple) is rewritten in place under the claim (`SLOT_BUSY`), which
+//!   lookups skip: the kernel's hash swapped a whole new element in
+//!   instead.
+//! - The table holds at most `conntrack_max` entries, counted by one
+//!   shared counter (`FLOW_COUNT`, an atomic add per new entry); it has
+//!   twice as many slots, so an insert also fails, rarely, when the key's
+//!   32 slots are all taken. Either way that flow goes without an entry
+//!   (`counter::TABLE_FULL`).
+//! - Between the sweeper's check of an entry and its compare-and-swap lie
+//!   a few instructions, as before between its check and the kernel's
+//!   delete: a packet on another CPU that writes the entry then is not
+//!   seen (its flow is judged again at the next sweep, if it still has
+//!   an entry). A CPU holding a pointer to an entry while the sweeper
+//!   removes it, and another CPU's insert takes the slot, may write its
+//!   timestamp or state bits into the new entry: as with the kernel's
+//!   preallocated hash, whose freed elements were reused at once.
+use core::{
+    intrinsics::{AtomicOrdering, atomic_cxchg, atomic_xadd, atomic_xsub},
+    mem::size_of,
+    ptr::read_volatile,
+};
+
+use aya_ebpf::maps::Array;
+use lb_common::{
+    Flow, Flow6, FlowKey, FlowKey6, SLOT_BUCKET, SLOT_BUSY, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG,
+    SLOT_TOMB, Slot, SlotKey,
+};
+
+use crate::maps::{FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_mask, flow_mask6};
+
+/// Reads of a claim a writer holds (`SLOT_BUSY`) before an insert gives
+/// up on that slot: the writer is another CPU between two instructions
+/// of its own insert (XDP runs without preemption), tens of nanoseconds.
+const SPIN: u32 = 64;
+
+/// Slot `at` of `table`: slot `at % SLOT_BUCKET` of element
+/// `at / SLOT_BUCKET` (None past the end).
+#[inline(always)]
+pub(crate) fn slot_at<K, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, at: u32) -> Option<*mut Slot<K, V>> {
+    let bucket = table.get_ptr_mut(at / SLOT_BUCKET)?;
+    // SAFETY: the offset is below SLOT_BUCKET, inside the element.
+    Some(unsafe { bucket.cast::<Slot<K, V>>().add((at % SLOT_BUCKET) as usize) })
+}
+
+/// The index and slot of `key`'s whole entry in `table` (`mask`: its
+/// size - 1), if it has one.
+#[inline(always)]
+pub(crate) fn find<K: SlotKey, V>(
+    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    mask: u32,
+    key: &K,
+) -> Option<(u32, *mut Slot<K, V>)> {
+    let h = key.slot_hash();
+    let want = (h & SLOT_TAG) | SLOT_READY;
+    let start = h as u32;
+    // Verifier: a bounded loop.
+    for j in 0..SLOT_PROBES {
+        let at = start.wrapping_add(j) & mask;
+        let slot = slot_at(table, at)?;
+        // SAFETY: a valid map value; the claim is read once (volatile:
+        // other CPUs change it), the key only when the claim is a whole
+        // entry's with the key's tag.
+        unsafe {
+            let claim = read_volatile(&raw const (*slot).claim);
+            if claim == SLOT_EMPTY {
+                return None;
+            }
+            if claim == want && (*slot).key.same(key) {
+                return Some((at, slot));
+            }
+        }
+    }
+    None
+}
+
+/// Copy a `T` (a whole number of 8-byte words, as every key and value
+/// of the tables is) word by word. A plain assignment of a struct this
+/// size becomes a call of `memmove`, a byte loop, which the verifier
+/// walks byte by byte on every path.
+///
+/// # Safety
+/// Both point at a valid `T`, 8-byte aligned.
+#[inline(always)]
+unsafe fn copy_words<T>(dst: *mut T, src: *const T) {
+    const { assert!(size_of::<T>().is_multiple_of(8)) };
+    let (d, s) = (dst.cast::<u64>(), src.cast::<u64>());
+    for i in 0..size_of::<T>() / 8 {
+        // SAFETY: the caller's promise; i is within T's words. Volatile,
+        // so that the compiler does not turn the loop back into a call.
+        unsafe { d.add(i).write_volatile(s.add(i).read_volatile()) };
+    }
+}
+
+/// A flow table's entry count (`FLOW_COUNT`) and its limit
+/// (`conntrack_max`).
+#[derive(Clone, Copy)]
+pub(crate) enum Count {
+    V4,
+    V6,
+}
+
+impl Count {
+    #[inline(always)]
+    fn word(self) -> Option<*mut u64> {
+        FLOW_COUNT.get_ptr_mut(self as u32)
+    }
+
+    /// Room for one more entry, taken; false when the table holds its
+    /// limit. (One shared count: an atomic add per new entry, exact under
+    /// any number of CPUs inserting at once.)
+    #[inline(always)]
+    pub(crate) fn take(self) -> bool {
+        let Some(w) = self.word() else { return false };
+        // SAFETY: a valid, aligned u64 of a map value; atomic RMW only.
+        let before = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(w, 1) };
+        if before < u64::from(flow_limit()) {
+            return true;
+        }
+        // SAFETY: as above.
+        unsafe { atomic_xsub::<u64, u64, { AtomicOrdering::SeqCst }>(w, 1) };
+        false
+    }
+
+    /// Room for one entry given back (an entry removed, or a claim lost).
+    #[inline(always)]
+    pub(crate) fn give_back(self) {
+        if let Some(w) = self.word() {
+            // SAFETY: as in `take`.
+            unsafe { atomic_xsub::<u64, u64, { AtomicOrdering::SeqCst }>(w, 1) };
+        }
+    }
+}
+
+/// What `put` did.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub(crate) enum Put {
+    /// None of the key's slots was free (or a writer held the one needed).
+    Full = 0,
+    Done = 1,
+    /// `key` has an entry, and `replace` was not asked.
+    Exists = 2,
+}
+
+/// Insert `value` as `key`'s entry, or, if `replace`, replace the entry
+/// `key` has.
+///
+/// Slots are tracked by index, and the free one's claim by its state bits
+/// alone, packed into one word; the mask (`mask`, a constant the verifier
+/// knows) is read where it is used and the value (`value`) once a slot is
+/// found: the global functions that call this run at the end of the
+/// balancer's deepest chain of calls, whose stack frames together may
+/// take 512 bytes at most, and every value kept across the loop's map
+/// lookups (helper calls) costs a stack slot.
+#[inline(always)]
+pub(crate) fn put<K: SlotKey, V: Copy>(
+    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    mask: impl Fn() -> u32,
+    count: Count,
+    key: &K,
+    value: impl Fn() -> Option<*const V>,
+    replace: bool,
+) -> Put {
+    let h = key.slot_hash();
+    // The tag alone (a claim's high half), compared with a claim's state
+    // bits apart: tag-and-state words kept for the comparisons would take
+    // two more stack slots.
+    let tag = (h >> 32) as u32;
+    let start = h as u32;
+    // The first free slot of the sequence (or the key's own) and the first
+    // slot with this key's tag that a writer held.
+    let mut seen = Seen::NONE;
+    for j in 0..SLOT_PROBES {
+        let at = start.wrapping_add(j) & mask();
+        let Some(slot) = slot_at(table, at) else { return Put::Full };
+        // SAFETY: a valid map value; the claim read as in `find`.
+        let claim = unsafe { read_volatile(&raw const (*slot).claim) };
+        let ours = (claim >> 32) as u32 == tag;
+        let state = claim & SLOT_STATE;
+        // Another CPU writing a slot with this key's tag: maybe this very
+        // key (the same flow's packet on two CPUs); looked at again below.
+        if state == SLOT_BUSY && ours {
+            seen = seen.busy(at);
+        }
+        if claim == SLOT_EMPTY {
+            seen = seen.free(at, SLOT_EMPTY);
+            break;
+        }
+        if claim == SLOT_TOMB {
+            seen = seen.free(at, SLOT_TOMB);
+            continue;
+        }
+        // SAFETY: as in `find`.
+        if state == SLOT_READY && ours && unsafe { (*slot).key.same(key) } {
+            if !replace {
+                return Put::Exists;
+            }
+            // Replaced in place, under the claim.
+            seen = seen.own(at);
+            break;
+        }
+    }
+    let tag = u64::from(tag) << 32;
+    // A writer held a slot with this key's tag: wait for its entry (once
+    // per insert, outside the probe loop: the verifier walks every
+    // iteration of a loop in a loop). If it is this key's, that entry is
+    // the one to replace (or keep).
+    if let Some(busy) = seen.busy_at()
+        && seen.free_state() != SLOT_READY
+    {
+        let Some(slot) = slot_at(table, busy) else { return Put::Full };
+        let mut claim = SLOT_BUSY | tag;
+        for _ in 0..SPIN {
+            // SAFETY: a valid map value, read as in `find`.
+            claim = unsafe { read_volatile(&raw const (*slot).claim) };
+            if claim != SLOT_BUSY | tag {
+                break;
+            }
+        }
+        // SAFETY: as in `find`.
+        if claim == SLOT_READY | tag && unsafe { (*slot).key.same(key) } {
+            if !replace {
+                return Put::Exists;
+            }
+            seen = seen.own(busy);
+        }
+    }
+    let Some(at) = seen.free_at() else { return Put::Full };
+    let Some(slot) = slot_at(table, at) else { return Put::Full };
+    let Some(value) = value() else { return Put::Full };
+    let fresh = seen.free_state() != SLOT_READY;
+    let old = if fresh { seen.free_state() } else { SLOT_READY | tag };
+    // A new entry counts against the table's limit first.
+    if fresh && !count.take() {
+        return Put::Full;
+    }
+    // SAFETY: a valid map value. The compare-and-swap makes this CPU the
+    // slot's only writer; readers skip it until the add below publishes
+    // it, after the entry (a BPF atomic is a full barrier). `value` is
+    // the caller's, valid for reads.
+    unsafe {
+        let (_, won) = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+            &raw mut (*slot).claim,
+            old,
+            SLOT_BUSY | tag,
+        );
+        if !won {
+            if fresh {
+                count.give_back();
+            }
+            return Put::Full;
+        }
+        copy_words(&raw mut (*slot).key, key);
+        copy_words(&raw mut (*slot).value, value);
+        atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*slot).claim, SLOT_READY - SLOT_BUSY);
+    }
+    Put::Done
+}
+
+/// What `put`'s probe loop found, in one word (every value kept across
+/// the loop's map lookups, which are helper calls, costs a stack slot,
+/// and `put` runs at the end of the balancer's deepest chain of calls,
+/// whose frames may take 512 bytes in all): the first free slot, or the
+/// key's own entry, in bits 0-30, the state bits of its claim (EMPTY,
+/// TOMB, or READY for the key's own) in bits 31-32, and the first slot
+/// with the key's tag that a writer held in bits 33-63. An index of all
+/// ones is none (a table has at most 2^30 slots).
+#[derive(Clone, Copy)]
+struct Seen(u64);
+
+impl Seen {
+    const IDX: u64 = 0x7fff_ffff;
+    const NONE: Self = Self(Self::IDX | (Self::IDX << 33));
+
+    /// The first free slot, unless one was seen before.
+    #[inline(always)]
+    fn free(self, at: u32, state: u64) -> Self {
+        if self.0 & Self::IDX != Self::IDX {
+            return self;
+        }
+        Self((self.0 & !(Self::IDX | (3 << 31))) | (u64::from(at) & Self::IDX) | (state << 31))
+    }
+
+    /// The key's own entry, which replaces any free slot seen.
+    #[inline(always)]
+    fn own(self, at: u32) -> Self {
+        Self((self.0 & !(Self::IDX | (3 << 31))) | (u64::from(at) & Self::IDX) | (SLOT_READY << 31))
+    }
+
+    /// The first slot a writer held, unless one was seen before.
+    #[inline(always)]
+    fn busy(self, at: u32) -> Self {
+        if (self.0 >> 33) != Self::IDX {
+            return self;
+        }
+        Self((self.0 & !(Self::IDX << 33)) | ((u64::from(at) & Self::IDX) << 33))
+    }
+
+    #[inline(always)]
+    fn free_at(self) -> Option<u32> {
+        let at = self.0 & Self::IDX;
+        (at != Self::IDX).then_some(at as u32)
+    }
+
+    #[inline(always)]
+    fn free_state(self) -> u64 {
+        (self.0 >> 31) & 3
+    }
+
+    #[inline(always)]
+    fn busy_at(self) -> Option<u32> {
+        let at = self.0 >> 33;
+        (at != Self::IDX).then_some(at as u32)
+    }
+}
+
+/// Remove the entry in slot `at` if it is `key`'s and `unchanged` says
+/// its value is as the sweeper judged it (and give its room back to
+/// `count`); then, when the slot after it is empty, turn the run of
+/// removed slots that ends here back to empty (no probe sequence goes past
+/// an empty slot, so none needs them). True when the entry was removed.
+#[inline(always)]
+pub(crate) fn remove_if<K: SlotKey, V>(
+    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    mask: u32,
+    count: Count,
+    at: u32,
+    key: &K,
+    unchanged: impl Fn(*const V) -> bool,
+) -> bool {
+    let Some(slot) = slot_at(table, at & mask) else { return false };
+    let want = (key.slot_hash() & SLOT_TAG) | SLOT_READY;
+    // SAFETY: a valid map value; claim and key read as in `get`.
+    unsafe {
+        let claim = read_volatile(&raw const (*slot).claim);
+        if claim != want || !(*slot).key.same(key) || !unchanged(&raw const (*slot).value) {
+            return false;
+        }
+        let (_, won) = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+            &raw mut (*slot).claim,
+            claim,
+            SLOT_TOMB,
+        );
+        if !won {
+            return false;
+        }
+    }
+    count.give_back();
+    let Some(next) = slot_at(table, at.wrapping_add(1) & mask) else { return true };
+    // SAFETY: as above.
+    if unsafe { read_volatile(&raw const (*next).claim) } != SLOT_EMPTY {
+        return true;
+    }
+    for j in 0..SLOT_PROBES {
+        let Some(s) = slot_at(table, at.wrapping_sub(j) & mask) else { break };
+        // SAFETY: as above; only a removed slot is cleared (an insert may
+        // have claimed it meanwhile: then the swap fails and this stops).
+        let (_, cleared) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                &raw mut (*s).claim,
+                SLOT_TOMB,
+                SLOT_EMPTY,
+            )
+        };
+        if !cleared {
+            break;
+        }
+    }
+    true
+}
+
+// The datapath's entry points are global BPF functions (`extern "C"`,
+// exported): the verifier checks each of them once, on its own, instead
+// of once per path that calls it. Inlined or as static subprograms, the
+// probe loops were walked again on every path through the program, and
+// the balancer no longer verified within the kernel's million
+// instructions. A global function may return only a scalar: lookups
+// return the slot's index (`NO_SLOT`: none), and the caller takes the
+// value from the array (an inlined bounds check).
+
+/// A slot index that is none: past the end of any table (at most 2^31
+/// slots).
+pub(crate) const NO_SLOT: u32 = u32::MAX;
+
+/// The IPv4 flow entry of `key`.
+#[inline(always)]
+pub(crate) fn flow(key: &FlowKey) -> Option<*mut Flow> {
+    // `NO_SLOT` is past the array's end: the lookup answers None. (One
+    // lookup, whatever the answer: with a branch of its own for
+    // `NO_SLOT`, LLVM spilled a value left undefined on one of the two
+    // paths, which the verifier refuses.)
+    // SAFETY: only the field's address is taken.
+    slot_at(&FLOW_SLOTS, lb_flow_slot(key)).map(|s| unsafe { &raw mut (*s).value })
+}
+
+/// Insert or replace the IPv4 flow entry of `key` with this CPU's scratch
+/// entry (`SCRATCH`, where the caller built it).
+#[inline(always)]
+pub(crate) fn put_flow(key: &FlowKey) -> bool {
+    let Some(value) = SCRATCH.get_ptr(0) else { return false };
+    lb_put_flow(key, value, 1) == Put::Done as u32
+}
+
+/// The IPv6 flow entry of `key`.
+#[inline(always)]
+pub(crate) fn flow6(key: &FlowKey6) -> Option<*mut Flow6> {
+    // As `flow`.
+    // SAFETY: only the field's address is taken.
+    slot_at(&FLOW_SLOTS6, lb_flow_slot6(key)).map(|s| unsafe { &raw mut (*s).value })
+}
+
+/// Insert or replace the IPv6 flow entry of `key` with this CPU's scratch
+/// entry (`SCRATCH6`).
+#[inline(always)]
+pub(crate) fn put_flow6(key: &FlowKey6) -> bool {
+    let Some(value) = SCRATCH6.get_ptr(0) else { return false };
+    lb_put_flow6(key, value, 1) == Put::Done as u32
+}
+
+/// [`flow`]'s global function: the slot of `key`'s entry, or `NO_SLOT`.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn lb_flow_slot(key: *const FlowKey) -> u32 {
+    // SAFETY: a global function's pointer argument may be null (the
+    // verifier makes it check); otherwise it points at a whole key.
+    let Some(key) = (unsafe { key.as_ref() }) else { return NO_SLOT };
+    find(&FLOW_SLOTS, flow_mask(), key).map_or(NO_SLOT, |(at, _)| at)
+}
+
+/// [`flow6`]'s global function.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn lb_flow_slot6(key: *const FlowKey6) -> u32 {
+    // SAFETY: as in `lb_flow_slot`.
+    let Some(key) = (unsafe { key.as_ref() }) else { return NO_SLOT };
+    find(&FLOW_SLOTS6, flow_mask6(), key).map_or(NO_SLOT, |(at, _)| at)
+}
+
+/// [`put_flow`]'s global function: `value` inserted as `key`'s entry,
+/// or, with `replace` set, put in place of the one `key` has. Answers
+/// what `put` did as a number (`Put as u32`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn lb_put_flow(key: *const FlowKey, value: *const Flow, replace: u32) -> u32 {
+    // SAFETY: as in `lb_flow_slot`.
+    let Some(key) = (unsafe { key.as_ref() }) else { return Put::Full as u32 };
+    if value.is_null() {
+        return Put::Full as u32;
+    }
+    put(&FLOW_SLOTS, flow_mask, Count::V4, key, || Some(value), replace != 0) as u32
+}
+
+/// [`put_flow6`]'s global function (as `lb_put_flow`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn lb_put_flow6(key: *const FlowKey6, value: *const Flow6, replace: u32) -> u32 {
+    // SAFETY: as in `lb_flow_slot`.
+    let Some(key) = (unsafe { key.as_ref() }) else { return Put::Full as u32 };
+    if value.is_null() {
+        return Put::Full as u32;
+    }
+    put(&FLOW_SLOTS6, flow_mask6, Count::V6, key, || Some(value), replace != 0) as u32
+}
