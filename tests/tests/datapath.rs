@@ -855,6 +855,41 @@ fn colliding_flows_and_removed_slots_keep_every_flow_on_its_backend() {
             });
         let mask = lb_common::flow_slots(16) - 1;
         let home = |k: &lb_common::FlowKey| k.slot_hash() as u32 & mask;
+
+        // Three flows with the same first slot take it and the two after
+        // it; the middle one is reset and swept, and its slot, between the
+        // others, is marked removed. The third is found past it: its
+        // packets neither take a second entry nor change backend.
+        let mut same: Vec<u16> = Vec::new();
+        for p in 30_000..40_000u16 {
+            if same.is_empty() || home(&key4(p)) == home(&key4(same[0])) {
+                same.push(p);
+            }
+            if same.len() == 3 {
+                break;
+            }
+        }
+        let h = home(&key4(same[0]));
+        let chain: Vec<Ipv4Addr> = same.iter().map(|&p| handshake(&fx, p, 80, 8080)).collect();
+        for (i, &p) in same.iter().enumerate() {
+            assert_eq!(fx.dp.flow_slot(&key4(p)).unwrap(), Some((h + i as u32) & mask), "flow {i} of the chain");
+        }
+        assert_eq!(fx.forward(&tcp(CLIENT, same[1], VIP, 80, RST).bytes()), chain[1]);
+        let later = lb_userspace::dataplane::monotonic_coarse_secs() + 100;
+        assert_eq!(fx.dp.sweep(later, u64::MAX / 2, u64::MAX / 2).unwrap().removed, 1);
+        assert_eq!(fx.entries(), 2);
+        for _ in 0..3 {
+            assert_eq!(fx.forward(&tcp(CLIENT, same[2], VIP, 80, ACK | PSH).bytes()), chain[2]);
+        }
+        assert_eq!(fx.entries(), 2, "the flow past a removed slot took a second entry");
+        assert_eq!(fx.dp.flow_slot(&key4(same[2])).unwrap(), Some((h + 2) & mask));
+        // The first and last reset and swept too: the table is empty again.
+        for i in [0, 2] {
+            assert_eq!(fx.forward(&tcp(CLIENT, same[i], VIP, 80, RST).bytes()), chain[i]);
+        }
+        assert_eq!(fx.dp.sweep(later, u64::MAX / 2, u64::MAX / 2).unwrap().removed, 2);
+        assert_eq!(fx.entries(), 0);
+
         let mut flows: Vec<(u16, Ipv4Addr)> =
             (0..16).map(|i| (41_000 + i, handshake(&fx, 41_000 + i, 80, 8080))).collect();
         let displaced = flows
