@@ -17,7 +17,10 @@
 //!   early again.
 //! - An insert takes the first free slot of the key's probe sequence
 //!   after making sure the key is not further on; two CPUs inserting the
-//!   same key race for the same slot, and the loser finds the key there.
+//!   same key race for the same slot, and the table keeps one entry (a
+//!   loser that saw the slot being written waits and replaces the entry;
+//!   one that lost the compare-and-swap itself gets `Put::Full`, and its
+//!   packet goes by consistent hash, counted `table_full`).
 //!   An entry that is replaced (a new connection on a closed flow's
 //!   5-tuple) is rewritten in place under the claim (`SLOT_BUSY`), which
 //!   lookups skip: the kernel's hash swapped a whole new element in
