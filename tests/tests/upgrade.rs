@@ -127,59 +127,7 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     assert!(lbd.total_new_flows() >= 50, "the old release lost its counters: {}", lbd.total_new_flows());
     let old_program = lbd.program_id().unwrap();
 
-    std::thread::scope(|scope| {
-        let load = scope.spawn(|| {
-            lab.client(&[
-                "conns",
-                "--target",
-                "10.10.0.100:80",
-                "--concurrency",
-                "10",
-                "--duration-ms",
-                "6000",
-                "--sources-range",
-                "10.10.1.1-10.10.1.250",
-            ])
-            .unwrap()
-        });
-        let long = scope.spawn(|| {
-            lab.client(&[
-                "longlived",
-                "--target",
-                "10.10.0.100:80",
-                "--connections",
-                "20",
-                "--rounds",
-                "100",
-                "--interval-ms",
-                "50",
-                "--sources-range",
-                "10.10.1.1-10.10.1.20",
-            ])
-            .unwrap()
-        });
-        std::thread::sleep(Duration::from_millis(2000));
-        // The new build replaces the old one on disk; the graceful restart
-        // runs it, it migrates the maps and swaps its program in.
-        let staged = bin.join("lbd.new");
-        std::fs::copy(lab.spec.bin_dir.join("lbd"), &staged).unwrap();
-        std::fs::rename(&staged, &exe).unwrap();
-        let new_program = lbd.restart().unwrap();
-        assert_ne!(new_program, old_program);
-        assert_eq!(attached_program(&lab), new_program);
-
-        let r = load.join().unwrap();
-        println!(
-            "new connections through the upgrade: ok {} failed {} per backend {}",
-            r["ok"], r["failed"], r["per_backend"]
-        );
-        assert_eq!(r["failed"], 0, "{r}");
-        assert!(r["ok"].as_u64().unwrap() > 500, "{r}");
-        let r = long.join().unwrap();
-        println!("long-lived connections through the upgrade: {r}");
-        assert_eq!(r["failed"], 0, "{r}");
-        assert_eq!(r["switched"], 0, "a live connection changed backend: {r}");
-    });
+    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program);
     let log = lbd.log_text();
     assert!(log.contains("migrated the pinned datapath"), "{log}");
     let status = lbd.status().unwrap();
@@ -290,6 +238,26 @@ fn an_upgrade_from_kernel_hash_flow_tables_keeps_every_flow() {
     lab.reset_backend_counts().unwrap();
     let old_program = lbd.program_id().unwrap();
 
+    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program);
+    let log = lbd.log_text();
+    assert!(log.contains("migrated the pinned datapath"), "{log}");
+    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
+    assert!(maps.join("FLOW_SLOTS").exists() && !maps.join("FLOWS").exists(), "the flow tables were not replaced");
+    assert!(!lab.pin_dir().join("maps-v2").exists(), "the old maps were not removed");
+    let counts = lab.connections_served().unwrap();
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+    let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// The upgrade itself, under load: new connections from 250 sources and
+/// 20 long-lived ones run while this build's lbd replaces the old binary
+/// `exe` on disk (staged in `bin`) and `lbd`'s graceful restart runs it,
+/// migrating the maps and swapping its program in on the pinned links. No
+/// connection fails and no live one changes backend.
+fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_program: u64) {
     std::thread::scope(|scope| {
         let load = scope.spawn(|| {
             lab.client(&[
@@ -322,12 +290,14 @@ fn an_upgrade_from_kernel_hash_flow_tables_keeps_every_flow() {
             .unwrap()
         });
         std::thread::sleep(Duration::from_millis(2000));
+        // The new build replaces the old one on disk; the graceful restart
+        // runs it, it migrates the maps and swaps its program in.
         let staged = bin.join("lbd.new");
         std::fs::copy(lab.spec.bin_dir.join("lbd"), &staged).unwrap();
-        std::fs::rename(&staged, &exe).unwrap();
+        std::fs::rename(&staged, exe).unwrap();
         let new_program = lbd.restart().unwrap();
         assert_ne!(new_program, old_program);
-        assert_eq!(attached_program(&lab), new_program);
+        assert_eq!(attached_program(lab), new_program);
 
         let r = load.join().unwrap();
         println!(
@@ -341,15 +311,4 @@ fn an_upgrade_from_kernel_hash_flow_tables_keeps_every_flow() {
         assert_eq!(r["failed"], 0, "{r}");
         assert_eq!(r["switched"], 0, "a live connection changed backend: {r}");
     });
-    let log = lbd.log_text();
-    assert!(log.contains("migrated the pinned datapath"), "{log}");
-    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
-    assert!(maps.join("FLOW_SLOTS").exists() && !maps.join("FLOWS").exists(), "the flow tables were not replaced");
-    assert!(!lab.pin_dir().join("maps-v2").exists(), "the old maps were not removed");
-    let counts = lab.connections_served().unwrap();
-    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
-    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
-    assert!(lbd.stop().unwrap().success());
-    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
-    let _ = std::fs::remove_dir_all(&bin);
 }
