@@ -146,10 +146,15 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
         proto: pkt.proto,
         _pad: [0; 3],
     };
-    if to.is_none()
-        && let Some(flow) = table::flow(&key)
-    {
-        to = known_flow(&pkt, flow, now);
+    // The lookup's answer: the entry's slot, or the slot a new entry
+    // takes, which the insert of a new flow then takes without probing
+    // again.
+    let mut hint = table::NO_SLOT;
+    if to.is_none() {
+        hint = table::lb_flow_slot(&raw const key);
+        if let Some(flow) = table::flow_at(hint) {
+            to = known_flow(&pkt, flow, now);
+        }
     }
     let to = match to {
         Some(to) => to,
@@ -157,7 +162,7 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
             let vip = VipKey { addr: pkt.daddr, port: pkt.dport, proto: pkt.proto, _pad: 0 };
             // SAFETY: the value is copied before anything can replace it.
             match (unsafe { VIPS.get(&vip) }).copied() {
-                Some(svc) => match new_flow(&pkt, &key, &svc, now) {
+                Some(svc) => match new_flow(&pkt, &key, &svc, now, hint) {
                     Ok(nat) if svc.flags & SVC_F_DSR != 0 => To::Dsr(nat),
                     Ok(nat) => To::Backend(nat),
                     Err(action) => return Ok(action),
@@ -398,7 +403,7 @@ fn state_of(flow: *mut Flow) -> *mut u64 {
 // returns what to rewrite, and the caller forwards (so the FIB lookup's
 // frame is not stacked on this one).
 #[inline(always)]
-fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat, u32> {
+fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64, hint: u32) -> Result<Nat, u32> {
     let opening = pkt.proto != PROTO_TCP || is_syn(pkt);
     // A migration is copying the old datapath's last flows: a TCP packet
     // of one of them waits for its retransmission rather than be hashed
@@ -419,7 +424,7 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64) -> Result<Nat,
         } else {
             select::pick_stateless(svc, select::Tuple::v4(pkt))
         };
-        match insert_flow(pkt, key, svc, id, now) {
+        match insert_flow(pkt, key, svc, id, now, hint) {
             Insert::Done(nat) => return Ok(nat),
             Insert::NoBackend => return Err(no_backend()),
             Insert::Full if reply_entry => {
@@ -508,7 +513,7 @@ pub(crate) fn opening_state(proto: u8, tcp_flags: u8) -> u64 {
 }
 
 #[inline(always)]
-fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) -> Insert<Nat> {
+fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hint: u32) -> Insert<Nat> {
     let Some(backend) = (if id == BACKEND_NONE { None } else { BACKENDS.get(id) }) else {
         return Insert::NoBackend;
     };
@@ -553,7 +558,7 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) ->
         };
         // SAFETY: see above; the shared reference lives for the call only,
         // and nothing writes the slot meanwhile.
-        if !table::put_flow(&rev_key) {
+        if !table::put_flow(&rev_key, table::NO_SLOT) {
             return Insert::Full;
         }
         DIR_FORWARD
@@ -569,7 +574,7 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64) ->
         (*e).last_seen = now;
     }
     // SAFETY: as above.
-    if !table::put_flow(key) {
+    if !table::put_flow(key, hint) {
         return Insert::Full;
     }
     // A TCP packet other than a SYN that takes an entry belongs to a

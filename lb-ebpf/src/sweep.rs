@@ -57,8 +57,8 @@ trait Item {
     /// # Safety
     /// `item` points at a whole item inside the frame.
     unsafe fn mark(item: *mut Self);
-    /// The slot of `key`'s entry (`table::NO_SLOT`: none), by the table's
-    /// global lookup.
+    /// The slot of `key`'s entry (`table::MISS` set, or `table::NO_SLOT`:
+    /// none), by the table's global lookup.
     fn slot_of(key: &Self::Key) -> u32;
     /// The table's entry count.
     const COUNT: table::Count;
@@ -134,7 +134,7 @@ impl Insert for InsertItem {
     type Key = FlowKey;
     type Value = Flow;
     fn put(key: *const FlowKey, value: *const Flow) -> u32 {
-        table::lb_put_flow(key, value, 0)
+        table::lb_put_flow(key, value, 0, table::NO_SLOT)
     }
     fn parts(item: *mut Self) -> (*const FlowKey, *const Flow, *mut u32) {
         // SAFETY: only the fields' addresses are taken.
@@ -146,7 +146,7 @@ impl Insert for InsertItem6 {
     type Key = FlowKey6;
     type Value = Flow6;
     fn put(key: *const FlowKey6, value: *const Flow6) -> u32 {
-        table::lb_put_flow6(key, value, 0)
+        table::lb_put_flow6(key, value, 0, table::NO_SLOT)
     }
     fn parts(item: *mut Self) -> (*const FlowKey6, *const Flow6, *mut u32) {
         // SAFETY: only the fields' addresses are taken.
@@ -200,7 +200,7 @@ fn remove_unchanged<I: Item, const N: usize>(
         let (key, at, state, seen) = unsafe { (*item).judged() };
         let removed = if at == SWEEP_BY_KEY {
             let at = I::slot_of(&key);
-            at != table::NO_SLOT && table::remove_if(slots, mask, I::COUNT, at, &key, |_| true)
+            at & table::MISS == 0 && table::remove_if(slots, mask, I::COUNT, at, &key, |_| true)
         } else {
             // SAFETY: `remove_if` hands over a value of the table.
             table::remove_if(slots, mask, I::COUNT, at, &key, |v| unsafe { I::now(v) } == (state, seen))

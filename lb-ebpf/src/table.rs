@@ -66,35 +66,52 @@ pub(crate) fn slot_at<K, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, a
     Some(unsafe { bucket.cast::<Slot<K, V>>().add((at % SLOT_BUCKET) as usize) })
 }
 
-/// The index and slot of `key`'s whole entry in `table` (`mask`: its
-/// size - 1), if it has one.
+/// Where `key`'s entry is in `table` (`mask`: its size - 1), as
+/// [`lb_flow_slot`] answers: the slot's index, or on a miss the slot an
+/// insert of `key` would take ([`MISS`] set, [`MISS_TOMB`] too when that
+/// slot holds a removed entry), or `NO_SLOT` when there is no such slot
+/// (all the key's slots taken) or another CPU was writing a slot with the
+/// key's tag (maybe this very key: the full insert waits for it).
 #[inline(always)]
-pub(crate) fn find<K: SlotKey, V>(
-    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
-    mask: u32,
-    key: &K,
-) -> Option<(u32, *mut Slot<K, V>)> {
+pub(crate) fn find<K: SlotKey, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, mask: u32, key: &K) -> u32 {
     let h = key.slot_hash();
     let want = (h & SLOT_TAG) | SLOT_READY;
+    let writer = (h & SLOT_TAG) | SLOT_BUSY;
     let start = h as u32;
+    // The first removed slot seen (`NO_SLOT`: none yet), and whether a
+    // writer held a slot with the key's tag.
+    let mut free = NO_SLOT;
+    let mut busy = false;
     // Verifier: a bounded loop.
     for j in 0..SLOT_PROBES {
         let at = start.wrapping_add(j) & mask;
-        let slot = slot_at(table, at)?;
+        let Some(slot) = slot_at(table, at) else { return NO_SLOT };
         // SAFETY: a valid map value; the claim is read once (volatile:
         // other CPUs change it), the key only when the claim is a whole
         // entry's with the key's tag.
         unsafe {
             let claim = read_volatile(&raw const (*slot).claim);
             if claim == SLOT_EMPTY {
-                return None;
+                return if busy {
+                    NO_SLOT
+                } else if free == NO_SLOT {
+                    at | MISS
+                } else {
+                    free
+                };
             }
             if claim == want && (*slot).key.same(key) {
-                return Some((at, slot));
+                return at;
+            }
+            if claim == SLOT_TOMB && free == NO_SLOT {
+                free = at | MISS | MISS_TOMB;
+            }
+            if claim == writer {
+                busy = true;
             }
         }
     }
-    None
+    if busy { NO_SLOT } else { free }
 }
 
 /// Copy a `T` (a whole number of 8-byte words, as every key and value
@@ -184,7 +201,13 @@ pub(crate) fn put<K: SlotKey, V: Copy>(
     key: &K,
     value: impl Fn() -> Option<*const V>,
     replace: bool,
+    hint: u32,
 ) -> Put {
+    if hint != NO_SLOT
+        && let Some(done) = put_at(table, mask(), count, key, &value, replace, hint)
+    {
+        return done;
+    }
     let h = key.slot_hash();
     // The tag alone (a claim's high half), compared with a claim's state
     // bits apart: tag-and-state words kept for the comparisons would take
@@ -254,9 +277,64 @@ pub(crate) fn put<K: SlotKey, V: Copy>(
     let Some(value) = value() else { return Put::Full };
     let fresh = seen.free_state() != SLOT_READY;
     let old = if fresh { seen.free_state() } else { SLOT_READY | tag };
+    if claim_and_write(slot, old, tag, fresh, count, key, value) { Put::Done } else { Put::Full }
+}
+
+/// `put` in the slot a lookup of `key` just found (`hint`, as
+/// [`lb_flow_slot`] answers), without probing again. None when that slot
+/// has changed since (another CPU took it): `put` then probes.
+///
+/// Why the lookup's slot is the one: the lookup saw every slot before it
+/// taken by other keys (or removed: then it named the first removed one),
+/// and no writer on a slot with the key's tag. Another CPU inserting the
+/// same key now takes the first free slot it sees, this same slot, and
+/// only one of the two compare-and-swaps wins; the loser probes and finds
+/// the winner's entry, as in `put`.
+#[inline(always)]
+fn put_at<K: SlotKey, V: Copy>(
+    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    mask: u32,
+    count: Count,
+    key: &K,
+    value: &impl Fn() -> Option<*const V>,
+    replace: bool,
+    hint: u32,
+) -> Option<Put> {
+    let tag = key.slot_hash() & SLOT_TAG;
+    let (at, old, fresh) = if hint & MISS == 0 {
+        if !replace {
+            return Some(Put::Exists);
+        }
+        (hint, SLOT_READY | tag, false)
+    } else {
+        (hint & HINT_AT, if hint & MISS_TOMB != 0 { SLOT_TOMB } else { SLOT_EMPTY }, true)
+    };
+    if at > mask {
+        return None;
+    }
+    let slot = slot_at(table, at)?;
+    let value = value()?;
+    if claim_and_write(slot, old, tag, fresh, count, key, value) { Some(Put::Done) } else { None }
+}
+
+/// Take `slot` from the claim `old` and write `key` and `value` into it,
+/// publishing it once whole (`tag`: the key's tag, in a claim's high
+/// half; `fresh`: a new entry, counted against the limit, rather than
+/// the key's own being replaced). False when the table holds its limit
+/// or the slot's claim is no longer `old`.
+#[inline(always)]
+fn claim_and_write<K, V>(
+    slot: *mut Slot<K, V>,
+    old: u64,
+    tag: u64,
+    fresh: bool,
+    count: Count,
+    key: &K,
+    value: *const V,
+) -> bool {
     // A new entry counts against the table's limit first.
     if fresh && !count.take() {
-        return Put::Full;
+        return false;
     }
     // SAFETY: a valid map value. The compare-and-swap makes this CPU the
     // slot's only writer; readers skip it until the add below publishes
@@ -272,13 +350,13 @@ pub(crate) fn put<K: SlotKey, V: Copy>(
             if fresh {
                 count.give_back();
             }
-            return Put::Full;
+            return false;
         }
         copy_words(&raw mut (*slot).key, key);
         copy_words(&raw mut (*slot).value, value);
         atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*slot).claim, SLOT_READY - SLOT_BUSY);
     }
-    Put::Done
+    true
 }
 
 /// What `put`'s probe loop found, in one word (every value kept across
@@ -402,27 +480,43 @@ pub(crate) fn remove_if<K: SlotKey, V>(
 // return the slot's index (`NO_SLOT`: none), and the caller takes the
 // value from the array (an inlined bounds check).
 
-/// A slot index that is none: past the end of any table (at most 2^31
+/// A slot index that is none: past the end of any table (at most 2^30
 /// slots).
 pub(crate) const NO_SLOT: u32 = u32::MAX;
+/// In a lookup's answer: a miss, and the index (in the low 30 bits) is
+/// the free slot an insert of the key takes. Past the end of any table
+/// too, so `slot_at` answers None for it.
+pub(crate) const MISS: u32 = 1 << 31;
+/// With [`MISS`]: that slot holds a removed entry (else it is empty).
+const MISS_TOMB: u32 = 1 << 30;
+/// The index bits of a lookup's answer.
+const HINT_AT: u32 = MISS_TOMB - 1;
 
 /// The IPv4 flow entry of `key`.
 #[inline(always)]
 pub(crate) fn flow(key: &FlowKey) -> Option<*mut Flow> {
-    // `NO_SLOT` is past the array's end: the lookup answers None. (One
-    // lookup, whatever the answer: with a branch of its own for
-    // `NO_SLOT`, LLVM spilled a value left undefined on one of the two
-    // paths, which the verifier refuses.)
+    flow_at(lb_flow_slot(key))
+}
+
+/// The IPv4 flow entry in slot `at`, a lookup's answer ([`lb_flow_slot`]):
+/// None for a miss.
+#[inline(always)]
+pub(crate) fn flow_at(at: u32) -> Option<*mut Flow> {
+    // A miss's answer is past the array's end: the lookup answers None.
+    // (One lookup, whatever the answer: with a branch of its own for a
+    // miss, LLVM spilled a value left undefined on one of the two paths,
+    // which the verifier refuses.)
     // SAFETY: only the field's address is taken.
-    slot_at(&FLOW_SLOTS, lb_flow_slot(key)).map(|s| unsafe { &raw mut (*s).value })
+    slot_at(&FLOW_SLOTS, at).map(|s| unsafe { &raw mut (*s).value })
 }
 
 /// Insert or replace the IPv4 flow entry of `key` with this CPU's scratch
-/// entry (`SCRATCH`, where the caller built it).
+/// entry (`SCRATCH`, where the caller built it); `hint`: the answer of
+/// the lookup of `key` this packet made (or `NO_SLOT`).
 #[inline(always)]
-pub(crate) fn put_flow(key: &FlowKey) -> bool {
+pub(crate) fn put_flow(key: &FlowKey, hint: u32) -> bool {
     let Some(value) = SCRATCH.get_ptr(0) else { return false };
-    lb_put_flow(key, value, 1) == Put::Done as u32
+    lb_put_flow(key, value, 1, hint) == Put::Done as u32
 }
 
 /// The IPv6 flow entry of `key`.
@@ -438,17 +532,18 @@ pub(crate) fn flow6(key: &FlowKey6) -> Option<*mut Flow6> {
 #[inline(always)]
 pub(crate) fn put_flow6(key: &FlowKey6) -> bool {
     let Some(value) = SCRATCH6.get_ptr(0) else { return false };
-    lb_put_flow6(key, value, 1) == Put::Done as u32
+    lb_put_flow6(key, value, 1, NO_SLOT) == Put::Done as u32
 }
 
-/// [`flow`]'s global function: the slot of `key`'s entry, or `NO_SLOT`.
+/// [`flow`]'s global function: the slot of `key`'s entry, or on a miss
+/// the slot an insert would take (see [`find`]).
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub(crate) extern "C" fn lb_flow_slot(key: *const FlowKey) -> u32 {
     // SAFETY: a global function's pointer argument may be null (the
     // verifier makes it check); otherwise it points at a whole key.
     let Some(key) = (unsafe { key.as_ref() }) else { return NO_SLOT };
-    find(&FLOW_SLOTS, flow_mask(), key).map_or(NO_SLOT, |(at, _)| at)
+    find(&FLOW_SLOTS, flow_mask(), key)
 }
 
 /// [`flow6`]'s global function.
@@ -457,31 +552,32 @@ pub(crate) extern "C" fn lb_flow_slot(key: *const FlowKey) -> u32 {
 pub(crate) extern "C" fn lb_flow_slot6(key: *const FlowKey6) -> u32 {
     // SAFETY: as in `lb_flow_slot`.
     let Some(key) = (unsafe { key.as_ref() }) else { return NO_SLOT };
-    find(&FLOW_SLOTS6, flow_mask6(), key).map_or(NO_SLOT, |(at, _)| at)
+    find(&FLOW_SLOTS6, flow_mask6(), key)
 }
 
 /// [`put_flow`]'s global function: `value` inserted as `key`'s entry,
-/// or, with `replace` set, put in place of the one `key` has. Answers
-/// what `put` did as a number (`Put as u32`).
+/// or, with `replace` set, put in place of the one `key` has; `hint`: a
+/// lookup's answer for `key` (`NO_SLOT`: none). Answers what `put` did as
+/// a number (`Put as u32`).
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub(crate) extern "C" fn lb_put_flow(key: *const FlowKey, value: *const Flow, replace: u32) -> u32 {
+pub(crate) extern "C" fn lb_put_flow(key: *const FlowKey, value: *const Flow, replace: u32, hint: u32) -> u32 {
     // SAFETY: as in `lb_flow_slot`.
     let Some(key) = (unsafe { key.as_ref() }) else { return Put::Full as u32 };
     if value.is_null() {
         return Put::Full as u32;
     }
-    put(&FLOW_SLOTS, flow_mask, Count::V4, key, || Some(value), replace != 0) as u32
+    put(&FLOW_SLOTS, flow_mask, Count::V4, key, || Some(value), replace != 0, hint) as u32
 }
 
 /// [`put_flow6`]'s global function (as `lb_put_flow`).
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub(crate) extern "C" fn lb_put_flow6(key: *const FlowKey6, value: *const Flow6, replace: u32) -> u32 {
+pub(crate) extern "C" fn lb_put_flow6(key: *const FlowKey6, value: *const Flow6, replace: u32, hint: u32) -> u32 {
     // SAFETY: as in `lb_flow_slot`.
     let Some(key) = (unsafe { key.as_ref() }) else { return Put::Full as u32 };
     if value.is_null() {
         return Put::Full as u32;
     }
-    put(&FLOW_SLOTS6, flow_mask6, Count::V6, key, || Some(value), replace != 0) as u32
+    put(&FLOW_SLOTS6, flow_mask6, Count::V6, key, || Some(value), replace != 0, hint) as u32
 }

@@ -865,13 +865,13 @@ fn colliding_flows_and_removed_slots_keep_every_flow_on_its_backend() {
             if same.is_empty() || home(&key4(p)) == home(&key4(same[0])) {
                 same.push(p);
             }
-            if same.len() == 3 {
+            if same.len() == 4 {
                 break;
             }
         }
         let h = home(&key4(same[0]));
-        let chain: Vec<Ipv4Addr> = same.iter().map(|&p| handshake(&fx, p, 80, 8080)).collect();
-        for (i, &p) in same.iter().enumerate() {
+        let chain: Vec<Ipv4Addr> = same[..3].iter().map(|&p| handshake(&fx, p, 80, 8080)).collect();
+        for (i, &p) in same[..3].iter().enumerate() {
             assert_eq!(fx.dp.flow_slot(&key4(p)).unwrap(), Some((h + i as u32) & mask), "flow {i} of the chain");
         }
         assert_eq!(fx.forward(&tcp(CLIENT, same[1], VIP, 80, RST).bytes()), chain[1]);
@@ -883,11 +883,18 @@ fn colliding_flows_and_removed_slots_keep_every_flow_on_its_backend() {
         }
         assert_eq!(fx.entries(), 2, "the flow past a removed slot took a second entry");
         assert_eq!(fx.dp.flow_slot(&key4(same[2])).unwrap(), Some((h + 2) & mask));
-        // The first and last reset and swept too: the table is empty again.
-        for i in [0, 2] {
-            assert_eq!(fx.forward(&tcp(CLIENT, same[i], VIP, 80, RST).bytes()), chain[i]);
+        // A fourth flow with that first slot takes the removed slot, the
+        // first free one of its sequence, not the empty one past the
+        // chain: removed slots are used again.
+        let fourth = handshake(&fx, same[3], 80, 8080);
+        assert_eq!(fx.dp.flow_slot(&key4(same[3])).unwrap(), Some((h + 1) & mask), "the removed slot was not reused");
+        assert_eq!(fx.entries(), 3);
+        assert_eq!(fx.forward(&tcp(CLIENT, same[2], VIP, 80, ACK | PSH).bytes()), chain[2]);
+        // The others reset and swept too: the table is empty again.
+        for (p, b) in [(same[0], chain[0]), (same[2], chain[2]), (same[3], fourth)] {
+            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, RST).bytes()), b);
         }
-        assert_eq!(fx.dp.sweep(later, u64::MAX / 2, u64::MAX / 2).unwrap().removed, 2);
+        assert_eq!(fx.dp.sweep(later, u64::MAX / 2, u64::MAX / 2).unwrap().removed, 3);
         assert_eq!(fx.entries(), 0);
 
         let mut flows: Vec<(u16, Ipv4Addr)> =
