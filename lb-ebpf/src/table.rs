@@ -522,17 +522,22 @@ pub(crate) fn put_flow(key: &FlowKey, hint: u32) -> bool {
 /// The IPv6 flow entry of `key`.
 #[inline(always)]
 pub(crate) fn flow6(key: &FlowKey6) -> Option<*mut Flow6> {
-    // As `flow`.
+    flow6_at(lb_flow_slot6(key))
+}
+
+/// The IPv6 flow entry in slot `at` (as [`flow_at`]).
+#[inline(always)]
+pub(crate) fn flow6_at(at: u32) -> Option<*mut Flow6> {
     // SAFETY: only the field's address is taken.
-    slot_at(&FLOW_SLOTS6, lb_flow_slot6(key)).map(|s| unsafe { &raw mut (*s).value })
+    slot_at(&FLOW_SLOTS6, at).map(|s| unsafe { &raw mut (*s).value })
 }
 
 /// Insert or replace the IPv6 flow entry of `key` with this CPU's scratch
-/// entry (`SCRATCH6`).
+/// entry (`SCRATCH6`); `hint` as in [`put_flow`].
 #[inline(always)]
-pub(crate) fn put_flow6(key: &FlowKey6) -> bool {
+pub(crate) fn put_flow6(key: &FlowKey6, hint: u32) -> bool {
     let Some(value) = SCRATCH6.get_ptr(0) else { return false };
-    lb_put_flow6(key, value, 1, NO_SLOT) == Put::Done as u32
+    lb_put_flow6(key, value, 1, hint) == Put::Done as u32
 }
 
 /// [`flow`]'s global function: the slot of `key`'s entry, or on a miss

@@ -330,11 +330,17 @@ fn try_lb(ctx: &XdpContext) -> u32 {
             _pad: [0; 3],
         };
     }
-    if to.is_none()
+    // The lookup's answer, kept for a new flow's insert (as for IPv4).
+    // SAFETY: as above; a plain store.
+    unsafe { (*k).hint = table::NO_SLOT };
+    if to.is_none() {
+        // SAFETY: as above; the reference lives for the call only.
+        let at = table::lb_flow_slot6(unsafe { &raw const (*k).flow });
         // SAFETY: as above.
-        && let Some(flow) = table::flow6(unsafe { &(*k).flow })
-    {
-        to = known_flow(&pkt, flow, k, now);
+        unsafe { (*k).hint = at };
+        if let Some(flow) = table::flow6_at(at) {
+            to = known_flow(&pkt, flow, k, now);
+        }
     }
     let to = match to {
         Some(to) => to,
@@ -486,12 +492,12 @@ fn new_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> Result<Nat6, u32> {
     if code == PLAN_INSERT || code == PLAN_INSERT_REPLY {
         // SAFETY: this CPU's scratch slot, where `plan_flow` wrote the
         // keys; the reference lives for the call only.
-        let mut ok = code != PLAN_INSERT_REPLY || table::put_flow6(unsafe { &(*k).other });
+        let mut ok = code != PLAN_INSERT_REPLY || table::put_flow6(unsafe { &(*k).other }, table::NO_SLOT);
         if ok && code == PLAN_INSERT_REPLY {
             forward_entry(pkt, k, DIR_FORWARD, now);
         }
         // SAFETY: as above.
-        ok = ok && table::put_flow6(unsafe { &(*k).flow });
+        ok = ok && table::put_flow6(unsafe { &(*k).flow }, unsafe { (*k).hint });
         code = settle_flow(pkt, k, ok);
     }
     if code == PLAN_NAT {
@@ -735,6 +741,9 @@ pub(crate) struct Keys6 {
     pub svc: Service,
     /// A new flow's rewrite (see `new_flow`).
     pub nat: Nat6,
+    /// The answer of the lookup of `flow` (`table::lb_flow_slot6`), where
+    /// a new flow's insert starts.
+    pub hint: u32,
 }
 
 /// What a NAT rewrite changed, for the L4 checksum update.
