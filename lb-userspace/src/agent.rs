@@ -41,8 +41,6 @@ pub struct Agent {
     joined: HashMap<BackendKey, Instant>,
     pub reloads_ok: u64,
     pub reloads_failed: u64,
-    /// Flow table entries counted by the last sweep.
-    pub flow_entries: u64,
     /// Half-open flows the sweeper expired early, since lbd started.
     pub half_open_expired: u64,
     /// How long the last complete sweep took, start to end (ms).
@@ -132,7 +130,6 @@ impl Agent {
             joined: HashMap::new(),
             reloads_ok: 0,
             reloads_failed: 0,
-            flow_entries: 0,
             half_open_expired: 0,
             last_sweep_ms: None,
             health_metrics: HealthMetrics::default(),
@@ -441,7 +438,6 @@ impl Agent {
         let Some(r) = self.dp.sweep_step(run)? else {
             return Ok(None);
         };
-        self.flow_entries = r.entries.saturating_sub(r.entries_removed);
         self.half_open_expired += r.half_open_expired;
         self.last_sweep_ms = Some(r.duration_ms);
         Ok(Some(r))

@@ -80,9 +80,10 @@ pub struct Snapshot {
 
 impl Snapshot {
     pub fn of(agent: &Agent) -> Result<Self, String> {
+        let status = report::status(agent).map_err(|e| e.to_string())?;
         Ok(Self {
-            status: report::status(agent).map_err(|e| e.to_string())?,
-            flow_entries: agent.flow_entries,
+            flow_entries: status.flood.flow_entries,
+            status,
             reloads_ok: agent.reloads_ok,
             reloads_failed: agent.reloads_failed,
         })
@@ -257,7 +258,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
     }
     let mut entries = Samples::new(
         "lb_flow_table_entries",
-        "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as of the last sweep",
+        "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as the datapath counts them",
         Gauge,
     );
     entries.push(Labels::new(), Value::Gauge(i64::try_from(snap.flow_entries).unwrap_or(i64::MAX)));
@@ -812,7 +813,7 @@ mod tests {
             "Path packets take from an ingress interface to an egress interface (always 1; see the path label)",
             path,
         );
-        reg.register("lb_flow_table_entries", "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as of the last sweep", entries);
+        reg.register("lb_flow_table_entries", "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as the datapath counts them", entries);
         let capacity = Gauge::<i64>::default();
         capacity.set(i64::from(status.flood.flow_capacity));
         reg.register("lb_flow_table_capacity", "Flow table size (conntrack_max)", capacity);

@@ -95,7 +95,8 @@ pub struct FloodStatus {
     /// New flows per second and CPU that get a flow-table entry (0: no limit).
     pub new_flow_rate_per_cpu: u32,
     pub half_open_timeout: u32,
-    /// Flow-table entries as of the last sweep, and the table's size.
+    /// Flow-table entries now (both families, as the datapath counts them
+    /// against `conntrack_max`), and the table's size.
     pub flow_entries: u64,
     pub flow_capacity: u32,
     /// Half-open flows expired early since lbd started.
@@ -180,7 +181,10 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
         flood: FloodStatus {
             new_flow_rate_per_cpu: rate,
             half_open_timeout: agent.config.flood.half_open_timeout,
-            flow_entries: agent.flow_entries,
+            flow_entries: {
+                let (v4, v6) = dp.flow_counts()?;
+                v4 + v6
+            },
             flow_capacity: capacity,
             half_open_expired: agent.half_open_expired,
             last_sweep_ms: agent.last_sweep_ms,

@@ -84,6 +84,7 @@ fn idle_and_reset_flows_leave_and_active_counts_stay_exact() {
         let opened = wait_for(10, || (held(&lab).iter().sum::<u64>() == 30).then_some(()));
         assert!(opened.is_some(), "30 connections did not open: {:?}", held(&lab));
         assert_eq!(active(&lbd, "web"), held(&lab), "lbd's active flows are the backends' open connections");
+        assert_eq!(flow_entries(&lbd), 30, "the status counts the table's entries now, not at the last sweep");
         // Expired after the idle timeout (and a sweep), sockets still open.
         let gone = wait_for(TCP_IDLE + 4, || (active(&lbd, "web").iter().sum::<u64>() == 0).then(|| t0.elapsed()));
         let after = gone.unwrap_or_else(|| panic!("idle TCP flows did not expire: active {:?}", active(&lbd, "web")));
