@@ -289,7 +289,13 @@ pub(crate) fn put<K: SlotKey, V: Copy>(
 /// and no writer on a slot with the key's tag. Another CPU inserting the
 /// same key now takes the first free slot it sees, this same slot, and
 /// only one of the two compare-and-swaps wins; the loser probes and finds
-/// the winner's entry, as in `put`.
+/// the winner's entry, as in `put`. The one way to two entries: between
+/// this packet's lookup and its insert, another key takes the slot, the
+/// other CPU's insert of this key goes past it, and the sweeper removes
+/// that other key's entry again (a closed flow, removed after
+/// `CLOSED_LINGER` seconds at the earliest; `put` alone has the same
+/// window between its probe and its swap, a few instructions shorter).
+/// The second entry is then never found, and goes when it is idle.
 #[inline(always)]
 fn put_at<K: SlotKey, V: Copy>(
     table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
