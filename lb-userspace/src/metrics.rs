@@ -73,17 +73,14 @@ fn labels(pairs: &[(&str, &str)]) -> Labels {
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     pub status: Status,
-    pub flow_entries: u64,
     pub reloads_ok: u64,
     pub reloads_failed: u64,
 }
 
 impl Snapshot {
     pub fn of(agent: &Agent) -> Result<Self, String> {
-        let status = report::status(agent).map_err(|e| e.to_string())?;
         Ok(Self {
-            flow_entries: status.flood.flow_entries,
-            status,
+            status: report::status(agent).map_err(|e| e.to_string())?,
             reloads_ok: agent.reloads_ok,
             reloads_failed: agent.reloads_failed,
         })
@@ -261,7 +258,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as the datapath counts them",
         Gauge,
     );
-    entries.push(Labels::new(), Value::Gauge(i64::try_from(snap.flow_entries).unwrap_or(i64::MAX)));
+    entries.push(Labels::new(), Value::Gauge(i64::try_from(snap.status.flood.flow_entries).unwrap_or(i64::MAX)));
     let mut half_open = Samples::new(
         "lb_half_open_expired_flows",
         "Half-open flows (no completed handshake) expired after flood.half_open_timeout, since lbd started",
@@ -660,7 +657,7 @@ mod tests {
                 backends: vec![backend(11, 5, BackendState::Up), backend(12, 7, BackendState::Down)],
             }],
         };
-        Snapshot { status, flow_entries: 24, reloads_ok: 3, reloads_failed: 1 }
+        Snapshot { status, reloads_ok: 3, reloads_failed: 1 }
     }
 
     /// An agent with nothing configured and a datapath that reports nothing.
@@ -674,7 +671,7 @@ mod tests {
             flood: FloodStatus::default(),
             services: Vec::new(),
         };
-        Snapshot { status, flow_entries: 0, reloads_ok: 0, reloads_failed: 0 }
+        Snapshot { status, reloads_ok: 0, reloads_failed: 0 }
     }
 
     /// What a scrape of the collector writes for `snap`.
@@ -771,7 +768,7 @@ mod tests {
             .set(1);
         }
         let entries = Gauge::<i64>::default();
-        entries.set(i64::try_from(snap.flow_entries).unwrap());
+        entries.set(i64::try_from(snap.status.flood.flow_entries).unwrap());
         let reloads = Family::<Labels, Counter>::default();
         reloads.get_or_create(&labels(&[("result", "ok")])).inc_by(snap.reloads_ok);
         reloads.get_or_create(&labels(&[("result", "rejected")])).inc_by(snap.reloads_failed);

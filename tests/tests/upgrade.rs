@@ -24,27 +24,55 @@ use lb_tests::{
 
 /// The old release's lbd: where `cargo xtask test` built it.
 fn old_lbd(lab: &Lab) -> PathBuf {
-    let path = std::env::var_os("LB_UPGRADE_FROM_LBD")
-        .map_or_else(|| lab.spec.bin_dir.join("../upgrade-from/target/debug/lbd"), PathBuf::from);
-    assert!(
-        path.exists(),
-        "{} is missing: the upgrade test needs the old release's lbd, which `cargo xtask test` builds",
-        path.display()
-    );
-    path
+    release_lbd(lab, "LB_UPGRADE_FROM_LBD", "upgrade-from", "the old release's")
 }
 
 /// The layout-2 release's lbd (flows in kernel hash maps): where `cargo
 /// xtask test` built it.
 fn v2_lbd(lab: &Lab) -> PathBuf {
-    let path = std::env::var_os("LB_UPGRADE_FROM_V2_LBD")
-        .map_or_else(|| lab.spec.bin_dir.join("../upgrade-from-v2/target/debug/lbd"), PathBuf::from);
+    release_lbd(lab, "LB_UPGRADE_FROM_V2_LBD", "upgrade-from-v2", "the layout-2 release's")
+}
+
+/// An older release's lbd, which `cargo xtask test` builds into
+/// target/`dir` and names in the environment variable `var`.
+fn release_lbd(lab: &Lab, var: &str, dir: &str, what: &str) -> PathBuf {
+    let path = std::env::var_os(var)
+        .map_or_else(|| lab.spec.bin_dir.join(format!("../{dir}/target/debug/lbd")), PathBuf::from);
     assert!(
         path.exists(),
-        "{} is missing: the upgrade test needs the layout-2 release's lbd, which `cargo xtask test` builds",
+        "{} is missing: the upgrade test needs {what} lbd, which `cargo xtask test` builds",
         path.display()
     );
     path
+}
+
+/// An older release's lbd (`release`), copied to `/tmp/<prefix>-bin/lbd`,
+/// where an upgrade replaces it, and started on a fresh lab with the web
+/// service scheduled round robin: a flow hashed to another backend in the
+/// switch-over would break, so the tests see it.
+struct Staged {
+    lab: Lab,
+    lbd: Lbd,
+    sock: PathBuf,
+    config: PathBuf,
+    bin: PathBuf,
+    exe: PathBuf,
+    maps: PathBuf,
+}
+
+fn start_release(prefix: &str, release: fn(&Lab) -> PathBuf) -> Staged {
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
+    let sock = socket_for(prefix);
+    let config =
+        write_config(&config_dir(prefix), "lbd", &sock, &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]))
+            .unwrap();
+    let bin = PathBuf::from(format!("/tmp/{prefix}-bin"));
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = bin.join("lbd");
+    std::fs::copy(release(&lab), &exe).unwrap();
+    let maps = lab.pin_dir().join("maps");
+    let lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
+    Staged { lab, lbd, sock, config, bin, exe, maps }
 }
 
 /// The XDP program on the gateway's `eth0`, by id (the kernel's view,
@@ -70,20 +98,7 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     let _serial = serial();
     lb_tests::require_root().expect("needs root");
     let prefix = "lbt-upgrade";
-    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
-    let sock = socket_for(prefix);
-    // Round robin: a flow hashed to another backend in the switch-over
-    // would break, so the test sees it.
-    let config =
-        write_config(&config_dir(prefix), "lbd", &sock, &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]))
-            .unwrap();
-    let bin = PathBuf::from(format!("/tmp/{prefix}-bin"));
-    std::fs::create_dir_all(&bin).unwrap();
-    let exe = bin.join("lbd");
-    std::fs::copy(old_lbd(&lab), &exe).unwrap();
-    let maps = lab.pin_dir().join("maps");
-
-    let mut lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
+    let Staged { lab, mut lbd, sock, config, bin, exe, maps } = start_release(prefix, old_lbd);
     assert!(!maps.join("LAYOUT").exists(), "the old release pins no layout version");
     assert!(lbd.status().unwrap().get("flood").is_none(), "not the old release");
     lab.reset_backend_counts().unwrap();
@@ -220,19 +235,7 @@ fn an_upgrade_killed_while_migrating_is_migrated_again_by_the_next_start() {
 fn an_upgrade_from_kernel_hash_flow_tables_keeps_every_flow() {
     let _serial = serial();
     lb_tests::require_root().expect("needs root");
-    let prefix = "lbt-upgrade2";
-    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
-    let sock = socket_for(prefix);
-    let config =
-        write_config(&config_dir(prefix), "lbd", &sock, &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]))
-            .unwrap();
-    let bin = PathBuf::from(format!("/tmp/{prefix}-bin"));
-    std::fs::create_dir_all(&bin).unwrap();
-    let exe = bin.join("lbd");
-    std::fs::copy(v2_lbd(&lab), &exe).unwrap();
-    let maps = lab.pin_dir().join("maps");
-
-    let mut lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
+    let Staged { lab, mut lbd, bin, exe, maps, .. } = start_release("lbt-upgrade2", v2_lbd);
     assert_eq!(pinned_layout(&maps), 2, "not the layout-2 release");
     assert!(maps.join("FLOWS").exists() && !maps.join("FLOW_SLOTS").exists(), "not the layout-2 release's maps");
     lab.reset_backend_counts().unwrap();

@@ -282,16 +282,25 @@ fn adopted_size(
 /// would size it otherwise.
 fn adopted_slots(map: &aya::maps::MapData, configured: u32) -> Result<u32, DataplaneError> {
     let slots = map.info().map_err(map_err(names::FLOWS))?.max_entries().saturating_mul(SLOT_BUCKET);
-    if slots == flow_slots(configured) {
-        return Ok(configured);
+    let limit = flow_limit(slots, configured);
+    if limit == configured {
+        return Ok(limit);
     }
     warn!(
         map = names::FLOWS,
         slots,
         "the adopted flow table has {slots} slots, room for {} flows where the config's conntrack_max says {configured}: it keeps its size until a clean stop (SIGTERM) and a fresh start",
-        slots / 2
+        limit
     );
-    Ok(slots / 2)
+    Ok(limit)
+}
+
+/// The entries a flow table of `slots` slots may hold: the config's
+/// `conntrack_max` when the table was made for it, otherwise (a table
+/// adopted from an lbd that ran with another size) half its slots. The
+/// datapath's `FLOW_LIMIT` and lbd's reports both follow this.
+fn flow_limit(slots: u32, configured: u32) -> u32 {
+    if slots == flow_slots(configured) { configured } else { slots / 2 }
 }
 
 /// A slot's index and contents.
@@ -521,7 +530,7 @@ impl Dataplane {
         let (mask4, mask6) = (slots4 - 1, slots6 - 1);
         // Entries each table may hold: the config's conntrack_max, or, for
         // an adopted table of another size, half its slots.
-        let limit = if slots4 == flow_slots(config.conntrack_max) { config.conntrack_max } else { slots4 / 2 };
+        let limit = flow_limit(slots4, config.conntrack_max);
         loader
             .map_max_entries(names::FLOWS, slots4 / SLOT_BUCKET)
             .map_max_entries(names::FLOWS6, slots6 / SLOT_BUCKET)
