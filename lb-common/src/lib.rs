@@ -159,6 +159,7 @@ pub mod maps {
     pub const PROGS: &str = "PROGS";
     pub const KEYS6: &str = "KEYS6";
     pub const FLOW_COUNT: &str = "FLOW_COUNT";
+    pub const FLOW_SEED: &str = "FLOW_SEED";
 
     /// Maps that older builds pinned and this one has no use for: removed
     /// from the pin path once this build's program is attached: the
@@ -168,7 +169,7 @@ pub mod maps {
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 29] = [
+    pub const ALL: [&str; 30] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -198,6 +199,7 @@ pub mod maps {
         KEYS6,
         CLOCK,
         FLOW_COUNT,
+        FLOW_SEED,
     ];
 
     /// `a == b`, usable in a constant (the datapath's compile-time check).
@@ -322,7 +324,12 @@ pub mod counter {
 /// (every lbd before versions existed). Bump it whenever any of those
 /// changes, and teach `lb-userspace`'s `dataplane::layout` to migrate from
 /// the previous one.
-pub const LAYOUT_VERSION: u32 = 3;
+///
+/// 1: flows in an LRU hash; 2: flows in preallocated kernel hash maps;
+/// 3: flows in slots of the datapath's own table ([`Slot`]); 4: the same
+/// slots, placed by a hash seeded per datapath ([`SlotKey::slot_hash`],
+/// the seed kept in `FLOW_SEED`).
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// Flood protection, read by the datapath (`FLOOD`, one entry), written by
 /// lbd from the config.
@@ -643,19 +650,26 @@ pub const fn flow_slots(conntrack_max: u32) -> u32 {
 
 /// A flow-table key: hashed to its slots, compared as whole words.
 pub trait SlotKey: Copy {
-    /// 64 bits: the low 32 pick the first slot, the high 32 are the tag.
-    fn slot_hash(&self) -> u64;
+    /// 64 bits under the table's `seed`: the low 32 pick the first slot,
+    /// the high 32 are the tag.
+    fn slot_hash(&self, seed: u64) -> u64;
     /// Equal keys, word by word (no memcmp: BPF has none).
     fn same(&self, other: &Self) -> bool;
 }
 
-/// The slot hash of `n` 8-byte words: a multiply-xorshift mix per word.
-/// (Not seeded: a client that aims its 5-tuples at one probe sequence
-/// fills those 32 slots, and its further flows go without an entry,
-/// routed by consistent hash; other flows are not affected.)
+/// The slot hash of `n` 8-byte words: a multiply-xorshift mix per word,
+/// from a state that starts at `seed`. Each datapath draws its seed at
+/// random when it makes its flow tables (kept in `FLOW_SEED` for the next
+/// lbd that adopts them), so where a 5-tuple lands is not known outside
+/// the gateway: a client cannot aim its flows at one probe sequence, fill
+/// its [`SLOT_PROBES`] slots and leave later flows there without an entry,
+/// as it could with a fixed hash read from this source. (Not a keyed
+/// cryptographic hash: a few multiplies per word is what a packet can
+/// afford; the kernel's own hash maps take the same approach, a random
+/// seed to jhash.)
 #[inline(always)]
-fn slot_mix(words: &[u64]) -> u64 {
-    let mut h: u64 = 0x2545_f491_4f6c_dd1d;
+fn slot_mix(words: &[u64], seed: u64) -> u64 {
+    let mut h: u64 = 0x2545_f491_4f6c_dd1d ^ seed;
     let mut i = 0;
     while i < words.len() {
         h = (h ^ words[i]).wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -678,8 +692,8 @@ impl FlowKey {
 
 impl SlotKey for FlowKey {
     #[inline(always)]
-    fn slot_hash(&self) -> u64 {
-        slot_mix(&self.words())
+    fn slot_hash(&self, seed: u64) -> u64 {
+        slot_mix(&self.words(), seed)
     }
     #[inline(always)]
     fn same(&self, other: &Self) -> bool {
@@ -700,8 +714,8 @@ impl FlowKey6 {
 
 impl SlotKey for FlowKey6 {
     #[inline(always)]
-    fn slot_hash(&self) -> u64 {
-        slot_mix(&self.words())
+    fn slot_hash(&self, seed: u64) -> u64 {
+        slot_mix(&self.words(), seed)
     }
     #[inline(always)]
     fn same(&self, other: &Self) -> bool {
@@ -1078,8 +1092,8 @@ mod tests {
         assert!(k.same(&{ k }));
         for o in others {
             assert!(!k.same(&o), "{o:?}");
-            assert_ne!(k.slot_hash(), o.slot_hash(), "{o:?}");
-            assert_ne!(k.slot_hash() >> 32, o.slot_hash() >> 32, "tag of {o:?}");
+            assert_ne!(k.slot_hash(0), o.slot_hash(0), "{o:?}");
+            assert_ne!(k.slot_hash(0) >> 32, o.slot_hash(0) >> 32, "tag of {o:?}");
         }
         let k6 = FlowKey6 {
             src_addr: [1, 2, 3, 4],
@@ -1098,7 +1112,7 @@ mod tests {
                 [a, b, FlowKey6 { src_port: 9, ..k6 }, FlowKey6 { dst_port: 9, ..k6 }, FlowKey6 { proto: 17, ..k6 }]
             {
                 assert!(!k6.same(&o), "{o:?}");
-                assert_ne!(k6.slot_hash(), o.slot_hash(), "{o:?}");
+                assert_ne!(k6.slot_hash(0), o.slot_hash(0), "{o:?}");
             }
         }
         assert!(k6.same(&{ k6 }));
@@ -1119,9 +1133,53 @@ mod tests {
                 proto: 6,
                 _pad: [0; 3],
             };
-            hits[(k.slot_hash() as u32 & 0xffff) as usize] += 1;
+            hits[(k.slot_hash(0x5eed) as u32 & 0xffff) as usize] += 1;
         }
         assert!(*hits.iter().max().unwrap() <= 8, "max {}", hits.iter().max().unwrap());
+    }
+
+    /// Flows aimed at one probe sequence under one seed (what a client
+    /// that knows the hash could send: 64 tuples with the same first slot
+    /// of a 2^16-slot table under seed 0) are spread by another: under
+    /// seed 1 or a random-looking seed, no run of [`SLOT_PROBES`] slots
+    /// is the first slot of more than 3 of them, and their tags differ.
+    #[test]
+    fn slot_hash_under_another_seed_spreads_tuples_aimed_at_one_slot() {
+        let mask = (1u32 << 16) - 1;
+        let key = |src_addr: u32, src_port: u16| FlowKey {
+            src_addr,
+            dst_addr: 0x0a0a_0064,
+            src_port,
+            dst_port: 80,
+            proto: 6,
+            _pad: [0; 3],
+        };
+        let target = key(0x0a0a_0101, 1).slot_hash(0) as u32 & mask;
+        let mut aimed = [key(0, 0); 64];
+        let mut n = 0;
+        'search: for addr in 0x0a0a_0101..0x0a0a_01ffu32 {
+            for port in 1..=u16::MAX {
+                let k = key(addr, port);
+                if k.slot_hash(0) as u32 & mask == target {
+                    aimed[n] = k;
+                    n += 1;
+                    if n == aimed.len() {
+                        break 'search;
+                    }
+                }
+            }
+        }
+        assert_eq!(n, 64);
+        for seed in [1u64, 0x9c4f_1d2e_73a8_b605] {
+            let homes = aimed.map(|k| k.slot_hash(seed) as u32 & mask);
+            let crowd = homes
+                .iter()
+                .map(|&start| homes.iter().filter(|&&h| h.wrapping_sub(start) & mask < SLOT_PROBES).count())
+                .max()
+                .unwrap();
+            assert!(crowd <= 3, "seed {seed:#x}: {crowd} of the 64 start in one run of {SLOT_PROBES} slots");
+            assert!(aimed.iter().all(|k| k.slot_hash(seed) >> 32 != k.slot_hash(0) >> 32));
+        }
     }
 
     #[test]

@@ -77,6 +77,19 @@ pub(crate) fn flow_limit() -> u32 {
     unsafe { core::ptr::read_volatile(&raw const FLOW_LIMIT) }
 }
 
+/// The seed of the flow tables' slot hash (`lb_common::SlotKey`), set by
+/// lbd when it loads the program (read-only data, as the masks): drawn at
+/// random for new tables, the pinned `FLOW_SEED` for adopted ones.
+#[unsafe(no_mangle)]
+static FLOW_HASH_SEED: u64 = 0;
+
+/// The flow tables' hash seed.
+#[inline(always)]
+pub(crate) fn flow_seed() -> u64 {
+    // SAFETY: as `flow_mask`.
+    unsafe { core::ptr::read_volatile(&raw const FLOW_HASH_SEED) }
+}
+
 /// `FLOW_SLOTS`' size - 1, set by lbd when it loads the program (a
 /// constant to the verifier and the JIT: read-only data).
 #[unsafe(no_mangle)]
@@ -175,6 +188,12 @@ pub(crate) static CLOCK: PerCpuArray<ClockCache> = PerCpuArray::with_max_entries
 #[map]
 pub(crate) static LAYOUT: Array<u32> = Array::with_max_entries(1, 0);
 
+/// The flow tables' hash seed (`FLOW_HASH_SEED`), written by lbd when it
+/// creates the tables, so that the next lbd that adopts them loads its
+/// program with the same one; never read by the datapath.
+#[map]
+pub(crate) static FLOW_SEED: Array<u64> = Array::with_max_entries(1, 0);
+
 /// IPv6 (VIP, port, protocol) -> service (the `Service` value is the same
 /// as IPv4's: the selection tables are shared).
 #[map]
@@ -243,4 +262,5 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::KEYS6, stringify!(K
 // ... and userspace knows every map.
 const _: () = assert!(lb_common::maps::same(lb_common::maps::CLOCK, stringify!(CLOCK)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOW_COUNT, stringify!(FLOW_COUNT)));
-const _: () = assert!(lb_common::maps::ALL.len() == 29);
+const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOW_SEED, stringify!(FLOW_SEED)));
+const _: () = assert!(lb_common::maps::ALL.len() == 30);

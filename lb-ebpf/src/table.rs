@@ -50,7 +50,7 @@ use lb_common::{
     SLOT_TOMB, Slot, SlotKey,
 };
 
-use crate::maps::{FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_mask, flow_mask6};
+use crate::maps::{FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_mask, flow_mask6, flow_seed};
 
 /// Reads of a claim a writer holds (`SLOT_BUSY`) before an insert gives
 /// up on that slot: the writer is another CPU between two instructions
@@ -74,7 +74,7 @@ pub(crate) fn slot_at<K, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, a
 /// key's tag (maybe this very key: the full insert waits for it).
 #[inline(always)]
 pub(crate) fn find<K: SlotKey, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, mask: u32, key: &K) -> u32 {
-    let h = key.slot_hash();
+    let h = key.slot_hash(flow_seed());
     let want = (h & SLOT_TAG) | SLOT_READY;
     let writer = (h & SLOT_TAG) | SLOT_BUSY;
     let start = h as u32;
@@ -208,7 +208,7 @@ pub(crate) fn put<K: SlotKey, V: Copy>(
     {
         return done;
     }
-    let h = key.slot_hash();
+    let h = key.slot_hash(flow_seed());
     // The tag alone (a claim's high half), compared with a claim's state
     // bits apart: tag-and-state words kept for the comparisons would take
     // two more stack slots.
@@ -306,7 +306,7 @@ fn put_at<K: SlotKey, V: Copy>(
     replace: bool,
     hint: u32,
 ) -> Option<Put> {
-    let tag = key.slot_hash() & SLOT_TAG;
+    let tag = key.slot_hash(flow_seed()) & SLOT_TAG;
     let (at, old, fresh) = if hint & MISS == 0 {
         if !replace {
             return Some(Put::Exists);
@@ -437,7 +437,7 @@ pub(crate) fn remove_if<K: SlotKey, V>(
     unchanged: impl Fn(*const V) -> bool,
 ) -> bool {
     let Some(slot) = slot_at(table, at & mask) else { return false };
-    let want = (key.slot_hash() & SLOT_TAG) | SLOT_READY;
+    let want = (key.slot_hash(flow_seed()) & SLOT_TAG) | SLOT_READY;
     // SAFETY: a valid map value; claim and key read as in `get`.
     unsafe {
         let claim = read_volatile(&raw const (*slot).claim);

@@ -854,7 +854,8 @@ fn colliding_flows_and_removed_slots_keep_every_flow_on_its_backend() {
                 c.flood.new_flow_rate_per_cpu = Some(0);
             });
         let mask = lb_common::flow_slots(16) - 1;
-        let home = |k: &lb_common::FlowKey| k.slot_hash() as u32 & mask;
+        let seed = fx.dp.flow_seed();
+        let home = |k: &lb_common::FlowKey| k.slot_hash(seed) as u32 & mask;
 
         // Three flows with the same first slot take it and the two after
         // it; the middle one is reset and swept, and its slot, between the
@@ -932,6 +933,44 @@ fn colliding_flows_and_removed_slots_keep_every_flow_on_its_backend() {
             assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, ACK | PSH).bytes()), b, "flow {p}");
         }
         assert_eq!(fx.counter("table_full"), full + 1, "an established flow lost its entry");
+    });
+}
+
+/// Where a flow's entry goes depends on a seed drawn per datapath: 48
+/// client ports whose first slots, under the hash as this source spells
+/// it with no seed, are two neighbouring slots of a 2,048-slot table (what
+/// a client that read the source would send to crowd one probe sequence,
+/// 32 slots long: unseeded, 14 or more of them would find no slot) all get
+/// entries, found where the datapath put them, and keep their backends.
+#[test]
+fn flows_aimed_at_one_probe_sequence_of_the_unseeded_hash_all_get_entries() {
+    in_netns(|| {
+        let backends = [(BACKEND, 8080), (BACKEND_UNRESOLVED, 8080), (THIRD, 8080)];
+        let mut fx =
+            Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
+                c.conntrack_max = 1024;
+                c.flood.new_flow_rate_per_cpu = Some(0);
+            });
+        let mask = lb_common::flow_slots(1024) - 1;
+        assert_eq!(mask, 2047);
+        let unseeded = |p: u16| key4(p).slot_hash(0) as u32 & mask;
+        let target = unseeded(1024);
+        let aimed: Vec<u16> =
+            (1024..u16::MAX).filter(|&p| unseeded(p).wrapping_sub(target) & mask < 2).take(48).collect();
+        assert_eq!(aimed.len(), 48);
+        let seed = fx.dp.flow_seed();
+        let full = fx.counter("table_full");
+        let flows: Vec<(u16, Ipv4Addr)> = aimed.iter().map(|&p| (p, handshake(&fx, p, 80, 8080))).collect();
+        assert_eq!(fx.counter("table_full"), full, "a flow aimed at one probe sequence found no slot (seed {seed:#x})");
+        assert_eq!(fx.entries(), 48);
+        for &(p, b) in &flows {
+            let at = fx.dp.flow_slot(&key4(p)).unwrap().expect("every aimed flow has an entry");
+            assert!(
+                at.wrapping_sub(key4(p).slot_hash(seed) as u32) & mask < lb_common::SLOT_PROBES,
+                "flow {p} in slot {at}, outside its probe sequence under the datapath's seed"
+            );
+            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, ACK | PSH).bytes()), b, "flow {p}");
+        }
     });
 }
 

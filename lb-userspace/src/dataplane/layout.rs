@@ -6,14 +6,15 @@
 //! existed have no such map and are version 1. lbd reads the version before
 //! it opens any other pinned map, and then:
 //! - the same version: adopts the maps as they are;
-//! - an older version it knows (1 or 2): migrates. The old maps are moved
-//!   aside (`maps` -> `maps-v1`: a rename on bpffs, which reserves names
-//!   with a dot; the running program keeps using them), fresh maps of this
-//!   layout are created and pinned, and what the old ones hold is copied
-//!   over, converted: services, backends, counters, endpoints and every
-//!   flow (layouts 1 and 2 kept flows in kernel hash maps named `FLOWS`
-//!   and `FLOWS6`; layout 3 in slots of its own, filled through the
-//!   datapath's insert). The services' tables are rebuilt by the
+//! - an older version it knows (1, 2 or 3): migrates. The old maps are
+//!   moved aside (`maps` -> `maps-v1`: a rename on bpffs, which reserves
+//!   names with a dot; the running program keeps using them), fresh maps
+//!   of this layout are created and pinned, and what the old ones hold is
+//!   copied over, converted: services, backends, counters, endpoints and
+//!   every flow, through the new datapath's insert (layouts 1 and 2 kept
+//!   flows in kernel hash maps named `FLOWS` and `FLOWS6`; layout 3 in
+//!   slots of its own placed by an unseeded hash, which layout 4 seeds at
+//!   random per datapath, so every entry moves). The services' tables are rebuilt by the
 //!   first `apply`, before anything is attached. Attaching then swaps the
 //!   program in on its pinned links (one atomic link update per
 //!   interface), and [`Dataplane::finish_migration`] copies the flows the
@@ -32,7 +33,8 @@ use std::{
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
 use lb_common::{
     Backend, BackendStats, Conns, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6, FlowKey, FlowKey6,
-    LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, Service, Vip6Key, VipKey, flow_closed, maps as names,
+    LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot, Vip6Key, VipKey,
+    flow_closed, maps as names,
 };
 use tracing::{info, warn};
 
@@ -41,6 +43,34 @@ use super::{Dataplane, DataplaneError, batch, map_err};
 /// The flow tables' pin names in layouts 1 and 2 (kernel hash maps).
 pub(super) const OLD_FLOWS: &str = "FLOWS";
 pub(super) const OLD_FLOWS6: &str = "FLOWS6";
+
+/// The IPv4 flow table's pin name in layout `version`.
+fn flows_name(version: u32) -> &'static str {
+    if version <= 2 { OLD_FLOWS } else { names::FLOWS }
+}
+
+/// The IPv6 flow table's pin name in layout `version` (2 on).
+fn flows6_name(version: u32) -> &'static str {
+    if version <= 2 { OLD_FLOWS6 } else { names::FLOWS6 }
+}
+
+/// Layout 3's flow-table slots: the same bytes as layout 4's (only where
+/// an entry sits changed: its hash was not seeded), spelled out as the
+/// old types are.
+type BucketV3 = [Slot<FlowKey, Flow>; SLOT_BUCKET as usize];
+type Bucket6V3 = [Slot<FlowKey6, Flow6>; SLOT_BUCKET as usize];
+
+/// Old maps a migration moved aside under `pin` and did not finish with
+/// (their flow table is still there): their layout and directory.
+pub(super) fn aside_with_flows(pin: &Path) -> Option<(u32, PathBuf)> {
+    (1..LAYOUT_VERSION).map(|v| (v, aside_dir(pin, v))).find(|(v, d)| d.join(flows_name(*v)).exists())
+}
+
+/// The flow tables' hash seed pinned in `maps_dir` (layout 4 on).
+pub(super) fn pinned_seed(maps_dir: &Path) -> Result<u64, DataplaneError> {
+    let seed: Array<MapData, u64> = open(&maps_dir.join(names::FLOW_SEED), names::FLOW_SEED)?;
+    seed.get(&0, 0).map_err(map_err(names::FLOW_SEED))
+}
 
 /// Seconds the new datapath holds TCP packets that find no entry while
 /// a migration finishes (`lb_common::Flood::hold_until`).
@@ -77,7 +107,7 @@ pub(super) fn unfinished(pin: &Path, maps_dir: &Path) -> Result<Option<Unfinishe
     if version.is_some_and(|v| v != 0) {
         return Ok(None);
     }
-    if let Some(aside) = (1..LAYOUT_VERSION).map(|v| aside_dir(pin, v)).find(|d| d.join(OLD_FLOWS).exists()) {
+    if let Some((_, aside)) = aside_with_flows(pin) {
         return Ok(Some(Unfinished::Migration(aside)));
     }
     if version.is_none() {
@@ -99,7 +129,7 @@ pub(super) fn unfinished(pin: &Path, maps_dir: &Path) -> Result<Option<Unfinishe
 pub(super) fn judge(found: u32, pin: &Path) -> Result<bool, DataplaneError> {
     match found {
         LAYOUT_VERSION => Ok(false),
-        1 | 2 => Ok(true),
+        1..LAYOUT_VERSION => Ok(true),
         v if v > LAYOUT_VERSION => Err(DataplaneError::Layout(format!(
             "the datapath pinned at {} has map layout version {v}, newer than this lbd's ({LAYOUT_VERSION}); \
              nothing was changed. Run the lbd version that pinned it, or, to start over without its flows, \
@@ -109,9 +139,10 @@ pub(super) fn judge(found: u32, pin: &Path) -> Result<bool, DataplaneError> {
         ))),
         v => Err(DataplaneError::Layout(format!(
             "the datapath pinned at {} has map layout version {v}, which this lbd cannot migrate \
-             (it migrates from versions 1 and 2); nothing was changed. Upgrade through a release that knows it, \
+             (it migrates from versions 1 to {}); nothing was changed. Upgrade through a release that knows it, \
              or, to start over without its flows, stop that lbd, remove {} and start this one",
             pin.display(),
+            LAYOUT_VERSION - 1,
             pin.display()
         ))),
     }
@@ -197,10 +228,28 @@ impl Migration {
 /// The flow tables of the layout-`from` maps in `dir`: IPv4's, and
 /// IPv6's from layout 2 on.
 fn old_flow_maps(from: u32, dir: &Path) -> Result<(MapData, Option<MapData>), DataplaneError> {
-    let flows = MapData::from_pin(dir.join(OLD_FLOWS)).map_err(map_err(names::FLOWS))?;
-    let flows6 =
-        if from >= 2 { Some(MapData::from_pin(dir.join(OLD_FLOWS6)).map_err(map_err(names::FLOWS6))?) } else { None };
+    let flows = MapData::from_pin(dir.join(flows_name(from))).map_err(map_err(names::FLOWS))?;
+    let flows6 = if from >= 2 {
+        Some(MapData::from_pin(dir.join(flows6_name(from))).map_err(map_err(names::FLOWS6))?)
+    } else {
+        None
+    };
     Ok((flows, flows6))
+}
+
+/// Every whole entry (key and value) of a layout-3 flow table `fd`, its
+/// elements read in batches. An entry being written as it is read is left
+/// out; the copy after the program swap takes it.
+fn slot_entries<K: Copy, V: Copy, B: aya::Pod + AsRef<[Slot<K, V>]>>(
+    fd: std::os::fd::BorrowedFd<'_>,
+    map: &'static str,
+) -> Result<Vec<(K, V)>, DataplaneError> {
+    let mut out = Vec::new();
+    batch::for_each::<u32, B>(fd, |_, bucket| {
+        out.extend(bucket.as_ref().iter().filter(|s| s.claim & SLOT_STATE == SLOT_READY).map(|s| (s.key, s.value)));
+    })
+    .map_err(|source| DataplaneError::Batch { map, source })?;
+    Ok(out)
 }
 
 impl Dataplane {
@@ -209,8 +258,12 @@ impl Dataplane {
     /// made stands. Returns how many were copied.
     fn copy_flows(&self, from: u32, old: &MapData, old6: Option<&MapData>) -> Result<u64, DataplaneError> {
         let mut flows: Vec<(FlowKey, Flow)> = Vec::new();
-        batch::for_each::<FlowKey, Flow>(old.fd().as_fd(), |k, f| flows.push((*k, *f)))
-            .map_err(|source| DataplaneError::Batch { map: names::FLOWS, source })?;
+        if from >= 3 {
+            flows = slot_entries::<FlowKey, Flow, BucketV3>(old.fd().as_fd(), names::FLOWS)?;
+        } else {
+            batch::for_each::<FlowKey, Flow>(old.fd().as_fd(), |k, f| flows.push((*k, *f)))
+                .map_err(|source| DataplaneError::Batch { map: names::FLOWS, source })?;
+        }
         if from == 1 {
             for (_, f) in &mut flows {
                 // Layout 1 did not track handshakes: an open flow it knew
@@ -225,8 +278,12 @@ impl Dataplane {
         let mut done = self.insert_flows(&flows)?;
         if let Some(old6) = old6 {
             let mut flows6: Vec<(FlowKey6, Flow6)> = Vec::new();
-            batch::for_each::<FlowKey6, Flow6>(old6.fd().as_fd(), |k, f| flows6.push((*k, *f)))
-                .map_err(|source| DataplaneError::Batch { map: names::FLOWS6, source })?;
+            if from >= 3 {
+                flows6 = slot_entries::<FlowKey6, Flow6, Bucket6V3>(old6.fd().as_fd(), names::FLOWS6)?;
+            } else {
+                batch::for_each::<FlowKey6, Flow6>(old6.fd().as_fd(), |k, f| flows6.push((*k, *f)))
+                    .map_err(|source| DataplaneError::Batch { map: names::FLOWS6, source })?;
+            }
             let d6 = self.insert_flows6(&flows6)?;
             done.inserted += d6.inserted;
             done.no_room += d6.no_room;
@@ -240,7 +297,7 @@ impl Dataplane {
         Ok(done.inserted)
     }
 
-    /// Copy what the set-aside maps of layout `from` (1 or 2) in `dir` hold
+    /// Copy what the set-aside maps of layout `from` (1 to 3) in `dir` hold
     /// into this datapath's fresh maps (see the module documentation).
     pub(super) fn migrate_from(&mut self, from: u32, dir: &Path) -> Result<Migration, DataplaneError> {
         let at = |name: &str| dir.join(name);

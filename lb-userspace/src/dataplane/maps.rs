@@ -137,6 +137,7 @@ pub(super) struct Maps {
     /// Written only by the datapath (per-CPU new-flow counts).
     pub(super) _new_flow_rate: PerCpuArray<MapData, RateWindow>,
     pub(super) layout: Array<MapData, u32>,
+    pub(super) flow_seed: Array<MapData, u64>,
     /// The datapath's per-CPU scratch entry; held so that every map is
     /// taken and checked at load.
     pub(super) _scratch: PerCpuArray<MapData, Flow>,
@@ -180,6 +181,7 @@ impl Maps {
             flood: take(ebpf, names::FLOOD)?,
             _new_flow_rate: take(ebpf, names::NEW_FLOW_RATE)?,
             layout: take(ebpf, names::LAYOUT)?,
+            flow_seed: take(ebpf, names::FLOW_SEED)?,
             _scratch: take(ebpf, names::SCRATCH)?,
             vips6: take(ebpf, names::VIPS6)?,
             vip_addrs6: take(ebpf, names::VIP_ADDRS6)?,

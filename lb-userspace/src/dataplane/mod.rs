@@ -113,6 +113,8 @@ pub enum DataplaneError {
     Ids { what: &'static str },
     #[error("reading CPU count: {0}")]
     Cpus(std::io::Error),
+    #[error("drawing the flow tables' hash seed (getrandom): {0}")]
+    Random(std::io::Error),
     #[error("{0}")]
     Bpffs(String),
     #[error(
@@ -232,6 +234,8 @@ pub struct Dataplane {
     /// (`set_maglev_seed`).
     maglev_seed: u64,
     conntrack_max: u32,
+    /// The flow tables' slot-hash seed (the program's `FLOW_HASH_SEED`).
+    flow_seed: u64,
     /// A migration from an older pinned layout, finished after attaching.
     migration: Option<layout::Migration>,
     /// Whether this process swapped its program into a link a previous
@@ -303,6 +307,18 @@ fn flow_limit(slots: u32, configured: u32) -> u32 {
     if slots == flow_slots(configured) { configured } else { slots / 2 }
 }
 
+/// 64 random bits from the kernel (getrandom(2)), for a new flow table's
+/// hash seed.
+fn random_seed() -> Result<u64, DataplaneError> {
+    let mut b = [0u8; 8];
+    let mut filled = 0;
+    while filled < b.len() {
+        filled += rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| DataplaneError::Random(e.into()))?;
+    }
+    Ok(u64::from_ne_bytes(b))
+}
+
 /// A slot's index and contents.
 type Found<K, V> = Option<(u32, Slot<K, V>)>;
 
@@ -310,13 +326,14 @@ type Found<K, V> = Option<(u32, Slot<K, V>)>;
 /// datapath finds it (`lb-ebpf/src/table.rs`), a syscall per element read.
 fn find_slot<K: SlotKey + aya::Pod, V: aya::Pod>(
     table: &aya::maps::Array<aya::maps::MapData, [Slot<K, V>; SLOT_BUCKET as usize]>,
+    seed: u64,
     key: &K,
 ) -> Result<Found<K, V>, MapError>
 where
     [Slot<K, V>; SLOT_BUCKET as usize]: aya::Pod,
 {
     let mask = table.len() * SLOT_BUCKET - 1;
-    let h = key.slot_hash();
+    let h = key.slot_hash(seed);
     let want = (h & SLOT_TAG) | SLOT_READY;
     let mut read: Option<(u32, [Slot<K, V>; SLOT_BUCKET as usize])> = None;
     for j in 0..SLOT_PROBES {
@@ -484,9 +501,7 @@ impl Dataplane {
                         .map_err(|source| DataplaneError::Pin { path: aside.clone(), source })?;
                     migrate_from = Some((found, aside));
                 } else {
-                    resume_from = (1..LAYOUT_VERSION)
-                        .map(|v| (v, layout::aside_dir(pin, v)))
-                        .find(|(_, d)| d.join(layout::OLD_FLOWS).exists());
+                    resume_from = layout::aside_with_flows(pin);
                 }
             }
             std::fs::create_dir_all(maps_dir)
@@ -531,7 +546,19 @@ impl Dataplane {
         // Entries each table may hold: the config's conntrack_max, or, for
         // an adopted table of another size, half its slots.
         let limit = flow_limit(slots4, config.conntrack_max);
+        // The slot hash's seed: adopted tables keep theirs (a program with
+        // another would not find their entries); new tables, a migration's
+        // included, get one drawn at random.
+        let pinned_seed = match (&maps_dir, adopting && migrate_from.is_none()) {
+            (Some(dir), true) => Some(layout::pinned_seed(dir)?),
+            _ => None,
+        };
+        let seed = match pinned_seed {
+            Some(seed) => seed,
+            None => random_seed()?,
+        };
         loader
+            .override_global("FLOW_HASH_SEED", &seed, true)
             .map_max_entries(names::FLOWS, slots4 / SLOT_BUCKET)
             .map_max_entries(names::FLOWS6, slots6 / SLOT_BUCKET)
             .override_global("FLOW_SLOT_MASK", &mask4, true)
@@ -541,7 +568,7 @@ impl Dataplane {
         match (&migrate_from, &maps_dir) {
             (Some((from, aside)), Some(maps_dir)) => {
                 let dp = loaded.and_then(|(ebpf, ncpus)| {
-                    Self::build(config, pin, ebpf, ncpus, true, Some((*from, aside.as_path())), None)
+                    Self::build(config, pin, ebpf, ncpus, seed, true, Some((*from, aside.as_path())), None)
                 });
                 if dp.is_err() {
                     let _ = layout::put_back(maps_dir, aside);
@@ -559,7 +586,7 @@ impl Dataplane {
                     }
                 })?;
                 let resume = resume_from.as_ref().map(|(v, d)| (*v, d.as_path()));
-                Self::build(config, pin, ebpf, ncpus, adopting, None, resume)
+                Self::build(config, pin, ebpf, ncpus, seed, adopting, None, resume)
             }
         }
     }
@@ -581,15 +608,18 @@ impl Dataplane {
         Ok((ebpf, ncpus))
     }
 
-    /// The datapath around a loaded program: maps taken, flood settings
-    /// and layout version written, old maps migrated from (`migrate_from`)
-    /// or a stopped migration's flows to copy again (`resume_from`), then
-    /// the pinned state adopted.
+    /// The datapath around a loaded program: maps taken, flood settings,
+    /// the flow tables' hash seed (`flow_seed`, what the program was
+    /// loaded with) and layout version written, old maps migrated from
+    /// (`migrate_from`) or a stopped migration's flows to copy again
+    /// (`resume_from`), then the pinned state adopted.
+    #[expect(clippy::too_many_arguments, reason = "one call per way of loading; a struct would only rename them")]
     fn build(
         config: &Config,
         pin: Option<&Path>,
         mut ebpf: Ebpf,
         ncpus: usize,
+        flow_seed: u64,
         adopting: bool,
         migrate_from: Option<(u32, &Path)>,
         resume_from: Option<(u32, &Path)>,
@@ -638,6 +668,7 @@ impl Dataplane {
             flood: config.flood,
             maglev_seed: config.maglev_seed,
             conntrack_max,
+            flow_seed,
             migration: None,
             swapped: false,
             interfaces: Vec::new(),
@@ -655,7 +686,11 @@ impl Dataplane {
             // between, the hold lapses by itself.
             dp.hold_until = (monotonic_coarse_secs() + layout::HOLD_SECS) as u32;
         }
-        // Written last: a migration that failed leaves no version-2 mark.
+        // The seed before the version: a pinned LAYOUT of this version
+        // always has its tables' seed beside it (an adopted one is written
+        // again, unchanged).
+        dp.maps.flow_seed.set(0, flow_seed, 0).map_err(map_err(names::FLOW_SEED))?;
+        // Written last: a migration that failed leaves no mark of this version.
         dp.maps.layout.set(0, LAYOUT_VERSION, 0).map_err(map_err(names::LAYOUT))?;
         dp.set_flood(&config.flood)?;
         dp.read_endpoints()?;
@@ -833,12 +868,12 @@ impl Dataplane {
 
     /// The IPv4 flow-table entry of `key` (as on the wire), if there is one.
     pub fn flow(&self, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
-        find_slot(&self.maps.flows, key).map(|f| f.map(|(_, s)| s.value)).map_err(map_err(names::FLOWS))
+        find_slot(&self.maps.flows, self.flow_seed, key).map(|f| f.map(|(_, s)| s.value)).map_err(map_err(names::FLOWS))
     }
 
     /// The IPv6 flow-table entry of `key` (as on the wire), if there is one.
     pub fn flow6(&self, key: &FlowKey6) -> Result<Option<Flow6>, DataplaneError> {
-        find_slot(&self.maps.flows6, key).map(|f| f.map(|(_, s)| s.value)).map_err(map_err(names::FLOWS6))
+        find_slot(&self.maps.flows6, self.flow_seed, key).map(|f| f.map(|(_, s)| s.value)).map_err(map_err(names::FLOWS6))
     }
 
     /// Entries in the IPv4 and the IPv6 flow table, as the datapath counts
@@ -848,14 +883,20 @@ impl Dataplane {
         Ok((c.get(&0, 0).map_err(map_err(names::FLOW_COUNT))?, c.get(&1, 0).map_err(map_err(names::FLOW_COUNT))?))
     }
 
+    /// The seed of the flow tables' slot hash (tests: where a key's
+    /// entry goes).
+    pub fn flow_seed(&self) -> u64 {
+        self.flow_seed
+    }
+
     /// The slot of `key`'s IPv4 entry, if it has one (tests).
     pub fn flow_slot(&self, key: &FlowKey) -> Result<Option<u32>, DataplaneError> {
-        find_slot(&self.maps.flows, key).map(|f| f.map(|(at, _)| at)).map_err(map_err(names::FLOWS))
+        find_slot(&self.maps.flows, self.flow_seed, key).map(|f| f.map(|(at, _)| at)).map_err(map_err(names::FLOWS))
     }
 
     /// The slot of `key`'s IPv6 entry, if it has one (tests).
     pub fn flow_slot6(&self, key: &FlowKey6) -> Result<Option<u32>, DataplaneError> {
-        find_slot(&self.maps.flows6, key).map(|f| f.map(|(at, _)| at)).map_err(map_err(names::FLOWS6))
+        find_slot(&self.maps.flows6, self.flow_seed, key).map(|f| f.map(|(at, _)| at)).map_err(map_err(names::FLOWS6))
     }
 
     /// Active flows of a backend: opened - closed - expired.
