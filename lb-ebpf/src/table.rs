@@ -50,7 +50,9 @@ use lb_common::{
     SLOT_TOMB, Slot, SlotKey,
 };
 
-use crate::maps::{FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_mask, flow_mask6, flow_seed};
+use crate::maps::{
+    FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_mask, flow_mask6, flow_seed,
+};
 
 /// Reads of a claim a writer holds (`SLOT_BUSY`) before an insert gives
 /// up on that slot: the writer is another CPU between two instructions

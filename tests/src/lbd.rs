@@ -329,23 +329,33 @@ pub fn kill_once_pinned(lab: &Lab, lbd: &Path, config: &Path, paths: &[PathBuf])
 /// The layout version held by the `LAYOUT` map pinned in `maps` (0: an
 /// lbd pinned it and never wrote it).
 pub fn pinned_layout(maps: &Path) -> u32 {
-    let out = Command::new("bpftool")
-        .args(["-j", "map", "dump", "pinned"])
-        .arg(maps.join("LAYOUT"))
-        .output()
-        .expect("bpftool");
-    assert!(out.status.success(), "bpftool map dump: {}", String::from_utf8_lossy(&out.stderr));
+    u32::try_from(pinned_value(maps, "LAYOUT")).expect("a u32")
+}
+
+/// The flow tables' hash seed held by the `FLOW_SEED` map pinned in
+/// `maps` (layout 4 on).
+pub fn pinned_seed(maps: &Path) -> u64 {
+    pinned_value(maps, "FLOW_SEED")
+}
+
+/// The one value (4 or 8 bytes) of the array map `name` pinned in `maps`.
+fn pinned_value(maps: &Path, name: &str) -> u64 {
+    let out =
+        Command::new("bpftool").args(["-j", "map", "dump", "pinned"]).arg(maps.join(name)).output().expect("bpftool");
+    assert!(out.status.success(), "bpftool map dump {name}: {}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
     // A number when the map has BTF, else its bytes as hex strings.
     let value = &v[0]["value"];
     if let Some(n) = value.as_u64() {
-        return u32::try_from(n).expect("u32");
+        return n;
     }
-    let bytes: Vec<u8> = value
+    let mut bytes: Vec<u8> = value
         .as_array()
-        .unwrap_or_else(|| panic!("LAYOUT dump: {v}"))
+        .unwrap_or_else(|| panic!("{name} dump: {v}"))
         .iter()
         .map(|b| u8::from_str_radix(b.as_str().expect("hex byte").trim_start_matches("0x"), 16).expect("hex byte"))
         .collect();
-    u32::from_le_bytes(bytes.try_into().unwrap_or_else(|b| panic!("LAYOUT value of {b:?}")))
+    assert!(matches!(bytes.len(), 4 | 8), "{name} value of {bytes:?}");
+    bytes.resize(8, 0);
+    u64::from_le_bytes(bytes.try_into().expect("8 bytes"))
 }

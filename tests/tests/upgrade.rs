@@ -19,7 +19,10 @@ use std::{
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, kill_once_pinned, pinned_layout, wait_for, write_config, write_config_with, xdp_program_in_use},
+    lbd::{
+        Lbd, kill_once_pinned, pinned_layout, pinned_seed, wait_for, write_config, write_config_with,
+        xdp_program_in_use,
+    },
 };
 
 /// The old release's lbd: where `cargo xtask test` built it.
@@ -31,6 +34,12 @@ fn old_lbd(lab: &Lab) -> PathBuf {
 /// xtask test` built it.
 fn v2_lbd(lab: &Lab) -> PathBuf {
     release_lbd(lab, "LB_UPGRADE_FROM_V2_LBD", "upgrade-from-v2", "the layout-2 release's")
+}
+
+/// The layout-3 release's lbd (flows in slots placed by an unseeded
+/// hash): where `cargo xtask test` built it.
+fn v3_lbd(lab: &Lab) -> PathBuf {
+    release_lbd(lab, "LB_UPGRADE_FROM_V3_LBD", "upgrade-from-v3", "the layout-3 release's")
 }
 
 /// An older release's lbd, which `cargo xtask test` builds into
@@ -250,6 +259,49 @@ fn an_upgrade_from_kernel_hash_flow_tables_keeps_every_flow() {
     let counts = lab.connections_served().unwrap();
     let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
     assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+    let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// From layout 3 (flows in slots placed by an unseeded hash) to this
+/// build's seeded slots, under load: the restarted lbd draws a seed,
+/// copies every entry of the old tables through the new datapath's
+/// insert, swaps its program in and copies the entries the old program
+/// made meanwhile; no request fails, no live connection changes backend,
+/// counters carry on, the old maps are gone. A restart after it adopts
+/// the tables with the seed they were filled under.
+#[test]
+fn an_upgrade_from_unseeded_flow_slots_keeps_every_flow_under_a_drawn_seed() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let Staged { lab, mut lbd, bin, exe, maps, .. } = start_release("lbt-upgrade3", v3_lbd);
+    assert_eq!(pinned_layout(&maps), 3, "not the layout-3 release");
+    assert!(maps.join("FLOW_SLOTS").exists() && !maps.join("FLOW_SEED").exists(), "not the layout-3 release's maps");
+    lab.reset_backend_counts().unwrap();
+    let old_program = lbd.program_id().unwrap();
+
+    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program);
+    let log = lbd.log_text();
+    assert!(log.contains("migrated the pinned datapath"), "{log}");
+    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
+    assert!(!lab.pin_dir().join("maps-v3").exists(), "the old maps were not removed");
+    let seed = pinned_seed(&maps);
+    assert_ne!(seed, 0, "the migrated tables were given no seed");
+    let counts = lab.connections_served().unwrap();
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
+
+    // A plain restart adopts the tables and their seed: every entry the
+    // status counted is still there.
+    let entries = lbd.status().unwrap()["flood"]["flow_entries"].as_u64().expect("flow_entries");
+    assert!(entries > 0, "no entries to adopt");
+    lbd.restart().unwrap();
+    assert_eq!(pinned_seed(&maps), seed, "the restart changed the adopted tables' seed");
+    let after = lbd.status().unwrap()["flood"]["flow_entries"].as_u64().expect("flow_entries");
+    assert!(after <= entries && after > 0, "{entries} entries before the restart, {after} after");
+    let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
     let _ = std::fs::remove_dir_all(&bin);

@@ -376,12 +376,14 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     }
     let old_lbd = build_upgrade_from(UPGRADE_FROM, "upgrade-from")?;
     let v2_lbd = build_upgrade_from(UPGRADE_FROM_V2, "upgrade-from-v2")?;
+    let v3_lbd = build_upgrade_from(UPGRADE_FROM_V3, "upgrade-from-v3")?;
     let result = run(cargo()
         .args(["test", "--no-fail-fast"])
         .args(extra)
         .env("LB_BIN_DIR", bin_dir())
         .env("LB_UPGRADE_FROM_LBD", old_lbd)
-        .env("LB_UPGRADE_FROM_V2_LBD", v2_lbd));
+        .env("LB_UPGRADE_FROM_V2_LBD", v2_lbd)
+        .env("LB_UPGRADE_FROM_V3_LBD", v3_lbd));
     // The labs' bpf filesystem, once no lab (the user's own included)
     // has anything pinned in it.
     if let Err(e) = lb_tests::lab::release_bpffs() {
@@ -397,6 +399,10 @@ const UPGRADE_FROM: &str = "8c0cc042adc34afa60df0c41c441d487944d6142";
 /// The release the second upgrade test upgrades from: the last commit of
 /// layout 2 (flows in kernel hash maps, before the flow table of slots).
 const UPGRADE_FROM_V2: &str = "44637cace7b7622b7eef548a88e9ee76768d17e4";
+
+/// The release the third upgrade test upgrades from: the last commit of
+/// layout 3 (flow slots placed by an unseeded hash).
+const UPGRADE_FROM_V3: &str = "9e1e1f1b38e019a4506411487f50c67306ea4b38";
 
 /// Build the lbd of commit `commit` from this repository's history, once,
 /// into target/`name` (its source is extracted with `git archive`);

@@ -873,7 +873,9 @@ impl Dataplane {
 
     /// The IPv6 flow-table entry of `key` (as on the wire), if there is one.
     pub fn flow6(&self, key: &FlowKey6) -> Result<Option<Flow6>, DataplaneError> {
-        find_slot(&self.maps.flows6, self.flow_seed, key).map(|f| f.map(|(_, s)| s.value)).map_err(map_err(names::FLOWS6))
+        find_slot(&self.maps.flows6, self.flow_seed, key)
+            .map(|f| f.map(|(_, s)| s.value))
+            .map_err(map_err(names::FLOWS6))
     }
 
     /// Entries in the IPv4 and the IPv6 flow table, as the datapath counts
