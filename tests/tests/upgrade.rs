@@ -182,17 +182,35 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
 
 #[test]
 fn an_upgrade_killed_while_migrating_is_migrated_again_by_the_next_start() {
+    killed_while_migrating("lbt-upgradek", old_lbd, 1, "FLOWS");
+}
+
+/// The same from layout 3, whose flow table (`FLOW_SLOTS`) the migration
+/// reads slot by slot into the new, seeded one.
+#[test]
+fn an_upgrade_from_layout_3_killed_while_migrating_is_migrated_again_by_the_next_start() {
+    killed_while_migrating("lbt-upgradek3", v3_lbd, 3, "FLOW_SLOTS");
+}
+
+/// An old release (`release`, of layout `from`, whose IPv4 flow table is
+/// pinned as `flows`) runs; this build's lbd is killed as soon as it has
+/// set the old maps aside; the next start puts them back and migrates.
+fn killed_while_migrating(prefix: &str, release: fn(&Lab) -> PathBuf, from: u32, flows: &str) {
     let _serial = serial();
     lb_tests::require_root().expect("needs root");
-    let prefix = "lbt-upgradek";
     let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
     let sock = socket_for(prefix);
     let config =
         write_config(&config_dir(prefix), "lbd", &sock, &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]))
             .unwrap();
     let maps = lab.pin_dir().join("maps");
-    let aside = lab.pin_dir().join("maps-v1");
-    let mut old = Lbd::start_binary(&lab, &old_lbd(&lab), &config, &sock).unwrap();
+    let aside = lab.pin_dir().join(format!("maps-v{from}"));
+    let mut old = Lbd::start_binary(&lab, &release(&lab), &config, &sock).unwrap();
+    if from == 1 {
+        assert!(!maps.join("LAYOUT").exists(), "not the layout-1 release");
+    } else {
+        assert_eq!(pinned_layout(&maps), from, "not the layout-{from} release");
+    }
     lab.reset_backend_counts().unwrap();
     let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
     assert_eq!(r["failed"], 0, "{r}");
@@ -203,8 +221,8 @@ fn an_upgrade_killed_while_migrating_is_migrated_again_by_the_next_start() {
     // aside: of its new maps none, some or all are pinned, their layout
     // not yet written; the old program is still attached and forwarding
     // on the old maps.
-    kill_once_pinned(&lab, &lab.spec.bin_dir.join("lbd"), &config, &[aside.join("FLOWS")]);
-    assert!(aside.join("FLOWS").exists(), "the killed start had not set the old maps aside");
+    kill_once_pinned(&lab, &lab.spec.bin_dir.join("lbd"), &config, &[aside.join(flows)]);
+    assert!(aside.join(flows).exists(), "the killed start had not set the old maps aside");
     let pinned = std::fs::read_dir(&maps).map_or(0, Iterator::count);
     println!("the killed start had pinned {pinned} new maps");
     assert!(
@@ -225,6 +243,7 @@ fn an_upgrade_killed_while_migrating_is_migrated_again_by_the_next_start() {
     assert_ne!(attached_program(&lab), program);
     assert!(!aside.exists(), "the old maps were not removed after the migration");
     assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
+    assert_ne!(pinned_seed(&maps), 0, "the migrated tables were given no seed");
     let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
     assert_eq!(r["failed"], 0, "{r}");
     let served = lab.connections_served().unwrap();
