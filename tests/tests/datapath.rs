@@ -608,12 +608,7 @@ fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
     in_netns(|| {
         // Round robin: a flow routed twice by its scheduler would change
         // backend; without an entry it must hash instead.
-        let backends = [(BACKEND, 8080), (BACKEND_UNRESOLVED, 8080), (THIRD, 8080)];
-        let mut fx =
-            Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
-                c.conntrack_max = 16;
-                c.flood.new_flow_rate_per_cpu = Some(0);
-            });
+        let mut fx = rr_fixture_with_table(16);
         let established: Vec<(u16, Ipv4Addr)> =
             (0..16).map(|i| (40_000 + i, handshake(&fx, 40_000 + i, 80, 8080))).collect();
         assert_eq!(fx.entries(), 16);
@@ -625,7 +620,7 @@ fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
             let src = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 10, 100, 0)) + i);
             let sport = 1024 + i as u16;
             let b = fx.forward(&tcp(src, sport, VIP, 80, SYN).bytes());
-            assert!(backends.iter().any(|x| x.0 == b), "{b}");
+            assert!(RR_BACKENDS.iter().any(|x| x.0 == b), "{b}");
             assert_eq!(fx.forward(&tcp(src, sport, VIP, 80, SYN).bytes()), b, "retransmitted SYN of {src}");
             assert_eq!(fx.forward(&tcp(src, sport, VIP, 80, ACK).bytes()), b, "ACK of {src}");
         }
@@ -642,7 +637,7 @@ fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
 
         // A flow routed without an entry: its backend's answer goes back
         // from the VIP without one.
-        let counted = |fx: &Fixture| backends.iter().map(|&(a, _)| fx.new_flows("web", a)).sum::<u64>();
+        let counted = |fx: &Fixture| RR_BACKENDS.iter().map(|&(a, _)| fx.new_flows("web", a)).sum::<u64>();
         let before = counted(&fx);
         let b = fx.forward(&tcp(CLIENT, 50_000, VIP, 80, SYN).bytes());
         assert_eq!(counted(&fx), before + 1, "a connection routed without an entry is a new flow all the same");
@@ -838,6 +833,19 @@ fn the_program_verifies_with_room_to_spare() {
     });
 }
 
+/// The backends of [`rr_fixture_with_table`]'s service.
+const RR_BACKENDS: [(Ipv4Addr, u16); 3] = [(BACKEND, 8080), (BACKEND_UNRESOLVED, 8080), (THIRD, 8080)];
+
+/// A round-robin service over three backends (a flow found anew by its
+/// scheduler would change backend) with a flow table for `conntrack_max`
+/// flows and no new-flow rate limit.
+fn rr_fixture_with_table(conntrack_max: u32) -> Fixture {
+    Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &RR_BACKENDS)], |c| {
+        c.conntrack_max = conntrack_max;
+        c.flood.new_flow_rate_per_cpu = Some(0);
+    })
+}
+
 /// The flow table is open addressing in slots of our own: keys whose
 /// first slots collide are found past each other, a removed entry's slot
 /// is skipped by lookups and taken again by inserts, and the table holds
@@ -847,12 +855,7 @@ fn colliding_flows_and_removed_slots_keep_every_flow_on_its_backend() {
     in_netns(|| {
         // Round robin: a flow found anew by its scheduler would change
         // backend. 32 slots for 16 flows: their first slots collide.
-        let backends = [(BACKEND, 8080), (BACKEND_UNRESOLVED, 8080), (THIRD, 8080)];
-        let mut fx =
-            Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
-                c.conntrack_max = 16;
-                c.flood.new_flow_rate_per_cpu = Some(0);
-            });
+        let mut fx = rr_fixture_with_table(16);
         let mask = lb_common::flow_slots(16) - 1;
         let seed = fx.dp.flow_seed();
         let home = |k: &lb_common::FlowKey| k.slot_hash(seed) as u32 & mask;
@@ -945,12 +948,7 @@ fn colliding_flows_and_removed_slots_keep_every_flow_on_its_backend() {
 #[test]
 fn flows_aimed_at_one_probe_sequence_of_the_unseeded_hash_all_get_entries() {
     in_netns(|| {
-        let backends = [(BACKEND, 8080), (BACKEND_UNRESOLVED, 8080), (THIRD, 8080)];
-        let mut fx =
-            Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
-                c.conntrack_max = 1024;
-                c.flood.new_flow_rate_per_cpu = Some(0);
-            });
+        let mut fx = rr_fixture_with_table(1024);
         let mask = lb_common::flow_slots(1024) - 1;
         assert_eq!(mask, 2047);
         let unseeded = |p: u16| key4(p).slot_hash(0) as u32 & mask;

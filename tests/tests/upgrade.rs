@@ -270,14 +270,8 @@ fn an_upgrade_from_kernel_hash_flow_tables_keeps_every_flow() {
     let old_program = lbd.program_id().unwrap();
 
     upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program);
-    let log = lbd.log_text();
-    assert!(log.contains("migrated the pinned datapath"), "{log}");
-    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
+    migrated(&lab, &lbd, &maps, 2);
     assert!(maps.join("FLOW_SLOTS").exists() && !maps.join("FLOWS").exists(), "the flow tables were not replaced");
-    assert!(!lab.pin_dir().join("maps-v2").exists(), "the old maps were not removed");
-    let counts = lab.connections_served().unwrap();
-    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
-    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
     let _ = std::fs::remove_dir_all(&bin);
@@ -301,15 +295,9 @@ fn an_upgrade_from_unseeded_flow_slots_keeps_every_flow_under_a_drawn_seed() {
     let old_program = lbd.program_id().unwrap();
 
     upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program);
-    let log = lbd.log_text();
-    assert!(log.contains("migrated the pinned datapath"), "{log}");
-    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
-    assert!(!lab.pin_dir().join("maps-v3").exists(), "the old maps were not removed");
+    migrated(&lab, &lbd, &maps, 3);
     let seed = pinned_seed(&maps);
     assert_ne!(seed, 0, "the migrated tables were given no seed");
-    let counts = lab.connections_served().unwrap();
-    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
-    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
 
     // A plain restart adopts the tables and their seed: every entry the
     // status counted is still there.
@@ -324,6 +312,19 @@ fn an_upgrade_from_unseeded_flow_slots_keeps_every_flow_under_a_drawn_seed() {
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
     let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// After an upgrade from layout `from`: lbd says it migrated, the pinned
+/// layout is this build's, the old maps are gone, and lbd's new-flow
+/// count equals the connections the backends served.
+fn migrated(lab: &Lab, lbd: &Lbd, maps: &Path, from: u32) {
+    let log = lbd.log_text();
+    assert!(log.contains("migrated the pinned datapath"), "{log}");
+    assert_eq!(pinned_layout(maps), lb_common::LAYOUT_VERSION);
+    assert!(!lab.pin_dir().join(format!("maps-v{from}")).exists(), "the old maps were not removed");
+    let counts = lab.connections_served().unwrap();
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
 }
 
 /// The upgrade itself, under load: new connections from 250 sources and

@@ -237,18 +237,26 @@ fn old_flow_maps(from: u32, dir: &Path) -> Result<(MapData, Option<MapData>), Da
     Ok((flows, flows6))
 }
 
-/// Every whole entry (key and value) of a layout-3 flow table `fd`, its
-/// elements read in batches. An entry being written as it is read is left
-/// out; the copy after the program swap takes it.
-fn slot_entries<K: Copy, V: Copy, B: aya::Pod + AsRef<[Slot<K, V>]>>(
-    fd: std::os::fd::BorrowedFd<'_>,
+/// Every entry (key and value) of the layout-`from` flow table `old`, read
+/// in batches: a kernel hash's (layouts 1 and 2), or the whole entries of
+/// a table of slots whose elements are `B` (layout 3; an entry being
+/// written as it is read is left out, the copy after the program swap
+/// takes it).
+fn old_entries<K: aya::Pod, V: aya::Pod, B: aya::Pod + AsRef<[Slot<K, V>]>>(
+    from: u32,
+    old: &MapData,
     map: &'static str,
 ) -> Result<Vec<(K, V)>, DataplaneError> {
     let mut out = Vec::new();
-    batch::for_each::<u32, B>(fd, |_, bucket| {
-        out.extend(bucket.as_ref().iter().filter(|s| s.claim & SLOT_STATE == SLOT_READY).map(|s| (s.key, s.value)));
-    })
-    .map_err(|source| DataplaneError::Batch { map, source })?;
+    let fd = old.fd().as_fd();
+    let read = if from >= 3 {
+        batch::for_each::<u32, B>(fd, |_, bucket| {
+            out.extend(bucket.as_ref().iter().filter(|s| s.claim & SLOT_STATE == SLOT_READY).map(|s| (s.key, s.value)));
+        })
+    } else {
+        batch::for_each::<K, V>(fd, |k, v| out.push((*k, *v)))
+    };
+    read.map_err(|source| DataplaneError::Batch { map, source })?;
     Ok(out)
 }
 
@@ -257,13 +265,7 @@ impl Dataplane {
     /// datapath's, through its insert: an entry the new program already
     /// made stands. Returns how many were copied.
     fn copy_flows(&self, from: u32, old: &MapData, old6: Option<&MapData>) -> Result<u64, DataplaneError> {
-        let mut flows: Vec<(FlowKey, Flow)> = Vec::new();
-        if from >= 3 {
-            flows = slot_entries::<FlowKey, Flow, BucketV3>(old.fd().as_fd(), names::FLOWS)?;
-        } else {
-            batch::for_each::<FlowKey, Flow>(old.fd().as_fd(), |k, f| flows.push((*k, *f)))
-                .map_err(|source| DataplaneError::Batch { map: names::FLOWS, source })?;
-        }
+        let mut flows = old_entries::<FlowKey, Flow, BucketV3>(from, old, names::FLOWS)?;
         if from == 1 {
             for (_, f) in &mut flows {
                 // Layout 1 did not track handshakes: an open flow it knew
@@ -277,13 +279,7 @@ impl Dataplane {
         }
         let mut done = self.insert_flows(&flows)?;
         if let Some(old6) = old6 {
-            let mut flows6: Vec<(FlowKey6, Flow6)> = Vec::new();
-            if from >= 3 {
-                flows6 = slot_entries::<FlowKey6, Flow6, Bucket6V3>(old6.fd().as_fd(), names::FLOWS6)?;
-            } else {
-                batch::for_each::<FlowKey6, Flow6>(old6.fd().as_fd(), |k, f| flows6.push((*k, *f)))
-                    .map_err(|source| DataplaneError::Batch { map: names::FLOWS6, source })?;
-            }
+            let flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6)?;
             let d6 = self.insert_flows6(&flows6)?;
             done.inserted += d6.inserted;
             done.no_room += d6.no_room;

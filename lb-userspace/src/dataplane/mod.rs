@@ -549,13 +549,9 @@ impl Dataplane {
         // The slot hash's seed: adopted tables keep theirs (a program with
         // another would not find their entries); new tables, a migration's
         // included, get one drawn at random.
-        let pinned_seed = match (&maps_dir, adopting && migrate_from.is_none()) {
-            (Some(dir), true) => Some(layout::pinned_seed(dir)?),
-            _ => None,
-        };
-        let seed = match pinned_seed {
-            Some(seed) => seed,
-            None => random_seed()?,
+        let seed = match &maps_dir {
+            Some(dir) if adopting && migrate_from.is_none() => layout::pinned_seed(dir)?,
+            _ => random_seed()?,
         };
         loader
             .override_global("FLOW_HASH_SEED", &seed, true)
