@@ -449,11 +449,24 @@ fn build_upgrade_from(commit: &str, name: &str) -> anyhow::Result<PathBuf> {
         std::fs::write(&stamp, commit)?;
     }
     eprintln!("xtask: building lbd of {} (the upgrade test's old release)", &commit[..7]);
+    // All old releases build into one target directory, without debug info
+    // or incremental state: their dependencies are mostly the same crates,
+    // built once, and the whole test run must fit the disk of a CI machine
+    // (a run that kept three full debug builds ran out of space on one).
+    // Each release's crates come from a path of its own, so their artifacts
+    // do not overwrite one another; only the uplifted target/debug/lbd is
+    // shared, which is why it is copied out at once.
+    let shared = root.join("target/upgrade-build");
     let mut c = cargo();
-    c.current_dir(&src).args(["build", "-p", "lb-userspace", "--bin", "lbd", "--target-dir"]).arg(dir.join("target"));
-    c.env_remove("CARGO_TARGET_DIR");
+    c.current_dir(&src).args(["build", "-p", "lb-userspace", "--bin", "lbd", "--target-dir"]).arg(&shared);
+    c.env_remove("CARGO_TARGET_DIR").env("CARGO_PROFILE_DEV_DEBUG", "0").env("CARGO_INCREMENTAL", "0");
     run(&mut c)?;
-    Ok(dir.join("target/debug/lbd"))
+    let lbd = dir.join("lbd");
+    std::fs::copy(shared.join("debug/lbd"), &lbd)
+        .with_context(|| format!("copying the lbd of {} to {}", &commit[..7], lbd.display()))?;
+    // A target directory of the per-release kind, left by an earlier xtask.
+    let _ = std::fs::remove_dir_all(dir.join("target"));
+    Ok(lbd)
 }
 
 /// Clippy of lb-ebpf for bpfel-unknown-none (what lb-userspace's build
