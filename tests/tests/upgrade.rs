@@ -45,7 +45,8 @@ fn v3_lbd(lab: &Lab) -> PathBuf {
 /// An older release's lbd, which `cargo xtask test` builds into
 /// target/`dir` and names in the environment variable `var`.
 fn release_lbd(lab: &Lab, var: &str, dir: &str, what: &str) -> PathBuf {
-    let path = std::env::var_os(var).map_or_else(|| lab.spec.bin_dir.join(format!("../{dir}/lbd")), PathBuf::from);
+    let path = std::env::var_os(var)
+        .map_or_else(|| lab.spec.bin_dir.join(format!("../{dir}/target/debug/lbd")), PathBuf::from);
     assert!(
         path.exists(),
         "{} is missing: the upgrade test needs {what} lbd, which `cargo xtask test` builds",

@@ -449,24 +449,17 @@ fn build_upgrade_from(commit: &str, name: &str) -> anyhow::Result<PathBuf> {
         std::fs::write(&stamp, commit)?;
     }
     eprintln!("xtask: building lbd of {} (the upgrade test's old release)", &commit[..7]);
-    // All old releases build into one target directory, without debug info
-    // or incremental state: their dependencies are mostly the same crates,
-    // built once, and the whole test run must fit the disk of a CI machine
-    // (a run that kept three full debug builds ran out of space on one).
-    // Each release's crates come from a path of its own, so their artifacts
-    // do not overwrite one another; only the uplifted target/debug/lbd is
-    // shared, which is why it is copied out at once.
-    let shared = root.join("target/upgrade-build");
+    // Without debug info or incremental state: the whole test run must fit
+    // the disk of a CI machine (a run that kept three full debug builds of
+    // old releases ran out of space on one). A target directory each: one
+    // shared by the releases would take a release's crates for another's,
+    // since git archive dates their files to their commits and cargo then
+    // finds the other release's artifacts newer than the sources.
     let mut c = cargo();
-    c.current_dir(&src).args(["build", "-p", "lb-userspace", "--bin", "lbd", "--target-dir"]).arg(&shared);
+    c.current_dir(&src).args(["build", "-p", "lb-userspace", "--bin", "lbd", "--target-dir"]).arg(dir.join("target"));
     c.env_remove("CARGO_TARGET_DIR").env("CARGO_PROFILE_DEV_DEBUG", "0").env("CARGO_INCREMENTAL", "0");
     run(&mut c)?;
-    let lbd = dir.join("lbd");
-    std::fs::copy(shared.join("debug/lbd"), &lbd)
-        .with_context(|| format!("copying the lbd of {} to {}", &commit[..7], lbd.display()))?;
-    // A target directory of the per-release kind, left by an earlier xtask.
-    let _ = std::fs::remove_dir_all(dir.join("target"));
-    Ok(lbd)
+    Ok(dir.join("target/debug/lbd"))
 }
 
 /// Clippy of lb-ebpf for bpfel-unknown-none (what lb-userspace's build
