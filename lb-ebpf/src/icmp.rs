@@ -5,7 +5,7 @@
 //!
 //! - An error from the backend side about a client -> backend packet (the
 //!   quoted header runs from the client to a backend endpoint, and the
-//!   client's flow towards one of the VIPs the endpoint names has that backend):
+//!   client's flow towards the VIP the endpoint names has that backend):
 //!   the quoted destination is rewritten back to the VIP and port, so the
 //!   client's stack finds its socket. The error then goes on to the client.
 //! - An error from the client side about a reply (addressed to the VIP,
