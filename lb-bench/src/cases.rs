@@ -278,19 +278,6 @@ pub(crate) fn items() -> Vec<Item> {
             reply: true,
             fill: 0,
         },
-        Item {
-            key: "tcp_reply_shared",
-            label: "TCP reply, endpoint shared (its second VIP)".into(),
-            path: "endpoint, search of 2 VIPs (1 miss, 1 hit), flow hit again, NAT, cached next hop, REDIRECT",
-            prog: Prog::Lb,
-            via: Via::Harness(MODE_RESTORE),
-            frame: tcp(CLIENT, 40001, VIP, 85, ACK).bytes(),
-            expect: Expect::Redirect,
-            service: Some("maglev-shared"),
-            katran: None,
-            reply: true,
-            fill: 0,
-        },
     ];
     // A flow table alone, as a kernel hash (the datapath's up to layout
     // 2), an LRU hash and an array of our own: a hit on the established
@@ -331,7 +318,10 @@ pub(crate) fn items() -> Vec<Item> {
         ("new_shared", "maglev-shared", 85),
     ] {
         let (label, path) = if name == "maglev-shared" {
-            ("TCP new flow, maglev, endpoints shared".to_owned(), "flow miss, VIP, pick, 1 insert, NAT, REDIRECT")
+            (
+                "TCP new flow, maglev, endpoints shared".to_owned(),
+                "flow miss, VIP, pick, 2 inserts (reply entry), NAT, REDIRECT",
+            )
         } else {
             (format!("TCP new flow, {name}"), "flow miss, VIP, pick, 1 insert, NAT, REDIRECT")
         };

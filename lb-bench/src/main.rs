@@ -102,9 +102,8 @@ pub struct PacketArgs {
     pub keep_bpf_stats: bool,
     /// Measure only these cases (comma-separated keys, e.g.
     /// `tcp_established,non_vip`); the floors, the flow table alone and the
-    /// harness are always measured. Keys: tcp_established, tcp_reply,
-    /// tcp_reply_shared, new_maglev, new_wrr, new_rr, new_source_hash,
-    /// new_least_conn, new_shared, udp_established, ipv6, non_vip.
+    /// harness are always measured. Keys: tcp_established, new_maglev, new_wrr, new_rr,
+    /// new_source_hash, new_least_conn, udp_established, ipv6, non_vip.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Flow table size in connections. Default 4M, or more when --repeat
@@ -131,7 +130,7 @@ fn main() {
 const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 /// Flow table size: 4M connections, more when the fill and one run make
-/// more entries (a new flow of a service past its endpoint's places takes two),
+/// more entries (a new flow of a service with shared endpoints takes two),
 /// so that no insert ever finds the table full (it would then measure the
 /// stateless path).
 fn conntrack_max(args: &PacketArgs) -> anyhow::Result<u32> {

@@ -328,9 +328,7 @@ pub mod counter {
 /// 1: flows in an LRU hash; 2: flows in preallocated kernel hash maps;
 /// 3: flows in slots of the datapath's own table ([`Slot`]); 4: the same
 /// slots, placed by a hash seeded per datapath ([`SlotKey::slot_hash`],
-/// the seed kept in `FLOW_SEED`), and an endpoint naming up to
-/// [`ENDPOINT_VIPS`] services ([`EndpointVips`]), so that a flow of a
-/// service sharing a backend endpoint is one entry too.
+/// the seed kept in `FLOW_SEED`).
 pub const LAYOUT_VERSION: u32 = 4;
 
 /// Flood protection, read by the datapath (`FLOOD`, one entry), written by
@@ -389,32 +387,9 @@ pub struct VipKey {
 }
 
 /// Key of the endpoint map (`ENDPOINTS`): a backend's address, port and
-/// protocol, laid out as a [`VipKey`]. The value ([`EndpointVips`]) names
-/// the services whose flows' replies come from it.
+/// protocol, laid out as a [`VipKey`]. The value is the `VipKey` of the one
+/// service whose flows' replies come from it.
 pub type EndpointKey = VipKey;
-
-/// How many services' VIPs one endpoint-map entry names. A reply from an
-/// endpoint looks its flow up once per VIP named (until one matches), so
-/// this bounds what a reply can cost; a service past it that shares the
-/// endpoint keeps reply entries (`SVC_F_REPLY_ENTRY`).
-pub const ENDPOINT_VIPS: usize = 4;
-
-/// Value of the endpoint map (`ENDPOINTS`): the VIP keys of the services
-/// whose flows may be served by this endpoint, the owner first (a reply
-/// with no flow goes back as from it); unused places are all zero
-/// (protocol 0), after the used ones.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct EndpointVips {
-    pub vips: [VipKey; ENDPOINT_VIPS],
-}
-
-/// Value of the IPv6 endpoint map (`ENDPOINTS6`), as [`EndpointVips`].
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct EndpointVips6 {
-    pub vips: [Vip6Key; ENDPOINT_VIPS],
-}
 
 /// Size of the endpoint map: every backend of every service, plus room for
 /// entries kept after their service went (its last flows still reply).
@@ -1019,9 +994,7 @@ mod pod {
         FlowSlot,
         FlowSlot6,
         InsertItem,
-        InsertItem6,
-        EndpointVips,
-        EndpointVips6
+        InsertItem6
     );
 }
 
@@ -1074,8 +1047,6 @@ mod tests {
         assert_eq!(size_of::<RateWindow>(), 16);
         assert_eq!(size_of::<ClockCache>(), 24);
         assert_eq!(size_of::<Vip6Key>(), 20);
-        assert_eq!(size_of::<EndpointVips>(), 32);
-        assert_eq!(size_of::<EndpointVips6>(), 80);
         assert_eq!(size_of::<FlowKey6>(), 40);
         assert_eq!(size_of::<Flow6>(), 72);
         assert_eq!(size_of::<SweepHeader>(), 8);

@@ -21,8 +21,8 @@
 //! headers, and errors about anything else, go to the kernel untouched.
 use aya_ebpf::{bindings::xdp_action, helpers::generated::bpf_redirect, macros::xdp, programs::XdpContext};
 use lb_common::{
-    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_REPLY, ENDPOINT_VIPS, EndpointKey, FlowKey, FlowKey6, PROTO_TCP,
-    PROTO_UDP, SVC_F_DSR, Service, Vip6Key, VipKey, counter, fold6,
+    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_REPLY, EndpointKey, FlowKey, FlowKey6, PROTO_TCP, PROTO_UDP, SVC_F_DSR,
+    Service, Vip6Key, VipKey, counter, fold6,
 };
 use lb_ebpf::csum;
 
@@ -165,14 +165,14 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
     // About a client -> backend packet: the quoted destination is a
     // backend endpoint whose client flow has that backend.
     let ep = EndpointKey { addr: q_dst, port: q_dport, proto, _pad: 0 };
-    if let Some(vips) = ENDPOINTS.get_ptr(&ep) {
-        // The quoted packet's tuple as its backend's answer would carry it.
-        let own =
-            FlowKey { src_addr: q_dst, dst_addr: q_src, src_port: q_dport, dst_port: q_sport, proto, _pad: [0; 3] };
-        let i = crate::lb_endpoint_flow(vips, &raw const own) as usize;
-        if i < ENDPOINT_VIPS {
-            // SAFETY: a valid map value; an 8-byte copy.
-            let vip = unsafe { (*vips).vips[i] };
+    // SAFETY: the value is copied at once.
+    if let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
+        let key =
+            FlowKey { src_addr: q_src, dst_addr: vip.addr, src_port: q_sport, dst_port: vip.port, proto, _pad: [0; 3] };
+        // SAFETY: as above; plain loads.
+        let owned = table::flow(&key)
+            .is_some_and(|f| unsafe { (*f).dir != DIR_REPLY && (*f).nat_addr == q_dst && (*f).nat_port == q_dport });
+        if owned {
             // Quoted destination back to the VIP: the quoted IP header's
             // checksum, the quoted L4 checksum (its pseudo-header and its
             // port) and the ICMP checksum follow.
@@ -314,25 +314,23 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
     let icmp = ICMP6 + 2;
     // SAFETY: this CPU's scratch slot (see v6::Keys6); the references
     // live for one lookup each.
-    let vips = unsafe {
+    let vip = unsafe {
         (*k).vip = Vip6Key { addr: q_dst, port: q_dport, proto, _pad: 0 };
-        ENDPOINTS6.get_ptr(&(*k).vip)
+        ENDPOINTS6.get(&(*k).vip).copied()
     };
-    if let Some(vips) = vips {
-        // The quoted packet's tuple as its backend's answer would carry it.
-        // SAFETY: as above; plain stores, and the matched VIP key is
-        // copied out of the slot.
-        let (owned, vip) = unsafe {
+    if let Some(vip) = vip {
+        // SAFETY: as above.
+        let owned = unsafe {
             (*k).flow = FlowKey6 {
-                src_addr: q_dst,
-                dst_addr: q_src,
-                src_port: q_dport,
-                dst_port: q_sport,
+                src_addr: q_src,
+                dst_addr: vip.addr,
+                src_port: q_sport,
+                dst_port: vip.port,
                 proto,
                 _pad: [0; 3],
             };
-            let owned = (crate::v6::lb_endpoint_flow6(vips, k) as usize) < ENDPOINT_VIPS;
-            (owned, (*k).vip)
+            table::flow6(&(*k).flow)
+                .is_some_and(|f| (*f).dir != DIR_REPLY && (*f).nat_addr == q_dst && (*f).nat_port == q_dport)
         };
         if owned {
             let old = quoted_checks(ctx, q_check, 0)?;

@@ -31,9 +31,9 @@ use aya_log_ebpf::debug;
 use forward::Hop;
 use forward::Way;
 use lb_common::{
-    BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, ENDPOINT_VIPS, EndpointKey,
-    EndpointVips, FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey,
-    PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
+    BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED,
+    FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
+    Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
 use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
@@ -133,8 +133,9 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
     let mut no_flow = false;
     if from_backend {
         let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
-        if let Some(vips) = ENDPOINTS.get_ptr(&ep) {
-            to = reply_of_flow(&pkt, vips, &mut no_flow);
+        // SAFETY: the value is copied at once.
+        if let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
+            to = reply_of_flow(&pkt, vip, &mut no_flow);
         }
     }
     let key = FlowKey {
@@ -196,8 +197,8 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
 #[inline(never)]
 fn stateless_reply(ctx: &XdpContext, pkt: &Packet) -> Option<Nat> {
     let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
-    // SAFETY: the owner's VIP key is copied at once.
-    let vip = unsafe { ENDPOINTS.get(&ep) }.map(|v| v.vips[0])?;
+    // SAFETY: the value is copied at once.
+    let vip = unsafe { ENDPOINTS.get(&ep) }.copied()?;
     if forward::to_gateway(ctx, pkt) {
         return None;
     }
@@ -639,42 +640,13 @@ fn dsr<const L2: usize>(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u
     forward::send_dsr(ctx, pkt, nat.backend_id, nat.addr, now)
 }
 
-/// A packet from a backend's endpoint, `vips` the services it serves: a
-/// reply when the client's 5-tuple towards one of their VIPs is a
-/// one-entry flow on this very backend. Otherwise the packet goes the way
-/// of any other (a reply entry, a new flow, the kernel), or, when none of
-/// those tuples has an entry at all (`no_flow` set), back to the client
-/// statelessly.
+/// A packet from a backend's endpoint, `vip` the service that owns it: a
+/// reply when the client's 5-tuple towards `vip` is a one-entry flow on
+/// this very backend. Otherwise the packet goes the way of any other (a
+/// reply entry, a new flow, the kernel), or, when that flow has no entry
+/// at all (`no_flow` set), back to the client statelessly.
 #[inline(always)]
-fn reply_of_flow(pkt: &Packet, vips: *const EndpointVips, no_flow: &mut bool) -> Option<To> {
-    // An endpoint of one service has its VIP looked up here. One several
-    // services share is searched by `lb_endpoint_flow`, which answers
-    // which VIP's flow it serves, and that flow is looked up again here
-    // (a slot just read): a flow-table pointer carried out of a search
-    // came back to the verifier as a plain number.
-    // SAFETY: a valid map value; a plain load.
-    let i = if unsafe { (*vips).vips[1].proto } != 0 {
-        let own = FlowKey {
-            src_addr: pkt.saddr,
-            dst_addr: pkt.daddr,
-            src_port: pkt.sport,
-            dst_port: pkt.dport,
-            proto: pkt.proto,
-            _pad: [0; 3],
-        };
-        let i = lb_endpoint_flow(vips, &raw const own);
-        if i >= ENDPOINT_VIPS as u32 {
-            *no_flow = i == ENDPOINT_NO_FLOW;
-            return None;
-        }
-        i as usize
-    } else {
-        0
-    };
-    // SAFETY: a valid map value (i < ENDPOINT_VIPS); an 8-byte copy. lbd
-    // rewrites an entry only to add or drop a VIP: a read racing it finds
-    // a flow that the endpoint check below decides, or none.
-    let vip = unsafe { (*vips).vips[i] };
+fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
     let Some(flow) = table::flow(&client_key(pkt, vip.addr, vip.port)) else {
         *no_flow = true;
         return None;
@@ -689,51 +661,6 @@ fn reply_of_flow(pkt: &Packet, vips: *const EndpointVips, no_flow: &mut bool) ->
     mark_replied(state_of(flow));
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
     Some(To::Client(Nat { backend_id: nat.backend_id, addr: vip.addr, port: vip.port }, flow))
-}
-
-/// [`lb_endpoint_flow`]'s answer when none of the client's tuples has an
-/// entry.
-pub(crate) const ENDPOINT_NO_FLOW: u32 = u32::MAX;
-/// [`lb_endpoint_flow`]'s answer when some have one, but none that this
-/// endpoint serves.
-pub(crate) const ENDPOINT_OTHER_FLOW: u32 = u32::MAX - 1;
-
-/// Which of the VIPs `vips` names (their index) has the flow a backend ->
-/// client tuple `own` answers: the client's 5-tuple towards it has an
-/// entry that the endpoint (`own`'s source) serves. A flow re-dispatched
-/// to another backend does not match: the old one's late packets are not
-/// its replies. Otherwise `ENDPOINT_NO_FLOW` or `ENDPOINT_OTHER_FLOW`. At
-/// most `ENDPOINT_VIPS` lookups. A global function: verified once, apart
-/// from its callers, which see only a number (inlined, its loop made the
-/// verifier walk the rest of the program once per way out of it).
-#[unsafe(no_mangle)]
-#[inline(never)]
-pub(crate) extern "C" fn lb_endpoint_flow(vips: *const EndpointVips, own: *const FlowKey) -> u32 {
-    // SAFETY: a global function's pointer arguments may be null (the
-    // verifier makes it check); otherwise they point at a whole value.
-    let Some(own) = (unsafe { own.as_ref() }) else { return ENDPOINT_NO_FLOW };
-    if vips.is_null() {
-        return ENDPOINT_NO_FLOW;
-    }
-    let mut answer = ENDPOINT_NO_FLOW;
-    for i in 0..ENDPOINT_VIPS {
-        // SAFETY: checked above: a map value; an 8-byte copy, no reference
-        // held (see reply_of_flow on a racing rewrite).
-        let vip = unsafe { (*vips).vips[i] };
-        if vip.proto == 0 {
-            break;
-        }
-        let Some(flow) = table::flow(&client_key_of(own.dst_addr, own.dst_port, own.proto, vip.addr, vip.port)) else {
-            continue;
-        };
-        answer = ENDPOINT_OTHER_FLOW;
-        // SAFETY: a valid, aligned map value; plain loads of integers.
-        let (dir, addr, port) = unsafe { ((*flow).dir, (*flow).nat_addr, (*flow).nat_port) };
-        if dir == DIR_FLOW && addr == own.src_addr && port == own.src_port {
-            return i as u32;
-        }
-    }
-    answer
 }
 
 /// The backend has answered on this flow entry (set once).
@@ -771,14 +698,14 @@ fn reply_entry_seen(pkt: &Packet, entry: *mut Flow, nat: Nat) {
 /// answers: the client's 5-tuple towards the VIP (`vip_addr`, `vip_port`).
 #[inline(always)]
 fn client_key(pkt: &Packet, vip_addr: u32, vip_port: u16) -> FlowKey {
-    client_key_of(pkt.daddr, pkt.dport, pkt.proto, vip_addr, vip_port)
-}
-
-/// The flow-table key of a client's (`client`, `cport`) connection to a
-/// VIP (`vip_addr`, `vip_port`).
-#[inline(always)]
-fn client_key_of(client: u32, cport: u16, proto: u8, vip_addr: u32, vip_port: u16) -> FlowKey {
-    FlowKey { src_addr: client, dst_addr: vip_addr, src_port: cport, dst_port: vip_port, proto, _pad: [0; 3] }
+    FlowKey {
+        src_addr: pkt.daddr,
+        dst_addr: vip_addr,
+        src_port: pkt.dport,
+        dst_port: vip_port,
+        proto: pkt.proto,
+        _pad: [0; 3],
+    }
 }
 
 /// Backend -> client: source becomes the VIP again; the next hop is cached

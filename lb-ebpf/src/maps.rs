@@ -11,9 +11,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, EndpointVips, EndpointVips6, Flood, Flow, Flow6,
-    FlowBucket, FlowBucket6, MAX_BACKENDS, MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service,
-    Vip6Key, VipKey, counter,
+    AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowBucket, FlowBucket6,
+    MAX_BACKENDS, MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, Vip6Key, VipKey, counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.
@@ -151,14 +150,13 @@ pub(crate) static NETDEVS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_NET
 #[map]
 pub(crate) static NETDEV_GEN: Array<u32> = Array::with_max_entries(1, 0);
 
-/// Backend (address, port, protocol) -> the VIP keys of the services
-/// whose replies come from it (up to `ENDPOINT_VIPS`, the owner first): a
-/// reply's flow entry is the client's 5-tuple towards one of them, the one
-/// whose entry names this endpoint. Written by userspace before any flow
-/// can reach a new backend; a service past the last place keeps reply
-/// entries (`SVC_F_REPLY_ENTRY`).
+/// Backend (address, port, protocol) -> the VIP key of the service whose
+/// replies come from it: a reply's flow entry is the client's 5-tuple
+/// towards that VIP. Written by userspace before any flow can reach a new
+/// backend; an endpoint shared by two services belongs to the first, and
+/// the other keeps reply entries (`SVC_F_REPLY_ENTRY`).
 #[map]
-pub(crate) static ENDPOINTS: HashMap<EndpointKey, EndpointVips> = HashMap::with_max_entries(MAX_ENDPOINTS, 0);
+pub(crate) static ENDPOINTS: HashMap<EndpointKey, VipKey> = HashMap::with_max_entries(MAX_ENDPOINTS, 0);
 
 /// Next hop towards each backend, by backend id: forward packets, new
 /// flows included, look the FIB up once a second per backend instead of
@@ -209,10 +207,10 @@ pub(crate) static VIP_ADDRS6: HashMap<[u32; 4], u32> = HashMap::with_max_entries
 #[map]
 pub(crate) static BACKEND_ADDRS6: Array<[u32; 4]> = Array::with_max_entries(MAX_BACKENDS, 0);
 
-/// IPv6 backend (address, port, protocol) -> the VIP keys of the services
+/// IPv6 backend (address, port, protocol) -> the VIP key of the service
 /// whose replies come from it (see `ENDPOINTS`).
 #[map]
-pub(crate) static ENDPOINTS6: HashMap<Vip6Key, EndpointVips6> = HashMap::with_max_entries(MAX_ENDPOINTS, 0);
+pub(crate) static ENDPOINTS6: HashMap<Vip6Key, Vip6Key> = HashMap::with_max_entries(MAX_ENDPOINTS, 0);
 
 /// IPv6 connection table (see `FLOW_SLOTS`), sized by userspace.
 #[map]

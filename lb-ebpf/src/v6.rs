@@ -20,14 +20,14 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use lb_common::{
-    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, ENDPOINT_VIPS, EndpointVips6,
-    FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, Flow6, FlowKey6, MAX_IPV6_EXT, PROTO_TCP,
-    PROTO_UDP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, Vip6Key, counter, flow_closed, fold6,
+    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND,
+    FLOW_FIN_CLIENT, FLOW_REPLIED, Flow6, FlowKey6, MAX_IPV6_EXT, PROTO_TCP, PROTO_UDP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
+    Service, Vip6Key, counter, flow_closed, fold6,
 };
 use lb_ebpf::csum;
 
 use crate::{
-    ENDPOINT_NO_FLOW, ENDPOINT_OTHER_FLOW, backend_down,
+    backend_down,
     forward::{
         FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, cached_hop, can_redirect,
         classify_segment, generic_ingress, may_cache, segment_sum, set_macs, store_hop,
@@ -309,12 +309,14 @@ fn try_lb(ctx: &XdpContext) -> u32 {
     if from_backend {
         // SAFETY: this CPU's slot, touched by this invocation only; the
         // shared reference lives for the lookup only.
-        let vips = unsafe {
+        let vip = unsafe {
             (*k).vip = Vip6Key { addr: pkt.saddr(), port: pkt.sport, proto: pkt.proto, _pad: 0 };
-            ENDPOINTS6.get_ptr(&(*k).vip)
+            ENDPOINTS6.get(&(*k).vip).copied()
         };
-        if let Some(vips) = vips {
-            to = reply_of_flow(&pkt, vips, k, &mut no_flow);
+        if let Some(vip) = vip {
+            // SAFETY: as above.
+            unsafe { (*k).vip = vip };
+            to = reply_of_flow(&pkt, k, &mut no_flow);
         }
     }
     // SAFETY: as above.
@@ -431,8 +433,8 @@ fn drop_if_vip(daddr: [u32; 4], reason: u32) -> u32 {
 #[inline(never)]
 fn stateless_reply(ctx: &XdpContext, pkt: &Packet6) -> Option<Nat6> {
     let ep = Vip6Key { addr: pkt.saddr(), port: pkt.sport, proto: pkt.proto, _pad: 0 };
-    // SAFETY: the owner's VIP key is copied at once.
-    let vip = unsafe { ENDPOINTS6.get(&ep) }.map(|v| v.vips[0])?;
+    // SAFETY: the value is copied at once.
+    let vip = unsafe { ENDPOINTS6.get(&ep) }.copied()?;
     if fib(ctx, pkt, &pkt.daddr(), false).0 == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED) {
         return None;
     }
@@ -670,35 +672,10 @@ fn forward_entry(pkt: &Packet6, k: *mut Keys6, dir: u8, now: u64) {
     }
 }
 
-/// A packet from a backend's endpoint, `vips` the services it serves (see
+/// A packet from a backend's endpoint, `vip` the service that owns it (see
 /// `main.rs`'s `reply_of_flow`).
 #[inline(always)]
-fn reply_of_flow(pkt: &Packet6, vips: *const EndpointVips6, k: *mut Keys6, no_flow: &mut bool) -> Option<To> {
-    // As for IPv4 (main.rs); `lb_endpoint_flow6` leaves the VIP whose
-    // flow the endpoint serves in the slot's `vip`.
-    // SAFETY: a valid map value; a plain load.
-    if unsafe { (*vips).vips[1].proto } != 0 {
-        // The search reads the packet's tuple from the slot's `flow`.
-        // SAFETY: this CPU's scratch slot; plain stores.
-        unsafe {
-            (*k).flow = FlowKey6 {
-                src_addr: pkt.saddr(),
-                dst_addr: pkt.daddr(),
-                src_port: pkt.sport,
-                dst_port: pkt.dport,
-                proto: pkt.proto,
-                _pad: [0; 3],
-            };
-        }
-        let i = lb_endpoint_flow6(vips, k);
-        if i >= ENDPOINT_VIPS as u32 {
-            *no_flow = i == ENDPOINT_NO_FLOW;
-            return None;
-        }
-    } else {
-        // SAFETY: a valid map value and this CPU's scratch slot; a copy.
-        unsafe { (*k).vip = (*vips).vips[0] };
-    }
+fn reply_of_flow(pkt: &Packet6, k: *mut Keys6, no_flow: &mut bool) -> Option<To> {
     // SAFETY: this CPU's scratch slot (see try_lb); plain copies.
     let vip = unsafe { (*k).vip };
     let Some(flow) = table::flow6(client_key(pkt, k, &vip.addr, vip.port)) else {
@@ -713,51 +690,6 @@ fn reply_of_flow(pkt: &Packet6, vips: *const EndpointVips6, k: *mut Keys6, no_fl
     crate::mark_replied(state_of(flow));
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
     Some(To::Client(Nat6 { backend_id: nat.backend_id, addr: vip.addr, port: vip.port }, flow))
-}
-
-/// `main.rs`'s `lb_endpoint_flow` for IPv6. The scratch slot `k`'s `flow`
-/// holds the backend -> client tuple; each client tuple is built in
-/// `other`, and the VIP key of the flow found is left in `vip`.
-#[unsafe(no_mangle)]
-#[inline(never)]
-pub(crate) extern "C" fn lb_endpoint_flow6(vips: *const EndpointVips6, k: *mut Keys6) -> u32 {
-    if vips.is_null() || k.is_null() {
-        return ENDPOINT_NO_FLOW;
-    }
-    let mut answer = ENDPOINT_NO_FLOW;
-    for i in 0..ENDPOINT_VIPS {
-        // SAFETY: both checked above: a map value (a plain copy, no
-        // reference held; see main.rs's reply_of_flow on a racing rewrite) and this
-        // CPU's scratch slot, whose key reference lives for the lookup.
-        let at = unsafe {
-            (*k).vip = (*vips).vips[i];
-            if (*k).vip.proto == 0 {
-                break;
-            }
-            (*k).other = FlowKey6 {
-                src_addr: (*k).flow.dst_addr,
-                dst_addr: (*k).vip.addr,
-                src_port: (*k).flow.dst_port,
-                dst_port: (*k).vip.port,
-                proto: (*k).flow.proto,
-                _pad: [0; 3],
-            };
-            table::lb_flow_slot6(&raw const (*k).other)
-        };
-        let Some(flow) = table::flow6_at(at) else {
-            continue;
-        };
-        answer = ENDPOINT_OTHER_FLOW;
-        // SAFETY: a valid, aligned map value and the scratch slot; plain
-        // loads of integers.
-        let hit = unsafe {
-            (*flow).dir == DIR_FLOW && (*flow).nat_addr == (*k).flow.src_addr && (*flow).nat_port == (*k).flow.src_port
-        };
-        if hit {
-            return i as u32;
-        }
-    }
-    answer
 }
 
 /// A packet that matched a reply entry (see `main.rs`).

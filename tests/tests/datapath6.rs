@@ -32,14 +32,6 @@ fn web6() -> Fixture {
     Fixture::new(vec![service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)])])
 }
 
-/// Two IPv6 services on one backend endpoint ([BACKEND6]:8080).
-fn shared6() -> Fixture {
-    Fixture::new(vec![
-        service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
-        service6("alt6", 81, Protocol::Tcp, &[(BACKEND6, 8080)]),
-    ])
-}
-
 fn assert_valid6(out: &[u8]) -> Frame6 {
     let f = Frame6::parse(out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
     assert_eq!(f.l4_checksum, L4Checksum::Full, "L4 checksum not finished");
@@ -71,36 +63,6 @@ fn ipv6_tcp_is_rewritten_both_ways_byte_for_byte() {
         assert_eq!(fx.new_flows("web6", BACKEND6), 1);
         assert_eq!(fx.counter("xdp_redirect"), 3);
         assert_eq!(fx.entries(), 1, "one flow-table entry");
-    });
-}
-
-#[test]
-fn ipv6_flows_of_services_sharing_an_endpoint_are_one_entry_each_and_replies_find_their_vip() {
-    in_netns(|| {
-        let mut fx = shared6();
-        for (cport, vport) in [(40100, 80), (40101, 81)] {
-            let syn = tcp6(CLIENT6, cport, VIP6, vport, SYN);
-            let (action, out) = fx.run(&syn.bytes(), fx.if_a);
-            assert_eq!((action, out), (XDP_REDIRECT, to_backend6(&syn).bytes()));
-        }
-        assert_eq!(fx.entries(), 2, "one flow-table entry per flow, the shared endpoint's too");
-        // Each answer goes back as from its own service's VIP port, the
-        // second service's found past a lookup of the first one's.
-        for (cport, vport) in [(40101, 81), (40100, 80)] {
-            let synack = Frame6::tcp(BACKEND6, 8080, CLIENT6, cport, SYN | ACK).macs(GW_B_MAC, BACKEND_MAC);
-            let (action, out) = fx.run(&synack.bytes(), fx.if_b);
-            assert_eq!(action, XDP_REDIRECT);
-            let back = Frame6 { src: VIP6, sport: vport, hop_limit: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..synack };
-            assert_eq!(out, back.bytes(), "the reply on port {cport}");
-        }
-        // A backend packet with no flow behind it goes back as from the
-        // owner's (the first service's) VIP, statelessly.
-        let lost = Frame6::tcp(BACKEND6, 8080, CLIENT6, 40199, ACK).macs(GW_B_MAC, BACKEND_MAC);
-        let (action, out) = fx.run(&lost.bytes(), fx.if_b);
-        assert_eq!(action, XDP_REDIRECT);
-        assert_eq!(assert_valid6(&out).sport, 80);
-        assert_eq!(fx.counter("stateless_reply"), 1);
-        assert_eq!(fx.entries(), 2);
     });
 }
 
@@ -444,13 +406,8 @@ fn quoted_ip(q: &[u8]) -> Ipv4Header {
 #[test]
 fn an_icmp_error_about_a_forwarded_packet_reaches_the_client_naming_the_vip() {
     in_netns(|| {
-        // The flow is the second service's on an endpoint two share: the
-        // error names the VIP port of the service whose flow it is.
-        let fx = Fixture::new(vec![
-            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
-            service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
-        ]);
-        let mut syn = tcp(CLIENT, 40012, VIP, 81, SYN);
+        let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        let mut syn = tcp(CLIENT, 40012, VIP, 80, SYN);
         syn.payload = vec![1; 200];
         assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
         // A router on the backend side could not pass the (rewritten)
@@ -531,9 +488,8 @@ fn an_icmpv6_packet_too_big_about_a_reply_reaches_the_backend_naming_it() {
 #[test]
 fn an_icmpv6_error_about_a_forwarded_packet_reaches_the_client_naming_the_vip() {
     in_netns(|| {
-        // As for IPv4: the second service's flow on a shared endpoint.
-        let fx = shared6();
-        let mut syn = tcp6(CLIENT6, 40015, VIP6, 81, SYN);
+        let fx = web6();
+        let mut syn = tcp6(CLIENT6, 40015, VIP6, 80, SYN);
         syn.payload = vec![4; 100];
         assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
         // A router on the backend side: the packet as it went on.

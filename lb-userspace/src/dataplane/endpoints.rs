@@ -1,28 +1,24 @@
 //! The endpoint map (`ENDPOINTS`): backend (address, port, protocol) ->
-//! the VIP keys of the services whose flows' replies come from it.
+//! the VIP key of the one service whose flows' replies come from it.
 //!
 //! A flow has one flow-table entry, keyed by the client's 5-tuple towards
 //! the VIP. A reply (backend -> client) finds it by rebuilding that tuple
-//! from its own destination and a VIP its source endpoint names, trying
-//! them in order until an entry served by that endpoint turns up. An
-//! endpoint names up to [`ENDPOINT_VIPS`] services, which bounds what a
-//! reply costs; a further service sharing it keeps a reply entry besides
-//! the forward one for each flow (`SVC_F_REPLY_ENTRY`), as every flow did
-//! before this map existed.
+//! from its own destination and the VIP its source endpoint names. When two
+//! services share a backend endpoint, it can name only one of them: the
+//! other service's flows keep a reply entry besides the forward one
+//! (`SVC_F_REPLY_ENTRY`), as every flow did before this map existed.
 //!
-//! A place is sticky: a service keeps its place at an endpoint as long as
-//! it exists, even once it no longer lists the endpoint, because its flows
-//! to it may still be open. A service that is gone keeps its place too
-//! (its last flows still reply) until a live service needs the room, and
-//! an endpoint no service lists keeps its entry until the map needs the
-//! room. The first place (the owner) is a live service's whenever one
-//! holds a place: a reply that has no flow at all goes back as from it.
+//! Ownership is sticky: an endpoint stays with its service as long as that
+//! service exists, even once it no longer lists the endpoint, because its
+//! flows to it may still be open. An endpoint no service lists keeps its
+//! entry too (the flows of a removed service still reply) until another
+//! service needs it or the map needs the room.
 use std::{
     collections::{HashMap, HashSet},
     net::{IpAddr, Ipv6Addr},
 };
 
-use lb_common::{ENDPOINT_VIPS, EndpointVips, EndpointVips6, MAX_ENDPOINTS, Vip6Key, VipKey, maps as names};
+use lb_common::{MAX_ENDPOINTS, Vip6Key, VipKey, maps as names};
 
 use super::{Dataplane, DataplaneError, map_err};
 use crate::config::{Forwarding, ServiceConfig};
@@ -95,53 +91,38 @@ fn endpoints_of(cfg: &ServiceConfig) -> impl Iterator<Item = Key> + '_ {
 /// What the endpoint map should hold for a set of services.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(super) struct Plan {
-    /// The whole map, after the change: each endpoint's VIP keys, the
-    /// owner first, at most [`ENDPOINT_VIPS`].
-    pub(super) owners: HashMap<Key, Vec<Key>>,
-    /// Services that use an endpoint with no place for them: their new
-    /// flows keep a reply entry.
+    /// The whole map, after the change.
+    pub(super) owners: HashMap<Key, Key>,
+    /// Services that use an endpoint another service owns: their new flows
+    /// keep a reply entry.
     pub(super) reply_entry: HashSet<Key>,
 }
 
 /// Decide the endpoint map for `services` (in configuration order), given
 /// what it holds now. See the module documentation for the rules.
-pub(super) fn plan(current: &HashMap<Key, Vec<Key>>, services: &[ServiceConfig], capacity: usize) -> Plan {
+pub(super) fn plan(current: &HashMap<Key, Key>, services: &[ServiceConfig], capacity: usize) -> Plan {
     let live: HashSet<Key> = services.iter().map(vip_key).collect();
-    // The services listing each endpoint, in configuration order.
-    let mut listers: HashMap<Key, Vec<Key>> = HashMap::new();
+    let mut owners = current.clone();
+    let mut used: HashSet<Key> = HashSet::new();
     for s in services {
         let key = vip_key(s);
         for ep in endpoints_of(s) {
-            let l = listers.entry(ep).or_default();
-            if !l.contains(&key) {
-                l.push(key);
+            used.insert(ep);
+            match owners.get(&ep) {
+                Some(owner) if live.contains(owner) => {}
+                // Unowned, or owned by a service that is gone: the first
+                // service (in configuration order) that lists it takes it.
+                _ => {
+                    owners.insert(ep, key);
+                }
             }
         }
-    }
-    let mut owners: HashMap<Key, Vec<Key>> = HashMap::new();
-    for ep in current.keys().chain(listers.keys()) {
-        if owners.contains_key(ep) {
-            continue;
-        }
-        let now = current.get(ep).map_or(&[][..], Vec::as_slice);
-        // Live services keep their places, in order; then the new listers
-        // in configuration order; then the gone services, as room allows.
-        let mut vips: Vec<Key> = now.iter().filter(|k| live.contains(k)).copied().collect();
-        for k in listers.get(ep).into_iter().flatten().chain(now.iter().filter(|k| !live.contains(k))) {
-            if vips.len() < ENDPOINT_VIPS && !vips.contains(k) {
-                vips.push(*k);
-            }
-        }
-        owners.insert(*ep, vips);
     }
     // Room: endpoints no service lists go first, those of gone services
-    // only before those a live one keeps.
+    // before those of live ones.
     if owners.len() > capacity {
-        let mut spare: Vec<(bool, Key)> = owners
-            .iter()
-            .filter(|(ep, _)| !listers.contains_key(ep))
-            .map(|(ep, vips)| (vips.iter().any(|k| live.contains(k)), *ep))
-            .collect();
+        let mut spare: Vec<(bool, Key)> =
+            owners.iter().filter(|(ep, _)| !used.contains(ep)).map(|(ep, owner)| (live.contains(owner), *ep)).collect();
         spare.sort();
         for (_, ep) in spare.into_iter().take(owners.len() - capacity) {
             owners.remove(&ep);
@@ -150,28 +131,10 @@ pub(super) fn plan(current: &HashMap<Key, Vec<Key>>, services: &[ServiceConfig],
     let reply_entry = services
         .iter()
         .map(|s| (vip_key(s), s))
-        .filter(|(key, s)| endpoints_of(s).any(|ep| !owners.get(&ep).is_some_and(|v| v.contains(key))))
+        .filter(|(key, s)| endpoints_of(s).any(|ep| owners.get(&ep) != Some(key)))
         .map(|(key, _)| key)
         .collect();
     Plan { owners, reply_entry }
-}
-
-/// The IPv4 map value of an endpoint's VIP keys (None for IPv6 ones).
-fn value_v4(vips: &[Key]) -> Option<EndpointVips> {
-    let mut v = EndpointVips::default();
-    for (slot, k) in v.vips.iter_mut().zip(vips) {
-        *slot = k.v4()?;
-    }
-    Some(v)
-}
-
-/// The IPv6 map value of an endpoint's VIP keys (None for IPv4 ones).
-fn value_v6(vips: &[Key]) -> Option<EndpointVips6> {
-    let mut v = EndpointVips6::default();
-    for (slot, k) in v.vips.iter_mut().zip(vips) {
-        *slot = k.v6()?;
-    }
-    Some(v)
 }
 
 impl Dataplane {
@@ -180,13 +143,11 @@ impl Dataplane {
         let mut found = HashMap::new();
         for item in &self.maps.endpoints {
             let (k, v) = item.map_err(map_err(names::ENDPOINTS))?;
-            let vips = v.vips.iter().take_while(|x| x.proto != 0).map(Key::from_v4).collect();
-            found.insert(Key::from_v4(&k), vips);
+            found.insert(Key::from_v4(&k), Key::from_v4(&v));
         }
         for item in &self.maps.endpoints6 {
             let (k, v) = item.map_err(map_err(names::ENDPOINTS6))?;
-            let vips = v.vips.iter().take_while(|x| x.proto != 0).map(Key::from_v6).collect();
-            found.insert(Key::from_v6(&k), vips);
+            found.insert(Key::from_v6(&k), Key::from_v6(&v));
         }
         self.endpoints = found;
         Ok(())
@@ -200,29 +161,26 @@ impl Dataplane {
     /// services changed.
     pub(super) fn write_endpoints(&mut self, services: &[ServiceConfig]) -> Result<Plan, DataplaneError> {
         let plan = plan(&self.endpoints, services, MAX_ENDPOINTS as usize);
-        for (ep, vips) in &plan.owners {
-            if self.endpoints.get(ep) != Some(vips) {
-                // One write per endpoint; the datapath checks every entry
-                // it finds through a VIP against the endpoint, so a reply
-                // racing the write at worst misses its flow once.
-                match (ep.v4(), value_v4(vips), ep.v6(), value_v6(vips)) {
-                    (Some(e), Some(v), _, _) => {
-                        self.maps.endpoints.insert(e, v, 0).map_err(map_err(names::ENDPOINTS))?;
+        for (ep, owner) in &plan.owners {
+            if self.endpoints.get(ep) != Some(owner) {
+                match (ep.v4(), owner.v4(), ep.v6(), owner.v6()) {
+                    (Some(e), Some(o), _, _) => {
+                        self.maps.endpoints.insert(e, o, 0).map_err(map_err(names::ENDPOINTS))?;
                     }
-                    (_, _, Some(e), Some(v)) => {
-                        self.maps.endpoints6.insert(e, v, 0).map_err(map_err(names::ENDPOINTS6))?;
+                    (_, _, Some(e), Some(o)) => {
+                        self.maps.endpoints6.insert(e, o, 0).map_err(map_err(names::ENDPOINTS6))?;
                     }
                     // A service is one family (the config says so).
                     _ => continue,
                 }
-                self.endpoints.insert(*ep, vips.clone());
+                self.endpoints.insert(*ep, *owner);
             }
         }
         Ok(plan)
     }
 
     /// Remove the entries the plan (`owners`) dropped.
-    pub(super) fn prune_endpoints(&mut self, owners: &HashMap<Key, Vec<Key>>) -> Result<(), DataplaneError> {
+    pub(super) fn prune_endpoints(&mut self, owners: &HashMap<Key, Key>) -> Result<(), DataplaneError> {
         let gone: Vec<Key> = self.endpoints.keys().filter(|ep| !owners.contains_key(ep)).copied().collect();
         for ep in gone {
             if let Some(k) = ep.v4() {
@@ -266,54 +224,33 @@ mod tests {
         let svcs = [svc("a", 80, &[(1, 8080), (2, 8080)]), svc("b", 81, &[(1, 9090)])];
         let p = plan(&HashMap::new(), &svcs, 100);
         assert_eq!(p.owners.len(), 3);
-        assert_eq!(p.owners[&ep(1, 8080)], [vip_key(&svcs[0])]);
-        assert_eq!(p.owners[&ep(1, 9090)], [vip_key(&svcs[1])]);
+        assert_eq!(p.owners[&ep(1, 8080)], vip_key(&svcs[0]));
+        assert_eq!(p.owners[&ep(1, 9090)], vip_key(&svcs[1]));
         assert!(p.reply_entry.is_empty());
     }
 
     #[test]
-    fn a_shared_endpoint_names_both_services_its_first_owner_first() {
+    fn a_shared_endpoint_stays_with_its_owner_and_the_other_service_keeps_reply_entries() {
         let a = svc("a", 80, &[(1, 8080)]);
         let b = svc("b", 81, &[(1, 8080), (2, 8080)]);
         // b came first: it owns 10.1.0.1:8080, then a is added before it
-        // in the file. Ownership does not move; a gets the next place and
-        // no reply entries.
+        // in the file. Ownership does not move.
         let first = plan(&HashMap::new(), std::slice::from_ref(&b), 100);
         let both = plan(&first.owners, &[a.clone(), b.clone()], 100);
-        assert_eq!(both.owners[&ep(1, 8080)], [vip_key(&b), vip_key(&a)]);
-        assert!(both.reply_entry.is_empty());
-        // b drops the endpoint but lives on: it keeps its place (its flows
-        // to it may still be open).
+        assert_eq!(both.owners[&ep(1, 8080)], vip_key(&b));
+        assert_eq!(both.reply_entry, HashSet::from([vip_key(&a)]));
+        // b drops the endpoint but lives on: it keeps it (its flows to it
+        // may still be open), so a still keeps reply entries.
         let b2 = svc("b", 81, &[(2, 8080)]);
         let later = plan(&both.owners, &[a.clone(), b2.clone()], 100);
-        assert_eq!(later.owners[&ep(1, 8080)], [vip_key(&b), vip_key(&a)]);
-        assert!(later.reply_entry.is_empty());
-        // b is removed: a owns the endpoint, b's place stays for its last
-        // flows' replies, and so does b's other endpoint.
+        assert_eq!(later.owners[&ep(1, 8080)], vip_key(&b));
+        assert_eq!(later.reply_entry, HashSet::from([vip_key(&a)]));
+        // b is removed: a takes the endpoint over and needs no reply entries.
         let last = plan(&later.owners, std::slice::from_ref(&a), 100);
-        assert_eq!(last.owners[&ep(1, 8080)], [vip_key(&a), vip_key(&b)]);
+        assert_eq!(last.owners[&ep(1, 8080)], vip_key(&a));
         assert!(last.reply_entry.is_empty());
-        assert_eq!(last.owners[&ep(2, 8080)], [vip_key(&b)]);
-    }
-
-    #[test]
-    fn a_service_past_the_places_of_an_endpoint_keeps_reply_entries_until_a_place_frees() {
-        let mut svcs: Vec<ServiceConfig> =
-            (0..=ENDPOINT_VIPS as u16).map(|i| svc(&format!("s{i}"), 80 + i, &[(1, 8080), (2, 8080)])).collect();
-        let p = plan(&HashMap::new(), &svcs, 100);
-        let keys: Vec<Key> = svcs.iter().map(vip_key).collect();
-        assert_eq!(p.owners[&ep(1, 8080)], keys[..ENDPOINT_VIPS]);
-        assert_eq!(p.owners[&ep(2, 8080)], keys[..ENDPOINT_VIPS]);
-        assert_eq!(p.reply_entry, HashSet::from([keys[ENDPOINT_VIPS]]));
-        // The second service is removed: the last one takes a place at
-        // once (a live service before a gone one's last flows), and the
-        // others keep theirs, in order.
-        svcs.remove(1);
-        let q = plan(&p.owners, &svcs, 100);
-        let mut want = keys.clone();
-        want.remove(1);
-        assert_eq!(q.owners[&ep(1, 8080)], want);
-        assert!(q.reply_entry.is_empty());
+        // b's other endpoint is kept for its last flows' replies.
+        assert_eq!(last.owners[&ep(2, 8080)], vip_key(&b));
     }
 
     #[test]
@@ -322,22 +259,8 @@ mod tests {
         let first = plan(&HashMap::new(), std::slice::from_ref(&a), 100);
         let moved = svc("a", 8000, &[(1, 8080)]);
         let p = plan(&first.owners, std::slice::from_ref(&moved), 100);
-        // The old VIP's flows still reply, after the new owner.
-        assert_eq!(p.owners[&ep(1, 8080)], [vip_key(&moved), vip_key(&a)]);
+        assert_eq!(p.owners[&ep(1, 8080)], vip_key(&moved));
         assert!(p.reply_entry.is_empty());
-    }
-
-    #[test]
-    fn map_values_hold_the_vips_in_order_then_zeros_and_only_of_their_family() {
-        let a = vip_key(&svc("a", 80, &[]));
-        let b = vip_key(&svc("b", 81, &[]));
-        let v = value_v4(&[a, b]).unwrap();
-        assert_eq!(v.vips[..2], [a.v4().unwrap(), b.v4().unwrap()]);
-        assert!(v.vips[2..].iter().all(|k| *k == VipKey::default()));
-        assert!(value_v6(&[a]).is_none());
-        let six = Key { addr: Ipv6Addr::LOCALHOST.into(), port: 80, proto: 6 };
-        assert_eq!(value_v6(&[six]).unwrap().vips[0], six.v6().unwrap());
-        assert!(value_v4(&[six]).is_none());
     }
 
     #[test]
@@ -349,9 +272,9 @@ mod tests {
         let b2 = svc("b", 81, &[(4, 8080)]);
         let p = plan(&first.owners, std::slice::from_ref(&b2), 2);
         assert_eq!(p.owners.len(), 2);
-        assert_eq!(p.owners[&ep(4, 8080)], [vip_key(&b2)]);
+        assert_eq!(p.owners[&ep(4, 8080)], vip_key(&b2));
         // Kept: b's own unlisted endpoint (a live service) over a's.
-        assert_eq!(p.owners[&ep(3, 8080)], [vip_key(&b2)]);
+        assert_eq!(p.owners[&ep(3, 8080)], vip_key(&b2));
     }
 
     #[test]
@@ -375,7 +298,7 @@ mod tests {
         let p = plan(&HashMap::new(), &[v6.clone(), dsr], 100);
         assert_eq!(p.owners.len(), 2, "the DSR service's backends reply around the datapath");
         let key = Key { addr: b6(0x11).address, port: 8080, proto: 6 };
-        assert_eq!(p.owners[&key], [vip_key(&v6)]);
+        assert_eq!(p.owners[&key], vip_key(&v6));
         assert!(p.reply_entry.is_empty());
         // The map keys round-trip through the datapath's layout.
         let k6 = key.v6().unwrap();
@@ -400,20 +323,19 @@ mod tests {
         };
         let key = |b: &BackendConfig| Key { addr: b.address, port: b.port, proto: 6 };
         // b came first and owns [fd00:20::11]:8080; a, added before it in
-        // the file, takes the next place; the DSR service never has one.
+        // the file, keeps reply entries; the DSR service never does.
         let first = plan(&HashMap::new(), &[dsr.clone(), b.clone()], 100);
         assert_eq!(first.owners.len(), 1, "{:?}", first.owners);
         let p = plan(&first.owners, &[dsr.clone(), a.clone(), b.clone()], 100);
-        assert_eq!(p.owners[&key(&b6(0x11))], [vip_key(&b), vip_key(&a)]);
-        assert_eq!(p.owners[&key(&b6(0x12))], [vip_key(&a)]);
+        assert_eq!(p.owners[&key(&b6(0x11))], vip_key(&b));
+        assert_eq!(p.owners[&key(&b6(0x12))], vip_key(&a));
         assert!(!p.owners.contains_key(&key(&b6(0x13))), "a DSR backend's replies bypass the datapath");
-        assert!(p.reply_entry.is_empty());
+        assert_eq!(p.reply_entry, HashSet::from([vip_key(&a)]));
         // An IPv4 service at the same ports shares nothing with them.
         let v4 = svc("v4", 80, &[(0x11, 8080)]);
-        let p = plan(&p.owners, &[dsr, a.clone(), b.clone(), v4.clone()], 100);
-        assert_eq!(p.owners[&ep(0x11, 8080)], [vip_key(&v4)]);
-        assert_eq!(p.owners[&key(&b6(0x11))], [vip_key(&b), vip_key(&a)]);
-        assert!(p.reply_entry.is_empty());
+        let p = plan(&p.owners, &[dsr, a.clone(), b, v4.clone()], 100);
+        assert_eq!(p.owners[&ep(0x11, 8080)], vip_key(&v4));
+        assert_eq!(p.reply_entry, HashSet::from([vip_key(&a)]));
         // The map keys are the wire bytes: words6 is from_ne_bytes of
         // each 4-byte chunk, as the datapath reads the header.
         let k = key(&b6(0x11)).v6().unwrap();

@@ -32,9 +32,9 @@ use std::{
 
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
 use lb_common::{
-    Backend, BackendStats, Conns, EndpointKey, EndpointVips, EndpointVips6, FLOW_ESTABLISHED, FLOW_REPLIED, Flow,
-    Flow6, FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service,
-    Slot, Vip6Key, VipKey, flow_closed, maps as names,
+    Backend, BackendStats, Conns, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6, FlowKey, FlowKey6,
+    LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot, Vip6Key, VipKey,
+    flow_closed, maps as names,
 };
 use tracing::{info, warn};
 
@@ -334,9 +334,7 @@ impl Dataplane {
             let endpoints6: HashMap<MapData, Vip6Key, Vip6Key> = open(&at(names::ENDPOINTS6), names::ENDPOINTS6)?;
             for item in &endpoints6 {
                 let (k, v) = item.map_err(map_err(names::ENDPOINTS6))?;
-                let mut vips = EndpointVips6::default();
-                vips.vips[0] = v;
-                self.maps.endpoints6.insert(k, vips, 0).map_err(map_err(names::ENDPOINTS6))?;
+                self.maps.endpoints6.insert(k, v, 0).map_err(map_err(names::ENDPOINTS6))?;
             }
         }
         let backends: Array<MapData, Backend> = open(&at(names::BACKENDS), names::BACKENDS)?;
@@ -372,13 +370,10 @@ impl Dataplane {
             let v: PerCpuValues<u64> = counters.get(&i, 0).map_err(map_err(names::COUNTERS))?;
             self.maps.counters.set(i, v, 0).map_err(map_err(names::COUNTERS))?;
         }
-        // Layouts 1 to 3 named one VIP per endpoint: it stays the owner.
         let endpoints: HashMap<MapData, EndpointKey, VipKey> = open(&at(names::ENDPOINTS), names::ENDPOINTS)?;
         for item in &endpoints {
             let (k, v) = item.map_err(map_err(names::ENDPOINTS))?;
-            let mut vips = EndpointVips::default();
-            vips.vips[0] = v;
-            self.maps.endpoints.insert(k, vips, 0).map_err(map_err(names::ENDPOINTS))?;
+            self.maps.endpoints.insert(k, v, 0).map_err(map_err(names::ENDPOINTS))?;
         }
         let (flows, flows6) = old_flow_maps(from, dir)?;
         let copied = self.copy_flows(from, &flows, flows6.as_ref())?;

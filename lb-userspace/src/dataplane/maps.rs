@@ -8,8 +8,8 @@ use aya::{
     maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    Backend, BackendStats, ClockCache, Conns, EndpointKey, EndpointVips, EndpointVips6, Flood, Flow, Flow6, FlowBucket,
-    FlowBucket6, NextHop, RateWindow, Service, Vip6Key, VipKey, maps as names,
+    Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowBucket, FlowBucket6, NextHop,
+    RateWindow, Service, Vip6Key, VipKey, maps as names,
 };
 
 use super::DataplaneError;
@@ -129,7 +129,7 @@ pub(super) struct Maps {
     pub(super) expired: Array<MapData, u64>,
     pub(super) netdevs: HashMap<MapData, u32, u32>,
     pub(super) netdev_gen: Array<MapData, u32>,
-    pub(super) endpoints: HashMap<MapData, EndpointKey, EndpointVips>,
+    pub(super) endpoints: HashMap<MapData, EndpointKey, VipKey>,
     /// Written only by the datapath (next hops towards backends); held so
     /// that every map is taken and checked at load.
     pub(super) _next_hops: Array<MapData, NextHop>,
@@ -144,7 +144,7 @@ pub(super) struct Maps {
     pub(super) vips6: HashMap<MapData, Vip6Key, Service>,
     pub(super) vip_addrs6: HashMap<MapData, [u32; 4], u32>,
     pub(super) backend_addrs6: Array<MapData, [u32; 4]>,
-    pub(super) endpoints6: HashMap<MapData, Vip6Key, EndpointVips6>,
+    pub(super) endpoints6: HashMap<MapData, Vip6Key, Vip6Key>,
     pub(super) flows6: Array<MapData, FlowBucket6>,
     /// Per-CPU scratch of the IPv6 path (and of FIB lookups); held so
     /// that every map is taken and checked at load.

@@ -222,8 +222,8 @@ pub struct Dataplane {
     known_backends: HashSet<IpAddr>,
     /// What ADDR_FILTER holds; None until this process first wrote it.
     filter: Option<Box<lb_common::AddrFilter>>,
-    /// What ENDPOINTS and ENDPOINTS6 hold: each endpoint's VIP keys.
-    endpoints: HashMap<endpoints::Key, Vec<endpoints::Key>>,
+    /// What ENDPOINTS holds.
+    endpoints: HashMap<endpoints::Key, endpoints::Key>,
     /// What NETDEVS holds, and the path report derived with it.
     netdevs: BTreeMap<u32, u32>,
     netdevs_written: bool,
