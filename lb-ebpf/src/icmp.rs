@@ -5,7 +5,9 @@
 //!
 //! - An error from the backend side about a client -> backend packet (the
 //!   quoted header runs from the client to a backend endpoint, and the
-//!   client's flow towards the VIP the endpoint names has that backend):
+//!   client's flow towards the VIP the endpoint names has that backend, or
+//!   the backend's tuple has a reply entry, which names the VIP of a
+//!   service that shares the endpoint):
 //!   the quoted destination is rewritten back to the VIP and port, so the
 //!   client's stack finds its socket. The error then goes on to the client.
 //! - An error from the client side about a reply (addressed to the VIP,
@@ -166,12 +168,26 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
     // backend endpoint whose client flow has that backend.
     let ep = EndpointKey { addr: q_dst, port: q_dport, proto, _pad: 0 };
     // SAFETY: the value is copied at once.
-    if let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
+    if let Some(mut vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
         let key =
             FlowKey { src_addr: q_src, dst_addr: vip.addr, src_port: q_sport, dst_port: vip.port, proto, _pad: [0; 3] };
         // SAFETY: as above; plain loads.
-        let owned = table::flow(&key)
+        let mut owned = table::flow(&key)
             .is_some_and(|f| unsafe { (*f).dir != DIR_REPLY && (*f).nat_addr == q_dst && (*f).nat_port == q_dport });
+        if !owned {
+            // A flow of a service that shares the endpoint without owning
+            // it: its reply entry (the backend's tuple) names the VIP.
+            let rev =
+                FlowKey { src_addr: q_dst, dst_addr: q_src, src_port: q_dport, dst_port: q_sport, proto, _pad: [0; 3] };
+            let entry = table::flow(&rev);
+            // SAFETY: a valid, aligned map value; plain loads.
+            let named = entry.and_then(|f| unsafe { ((*f).dir == DIR_REPLY).then(|| ((*f).nat_addr, (*f).nat_port)) });
+            if let Some((addr, port)) = named {
+                vip.addr = addr;
+                vip.port = port;
+                owned = true;
+            }
+        }
         if owned {
             // Quoted destination back to the VIP: the quoted IP header's
             // checksum, the quoted L4 checksum (its pseudo-header and its
@@ -331,6 +347,29 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
             };
             table::flow6(&(*k).flow)
                 .is_some_and(|f| (*f).dir != DIR_REPLY && (*f).nat_addr == q_dst && (*f).nat_port == q_dport)
+        };
+        // A flow of a service that shares the endpoint without owning it:
+        // its reply entry (the backend's tuple) names the VIP.
+        let other = if owned {
+            None
+        } else {
+            // SAFETY: this CPU's scratch slot, as above, and a valid,
+            // aligned map value; plain stores and loads.
+            unsafe {
+                (*k).flow = FlowKey6 {
+                    src_addr: q_dst,
+                    dst_addr: q_src,
+                    src_port: q_dport,
+                    dst_port: q_sport,
+                    proto,
+                    _pad: [0; 3],
+                };
+                table::flow6(&(*k).flow).and_then(|f| ((*f).dir == DIR_REPLY).then(|| ((*f).nat_addr, (*f).nat_port)))
+            }
+        };
+        let (owned, vip) = match other {
+            Some((addr, port)) => (true, Vip6Key { addr, port, ..vip }),
+            None => (owned, vip),
         };
         if owned {
             let old = quoted_checks(ctx, q_check, 0)?;

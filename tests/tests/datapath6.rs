@@ -405,9 +405,20 @@ fn quoted_ip(q: &[u8]) -> Ipv4Header {
 
 #[test]
 fn an_icmp_error_about_a_forwarded_packet_reaches_the_client_naming_the_vip() {
-    in_netns(|| {
-        let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
-        let mut syn = tcp(CLIENT, 40012, VIP, 80, SYN);
+    // The flow of the endpoint's owner, and of a service that shares the
+    // endpoint (its flows keep a reply entry, which names their VIP).
+    for vport in [80, 81] {
+        icmp_error_about_a_forwarded_packet_names(vport);
+    }
+}
+
+fn icmp_error_about_a_forwarded_packet_names(vport: u16) {
+    in_netns(move || {
+        let fx = Fixture::new(vec![
+            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
+        ]);
+        let mut syn = tcp(CLIENT, 40012, VIP, vport, SYN);
         syn.payload = vec![1; 200];
         assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
         // A router on the backend side could not pass the (rewritten)
@@ -487,9 +498,19 @@ fn an_icmpv6_packet_too_big_about_a_reply_reaches_the_backend_naming_it() {
 
 #[test]
 fn an_icmpv6_error_about_a_forwarded_packet_reaches_the_client_naming_the_vip() {
-    in_netns(|| {
-        let fx = web6();
-        let mut syn = tcp6(CLIENT6, 40015, VIP6, 80, SYN);
+    // As for IPv4: the owner's flow and a sharing service's.
+    for vport in [80, 81] {
+        icmpv6_error_about_a_forwarded_packet_names(vport);
+    }
+}
+
+fn icmpv6_error_about_a_forwarded_packet_names(vport: u16) {
+    in_netns(move || {
+        let fx = Fixture::new(vec![
+            service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
+            service6("alt6", 81, Protocol::Tcp, &[(BACKEND6, 8080)]),
+        ]);
+        let mut syn = tcp6(CLIENT6, 40015, VIP6, vport, SYN);
         syn.payload = vec![4; 100];
         assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
         // A router on the backend side: the packet as it went on.
