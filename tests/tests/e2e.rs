@@ -8,7 +8,7 @@ use std::process::Command;
 use lb_tests::{
     harness::{Running, config_dir, serial, socket_for},
     lab::{Lab, LabSpec},
-    lbd::{Lbd, path_counts, wait_for, write_config, xdp_mode_in_use},
+    lbd::{Lbd, path_counts, wait_for, write_config, xdp_mode_in_use, xdp_program_in_use},
 };
 
 const WEB: &str = "  - name: web
@@ -236,11 +236,16 @@ fn invalid_configs_are_rejected_before_anything_is_attached() {
     }
 }
 
-fn bpf_programs_named(name: &str) -> usize {
-    let out = Command::new("bpftool").args(["-j", "prog", "show"]).output().expect("bpftool");
-    assert!(out.status.success());
+/// The name of the loaded BPF program `id`; None once it is unloaded. By
+/// id, not by counting programs of a name: another datapath loaded on the
+/// same machine (another test, a user's) would be counted too.
+fn bpf_program_name(id: u64) -> Option<String> {
+    let out = Command::new("bpftool").args(["-j", "prog", "show", "id", &id.to_string()]).output().expect("bpftool");
+    if !out.status.success() {
+        return None;
+    }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v.as_array().unwrap().iter().filter(|p| p["name"] == name).count()
+    Some(v["name"].as_str().unwrap_or_default().to_owned())
 }
 
 /// Every path under `dir` (pins and their directories), sorted.
@@ -271,7 +276,10 @@ fn sigterm_detaches_everything_and_leaves_nothing_pinned() {
     let mut s = setup("lbt-e2e-term", WEB);
     assert!(xdp_attached(&s.lab, "eth0") && xdp_attached(&s.lab, "eth1"));
     assert!(s.lab.pin_dir().join("maps/FLOW_SLOTS").exists(), "the running datapath is pinned");
-    assert_eq!(bpf_programs_named("lb_xdp"), 1);
+    // One program, the balancer's, on both interfaces.
+    let prog = xdp_program_in_use(&s.lab, "eth0");
+    assert_eq!(xdp_program_in_use(&s.lab, "eth1"), prog, "one program on both interfaces");
+    assert_eq!(bpf_program_name(prog).as_deref(), Some("lb_xdp"));
     // lbd runs in its own mount namespace (`ip netns exec` makes one):
     // hold it, to look at the pins from where lbd made them.
     let pid = s.lbd.pid().unwrap();
@@ -302,7 +310,7 @@ fn sigterm_detaches_everything_and_leaves_nothing_pinned() {
     // The program's last reference can be the unpinned link's, which the
     // kernel drops after an RCU grace period, from a work queue: a little
     // after lbd exits, not before.
-    let unloaded = wait_for(5, || (bpf_programs_named("lb_xdp") == 0).then_some(()));
+    let unloaded = wait_for(5, || bpf_program_name(prog).is_none().then_some(()));
     assert!(unloaded.is_some(), "the program is still loaded 5 s after lbd exited");
     assert_eq!(bpffs_entries(), pinned_before, "something was left pinned in /sys/fs/bpf");
     assert!(!s.lab.pin_dir().exists(), "something was left pinned in {}", s.lab.pin_dir().display());
