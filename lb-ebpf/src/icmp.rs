@@ -168,34 +168,31 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
     // backend endpoint whose client flow has that backend.
     let ep = EndpointKey { addr: q_dst, port: q_dport, proto, _pad: 0 };
     // SAFETY: the value is copied at once.
-    if let Some(mut vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
+    if let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
         let key =
             FlowKey { src_addr: q_src, dst_addr: vip.addr, src_port: q_sport, dst_port: vip.port, proto, _pad: [0; 3] };
         // SAFETY: as above; plain loads.
-        let mut owned = table::flow(&key)
+        let owned = table::flow(&key)
             .is_some_and(|f| unsafe { (*f).dir != DIR_REPLY && (*f).nat_addr == q_dst && (*f).nat_port == q_dport });
-        if !owned {
-            // A flow of a service that shares the endpoint without owning
-            // it: its reply entry (the backend's tuple) names the VIP.
+        // The VIP the quote goes back to: the owner's when its flow has this
+        // backend; otherwise a service sharing the endpoint without owning
+        // it, named by its reply entry (the backend's tuple).
+        let target = if owned {
+            Some((vip.addr, vip.port))
+        } else {
             let rev =
                 FlowKey { src_addr: q_dst, dst_addr: q_src, src_port: q_dport, dst_port: q_sport, proto, _pad: [0; 3] };
-            let entry = table::flow(&rev);
             // SAFETY: a valid, aligned map value; plain loads.
-            let named = entry.and_then(|f| unsafe { ((*f).dir == DIR_REPLY).then(|| ((*f).nat_addr, (*f).nat_port)) });
-            if let Some((addr, port)) = named {
-                vip.addr = addr;
-                vip.port = port;
-                owned = true;
-            }
-        }
-        if owned {
+            table::flow(&rev).and_then(|f| unsafe { ((*f).dir == DIR_REPLY).then(|| ((*f).nat_addr, (*f).nat_port)) })
+        };
+        if let Some((addr, port)) = target {
             // Quoted destination back to the VIP: the quoted IP header's
             // checksum, the quoted L4 checksum (its pseudo-header and its
             // port) and the ICMP checksum follow.
             let (qip, icmp) = (Q_IP + 10, ICMP + 2);
             let old = quoted_checks(ctx, qip, q_check)?;
-            set32(ctx, Q_IP + 16, vip.addr, [qip, icmp, q_check])?;
-            set16(ctx, Q_L4 + 2, vip.port, [icmp, q_check, 0])?;
+            set32(ctx, Q_IP + 16, addr, [qip, icmp, q_check])?;
+            set16(ctx, Q_L4 + 2, port, [icmp, q_check, 0])?;
             refold(ctx, icmp, [qip, q_check], old)?;
             stats::count(counter::ICMP_TO_CLIENT);
             return Some(xdp_action::XDP_PASS);
@@ -348,10 +345,11 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
             table::flow6(&(*k).flow)
                 .is_some_and(|f| (*f).dir != DIR_REPLY && (*f).nat_addr == q_dst && (*f).nat_port == q_dport)
         };
-        // A flow of a service that shares the endpoint without owning it:
-        // its reply entry (the backend's tuple) names the VIP.
-        let other = if owned {
-            None
+        // The VIP the quote goes back to: the owner's when its flow has this
+        // backend; otherwise a service sharing the endpoint without owning
+        // it, named by its reply entry (the backend's tuple).
+        let target = if owned {
+            Some((vip.addr, vip.port))
         } else {
             // SAFETY: this CPU's scratch slot, as above, and a valid,
             // aligned map value; plain stores and loads.
@@ -367,14 +365,10 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
                 table::flow6(&(*k).flow).and_then(|f| ((*f).dir == DIR_REPLY).then(|| ((*f).nat_addr, (*f).nat_port)))
             }
         };
-        let (owned, vip) = match other {
-            Some((addr, port)) => (true, Vip6Key { addr, port, ..vip }),
-            None => (owned, vip),
-        };
-        if owned {
+        if let Some((addr, port)) = target {
             let old = quoted_checks(ctx, q_check, 0)?;
-            set128(ctx, Q_IP6 + 24, &vip.addr, [icmp, q_check, 0])?;
-            set16(ctx, Q_L46 + 2, vip.port, [icmp, q_check, 0])?;
+            set128(ctx, Q_IP6 + 24, &addr, [icmp, q_check, 0])?;
+            set16(ctx, Q_L46 + 2, port, [icmp, q_check, 0])?;
             refold(ctx, icmp, [q_check, 0], old)?;
             stats::count(counter::ICMP_TO_CLIENT);
             return Some(xdp_action::XDP_PASS);
