@@ -22,7 +22,7 @@ mod sweep;
 mod table;
 mod v6;
 
-use core::intrinsics::{AtomicOrdering, atomic_or};
+use core::intrinsics::{AtomicOrdering, atomic_and, atomic_or};
 
 use aya_ebpf::helpers::generated::{bpf_jiffies64, bpf_ktime_get_coarse_ns};
 
@@ -250,6 +250,9 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     if down || (is_syn(pkt) && flow_closed(state)) {
         return None;
     }
+    if is_syn(pkt) && state & FLOW_ESTABLISHED != 0 {
+        reopen(state_of(flow), nat.backend_id);
+    }
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
     // The client speaking again after the backend answered completes the
     // handshake (for TCP, with anything but a SYN): from now on the flow
@@ -383,6 +386,25 @@ pub(crate) fn track_close(state: *mut u64, backend_id: u32, tcp_flags: u8, proto
     if !flow_closed(old) && flow_closed(old | bit) {
         stats::flow_closed(backend_id);
     }
+}
+
+/// A SYN on an entry whose handshake completed and whose close was not
+/// seen: the client reused the tuple for a new connection (a DSR flow's
+/// close is never seen whole: the backend's FIN takes another path). The
+/// new connection keeps the entry's backend, so a forged SYN cannot move a
+/// live connection; it is counted as one: the old connection closed, the
+/// new one opened and new, the entry's state fresh.
+#[inline(always)]
+pub(crate) fn reopen(state: *mut u64, backend_id: u32) {
+    // Atomic, as other CPUs OR bits in: the old value says whether a close
+    // raced this SYN and was counted already.
+    // SAFETY: a valid, aligned u64 inside a map value.
+    let old = unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(state, 0) };
+    if !flow_closed(old) {
+        stats::flow_closed(backend_id);
+    }
+    stats::new_flow(backend_id);
+    stats::flow_opened(backend_id);
 }
 
 /// Set `bit` in a flow entry's state, once (atomic OR: other CPUs write it too).

@@ -35,7 +35,7 @@ use crate::{
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, FLOOD, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     no_backend, now_secs, opening_state,
     parse::{ETH_HLEN, ETH_P_IPV6, EthHdr, ICMP6_TOO_BIG, IP6_HLEN, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
-    rate_ok, select, set_state, stats, syn_only, table, track_close,
+    rate_ok, reopen, select, set_state, stats, syn_only, table, track_close,
 };
 
 const AF_INET6: u8 = 10;
@@ -466,6 +466,9 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
     }
     if down || (pkt.is_syn() && flow_closed(state)) {
         return None;
+    }
+    if pkt.is_syn() && state & FLOW_ESTABLISHED != 0 {
+        reopen(state_of(flow), nat.backend_id);
     }
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
     let dsr = dir == DIR_DSR;

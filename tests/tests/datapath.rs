@@ -516,6 +516,44 @@ fn a_new_syn_on_a_closed_flow_is_a_new_connection() {
     });
 }
 
+/// A SYN on an established flow whose close the datapath did not see
+/// (the client reused the tuple; a FIN went another way): a new connection,
+/// counted as one, on the entry's backend, which round robin would not
+/// have picked again (so a forged SYN cannot move a live connection).
+#[test]
+fn a_syn_on_an_established_flow_is_a_new_connection_on_the_same_backend() {
+    in_netns(|| {
+        let fx = rr_fixture_with_table(64);
+        let counted = |fx: &Fixture| RR_BACKENDS.map(|(a, _)| fx.new_flows("web", a));
+        let b = handshake(&fx, 40_100, 80, 8080);
+        let first = counted(&fx);
+        assert_eq!(first.iter().sum::<u64>(), 1);
+        assert_eq!(active(&fx, "web"), 1);
+        // Only the client's FIN passes this gateway.
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, FIN | ACK).bytes()), b);
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, ACK).bytes()), b);
+        assert_eq!(active(&fx, "web"), 1, "half closed is still active");
+        // The same tuple's SYN: the same backend, counted once more; the
+        // old connection is closed, so one flow is active.
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, SYN).bytes()), b, "reused tuple");
+        let i = RR_BACKENDS.iter().position(|x| x.0 == b).unwrap();
+        let mut want = first;
+        want[i] += 1;
+        assert_eq!(counted(&fx), want);
+        assert_eq!(active(&fx, "web"), 1);
+        // Its retransmission is the same connection; its handshake then
+        // completes as a fresh one's, and both FINs close it.
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, SYN).bytes()), b);
+        assert_eq!(counted(&fx), want);
+        assert_eq!(fx.run(&from_backend(b, 8080, 40_100, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, ACK).bytes()), b);
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, FIN | ACK).bytes()), b);
+        assert_eq!(fx.run(&from_backend(b, 8080, 40_100, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        assert_eq!(active(&fx, "web"), 0);
+        assert_eq!(counted(&fx), want);
+    });
+}
+
 #[test]
 fn a_service_without_backends_drops_new_flows_and_counts_them() {
     in_netns(|| {

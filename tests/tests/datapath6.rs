@@ -12,7 +12,7 @@ use lb_testkit::{
     Frame, Frame6, L4Checksum,
     frame::{
         ETH_LEN, IPV4_LEN, TCP_LEN,
-        tcp::{ACK, SYN},
+        tcp::{ACK, FIN, SYN},
     },
     frame6::{Ext, IPV6_LEN, parse_frag_needed, parse_too_big6},
 };
@@ -327,6 +327,41 @@ fn dsr_changes_only_the_macs_and_the_replies_never_come_back() {
         // A backend's answer from the VIP is none of the datapath's business.
         let answer = Frame::tcp(VIP, 80, CLIENT, 40010, SYN | ACK).macs(GW_B_MAC, BACKEND_MAC);
         assert_eq!(fx.run(&answer.bytes(), fx.if_b), (XDP_PASS, answer.bytes()));
+    });
+}
+
+/// A DSR flow's close is never seen whole (the backend's FIN goes straight
+/// to the client): a client that reuses the tuple while the entry lives
+/// opens a new connection, counted as one, and the old one is closed.
+#[test]
+fn a_reused_tuple_of_a_dsr_flow_is_counted_as_a_new_connection() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![
+            dsr(service("web", 80, Protocol::Tcp, &[(BACKEND, 80)])),
+            dsr(service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 80)])),
+        ]);
+        let active = |name: &str| {
+            let s = fx.dp.services().find(|s| s.config.name == name).unwrap();
+            s.backends.iter().map(|b| fx.dp.active_flows(b.id).unwrap()).sum::<u64>()
+        };
+        let sent = |p: Vec<u8>| {
+            let (action, out) = fx.run(&p, fx.if_a);
+            assert_eq!(action, XDP_REDIRECT);
+            assert_eq!(out[..6], BACKEND_MAC, "to the backend");
+        };
+        for flags in [SYN, ACK, FIN | ACK, ACK] {
+            sent(tcp(CLIENT, 40_020, VIP, 80, flags).bytes());
+            sent(tcp6(CLIENT6, 40_020, VIP6, 80, flags).bytes());
+        }
+        assert_eq!((fx.new_flows("web", BACKEND), fx.new_flows("web6", BACKEND6)), (1, 1));
+        assert_eq!((active("web"), active("web6")), (1, 1));
+        // The reused tuple's SYN, then its retransmission.
+        for _ in 0..2 {
+            sent(tcp(CLIENT, 40_020, VIP, 80, SYN).bytes());
+            sent(tcp6(CLIENT6, 40_020, VIP6, 80, SYN).bytes());
+            assert_eq!((fx.new_flows("web", BACKEND), fx.new_flows("web6", BACKEND6)), (2, 2));
+            assert_eq!((active("web"), active("web6")), (1, 1));
+        }
     });
 }
 
