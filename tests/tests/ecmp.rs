@@ -163,7 +163,14 @@ fn the_router_spreads_connections_over_both_nodes_and_the_backends() {
     for (k, t) in node_totals.iter().enumerate() {
         assert!(*t >= 3000 / 5, "n{} took only {t} of 3,000 connections: the router did not spread them", k + 1);
     }
-    assert_eq!(summed, accepted, "the nodes' counts add up to what each backend accepted");
+    // Each node's counters say which path a connection counted nowhere took.
+    let counters: Vec<String> =
+        s.nodes.iter().map(|n| n.status().map(|st| st["counters"].to_string()).unwrap_or_default()).collect();
+    assert_eq!(
+        summed, accepted,
+        "the nodes' counts add up to what each backend accepted; n1's counters {}, n2's {}",
+        counters[0], counters[1]
+    );
     assert!(j >= 0.99, "Jain {j:.4} over the backends {accepted:?}");
     for (k, n) in s.nodes.iter().enumerate() {
         let st = n.status().unwrap();
