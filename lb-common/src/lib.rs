@@ -893,6 +893,13 @@ pub const FLOW_REPLIED: u64 = 8;
 /// without it is half-open, and the sweeper expires it after the short
 /// `flood.half_open_timeout` of silence instead of the idle timeout.
 pub const FLOW_ESTABLISHED: u64 = 16;
+/// [`Flow::state`]: the entry was established, and a SYN on it opened a new
+/// connection on the same 5-tuple (a reused client port whose close the
+/// balancer did not see). Its handshake starts over (no
+/// [`FLOW_ESTABLISHED`], so its SYN's retransmissions are not counted
+/// again), but it is no half-open flow: it took no new room, and a forged
+/// SYN must not get an idle connection's entry expired early.
+pub const FLOW_REOPENED: u64 = 32;
 
 /// A TCP flow is closed once either side reset it or both sides sent a FIN.
 /// A new SYN on a closed flow's 5-tuple is a new connection and is scheduled

@@ -32,8 +32,8 @@ use forward::Hop;
 use forward::Way;
 use lb_common::{
     BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED,
-    FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
-    Service, VipKey, addr_filter_bit, counter, flow_closed,
+    FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_DSR,
+    SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
 use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
@@ -393,13 +393,17 @@ pub(crate) fn track_close(state: *mut u64, backend_id: u32, tcp_flags: u8, proto
 /// close is never seen whole: the backend's FIN takes another path). The
 /// new connection keeps the entry's backend, so a forged SYN cannot move a
 /// live connection; it is counted as one: the old connection closed, the
-/// new one opened and new, the entry's state fresh.
+/// new one opened and new. Its handshake and close are tracked afresh
+/// (`FLOW_REOPENED` in place of the handshake and FIN bits: see there).
 #[inline(always)]
 pub(crate) fn reopen(state: *mut u64, backend_id: u32) {
     // Atomic, as other CPUs OR bits in: the old value says whether a close
-    // raced this SYN and was counted already.
+    // raced this SYN and was counted already. Between the two, the entry
+    // is neither established nor reopened for a few instructions: a sweep
+    // that judged it then finds it changed and leaves it.
     // SAFETY: a valid, aligned u64 inside a map value.
-    let old = unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(state, 0) };
+    let old = unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(state, FLOW_REPLIED) };
+    set_state(state, FLOW_REOPENED);
     if !flow_closed(old) {
         stats::flow_closed(backend_id);
     }

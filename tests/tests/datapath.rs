@@ -523,7 +523,7 @@ fn a_new_syn_on_a_closed_flow_is_a_new_connection() {
 #[test]
 fn a_syn_on_an_established_flow_is_a_new_connection_on_the_same_backend() {
     in_netns(|| {
-        let fx = rr_fixture_with_table(64);
+        let mut fx = rr_fixture_with_table(64);
         let counted = |fx: &Fixture| RR_BACKENDS.map(|(a, _)| fx.new_flows("web", a));
         let b = handshake(&fx, 40_100, 80, 8080);
         let first = counted(&fx);
@@ -541,10 +541,17 @@ fn a_syn_on_an_established_flow_is_a_new_connection_on_the_same_backend() {
         want[i] += 1;
         assert_eq!(counted(&fx), want);
         assert_eq!(active(&fx, "web"), 1);
-        // Its retransmission is the same connection; its handshake then
-        // completes as a fresh one's, and both FINs close it.
+        // Its retransmission is the same connection.
         assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, SYN).bytes()), b);
         assert_eq!(counted(&fx), want);
+        // A reopened entry is no half-open flow: past the half-open
+        // timeout (10 s) the sweeper leaves it, so a forged SYN cannot get
+        // an idle connection's entry expired early.
+        let now = lb_userspace::dataplane::monotonic_coarse_secs();
+        let r = fx.dp.sweep(now + 11, 900, 300).unwrap();
+        assert_eq!((r.removed, r.expired), (0, 0), "{r:?}");
+        assert_eq!(fx.entries(), 1);
+        // The handshake completes as a fresh one's, and both FINs close it.
         assert_eq!(fx.run(&from_backend(b, 8080, 40_100, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
         assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, ACK).bytes()), b);
         assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, FIN | ACK).bytes()), b);

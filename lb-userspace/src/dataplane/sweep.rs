@@ -6,10 +6,10 @@ use aya::maps::IterableMap as _;
 
 use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
-    DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey,
-    FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET,
-    SLOT_READY, SLOT_STATE, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader,
-    SweepItem, SweepItem6, flow_closed, maps as names,
+    DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED, Flow, Flow6, FlowBucket,
+    FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERTED, InsertItem, InsertItem6,
+    PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_INSERT,
+    SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed, maps as names,
 };
 
 use super::{Dataplane, DataplaneError, batch::Walk, map_err};
@@ -173,7 +173,8 @@ fn judge(dir: u8, proto: u8, state: u64, last_seen: u64, service: u32, l: &Limit
     // A DSR flow never sees its backend's answers: the datapath marks it
     // established at the client's first packet after its opening, so the
     // half-open rule holds for it too.
-    let half_open = state & FLOW_ESTABLISHED == 0;
+    // A reopened entry (a reused tuple's new connection) is not half-open.
+    let half_open = state & (FLOW_ESTABLISHED | FLOW_REOPENED) == 0;
     if idle > limit {
         Verdict::Expired { half_open: false }
     } else if half_open && idle > l.half_open {
@@ -599,6 +600,9 @@ mod tests {
             assert_eq!(judge(DIR_DSR, TCP, fin, DSR_FIN_TIMEOUT, &l), Verdict::Keep);
             assert_eq!(judge(DIR_DSR, TCP, fin, DSR_FIN_TIMEOUT + 1, &l), EXPIRED);
             assert_eq!(judge(DIR_DSR, TCP, FLOW_ESTABLISHED | FLOW_RST, 11, &l), Verdict::Closed);
+            // A reused tuple's new connection keeps the idle timeout.
+            assert_eq!(judge(DIR_DSR, TCP, FLOW_REOPENED, 899, &l), Verdict::Keep);
+            assert_eq!(judge(DIR_DSR, TCP, FLOW_REOPENED, 901, &l), EXPIRED);
         }
     }
 
