@@ -282,6 +282,12 @@ impl Fixture {
         let b = s.backends.iter().find(|b| b.config.address == backend).unwrap();
         self.dp.backend_stats(b.id).unwrap().new_flows
     }
+
+    /// Active flows of `service`, all its backends together.
+    pub fn active_flows(&self, service: &str) -> u64 {
+        let s = self.dp.services().find(|s| s.config.name == service).unwrap();
+        s.backends.iter().map(|b| self.dp.active_flows(b.id).unwrap()).sum()
+    }
 }
 
 pub fn in_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {

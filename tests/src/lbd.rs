@@ -271,6 +271,12 @@ impl Lbd {
         Ok(())
     }
 
+    /// lbd's global counters as one line, for a failure message (empty
+    /// when lbd does not answer).
+    pub fn counters_text(&self) -> String {
+        self.status().map(|st| st["counters"].to_string()).unwrap_or_default()
+    }
+
     /// XDP program id lbd reports (changes with every restart/upgrade).
     pub fn program_id(&self) -> Option<u64> {
         self.status().ok()?["program_id"].as_u64()

@@ -528,11 +528,11 @@ fn a_syn_on_an_established_flow_is_a_new_connection_on_the_same_backend() {
         let b = handshake(&fx, 40_100, 80, 8080);
         let first = counted(&fx);
         assert_eq!(first.iter().sum::<u64>(), 1);
-        assert_eq!(active(&fx, "web"), 1);
+        assert_eq!(fx.active_flows("web"), 1);
         // Only the client's FIN passes this gateway.
         assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, FIN | ACK).bytes()), b);
         assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, ACK).bytes()), b);
-        assert_eq!(active(&fx, "web"), 1, "half closed is still active");
+        assert_eq!(fx.active_flows("web"), 1, "half closed is still active");
         // The same tuple's SYN: the same backend, counted once more; the
         // old connection is closed, so one flow is active.
         assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, SYN).bytes()), b, "reused tuple");
@@ -540,7 +540,7 @@ fn a_syn_on_an_established_flow_is_a_new_connection_on_the_same_backend() {
         let mut want = first;
         want[i] += 1;
         assert_eq!(counted(&fx), want);
-        assert_eq!(active(&fx, "web"), 1);
+        assert_eq!(fx.active_flows("web"), 1);
         // Its retransmission is the same connection.
         assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, SYN).bytes()), b);
         assert_eq!(counted(&fx), want);
@@ -556,7 +556,7 @@ fn a_syn_on_an_established_flow_is_a_new_connection_on_the_same_backend() {
         assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, ACK).bytes()), b);
         assert_eq!(fx.forward(&tcp(CLIENT, 40_100, VIP, 80, FIN | ACK).bytes()), b);
         assert_eq!(fx.run(&from_backend(b, 8080, 40_100, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
-        assert_eq!(active(&fx, "web"), 0);
+        assert_eq!(fx.active_flows("web"), 0);
         assert_eq!(counted(&fx), want);
     });
 }
@@ -643,11 +643,6 @@ fn handshake(fx: &Fixture, cport: u16, vport: u16, bport: u16) -> Ipv4Addr {
     b
 }
 
-fn active(fx: &Fixture, service: &str) -> u64 {
-    let s = fx.dp.services().find(|s| s.config.name == service).unwrap();
-    s.backends.iter().map(|b| fx.dp.active_flows(b.id).unwrap()).sum()
-}
-
 #[test]
 fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
     in_netns(|| {
@@ -657,7 +652,7 @@ fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
         let established: Vec<(u16, Ipv4Addr)> =
             (0..16).map(|i| (40_000 + i, handshake(&fx, 40_000 + i, 80, 8080))).collect();
         assert_eq!(fx.entries(), 16);
-        assert_eq!(active(&fx, "web"), 16);
+        assert_eq!(fx.active_flows("web"), 16);
 
         // A SYN flood from 300 sources: every SYN, its retransmission and
         // its ACK reach the same backend; none gets an entry or evicts one.
@@ -678,7 +673,7 @@ fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
             assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 80, ACK | PSH).bytes()), b);
         }
         assert_eq!(fx.counter("table_full"), 900, "established flows kept their entries");
-        assert_eq!(active(&fx, "web"), 16);
+        assert_eq!(fx.active_flows("web"), 16);
 
         // A flow routed without an entry: its backend's answer goes back
         // from the VIP without one.
@@ -756,21 +751,21 @@ fn half_open_flows_expire_early_and_active_counts_return_to_exactly_zero() {
         assert_eq!(fx.run(&reply.bytes(), fx.if_b).0, XDP_REDIRECT);
         fx.forward(&udp(CLIENT, 41_004, VIP, 53).bytes());
         assert_eq!(fx.entries(), 5);
-        assert_eq!((active(&fx, "web"), active(&fx, "dns")), (3, 2));
+        assert_eq!((fx.active_flows("web"), fx.active_flows("dns")), (3, 2));
 
         // 11 s on (half_open_timeout 10 s by default): the three half-open
         // flows go, counted as expired.
         let now = lb_userspace::dataplane::monotonic_coarse_secs();
         let r = fx.dp.sweep(now + 11, 900, 300).unwrap();
         assert_eq!((r.removed, r.expired, r.half_open_expired), (3, 3, 3), "{r:?}");
-        assert_eq!((active(&fx, "web"), active(&fx, "dns")), (1, 1));
+        assert_eq!((fx.active_flows("web"), fx.active_flows("dns")), (1, 1));
 
         // The TCP flow is reset, the UDP one idles out: both counts are 0.
         fx.forward(&tcp(CLIENT, 41_003, VIP, 80, RST).bytes());
-        assert_eq!(active(&fx, "web"), 0);
+        assert_eq!(fx.active_flows("web"), 0);
         let r = fx.dp.sweep(now + 400, 900, 300).unwrap();
         assert_eq!((r.removed, r.expired, r.half_open_expired), (2, 1, 0), "{r:?}");
-        assert_eq!((active(&fx, "web"), active(&fx, "dns")), (0, 0));
+        assert_eq!((fx.active_flows("web"), fx.active_flows("dns")), (0, 0));
         assert_eq!(fx.entries(), 0);
     });
 }
@@ -852,7 +847,7 @@ fn a_sweep_left_half_done_still_counts_the_flows_it_removed() {
         for port in [45_000, 45_001] {
             fx.forward(&tcp(CLIENT, port, VIP, 80, SYN).bytes());
         }
-        assert_eq!(active(&fx, "web"), 2);
+        assert_eq!(fx.active_flows("web"), 2);
         // lbd sweeps a part at a time and may stop between parts (a stop,
         // a restart): the part that removed the two half-open flows has
         // counted them expired already.
@@ -861,7 +856,7 @@ fn a_sweep_left_half_done_still_counts_the_flows_it_removed() {
         assert_eq!(fx.dp.sweep_step(&mut run).unwrap(), None, "one part swept both tables");
         drop(run);
         assert_eq!(fx.entries(), 0);
-        assert_eq!(active(&fx, "web"), 0, "flows removed by an unfinished sweep still count as active");
+        assert_eq!(fx.active_flows("web"), 0, "flows removed by an unfinished sweep still count as active");
     });
 }
 

@@ -301,13 +301,18 @@ fn dsr(svc: ServiceConfig) -> ServiceConfig {
     ServiceConfig { forwarding: Forwarding::Dsr, ..svc }
 }
 
+/// A DSR web service in each family, each with one backend.
+fn dsr_web() -> Fixture {
+    Fixture::new(vec![
+        dsr(service("web", 80, Protocol::Tcp, &[(BACKEND, 80)])),
+        dsr(service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 80)])),
+    ])
+}
+
 #[test]
 fn dsr_changes_only_the_macs_and_the_replies_never_come_back() {
     in_netns(|| {
-        let fx = Fixture::new(vec![
-            dsr(service("web", 80, Protocol::Tcp, &[(BACKEND, 80)])),
-            dsr(service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 80)])),
-        ]);
+        let fx = dsr_web();
         let syn = tcp(CLIENT, 40010, VIP, 80, SYN);
         let (action, out) = fx.run(&syn.bytes(), fx.if_a);
         assert_eq!(action, XDP_REDIRECT);
@@ -336,14 +341,7 @@ fn dsr_changes_only_the_macs_and_the_replies_never_come_back() {
 #[test]
 fn a_reused_tuple_of_a_dsr_flow_is_counted_as_a_new_connection() {
     in_netns(|| {
-        let fx = Fixture::new(vec![
-            dsr(service("web", 80, Protocol::Tcp, &[(BACKEND, 80)])),
-            dsr(service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 80)])),
-        ]);
-        let active = |name: &str| {
-            let s = fx.dp.services().find(|s| s.config.name == name).unwrap();
-            s.backends.iter().map(|b| fx.dp.active_flows(b.id).unwrap()).sum::<u64>()
-        };
+        let fx = dsr_web();
         let sent = |p: Vec<u8>| {
             let (action, out) = fx.run(&p, fx.if_a);
             assert_eq!(action, XDP_REDIRECT);
@@ -354,13 +352,13 @@ fn a_reused_tuple_of_a_dsr_flow_is_counted_as_a_new_connection() {
             sent(tcp6(CLIENT6, 40_020, VIP6, 80, flags).bytes());
         }
         assert_eq!((fx.new_flows("web", BACKEND), fx.new_flows("web6", BACKEND6)), (1, 1));
-        assert_eq!((active("web"), active("web6")), (1, 1));
+        assert_eq!((fx.active_flows("web"), fx.active_flows("web6")), (1, 1));
         // The reused tuple's SYN, then its retransmission.
         for _ in 0..2 {
             sent(tcp(CLIENT, 40_020, VIP, 80, SYN).bytes());
             sent(tcp6(CLIENT6, 40_020, VIP6, 80, SYN).bytes());
             assert_eq!((fx.new_flows("web", BACKEND), fx.new_flows("web6", BACKEND6)), (2, 2));
-            assert_eq!((active("web"), active("web6")), (1, 1));
+            assert_eq!((fx.active_flows("web"), fx.active_flows("web6")), (1, 1));
         }
     });
 }

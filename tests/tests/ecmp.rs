@@ -164,8 +164,7 @@ fn the_router_spreads_connections_over_both_nodes_and_the_backends() {
         assert!(*t >= 3000 / 5, "n{} took only {t} of 3,000 connections: the router did not spread them", k + 1);
     }
     // Each node's counters say which path a connection counted nowhere took.
-    let counters: Vec<String> =
-        s.nodes.iter().map(|n| n.status().map(|st| st["counters"].to_string()).unwrap_or_default()).collect();
+    let counters: Vec<String> = s.nodes.iter().map(Lbd::counters_text).collect();
     assert_eq!(
         summed, accepted,
         "the nodes' counts add up to what each backend accepted; n1's counters {}, n2's {}",

@@ -119,7 +119,7 @@ fn the_status_page_shows_every_backend_live_in_a_browser() {
         "{}\nlbd's log:\n{}\nlbd's counters: {}",
         r["errors"],
         s.lbd.log_text(),
-        s.lbd.status().map(|st| st["counters"].to_string()).unwrap_or_default()
+        s.lbd.counters_text()
     );
     let alt = s.lab.client(&["conns", "--target", "10.10.0.101:80", "--count", "100"]).unwrap();
     assert_eq!(alt["failed"].as_u64(), Some(0), "{alt}");
