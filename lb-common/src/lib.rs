@@ -287,8 +287,14 @@ pub mod counter {
     /// tags in place and handed to the kernel's forwarding path, which
     /// knows the egress VLAN (an XDP redirect cannot reach a VLAN device).
     pub const VLAN: u32 = 18;
+    /// Packet from a backend endpoint for a client's flow whose entry now
+    /// names another backend (the flow was re-dispatched when its backend
+    /// went down, or the client's tuple opened a new connection since):
+    /// not a reply of that flow, so dropped rather than passed on to the
+    /// client with the backend's own address as its source.
+    pub const STALE_BACKEND: u32 = 19;
     /// Number of counters.
-    pub const COUNT: u32 = 19;
+    pub const COUNT: u32 = 20;
 
     /// Names used by userspace (metrics labels, `lbctl status`).
     pub const NAMES: [&str; COUNT as usize] = [
@@ -311,6 +317,7 @@ pub mod counter {
         "icmp_to_client",
         "icmp_to_backend",
         "vlan",
+        "stale_backend",
     ];
 
     /// Counters that count a rewritten packet handed to the kernel's

@@ -178,6 +178,7 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
                     Some(nat) => return Ok(reply::<L2>(ctx, &pkt, nat, Hop::Uncached, now)),
                     None => return Ok(xdp_action::XDP_PASS),
                 },
+                None if from_backend => return Ok(stale_or_pass(ctx, &pkt)),
                 None => return Ok(xdp_action::XDP_PASS),
             }
         }
@@ -204,6 +205,33 @@ fn stateless_reply(ctx: &XdpContext, pkt: &Packet) -> Option<Nat> {
     }
     stats::count(counter::STATELESS_REPLY);
     Some(Nat { backend_id: BACKEND_NONE, addr: vip.addr, port: vip.port })
+}
+
+/// A packet from a backend's address that matched nothing else, though
+/// its client's flow towards the VIP of its endpoint (if it is one) has
+/// an entry. When that entry names another backend (the flow was
+/// re-dispatched when this one went down, or the client's tuple opened a
+/// new connection since), this backend's late packets belong to no live
+/// flow: dropped and counted (`counter::STALE_BACKEND`) rather than
+/// passed on to the client with the backend's own address as their
+/// source. Anything else (not an endpoint's; a DSR flow's backend, which
+/// answers from the VIP; to the gateway itself) is the kernel's,
+/// untouched. Looked up again: a rare path, and a value kept from the
+/// first lookup for it made LLVM spill a register left undefined, which
+/// the verifier refuses.
+#[inline(never)]
+fn stale_or_pass(ctx: &XdpContext, pkt: &Packet) -> u32 {
+    let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
+    // SAFETY: the value is copied at once.
+    let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() else { return xdp_action::XDP_PASS };
+    let Some(flow) = table::flow(&client_key(pkt, vip.addr, vip.port)) else { return xdp_action::XDP_PASS };
+    // SAFETY: a valid, aligned map value; plain loads of integers.
+    let (dir, nat) = unsafe { ((*flow).dir, Nat::of(flow)) };
+    if dir == DIR_DSR || (nat.addr == pkt.saddr && nat.port == pkt.sport) || forward::to_gateway(ctx, pkt) {
+        return xdp_action::XDP_PASS;
+    }
+    stats::count(counter::STALE_BACKEND);
+    xdp_action::XDP_DROP
 }
 
 /// Where a packet of a known flow goes, and its rewrite.
@@ -669,8 +697,9 @@ fn dsr<const L2: usize>(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u
 /// A packet from a backend's endpoint, `vip` the service that owns it: a
 /// reply when the client's 5-tuple towards `vip` is a one-entry flow on
 /// this very backend. Otherwise the packet goes the way of any other (a
-/// reply entry, a new flow, the kernel), or, when that flow has no entry
-/// at all (`no_flow` set), back to the client statelessly.
+/// reply entry, a new flow), or, when that flow has no entry at all
+/// (`no_flow` set), back to the client statelessly; when its entry names
+/// another backend, it is dropped (`stale_or_pass`).
 #[inline(always)]
 fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
     let Some(flow) = table::flow(&client_key(pkt, vip.addr, vip.port)) else {
@@ -679,8 +708,6 @@ fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
     };
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat) = unsafe { ((*flow).dir, Nat::of(flow)) };
-    // A flow re-dispatched to another backend: the old one's late packets
-    // are not replies of it.
     if dir != DIR_FLOW || nat.addr != pkt.saddr || nat.port != pkt.sport {
         return None;
     }

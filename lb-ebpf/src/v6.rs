@@ -368,6 +368,7 @@ fn try_lb(ctx: &XdpContext) -> u32 {
                     Some(nat) => To::Stateless(nat),
                     None => return xdp_action::XDP_PASS,
                 },
+                false if from_backend => return stale_or_pass(ctx, &pkt, k),
                 false => return xdp_action::XDP_PASS,
             }
         }
@@ -440,6 +441,28 @@ fn stateless_reply(ctx: &XdpContext, pkt: &Packet6) -> Option<Nat6> {
     }
     stats::count(counter::STATELESS_REPLY);
     Some(Nat6 { backend_id: BACKEND_NONE, addr: vip.addr, port: vip.port })
+}
+
+/// A packet from a backend's address that matched nothing else, though
+/// its client's flow towards the VIP of its endpoint has an entry: dropped
+/// when that entry names another backend, otherwise the kernel's (see
+/// `main.rs`'s `stale_or_pass`).
+#[inline(never)]
+fn stale_or_pass(ctx: &XdpContext, pkt: &Packet6, k: *mut Keys6) -> u32 {
+    let ep = Vip6Key { addr: pkt.saddr(), port: pkt.sport, proto: pkt.proto, _pad: 0 };
+    // SAFETY: the value is copied at once.
+    let Some(vip) = unsafe { ENDPOINTS6.get(&ep) }.copied() else { return xdp_action::XDP_PASS };
+    let Some(flow) = table::flow6(client_key(pkt, k, &vip.addr, vip.port)) else { return xdp_action::XDP_PASS };
+    // SAFETY: a valid, aligned map value; plain loads of integers.
+    let (dir, nat) = unsafe { ((*flow).dir, Nat6::of(flow)) };
+    if dir == DIR_DSR
+        || (nat.addr == pkt.saddr() && nat.port == pkt.sport)
+        || fib(ctx, pkt, &pkt.daddr(), false).0 == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
+    {
+        return xdp_action::XDP_PASS;
+    }
+    stats::count(counter::STALE_BACKEND);
+    xdp_action::XDP_DROP
 }
 
 #[inline(always)]

@@ -9,7 +9,7 @@
 //! Each test runs in a thread that has entered its own network namespace
 //! (`lb_tests::fixture`). Needs root.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use lb_common::{NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, SlotKey as _};
 use lb_testkit::{
@@ -20,7 +20,7 @@ use lb_testkit::{
     },
 };
 use lb_tests::fixture::*;
-use lb_userspace::{config::Protocol, sched::Scheduler};
+use lb_userspace::{config::Protocol, dataplane::BackendRuntime, sched::Scheduler};
 
 // ---------------------------------------------------------------- tests
 
@@ -561,6 +561,45 @@ fn a_syn_on_an_established_flow_is_a_new_connection_on_the_same_backend() {
     });
 }
 
+/// A flow re-dispatched because its backend went down belongs to its new
+/// backend. The old backend's late packets (an answer it retransmits, its
+/// FIN) are replies of nothing: dropped and counted, never passed on to
+/// the client with the backend's own address as their source.
+#[test]
+fn a_down_backends_late_packets_for_a_re_dispatched_flow_are_dropped_not_leaked() {
+    in_netns(|| {
+        let mut fx = rr_fixture_with_table(64);
+        let old = handshake(&fx, 40_200, 80, 8080);
+        let services = vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &RR_BACKENDS)];
+        let down = IpAddr::from(old);
+        fx.dp
+            .apply(&services, &|_, b| BackendRuntime {
+                weight: if b.address == down { 0 } else { b.admin_weight() },
+                down: b.address == down,
+            })
+            .unwrap();
+        // The client's next packet is re-dispatched to a live backend.
+        let new = fx.forward(&tcp(CLIENT, 40_200, VIP, 80, PSH | ACK).bytes());
+        assert_ne!(new, old, "re-dispatched");
+        assert_eq!(fx.counter("stale_backend"), 0);
+        for flags in [PSH | ACK, FIN | ACK] {
+            let late = from_backend(old, 8080, 40_200, flags).bytes();
+            assert_eq!(fx.run(&late, fx.if_b), (XDP_DROP, late.clone()), "the old backend's {flags:#x}");
+        }
+        assert_eq!(fx.counter("stale_backend"), 2);
+        // The new backend's answer is the flow's reply, from the VIP.
+        let (action, out) = fx.run(&from_backend(new, 8080, 40_200, ACK).bytes(), fx.if_b);
+        assert_eq!(action, XDP_REDIRECT);
+        let got = Frame::parse(&out).unwrap();
+        assert_eq!((got.src, got.sport, got.dst, got.dport), (VIP, 80, CLIENT, 40_200));
+        // The old backend's packet for a client with no flow at all is
+        // still a stateless reply (its flow was routed without an entry).
+        let (action, out) = fx.run(&from_backend(old, 8080, 40_201, ACK).bytes(), fx.if_b);
+        assert_eq!((action, Frame::parse(&out).unwrap().src), (XDP_REDIRECT, VIP));
+        assert_eq!((fx.counter("stale_backend"), fx.counter("stateless_reply")), (2, 1));
+    });
+}
+
 #[test]
 fn a_service_without_backends_drops_new_flows_and_counts_them() {
     in_netns(|| {
@@ -1031,4 +1070,79 @@ fn inserted_flows_keep_entries_the_datapath_made() {
         }
         assert_eq!(fx.entries(), 100);
     });
+}
+
+/// The global-counter map an older lbd pinned has fewer counters than this
+/// build counts (it adds them as the datapath learns new cases): the next
+/// start replaces it with a map of the right size and carries every count
+/// over, so an upgrade does not set `lb_dropped_packets_total` and its
+/// kind back to 0. (The old map is made by bpftool here, as an older lbd
+/// would have pinned it, with known per-CPU counts.)
+#[test]
+fn an_older_global_counter_map_is_replaced_with_its_counts_carried_over() {
+    use aya::maps::{MapData, PerCpuArray, PerCpuValues};
+    use lb_common::counter;
+    use lb_userspace::{
+        config::{Config, XdpMode},
+        dataplane::Dataplane,
+    };
+
+    /// Removes the pinned datapath however the test ends.
+    struct Pins(std::path::PathBuf);
+    impl Drop for Pins {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let pins = Pins(format!("/sys/fs/bpf/lbt-counters-{}", std::process::id()).into());
+    let cfg = Config {
+        interfaces: vec![],
+        xdp_mode: XdpMode::Auto,
+        control_socket: "/nonexistent".into(),
+        pin_path: pins.0.clone(),
+        conntrack_max: 1024,
+        table_capacity: 1 << 16,
+        maglev_seed: 0,
+        tcp_idle_timeout: 900,
+        udp_idle_timeout: 300,
+        flood: Default::default(),
+        metrics_listen: "127.0.0.1:9464".parse().unwrap(),
+        bgp: None,
+        services: vec![],
+    };
+    drop(Dataplane::load(&cfg).expect("first start"));
+    let pinned = pins.0.join("maps/COUNTERS");
+    let older = counter::COUNT - 1;
+    std::fs::remove_file(&pinned).unwrap();
+    sh(&[
+        "bpftool",
+        "map",
+        "create",
+        pinned.to_str().unwrap(),
+        "type",
+        "percpu_array",
+        "key",
+        "4",
+        "value",
+        "8",
+        "entries",
+        &older.to_string(),
+        "name",
+        "COUNTERS",
+    ]);
+    let ncpus = aya::util::nr_cpus().unwrap();
+    let mut old: PerCpuArray<MapData, u64> =
+        aya::maps::Map::PerCpuArray(MapData::from_pin(&pinned).unwrap()).try_into().unwrap();
+    for i in 0..older {
+        let per_cpu = (0..ncpus).map(|cpu| u64::from(i) * 1000 + cpu as u64).collect::<Vec<_>>();
+        old.set(i, PerCpuValues::try_from(per_cpu).unwrap(), 0).unwrap();
+    }
+    drop(old);
+    let dp = Dataplane::load(&cfg).expect("a start on the older counter map");
+    let counts = dp.counters().unwrap();
+    let cpus_sum = (0..ncpus as u64).sum::<u64>();
+    for (i, name) in counter::NAMES.iter().enumerate().take(older as usize) {
+        assert_eq!(counts[*name], i as u64 * 1000 * ncpus as u64 + cpus_sum, "{name}");
+    }
+    assert_eq!(counts[counter::NAMES[older as usize]], 0, "the counter the older map lacked starts at 0");
 }

@@ -17,7 +17,10 @@ use lb_testkit::{
     frame6::{Ext, IPV6_LEN, parse_frag_needed, parse_too_big6},
 };
 use lb_tests::fixture::*;
-use lb_userspace::config::{Forwarding, Protocol, ServiceConfig};
+use lb_userspace::{
+    config::{Forwarding, Protocol, ServiceConfig},
+    sched::Scheduler,
+};
 
 fn tcp6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, flags: u8) -> Frame6 {
     Frame6::tcp(src, sport, dst, dport, flags).macs(GW_A_MAC, CLIENT_MAC)
@@ -360,6 +363,46 @@ fn a_reused_tuple_of_a_dsr_flow_is_counted_as_a_new_connection() {
             assert_eq!((fx.new_flows("web", BACKEND), fx.new_flows("web6", BACKEND6)), (2, 2));
             assert_eq!((fx.active_flows("web"), fx.active_flows("web6")), (1, 1));
         }
+    });
+}
+
+/// A client's tuple that opened a new connection after its flow closed
+/// is scheduled anew (round robin: onto the other backend). The first
+/// backend's late packets for that tuple (a retransmitted FIN) belong to
+/// no live flow: dropped and counted, never passed on to the client with
+/// the backend's own address as their source.
+#[test]
+fn an_old_backends_late_ipv6_packet_for_a_reused_tuple_is_dropped_not_leaked() {
+    in_netns(|| {
+        let backends = [(BACKEND6, 8080), (BACKEND6_UNRESOLVED, 8080)];
+        let fx = Fixture::new(vec![ServiceConfig {
+            vip: VIP6.into(),
+            ..service_with("web6", 80, Protocol::Tcp, Scheduler::Rr, &backends)
+        }]);
+        let to = |flags: u8| {
+            let (action, out) = fx.run(&tcp6(CLIENT6, 40_030, VIP6, 80, flags).bytes(), fx.if_a);
+            let dst = assert_valid6(&out).dst;
+            assert_eq!(action, if dst == BACKEND6 { XDP_REDIRECT } else { XDP_PASS }, "to {dst}");
+            dst
+        };
+        let from = |b: Ipv6Addr, flags: u8| Frame6::tcp(b, 8080, CLIENT6, 40_030, flags).macs(GW_B_MAC, BACKEND_MAC);
+        let old = to(SYN);
+        assert_eq!(fx.run(&from(old, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        for flags in [ACK, FIN | ACK] {
+            assert_eq!(to(flags), old);
+        }
+        assert_eq!(fx.run(&from(old, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        assert_eq!(to(ACK), old);
+        // The tuple's new connection goes to the other backend.
+        let new = to(SYN);
+        assert_ne!(new, old);
+        assert_eq!(fx.counter("stale_backend"), 0);
+        let late = from(old, FIN | ACK).bytes();
+        assert_eq!(fx.run(&late, fx.if_b), (XDP_DROP, late.clone()));
+        assert_eq!(fx.counter("stale_backend"), 1);
+        // The new backend's answer is the new flow's reply, from the VIP.
+        let (action, out) = fx.run(&from(new, SYN | ACK).bytes(), fx.if_b);
+        assert_eq!((action, assert_valid6(&out).src), (XDP_REDIRECT, VIP6));
     });
 }
 

@@ -166,7 +166,10 @@ pub(super) fn put_back(maps_dir: &Path, aside: &Path) -> std::io::Result<()> {
     std::fs::rename(aside, maps_dir)
 }
 
-fn open<T: TryFrom<Map, Error = aya::maps::MapError>>(path: &Path, name: &'static str) -> Result<T, DataplaneError> {
+pub(super) fn open<T: TryFrom<Map, Error = aya::maps::MapError>>(
+    path: &Path,
+    name: &'static str,
+) -> Result<T, DataplaneError> {
     let data = MapData::from_pin(path).map_err(map_err(name))?;
     let map = Map::from_map_data(data).map_err(map_err(name))?;
     T::try_from(map).map_err(map_err(name))

@@ -21,7 +21,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{IterableMap as _, MapError},
+    maps::{IterableMap as _, MapData, MapError, PerCpuArray, PerCpuValues},
     programs::{ProgramError, Xdp, links::LinkError},
     util::nr_cpus,
 };
@@ -264,12 +264,7 @@ const SELECT_BYTES: u64 = 8;
 /// The entries `map` was made with. When that is not `configured` (the
 /// config's `key`), the map was adopted from an lbd that ran with another
 /// size: said once, as a warning, and the map's size is what counts.
-fn adopted_size(
-    map: &aya::maps::MapData,
-    name: &'static str,
-    key: &str,
-    configured: u32,
-) -> Result<u32, DataplaneError> {
+fn adopted_size(map: &MapData, name: &'static str, key: &str, configured: u32) -> Result<u32, DataplaneError> {
     let size = map.info().map_err(map_err(name))?.max_entries();
     if size != configured {
         warn!(
@@ -284,7 +279,7 @@ fn adopted_size(
 /// The `conntrack_max` the adopted flow table was made for (its slots
 /// halved), warned about as [`adopted_size`] does when the config's
 /// would size it otherwise.
-fn adopted_slots(map: &aya::maps::MapData, configured: u32) -> Result<u32, DataplaneError> {
+fn adopted_slots(map: &MapData, configured: u32) -> Result<u32, DataplaneError> {
     let slots = map.info().map_err(map_err(names::FLOWS))?.max_entries().saturating_mul(SLOT_BUCKET);
     let limit = flow_limit(slots, configured);
     if limit == configured {
@@ -325,7 +320,7 @@ type Found<K, V> = Option<(u32, Slot<K, V>)>;
 /// `key`'s slot in the flow table `table` and its contents, found as the
 /// datapath finds it (`lb-ebpf/src/table.rs`), a syscall per element read.
 fn find_slot<K: SlotKey + aya::Pod, V: aya::Pod>(
-    table: &aya::maps::Array<aya::maps::MapData, [Slot<K, V>; SLOT_BUCKET as usize]>,
+    table: &aya::maps::Array<MapData, [Slot<K, V>; SLOT_BUCKET as usize]>,
     seed: u64,
     key: &K,
 ) -> Result<Found<K, V>, MapError>
@@ -459,6 +454,9 @@ impl Dataplane {
         // migration that did not finish (its flows are copied again).
         let mut migrate_from: Option<(u32, PathBuf)> = None;
         let mut resume_from: Option<(u32, PathBuf)> = None;
+        // The values of an older version's global-counter map, which this
+        // one replaces (see below).
+        let mut carried_counters: Vec<PerCpuValues<u64>> = Vec::new();
         let maps_dir = pin.map(|p| p.join("maps"));
         if let (Some(pin), Some(maps_dir)) = (pin, &maps_dir) {
             // bpffs was checked (and mounted if need be) by `pin::lock`.
@@ -507,19 +505,24 @@ impl Dataplane {
             std::fs::create_dir_all(maps_dir)
                 .map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
             // A global-counter map pinned by an older version has fewer
-            // slots than this program counts into: replace it (those
-            // counters restart from 0; flows, tables and per-backend
-            // counters are kept).
-            let counters = maps_dir.join("COUNTERS");
+            // slots than this program counts into: replaced by a new one,
+            // which gets the old one's values once the program is loaded
+            // (a counter the old version did not have starts from 0).
+            let counters = maps_dir.join(names::COUNTERS);
             if let Ok(info) = aya::maps::MapInfo::from_pin(&counters)
                 && info.max_entries() < counter::COUNT
             {
-                warn!(
+                let old: PerCpuArray<MapData, u64> = layout::open(&counters, names::COUNTERS)?;
+                carried_counters = (0..old.len())
+                    .map(|i| old.get(&i, 0).map_err(map_err(names::COUNTERS)))
+                    .collect::<Result<_, _>>()?;
+                info!(
                     pinned = info.max_entries(),
                     needed = counter::COUNT,
-                    "the pinned global-counter map predates this version: replaced, its counters restart from 0"
+                    "the pinned global-counter map predates this version: replaced, its counters carried over"
                 );
-                let _ = std::fs::remove_file(&counters);
+                std::fs::remove_file(&counters)
+                    .map_err(|source| DataplaneError::Pin { path: counters.clone(), source })?;
             }
             for name in names::ALL {
                 loader.map_pin_path(name, maps_dir.join(name));
@@ -582,7 +585,11 @@ impl Dataplane {
                     }
                 })?;
                 let resume = resume_from.as_ref().map(|(v, d)| (*v, d.as_path()));
-                Self::build(config, pin, ebpf, ncpus, seed, adopting, None, resume)
+                let mut dp = Self::build(config, pin, ebpf, ncpus, seed, adopting, None, resume)?;
+                for (i, v) in (0..).zip(carried_counters) {
+                    dp.maps.counters.set(i, v, 0).map_err(map_err(names::COUNTERS))?;
+                }
+                Ok(dp)
             }
         }
     }
