@@ -7,7 +7,11 @@
 //! 1. A frame that is not IPv4 to a VIP address nor IPv4 from a backend
 //!    address (EtherType 0x0800 and a whole 20-byte IPv4 header to read the
 //!    addresses from) is passed (XDP_PASS) byte for byte as it came.
-//! 2. XDP_DROP only for an IPv4 frame to a VIP address.
+//! 2. XDP_DROP only for an IPv4 frame to a VIP address, or, untouched, for
+//!    a TCP/UDP packet from a backend endpoint (a service's backend
+//!    address and port): a backend's packet for a client flow whose entry
+//!    names another backend (`stale_backend`). The run's drops of this
+//!    second kind must equal the datapath's `stale_backend` counter.
 //! 3. An output that differs from its input, and every transmitted one
 //!    (XDP_REDIRECT, XDP_TX), is a rewrite: it parses (etherparse) as
 //!    Ethernet/IPv4/TCP-or-UDP with a valid IPv4 header checksum, has the
@@ -181,6 +185,17 @@ fn service_at(addr: Ipv4Addr, port: u16, proto: u8) -> Option<&'static Svc> {
     SERVICES.iter().find(|s| (s.vip, s.port, s.proto) == (addr, port, proto))
 }
 
+/// Whether an Ethernet/IPv4 frame is TCP or UDP from a backend endpoint
+/// (its source address and port a backend of a service of that protocol).
+fn from_backend_endpoint(f: &[u8]) -> bool {
+    let Some((src, _)) = ipv4_addrs(f) else { return false };
+    let ihl = usize::from(f[ETH_LEN] & 0x0f) * 4;
+    let proto = f[ETH_LEN + 9];
+    f.len() >= ETH_LEN + ihl + 2
+        && matches!(proto, TCP | UDP)
+        && services_of_endpoint(src, u16_at(f, ETH_LEN + ihl), proto).next().is_some()
+}
+
 /// The services a backend endpoint serves.
 fn services_of_endpoint(addr: Ipv4Addr, port: u16, proto: u8) -> impl Iterator<Item = &'static Svc> {
     SERVICES.iter().filter(move |s| s.proto == proto && s.backends.contains(&(addr, port)))
@@ -288,6 +303,10 @@ pub enum Outcome {
     /// XDP_PASS, untouched.
     Passed,
     Dropped,
+    /// A backend endpoint's packet not to a VIP, dropped untouched (rule
+    /// 2: a stale backend's; the run checks its count against the
+    /// datapath's).
+    DroppedStale,
     /// Rewritten to `to`, a backend; transmitted (XDP_REDIRECT/TX) or for the kernel.
     Forward {
         to: (Ipv4Addr, u16),
@@ -436,7 +455,13 @@ pub fn check(input: &[u8], action: u32, output: &[u8]) -> Result<Outcome, Violat
         return Err(violation("action other than PASS, DROP, TX, REDIRECT", action_name(action)));
     }
     if action == XDP_DROP && !for_vip {
-        return Err(violation("dropped, not for a VIP", "XDP_DROP of a packet from a backend to a non-VIP address"));
+        if output == input && from_backend_endpoint(input) {
+            return Ok(Outcome::DroppedStale);
+        }
+        return Err(violation(
+            "dropped, not for a VIP",
+            "XDP_DROP of a packet from a backend address to a non-VIP address, changed or not from a backend endpoint",
+        ));
     }
     let transmitted = matches!(action, XDP_TX | XDP_REDIRECT);
     if output == input && !transmitted {
@@ -1478,6 +1503,8 @@ pub struct Example {
 pub struct Outcomes {
     pub passed: u64,
     pub dropped: u64,
+    /// Of those, a backend endpoint's packets not to a VIP (rule 2).
+    pub dropped_stale: u64,
     pub forward_transmitted: u64,
     pub forward_kernel: u64,
     pub reply_transmitted: u64,
@@ -1532,6 +1559,10 @@ impl Summary {
         match result {
             Ok(Outcome::Passed) => o.passed += 1,
             Ok(Outcome::Dropped) => o.dropped += 1,
+            Ok(Outcome::DroppedStale) => {
+                o.dropped += 1;
+                o.dropped_stale += 1;
+            }
             Ok(Outcome::Forward { transmitted: true, .. }) => o.forward_transmitted += 1,
             Ok(Outcome::Forward { transmitted: false, .. }) => o.forward_kernel += 1,
             Ok(Outcome::Reply { transmitted: true }) => o.reply_transmitted += 1,
@@ -1578,9 +1609,10 @@ impl Summary {
         let o = &self.outcomes;
         let _ = writeln!(
             s,
-            "\n  outcomes:  passed untouched {}, dropped {}, forwards {} (transmitted {}, kernel path {}), replies {} (transmitted {}, kernel path {}), ICMP errors translated {}",
+            "\n  outcomes:  passed untouched {}, dropped {} (a stale backend's {}), forwards {} (transmitted {}, kernel path {}), replies {} (transmitted {}, kernel path {}), ICMP errors translated {}",
             thousands(o.passed),
             thousands(o.dropped),
+            thousands(o.dropped_stale),
             thousands(o.forward_transmitted + o.forward_kernel),
             thousands(o.forward_transmitted),
             thousands(o.forward_kernel),
@@ -1655,6 +1687,14 @@ impl Summary {
             let rules: Vec<String> = self.findings.iter().map(|(r, f)| format!("{r} ({})", f.count)).collect();
             panic!("seed {} (LB_FUZZ_SEED={}): rules broken: {}", self.seed, self.seed, rules.join("; "));
         }
+        // Rule 2's second kind of drop is the datapath's stale-backend
+        // drop, every one of them counted.
+        let counted = self.counters.get("stale_backend").copied().unwrap_or_default();
+        assert_eq!(
+            self.outcomes.dropped_stale, counted,
+            "seed {} (LB_FUZZ_SEED={}): backend endpoints' packets dropped, against the datapath's stale_backend count",
+            self.seed, self.seed
+        );
     }
 
     /// Panics unless the run exercised every outcome: forwards and
@@ -1841,6 +1881,19 @@ mod tests {
     /// The rewrite the datapath makes of `f` to BACKEND:8080, transmitted.
     fn forwarded(f: &Frame) -> Frame {
         Frame { dst: BACKEND, dport: 8080, ttl: f.ttl - 1, dmac: BACKEND_MAC, smac: GW_B_MAC, ..f.clone() }
+    }
+
+    /// Rule 2: a drop of a packet not to a VIP is a stale backend's only
+    /// when it comes untouched from a backend endpoint.
+    #[test]
+    fn only_a_backend_endpoints_packet_may_be_dropped_when_not_to_a_vip() {
+        let reply = Frame::tcp(BACKEND, 8080, CLIENT, 40000, flag::ACK).macs(GW_B_MAC, BACKEND_MAC).bytes();
+        assert_eq!(check(&reply, XDP_DROP, &reply), Ok(Outcome::DroppedStale));
+        let other_port = Frame::tcp(BACKEND, 7000, CLIENT, 40000, flag::ACK).macs(GW_B_MAC, BACKEND_MAC).bytes();
+        assert!(check(&other_port, XDP_DROP, &other_port).is_err(), "not an endpoint");
+        let mut changed = reply.clone();
+        changed[ETH_LEN + 8] -= 1;
+        assert!(check(&reply, XDP_DROP, &changed).is_err(), "changed");
     }
 
     #[test]

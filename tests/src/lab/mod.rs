@@ -1199,6 +1199,34 @@ impl Drop for Lab {
         if res.is_err() {
             eprintln!("lab {}: teardown panicked", self.spec.prefix);
         }
+        // A lab whose test got this far without a panic takes its files
+        // in /tmp (backend and lbd logs, generated configs, copied
+        // binaries) with it; a failing test's stay there to be read.
+        if !std::thread::panicking() {
+            remove_tmp_files(&self.spec.prefix);
+        }
+    }
+}
+
+/// Remove `/tmp/{prefix}-*`, the files and directories the lab `prefix`
+/// and its test wrote there. (Lab tests run one at a time, so none of
+/// them belongs to a lab still running.)
+fn remove_tmp_files(prefix: &str) {
+    let Ok(dir) = std::fs::read_dir("/tmp") else { return };
+    let start = format!("{prefix}-");
+    for entry in dir.flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(&start) {
+            continue;
+        }
+        let path = entry.path();
+        let res = if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        if let Err(e) = res {
+            eprintln!("lab {prefix}: could not remove {}: {e}", path.display());
+        }
     }
 }
 
