@@ -67,4 +67,7 @@ fn lab_down_all_removes_what_killed_runs_left() {
     assert!(procs.stdout.is_empty(), "processes left: {}", String::from_utf8_lossy(&procs.stdout));
     // Safe to repeat.
     Lab::down_all().unwrap();
+    // The forgotten lab's logs and config (a killed run's stay for
+    // reading; this one's are the test's own).
+    lb_tests::lab::remove_tmp_files(prefix);
 }

@@ -1211,7 +1211,7 @@ impl Drop for Lab {
 /// Remove `/tmp/{prefix}-*`, the files and directories the lab `prefix`
 /// and its test wrote there. (Lab tests run one at a time, so none of
 /// them belongs to a lab still running.)
-fn remove_tmp_files(prefix: &str) {
+pub fn remove_tmp_files(prefix: &str) {
     let Ok(dir) = std::fs::read_dir("/tmp") else { return };
     let start = format!("{prefix}-");
     for entry in dir.flatten() {
