@@ -114,6 +114,7 @@ impl Bench {
             control_socket: "/nonexistent".into(),
             pin_path: "/nonexistent".into(),
             conntrack_max,
+            conntrack_max_ipv6: conntrack_max,
             table_capacity: 1 << 20,
             maglev_seed: 0,
             tcp_idle_timeout: 900,

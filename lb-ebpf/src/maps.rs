@@ -65,16 +65,28 @@ pub(crate) static FLOW_SLOTS: Array<FlowBucket> = Array::with_max_entries(1, 0);
 #[map]
 pub(crate) static FLOW_COUNT: Array<u64> = Array::with_max_entries(2, 0);
 
-/// Entries each flow table may hold (`conntrack_max`), set by lbd when it
-/// loads the program (read-only data, as the masks).
+/// Entries the IPv4 flow table may hold (`conntrack_max`), set by lbd when
+/// it loads the program (read-only data, as the masks).
 #[unsafe(no_mangle)]
 static FLOW_LIMIT: u32 = 0;
+
+/// Entries the IPv6 flow table may hold (`conntrack_max_ipv6`), as
+/// `FLOW_LIMIT`.
+#[unsafe(no_mangle)]
+static FLOW_LIMIT6: u32 = 0;
 
 /// The entry limit of `FLOW_SLOTS`.
 #[inline(always)]
 pub(crate) fn flow_limit() -> u32 {
     // SAFETY: as `flow_mask`.
     unsafe { core::ptr::read_volatile(&raw const FLOW_LIMIT) }
+}
+
+/// The entry limit of `FLOW_SLOTS6`.
+#[inline(always)]
+pub(crate) fn flow_limit6() -> u32 {
+    // SAFETY: as `flow_mask`.
+    unsafe { core::ptr::read_volatile(&raw const FLOW_LIMIT6) }
 }
 
 /// The seed of the flow tables' slot hash (`lb_common::SlotKey`), set by

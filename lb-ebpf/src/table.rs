@@ -51,7 +51,7 @@ use lb_common::{
 };
 
 use crate::maps::{
-    FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_mask, flow_mask6, flow_seed,
+    FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_limit6, flow_mask, flow_mask6, flow_seed,
 };
 
 /// Reads of a claim a writer holds (`SLOT_BUSY`) before an insert gives
@@ -135,7 +135,7 @@ unsafe fn copy_words<T>(dst: *mut T, src: *const T) {
 }
 
 /// A flow table's entry count (`FLOW_COUNT`) and its limit
-/// (`conntrack_max`).
+/// (`conntrack_max`, `conntrack_max_ipv6`).
 #[derive(Clone, Copy)]
 pub(crate) enum Count {
     V4,
@@ -156,7 +156,11 @@ impl Count {
         let Some(w) = self.word() else { return false };
         // SAFETY: a valid, aligned u64 of a map value; atomic RMW only.
         let before = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(w, 1) };
-        if before < u64::from(flow_limit()) {
+        let limit = match self {
+            Self::V4 => flow_limit(),
+            Self::V6 => flow_limit6(),
+        };
+        if before < u64::from(limit) {
             return true;
         }
         // SAFETY: as above.

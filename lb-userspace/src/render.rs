@@ -41,6 +41,9 @@ struct FileView<'a> {
     control_socket: Cow<'a, str>,
     pin_path: Cow<'a, str>,
     conntrack_max: u32,
+    /// Written only when it differs from `conntrack_max` (its default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    conntrack_max_ipv6: Option<u32>,
     table_capacity: u32,
     maglev_seed: u64,
     tcp_idle_timeout: u32,
@@ -137,6 +140,7 @@ pub fn render(cfg: &Config) -> String {
         control_socket: cfg.control_socket.to_string_lossy(),
         pin_path: cfg.pin_path.to_string_lossy(),
         conntrack_max: cfg.conntrack_max,
+        conntrack_max_ipv6: (cfg.conntrack_max_ipv6 != cfg.conntrack_max).then_some(cfg.conntrack_max_ipv6),
         table_capacity: cfg.table_capacity,
         maglev_seed: cfg.maglev_seed,
         tcp_idle_timeout: cfg.tcp_idle_timeout,
@@ -282,6 +286,7 @@ mod tests {
             control_socket: DEFAULT_CONTROL_SOCKET.into(),
             pin_path: DEFAULT_PIN_PATH.into(),
             conntrack_max: DEFAULT_CONNTRACK_MAX,
+            conntrack_max_ipv6: DEFAULT_CONNTRACK_MAX,
             table_capacity: DEFAULT_TABLE_CAPACITY,
             maglev_seed: 0,
             tcp_idle_timeout: DEFAULT_TCP_IDLE_TIMEOUT,

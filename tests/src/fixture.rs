@@ -200,6 +200,7 @@ impl Fixture {
             control_socket: "/nonexistent".into(),
             pin_path: "/nonexistent".into(),
             conntrack_max: 1024,
+            conntrack_max_ipv6: 1024,
             table_capacity: 1 << 20,
             maglev_seed: 0,
             tcp_idle_timeout: 900,

@@ -1101,6 +1101,7 @@ fn an_older_global_counter_map_is_replaced_with_its_counts_carried_over() {
         control_socket: "/nonexistent".into(),
         pin_path: pins.0.clone(),
         conntrack_max: 1024,
+        conntrack_max_ipv6: 1024,
         table_capacity: 1 << 16,
         maglev_seed: 0,
         tcp_idle_timeout: 900,

@@ -43,6 +43,39 @@ fn assert_valid6(out: &[u8]) -> Frame6 {
 
 // ---------------------------------------------------------------- IPv6 NAT
 
+/// `conntrack_max_ipv6` sizes the IPv6 flow table on its own (an IPv4-only
+/// gateway need not allocate IPv6 room for `conntrack_max` flows): it
+/// holds that many flows, the next ones go by hash without an entry
+/// (`table_full`), and the IPv4 table keeps its own, larger limit.
+#[test]
+fn the_ipv6_flow_table_holds_conntrack_max_ipv6_flows_and_ipv4_keeps_its_own_limit() {
+    in_netns(|| {
+        let mut fx = Fixture::with_config(
+            vec![
+                service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
+                service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            ],
+            |c| {
+                c.conntrack_max = 64;
+                c.conntrack_max_ipv6 = 16;
+                c.flood.new_flow_rate_per_cpu = Some(0);
+            },
+        );
+        for port in 0..40 {
+            assert_eq!(fx.run(&tcp6(CLIENT6, 41_000 + port, VIP6, 80, SYN).bytes(), fx.if_a).0, XDP_REDIRECT);
+        }
+        assert_eq!(fx.dp.flow_counts().unwrap(), (0, 16), "(IPv4, IPv6) entries");
+        assert_eq!(fx.counter("table_full"), 24);
+        assert_eq!(fx.new_flows("web6", BACKEND6), 40, "every SYN is a new connection, with an entry or not");
+        for port in 0..40 {
+            assert_eq!(fx.run(&tcp(CLIENT, 41_000 + port, VIP, 80, SYN).bytes(), fx.if_a).0, XDP_REDIRECT);
+        }
+        assert_eq!(fx.dp.flow_counts().unwrap(), (40, 16));
+        assert_eq!(fx.counter("table_full"), 24, "the IPv4 table had room for all 40");
+        assert_eq!(fx.entries(), 56);
+    });
+}
+
 #[test]
 fn ipv6_tcp_is_rewritten_both_ways_byte_for_byte() {
     in_netns(|| {

@@ -277,6 +277,10 @@ pub struct Config {
     /// it outlives lbd and a restarted lbd adopts it.
     pub pin_path: PathBuf,
     pub conntrack_max: u32,
+    /// Flows the IPv6 flow table holds (`conntrack_max_ipv6`; default:
+    /// `conntrack_max`). Its slots are 120 bytes against IPv4's 80, all
+    /// allocated at start: an IPv4-only gateway can make it small.
+    pub conntrack_max_ipv6: u32,
     pub table_capacity: u32,
     /// Mixed into every Maglev table's permutations (`maglev_seed`, default
     /// 0: the keys as they ever were). Nodes sharing one ECMP route must
@@ -316,6 +320,9 @@ impl Config {
         }
         if self.conntrack_max != new.conntrack_max {
             v.push("conntrack_max");
+        }
+        if self.conntrack_max_ipv6 != new.conntrack_max_ipv6 {
+            v.push("conntrack_max_ipv6");
         }
         if self.table_capacity != new.table_capacity {
             v.push("table_capacity");

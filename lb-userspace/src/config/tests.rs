@@ -372,3 +372,15 @@ fn bgp_problems_are_named_by_field() {
     assert_eq!(p.field, "bgp.peers[1].address");
     assert!(p.reason.contains("listed twice"), "{p}");
 }
+
+#[test]
+fn the_ipv6_flow_table_is_sized_by_conntrack_max_unless_conntrack_max_ipv6_says_otherwise() {
+    let c = parse(GOOD, "lab.yaml", &Fake).unwrap();
+    assert_eq!(c.conntrack_max_ipv6, c.conntrack_max, "the default follows conntrack_max");
+    let small = GOOD.replace("conntrack_max: 1048576", "conntrack_max: 1048576\nconntrack_max_ipv6: 1024");
+    let c2 = parse(&small, "lab.yaml", &Fake).unwrap();
+    assert_eq!((c2.conntrack_max, c2.conntrack_max_ipv6), (1_048_576, 1024));
+    assert_eq!(c.restart_only_changes(&c2), vec!["conntrack_max_ipv6"], "sized at start only");
+    let p = only(&GOOD.replace("conntrack_max: 1048576", "conntrack_max: 1048576\nconntrack_max_ipv6: 0"));
+    assert_eq!(p.field, "conntrack_max_ipv6");
+}

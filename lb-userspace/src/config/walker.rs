@@ -134,6 +134,7 @@ impl Walker<'_> {
             "control_socket",
             "pin_path",
             "conntrack_max",
+            "conntrack_max_ipv6",
             "table_capacity",
             "maglev_seed",
             "tcp_idle_timeout",
@@ -216,6 +217,10 @@ impl Walker<'_> {
             None => DEFAULT_CONNTRACK_MAX,
             Some(v) => self.uint(v, "conntrack_max", 1, u64::from(MAX_CONNTRACK)).unwrap_or(1) as u32,
         };
+        let conntrack_max_ipv6 = match m.get("conntrack_max_ipv6") {
+            None => conntrack_max,
+            Some(v) => self.uint(v, "conntrack_max_ipv6", 1, u64::from(MAX_CONNTRACK)).unwrap_or(1) as u32,
+        };
         let table_capacity = match m.get("table_capacity") {
             None => DEFAULT_TABLE_CAPACITY,
             Some(v) => self.uint(v, "table_capacity", 1024, 1 << 26).unwrap_or(1024) as u32,
@@ -279,6 +284,7 @@ impl Walker<'_> {
             control_socket,
             pin_path,
             conntrack_max,
+            conntrack_max_ipv6,
             table_capacity,
             maglev_seed,
             tcp_idle_timeout,

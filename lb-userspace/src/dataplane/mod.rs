@@ -85,13 +85,14 @@ pub enum DataplaneError {
     Load(#[from] aya::EbpfError),
     #[error(
         "creating BPF map {map}: the kernel could not allocate it. The flow tables take about {flows_mb} MB \
-         (conntrack_max: {conntrack_max}) and the selection tables about {select_mb} MB (table_capacity: \
+         (conntrack_max: {conntrack_max}, conntrack_max_ipv6: {conntrack_max_ipv6}) and the selection tables about {select_mb} MB (table_capacity: \
          {table_capacity}), all allocated at start: lower them, or give the machine (or lbd's memory cgroup) \
          more memory: {source}"
     )]
     Memory {
         map: String,
         conntrack_max: u32,
+        conntrack_max_ipv6: u32,
         flows_mb: u64,
         table_capacity: u32,
         select_mb: u64,
@@ -253,12 +254,14 @@ pub struct Dataplane {
     _pin_lock: Option<std::os::fd::OwnedFd>,
 }
 
-/// Kernel memory per flow-table slot (one IPv4 and one IPv6 slot; each
-/// table has `flow_slots(conntrack_max)` of them, allocated in full) and
-/// per selection-table entry: the slots' sizes (an array's values, back
-/// to back), and the selection table as `bpftool map` reported it on
-/// kernel 6.18 (33,558,528 bytes for 4,194,304).
-const FLOW_BYTES: u64 = (size_of::<FlowSlot>() + size_of::<FlowSlot6>()) as u64;
+/// Kernel memory per flow-table slot (IPv4 and IPv6: the tables have
+/// `flow_slots(conntrack_max)` and `flow_slots(conntrack_max_ipv6)` of
+/// them, allocated in full) and per selection-table entry: the slots'
+/// sizes (an array's values, back to back), and the selection table as
+/// `bpftool map` reported it on kernel 6.18 (33,558,528 bytes for
+/// 4,194,304).
+const FLOW_BYTES: u64 = size_of::<FlowSlot>() as u64;
+const FLOW_BYTES6: u64 = size_of::<FlowSlot6>() as u64;
 const SELECT_BYTES: u64 = 8;
 
 /// The entries `map` was made with. When that is not `configured` (the
@@ -276,19 +279,19 @@ fn adopted_size(map: &MapData, name: &'static str, key: &str, configured: u32) -
     Ok(size)
 }
 
-/// The `conntrack_max` the adopted flow table was made for (its slots
-/// halved), warned about as [`adopted_size`] does when the config's
-/// would size it otherwise.
-fn adopted_slots(map: &MapData, configured: u32) -> Result<u32, DataplaneError> {
-    let slots = map.info().map_err(map_err(names::FLOWS))?.max_entries().saturating_mul(SLOT_BUCKET);
+/// The flows the adopted flow table `name` (whose size the config's `key`
+/// sets) was made for (its slots halved), warned about as
+/// [`adopted_size`] does when the config's would size it otherwise.
+fn adopted_slots(map: &MapData, name: &'static str, key: &str, configured: u32) -> Result<u32, DataplaneError> {
+    let slots = map.info().map_err(map_err(name))?.max_entries().saturating_mul(SLOT_BUCKET);
     let limit = flow_limit(slots, configured);
     if limit == configured {
         return Ok(limit);
     }
     warn!(
-        map = names::FLOWS,
+        map = name,
         slots,
-        "the adopted flow table has {slots} slots, room for {} flows where the config's conntrack_max says {configured}: it keeps its size until a clean stop (SIGTERM) and a fresh start",
+        "the adopted flow table {name} has {slots} slots, room for {} flows where the config's {key} says {configured}: it keeps its size until a clean stop (SIGTERM) and a fresh start",
         limit
     );
     Ok(limit)
@@ -371,10 +374,13 @@ fn clear_slots<S: aya::Pod>(fd: std::os::fd::BorrowedFd<'_>, len: u32, held: u64
     Ok(held)
 }
 
-/// Bytes of kernel memory the flow tables (`conntrack_max`) and the
-/// selection tables (`table_capacity`) take, allocated in full at load.
+/// Bytes of kernel memory the flow tables (`conntrack_max`,
+/// `conntrack_max_ipv6`) and the selection tables (`table_capacity`)
+/// take, allocated in full at load.
 pub fn table_memory(config: &Config) -> (u64, u64) {
-    (u64::from(flow_slots(config.conntrack_max)) * FLOW_BYTES, u64::from(config.table_capacity) * SELECT_BYTES)
+    let flows = u64::from(flow_slots(config.conntrack_max)) * FLOW_BYTES
+        + u64::from(flow_slots(config.conntrack_max_ipv6)) * FLOW_BYTES6;
+    (flows, u64::from(config.table_capacity) * SELECT_BYTES)
 }
 
 /// A warning when the tables would take more than half of `mem_total`
@@ -383,9 +389,10 @@ pub fn memory_warning(config: &Config, mem_total: u64) -> Option<String> {
     let (flows, select) = table_memory(config);
     (flows + select > mem_total / 2).then(|| {
         format!(
-            "the flow tables (conntrack_max: {}) and selection tables (table_capacity: {}) take about {} MB of kernel \
-             memory, allocated at start: {}% of this machine's {} MB",
+            "the flow tables (conntrack_max: {}, conntrack_max_ipv6: {}) and selection tables (table_capacity: {}) \
+             take about {} MB of kernel memory, allocated at start: {}% of this machine's {} MB",
             config.conntrack_max,
+            config.conntrack_max_ipv6,
             config.table_capacity,
             (flows + select) / 1_000_000,
             (flows + select) * 100 / mem_total,
@@ -404,6 +411,7 @@ fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
             DataplaneError::Memory {
                 map: name,
                 conntrack_max: config.conntrack_max,
+                conntrack_max_ipv6: config.conntrack_max_ipv6,
                 flows_mb: flows / 1_000_000,
                 table_capacity: config.table_capacity,
                 select_mb: select / 1_000_000,
@@ -533,7 +541,8 @@ impl Dataplane {
         // built with their masks as constants.
         let slots = |name: &str| -> Result<u32, DataplaneError> {
             let pinned = maps_dir.as_ref().map(|d| d.join(name)).filter(|p| p.exists());
-            let Some(path) = pinned else { return Ok(flow_slots(config.conntrack_max)) };
+            let configured = if name == names::FLOWS6 { config.conntrack_max_ipv6 } else { config.conntrack_max };
+            let Some(path) = pinned else { return Ok(flow_slots(configured)) };
             let info = aya::maps::MapInfo::from_pin(&path).map_err(map_err(names::FLOWS))?;
             let n = info.max_entries().saturating_mul(SLOT_BUCKET);
             if !n.is_power_of_two() {
@@ -546,9 +555,11 @@ impl Dataplane {
         };
         let (slots4, slots6) = (slots(names::FLOWS)?, slots(names::FLOWS6)?);
         let (mask4, mask6) = (slots4 - 1, slots6 - 1);
-        // Entries each table may hold: the config's conntrack_max, or, for
-        // an adopted table of another size, half its slots.
+        // Entries each table may hold: the config's conntrack_max (and
+        // conntrack_max_ipv6), or, for an adopted table of another size,
+        // half its slots.
         let limit = flow_limit(slots4, config.conntrack_max);
+        let limit6 = flow_limit(slots6, config.conntrack_max_ipv6);
         // The slot hash's seed: adopted tables keep theirs (a program with
         // another would not find their entries); new tables, a migration's
         // included, get one drawn at random.
@@ -562,7 +573,8 @@ impl Dataplane {
             .map_max_entries(names::FLOWS6, slots6 / SLOT_BUCKET)
             .override_global("FLOW_SLOT_MASK", &mask4, true)
             .override_global("FLOW_SLOT_MASK6", &mask6, true)
-            .override_global("FLOW_LIMIT", &limit, true);
+            .override_global("FLOW_LIMIT", &limit, true)
+            .override_global("FLOW_LIMIT6", &limit6, true);
         let loaded = Self::load_program(loader).map_err(|e| memory_hint(e, config));
         match (&migrate_from, &maps_dir) {
             (Some((from, aside)), Some(maps_dir)) => {
@@ -641,7 +653,8 @@ impl Dataplane {
         // made with, whatever the config now says (a change takes effect
         // after a clean stop), and limits, allocation and reports follow
         // the maps.
-        let conntrack_max = adopted_slots(maps.flows.map(), config.conntrack_max)?;
+        let conntrack_max = adopted_slots(maps.flows.map(), names::FLOWS, "conntrack_max", config.conntrack_max)?;
+        adopted_slots(maps.flows6.map(), names::FLOWS6, "conntrack_max_ipv6", config.conntrack_max_ipv6)?;
         let table_capacity = adopted_size(maps.select.map(), names::SELECT, "table_capacity", config.table_capacity)?;
         let select_memory = SelectMemory::map(&maps.select);
         if select_memory.is_none() {
@@ -968,5 +981,8 @@ mod tests {
         let w = memory_warning(&config(1 << 26), 24 * gib).expect("a warning");
         assert!(w.contains("conntrack_max: 67108864") && w.contains("about 26877 MB") && w.contains("104%"), "{w}");
         assert!(memory_warning(&c, gib / 2).is_some());
+        // An IPv4-only gateway's small IPv6 table: 2,048 slots of 120 bytes.
+        let v4_only = Config { conntrack_max_ipv6: 1024, ..c.clone() };
+        assert_eq!(table_memory(&v4_only).0, (1 << 21) * 80 + 2048 * 120);
     }
 }
