@@ -194,22 +194,7 @@ impl Fixture {
     /// A fixture whose configuration `edit` changes first (table size,
     /// flood settings, ...).
     pub fn with_config(services: Vec<ServiceConfig>, edit: impl FnOnce(&mut Config)) -> Self {
-        let mut cfg = Config {
-            interfaces: vec![],
-            xdp_mode: XdpMode::Auto,
-            control_socket: "/nonexistent".into(),
-            pin_path: "/nonexistent".into(),
-            conntrack_max: 1024,
-            conntrack_max_ipv6: 1024,
-            table_capacity: 1 << 20,
-            maglev_seed: 0,
-            tcp_idle_timeout: 900,
-            udp_idle_timeout: 300,
-            flood: Default::default(),
-            metrics_listen: "127.0.0.1:9464".parse().unwrap(),
-            bgp: None,
-            services,
-        };
+        let mut cfg = fixture_config(services);
         edit(&mut cfg);
         let mut dp = Dataplane::load_unpinned(&cfg).expect("load the XDP program (are you root?)");
         dp.apply_admin(&cfg.services).expect("apply services");
@@ -288,6 +273,27 @@ impl Fixture {
     pub fn active_flows(&self, service: &str) -> u64 {
         let s = self.dp.services().find(|s| s.config.name == service).unwrap();
         s.backends.iter().map(|b| self.dp.active_flows(b.id).unwrap()).sum()
+    }
+}
+
+/// The configuration a fixture's datapath is loaded with: no interfaces,
+/// nothing pinned, tables for 1,024 flows per family, `services`.
+pub fn fixture_config(services: Vec<ServiceConfig>) -> Config {
+    Config {
+        interfaces: vec![],
+        xdp_mode: XdpMode::Auto,
+        control_socket: "/nonexistent".into(),
+        pin_path: "/nonexistent".into(),
+        conntrack_max: 1024,
+        conntrack_max_ipv6: 1024,
+        table_capacity: 1 << 20,
+        maglev_seed: 0,
+        tcp_idle_timeout: 900,
+        udp_idle_timeout: 300,
+        flood: Default::default(),
+        metrics_listen: "127.0.0.1:9464".parse().unwrap(),
+        bgp: None,
+        services,
     }
 }
 

@@ -1082,10 +1082,7 @@ fn inserted_flows_keep_entries_the_datapath_made() {
 fn an_older_global_counter_map_is_replaced_with_its_counts_carried_over() {
     use aya::maps::{MapData, PerCpuArray, PerCpuValues};
     use lb_common::counter;
-    use lb_userspace::{
-        config::{Config, XdpMode},
-        dataplane::Dataplane,
-    };
+    use lb_userspace::{config::Config, dataplane::Dataplane};
 
     /// Removes the pinned datapath however the test ends.
     struct Pins(std::path::PathBuf);
@@ -1095,22 +1092,7 @@ fn an_older_global_counter_map_is_replaced_with_its_counts_carried_over() {
         }
     }
     let pins = Pins(format!("/sys/fs/bpf/lbt-counters-{}", std::process::id()).into());
-    let cfg = Config {
-        interfaces: vec![],
-        xdp_mode: XdpMode::Auto,
-        control_socket: "/nonexistent".into(),
-        pin_path: pins.0.clone(),
-        conntrack_max: 1024,
-        conntrack_max_ipv6: 1024,
-        table_capacity: 1 << 16,
-        maglev_seed: 0,
-        tcp_idle_timeout: 900,
-        udp_idle_timeout: 300,
-        flood: Default::default(),
-        metrics_listen: "127.0.0.1:9464".parse().unwrap(),
-        bgp: None,
-        services: vec![],
-    };
+    let cfg = Config { pin_path: pins.0.clone(), ..fixture_config(vec![]) };
     drop(Dataplane::load(&cfg).expect("first start"));
     let pinned = pins.0.join("maps/COUNTERS");
     let older = counter::COUNT - 1;

@@ -310,6 +310,7 @@ fn a_killed_first_start_and_a_resized_restart_go_by_the_maps_pinned() {
     let log = lbd.log_text();
     for line in [
         "the adopted flow table has 524288 slots, room for 262144 flows where the config's conntrack_max says 524288",
+        "the adopted IPv6 flow table has 524288 slots, room for 262144 flows where the config's conntrack_max_ipv6 says 524288",
         "the adopted SELECT map has 4194304 entries, the config's table_capacity says",
     ] {
         assert!(log.contains(line), "no warning \"{line}\" in the log");

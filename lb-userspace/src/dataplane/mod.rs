@@ -279,10 +279,16 @@ fn adopted_size(map: &MapData, name: &'static str, key: &str, configured: u32) -
     Ok(size)
 }
 
-/// The flows the adopted flow table `name` (whose size the config's `key`
-/// sets) was made for (its slots halved), warned about as
+/// The flows the adopted flow table `name` (`what`, whose size the
+/// config's `key` sets) was made for (its slots halved), warned about as
 /// [`adopted_size`] does when the config's would size it otherwise.
-fn adopted_slots(map: &MapData, name: &'static str, key: &str, configured: u32) -> Result<u32, DataplaneError> {
+fn adopted_slots(
+    map: &MapData,
+    name: &'static str,
+    what: &str,
+    key: &str,
+    configured: u32,
+) -> Result<u32, DataplaneError> {
     let slots = map.info().map_err(map_err(name))?.max_entries().saturating_mul(SLOT_BUCKET);
     let limit = flow_limit(slots, configured);
     if limit == configured {
@@ -291,7 +297,7 @@ fn adopted_slots(map: &MapData, name: &'static str, key: &str, configured: u32) 
     warn!(
         map = name,
         slots,
-        "the adopted flow table {name} has {slots} slots, room for {} flows where the config's {key} says {configured}: it keeps its size until a clean stop (SIGTERM) and a fresh start",
+        "the adopted {what} has {slots} slots, room for {} flows where the config's {key} says {configured}: it keeps its size until a clean stop (SIGTERM) and a fresh start",
         limit
     );
     Ok(limit)
@@ -653,8 +659,15 @@ impl Dataplane {
         // made with, whatever the config now says (a change takes effect
         // after a clean stop), and limits, allocation and reports follow
         // the maps.
-        let conntrack_max = adopted_slots(maps.flows.map(), names::FLOWS, "conntrack_max", config.conntrack_max)?;
-        adopted_slots(maps.flows6.map(), names::FLOWS6, "conntrack_max_ipv6", config.conntrack_max_ipv6)?;
+        let conntrack_max =
+            adopted_slots(maps.flows.map(), names::FLOWS, "flow table", "conntrack_max", config.conntrack_max)?;
+        adopted_slots(
+            maps.flows6.map(),
+            names::FLOWS6,
+            "IPv6 flow table",
+            "conntrack_max_ipv6",
+            config.conntrack_max_ipv6,
+        )?;
         let table_capacity = adopted_size(maps.select.map(), names::SELECT, "table_capacity", config.table_capacity)?;
         let select_memory = SelectMemory::map(&maps.select);
         if select_memory.is_none() {
