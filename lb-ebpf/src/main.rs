@@ -131,12 +131,8 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
     // Set when the packet comes from a backend endpoint and the client's
     // flow towards its VIP has no entry at all: it may go back without one.
     let mut no_flow = false;
-    if from_backend {
-        let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
-        // SAFETY: the value is copied at once.
-        if let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() {
-            to = reply_of_flow(&pkt, vip, &mut no_flow);
-        }
+    if from_backend && let Some(vip) = endpoint_vip(&pkt) {
+        to = reply_of_flow(&pkt, vip, &mut no_flow);
     }
     let key = FlowKey {
         src_addr: pkt.saddr,
@@ -197,9 +193,7 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
 /// local talking to a backend's service port): the kernel's, untouched.
 #[inline(never)]
 fn stateless_reply(ctx: &XdpContext, pkt: &Packet) -> Option<Nat> {
-    let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
-    // SAFETY: the value is copied at once.
-    let vip = unsafe { ENDPOINTS.get(&ep) }.copied()?;
+    let vip = endpoint_vip(pkt)?;
     if forward::to_gateway(ctx, pkt) {
         return None;
     }
@@ -221,9 +215,7 @@ fn stateless_reply(ctx: &XdpContext, pkt: &Packet) -> Option<Nat> {
 /// the verifier refuses.
 #[inline(never)]
 fn stale_or_pass(ctx: &XdpContext, pkt: &Packet) -> u32 {
-    let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
-    // SAFETY: the value is copied at once.
-    let Some(vip) = unsafe { ENDPOINTS.get(&ep) }.copied() else { return xdp_action::XDP_PASS };
+    let Some(vip) = endpoint_vip(pkt) else { return xdp_action::XDP_PASS };
     let Some(flow) = table::flow(&client_key(pkt, vip.addr, vip.port)) else { return xdp_action::XDP_PASS };
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat) = unsafe { ((*flow).dir, Nat::of(flow)) };
@@ -232,6 +224,15 @@ fn stale_or_pass(ctx: &XdpContext, pkt: &Packet) -> u32 {
     }
     stats::count(counter::STALE_BACKEND);
     xdp_action::XDP_DROP
+}
+
+/// The VIP whose service owns the backend endpoint `pkt` comes from, if
+/// it comes from one (`ENDPOINTS`).
+#[inline(always)]
+fn endpoint_vip(pkt: &Packet) -> Option<VipKey> {
+    let ep = EndpointKey { addr: pkt.saddr, port: pkt.sport, proto: pkt.proto, _pad: 0 };
+    // SAFETY: the value is copied at once.
+    unsafe { ENDPOINTS.get(&ep) }.copied()
 }
 
 /// Where a packet of a known flow goes, and its rewrite.

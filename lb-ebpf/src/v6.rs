@@ -433,10 +433,8 @@ fn drop_if_vip(daddr: [u32; 4], reason: u32) -> u32 {
 /// the VIP its endpoint names (see `main.rs`).
 #[inline(never)]
 fn stateless_reply(ctx: &XdpContext, pkt: &Packet6) -> Option<Nat6> {
-    let ep = Vip6Key { addr: pkt.saddr(), port: pkt.sport, proto: pkt.proto, _pad: 0 };
-    // SAFETY: the value is copied at once.
-    let vip = unsafe { ENDPOINTS6.get(&ep) }.copied()?;
-    if fib(ctx, pkt, &pkt.daddr(), false).0 == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED) {
+    let vip = endpoint_vip(pkt)?;
+    if to_gateway(ctx, pkt) {
         return None;
     }
     stats::count(counter::STATELESS_REPLY);
@@ -449,20 +447,32 @@ fn stateless_reply(ctx: &XdpContext, pkt: &Packet6) -> Option<Nat6> {
 /// `main.rs`'s `stale_or_pass`).
 #[inline(never)]
 fn stale_or_pass(ctx: &XdpContext, pkt: &Packet6, k: *mut Keys6) -> u32 {
-    let ep = Vip6Key { addr: pkt.saddr(), port: pkt.sport, proto: pkt.proto, _pad: 0 };
-    // SAFETY: the value is copied at once.
-    let Some(vip) = unsafe { ENDPOINTS6.get(&ep) }.copied() else { return xdp_action::XDP_PASS };
+    let Some(vip) = endpoint_vip(pkt) else { return xdp_action::XDP_PASS };
     let Some(flow) = table::flow6(client_key(pkt, k, &vip.addr, vip.port)) else { return xdp_action::XDP_PASS };
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat) = unsafe { ((*flow).dir, Nat6::of(flow)) };
-    if dir == DIR_DSR
-        || (nat.addr == pkt.saddr() && nat.port == pkt.sport)
-        || fib(ctx, pkt, &pkt.daddr(), false).0 == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
-    {
+    if dir == DIR_DSR || (nat.addr == pkt.saddr() && nat.port == pkt.sport) || to_gateway(ctx, pkt) {
         return xdp_action::XDP_PASS;
     }
     stats::count(counter::STALE_BACKEND);
     xdp_action::XDP_DROP
+}
+
+/// The VIP whose service owns the backend endpoint `pkt` comes from, if
+/// it comes from one (`ENDPOINTS6`; `try_lb` looks it up into its scratch
+/// slot instead, for its stack's sake).
+#[inline(always)]
+fn endpoint_vip(pkt: &Packet6) -> Option<Vip6Key> {
+    let ep = Vip6Key { addr: pkt.saddr(), port: pkt.sport, proto: pkt.proto, _pad: 0 };
+    // SAFETY: the value is copied at once.
+    unsafe { ENDPOINTS6.get(&ep) }.copied()
+}
+
+/// Whether `pkt` is addressed to the gateway itself (the FIB does not
+/// forward it): the kernel's, untouched.
+#[inline(always)]
+fn to_gateway(ctx: &XdpContext, pkt: &Packet6) -> bool {
+    fib(ctx, pkt, &pkt.daddr(), false).0 == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
 }
 
 #[inline(always)]

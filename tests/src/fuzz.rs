@@ -188,12 +188,8 @@ fn service_at(addr: Ipv4Addr, port: u16, proto: u8) -> Option<&'static Svc> {
 /// Whether an Ethernet/IPv4 frame is TCP or UDP from a backend endpoint
 /// (its source address and port a backend of a service of that protocol).
 fn from_backend_endpoint(f: &[u8]) -> bool {
-    let Some((src, _)) = ipv4_addrs(f) else { return false };
-    let ihl = usize::from(f[ETH_LEN] & 0x0f) * 4;
-    let proto = f[ETH_LEN + 9];
-    f.len() >= ETH_LEN + ihl + 2
-        && matches!(proto, TCP | UDP)
-        && services_of_endpoint(src, u16_at(f, ETH_LEN + ihl), proto).next().is_some()
+    let (Some((src, _)), Some((l4, _, _, proto))) = (ipv4_addrs(f), l4_layout(f, ETH_LEN)) else { return false };
+    services_of_endpoint(src, u16_at(f, l4), proto).next().is_some()
 }
 
 /// The services a backend endpoint serves.

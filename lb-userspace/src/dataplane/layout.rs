@@ -368,11 +368,7 @@ impl Dataplane {
             self.maps.seq.set(i, v, 0).map_err(map_err(names::SEQ))?;
         }
         // Global counters: layout 1 had the first 9 of today's.
-        let counters: PerCpuArray<MapData, u64> = open(&at(names::COUNTERS), names::COUNTERS)?;
-        for i in 0..counters.len().min(self.maps.counters.len()) {
-            let v: PerCpuValues<u64> = counters.get(&i, 0).map_err(map_err(names::COUNTERS))?;
-            self.maps.counters.set(i, v, 0).map_err(map_err(names::COUNTERS))?;
-        }
+        self.copy_counters(&open(&at(names::COUNTERS), names::COUNTERS)?)?;
         let endpoints: HashMap<MapData, EndpointKey, VipKey> = open(&at(names::ENDPOINTS), names::ENDPOINTS)?;
         for item in &endpoints {
             let (k, v) = item.map_err(map_err(names::ENDPOINTS))?;

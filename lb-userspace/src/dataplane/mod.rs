@@ -21,7 +21,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{IterableMap as _, MapData, MapError, PerCpuArray, PerCpuValues},
+    maps::{IterableMap as _, MapData, MapError, PerCpuArray},
     programs::{ProgramError, Xdp, links::LinkError},
     util::nr_cpus,
 };
@@ -279,30 +279,6 @@ fn adopted_size(map: &MapData, name: &'static str, key: &str, configured: u32) -
     Ok(size)
 }
 
-/// The flows the adopted flow table `name` (`what`, whose size the
-/// config's `key` sets) was made for (its slots halved), warned about as
-/// [`adopted_size`] does when the config's would size it otherwise.
-fn adopted_slots(
-    map: &MapData,
-    name: &'static str,
-    what: &str,
-    key: &str,
-    configured: u32,
-) -> Result<u32, DataplaneError> {
-    let slots = map.info().map_err(map_err(name))?.max_entries().saturating_mul(SLOT_BUCKET);
-    let limit = flow_limit(slots, configured);
-    if limit == configured {
-        return Ok(limit);
-    }
-    warn!(
-        map = name,
-        slots,
-        "the adopted {what} has {slots} slots, room for {} flows where the config's {key} says {configured}: it keeps its size until a clean stop (SIGTERM) and a fresh start",
-        limit
-    );
-    Ok(limit)
-}
-
 /// The entries a flow table of `slots` slots may hold: the config's
 /// `conntrack_max` when the table was made for it, otherwise (a table
 /// adopted from an lbd that ran with another size) half its slots. The
@@ -428,6 +404,15 @@ fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
     }
 }
 
+/// What the program was loaded with for its flow tables: the slot hash's
+/// seed (`FLOW_HASH_SEED`) and the IPv4 table's entry limit
+/// (`FLOW_LIMIT`, the `conntrack_max` in force).
+#[derive(Clone, Copy)]
+struct FlowTables {
+    seed: u64,
+    limit: u32,
+}
+
 impl Dataplane {
     /// Load the program with its maps pinned under `config.pin_path`,
     /// adopting maps already pinned there (a previous lbd's datapath).
@@ -468,9 +453,9 @@ impl Dataplane {
         // migration that did not finish (its flows are copied again).
         let mut migrate_from: Option<(u32, PathBuf)> = None;
         let mut resume_from: Option<(u32, PathBuf)> = None;
-        // The values of an older version's global-counter map, which this
-        // one replaces (see below).
-        let mut carried_counters: Vec<PerCpuValues<u64>> = Vec::new();
+        // An older version's global-counter map, which this one replaces
+        // (see below): kept open, its counts copied once the new one exists.
+        let mut old_counters: Option<PerCpuArray<MapData, u64>> = None;
         let maps_dir = pin.map(|p| p.join("maps"));
         if let (Some(pin), Some(maps_dir)) = (pin, &maps_dir) {
             // bpffs was checked (and mounted if need be) by `pin::lock`.
@@ -519,17 +504,15 @@ impl Dataplane {
             std::fs::create_dir_all(maps_dir)
                 .map_err(|source| DataplaneError::Pin { path: maps_dir.clone(), source })?;
             // A global-counter map pinned by an older version has fewer
-            // slots than this program counts into: replaced by a new one,
-            // which gets the old one's values once the program is loaded
-            // (a counter the old version did not have starts from 0).
+            // slots than this program counts into: unpinned (this process
+            // keeps it open) and replaced by a new one, which gets its
+            // counts once the program is loaded (a counter the old version
+            // did not have starts from 0).
             let counters = maps_dir.join(names::COUNTERS);
             if let Ok(info) = aya::maps::MapInfo::from_pin(&counters)
                 && info.max_entries() < counter::COUNT
             {
-                let old: PerCpuArray<MapData, u64> = layout::open(&counters, names::COUNTERS)?;
-                carried_counters = (0..old.len())
-                    .map(|i| old.get(&i, 0).map_err(map_err(names::COUNTERS)))
-                    .collect::<Result<_, _>>()?;
+                old_counters = Some(layout::open(&counters, names::COUNTERS)?);
                 info!(
                     pinned = info.max_entries(),
                     needed = counter::COUNT,
@@ -545,11 +528,12 @@ impl Dataplane {
         // The flow tables' sizes: an adopted table's own (it keeps its
         // size until a clean stop), otherwise the config's. The program is
         // built with their masks as constants.
-        let slots = |name: &str| -> Result<u32, DataplaneError> {
+        // An adopted table of another size than the config's is said
+        // once, as a warning, here where its size is read.
+        let slots = |name: &'static str, what: &str, key: &str, configured: u32| -> Result<u32, DataplaneError> {
             let pinned = maps_dir.as_ref().map(|d| d.join(name)).filter(|p| p.exists());
-            let configured = if name == names::FLOWS6 { config.conntrack_max_ipv6 } else { config.conntrack_max };
             let Some(path) = pinned else { return Ok(flow_slots(configured)) };
-            let info = aya::maps::MapInfo::from_pin(&path).map_err(map_err(names::FLOWS))?;
+            let info = aya::maps::MapInfo::from_pin(&path).map_err(map_err(name))?;
             let n = info.max_entries().saturating_mul(SLOT_BUCKET);
             if !n.is_power_of_two() {
                 return Err(DataplaneError::Layout(format!(
@@ -557,9 +541,18 @@ impl Dataplane {
                     path.display()
                 )));
             }
+            if n != flow_slots(configured) {
+                warn!(
+                    map = name,
+                    slots = n,
+                    "the adopted {what} has {n} slots, room for {} flows where the config's {key} says {configured}: it keeps its size until a clean stop (SIGTERM) and a fresh start",
+                    n / 2
+                );
+            }
             Ok(n)
         };
-        let (slots4, slots6) = (slots(names::FLOWS)?, slots(names::FLOWS6)?);
+        let slots4 = slots(names::FLOWS, "flow table", "conntrack_max", config.conntrack_max)?;
+        let slots6 = slots(names::FLOWS6, "IPv6 flow table", "conntrack_max_ipv6", config.conntrack_max_ipv6)?;
         let (mask4, mask6) = (slots4 - 1, slots6 - 1);
         // Entries each table may hold: the config's conntrack_max (and
         // conntrack_max_ipv6), or, for an adopted table of another size,
@@ -573,6 +566,7 @@ impl Dataplane {
             Some(dir) if adopting && migrate_from.is_none() => layout::pinned_seed(dir)?,
             _ => random_seed()?,
         };
+        let tables = FlowTables { seed, limit };
         loader
             .override_global("FLOW_HASH_SEED", &seed, true)
             .map_max_entries(names::FLOWS, slots4 / SLOT_BUCKET)
@@ -585,7 +579,7 @@ impl Dataplane {
         match (&migrate_from, &maps_dir) {
             (Some((from, aside)), Some(maps_dir)) => {
                 let dp = loaded.and_then(|(ebpf, ncpus)| {
-                    Self::build(config, pin, ebpf, ncpus, seed, true, Some((*from, aside.as_path())), None)
+                    Self::build(config, pin, ebpf, ncpus, tables, true, Some((*from, aside.as_path())), None)
                 });
                 if dp.is_err() {
                     let _ = layout::put_back(maps_dir, aside);
@@ -603,9 +597,9 @@ impl Dataplane {
                     }
                 })?;
                 let resume = resume_from.as_ref().map(|(v, d)| (*v, d.as_path()));
-                let mut dp = Self::build(config, pin, ebpf, ncpus, seed, adopting, None, resume)?;
-                for (i, v) in (0..).zip(carried_counters) {
-                    dp.maps.counters.set(i, v, 0).map_err(map_err(names::COUNTERS))?;
+                let mut dp = Self::build(config, pin, ebpf, ncpus, tables, adopting, None, resume)?;
+                if let Some(old) = &old_counters {
+                    dp.copy_counters(old)?;
                 }
                 Ok(dp)
             }
@@ -630,7 +624,7 @@ impl Dataplane {
     }
 
     /// The datapath around a loaded program: maps taken, flood settings,
-    /// the flow tables' hash seed (`flow_seed`, what the program was
+    /// the flow tables' hash seed and limit (`tables`, what the program was
     /// loaded with) and layout version written, old maps migrated from
     /// (`migrate_from`) or a stopped migration's flows to copy again
     /// (`resume_from`), then the pinned state adopted.
@@ -640,7 +634,7 @@ impl Dataplane {
         pin: Option<&Path>,
         mut ebpf: Ebpf,
         ncpus: usize,
-        flow_seed: u64,
+        tables: FlowTables,
         adopting: bool,
         migrate_from: Option<(u32, &Path)>,
         resume_from: Option<(u32, &Path)>,
@@ -658,16 +652,8 @@ impl Dataplane {
         // The sizes the maps have: adopted maps keep the ones they were
         // made with, whatever the config now says (a change takes effect
         // after a clean stop), and limits, allocation and reports follow
-        // the maps.
-        let conntrack_max =
-            adopted_slots(maps.flows.map(), names::FLOWS, "flow table", "conntrack_max", config.conntrack_max)?;
-        adopted_slots(
-            maps.flows6.map(),
-            names::FLOWS6,
-            "IPv6 flow table",
-            "conntrack_max_ipv6",
-            config.conntrack_max_ipv6,
-        )?;
+        // the maps (the flow tables' read, and warned about, at load).
+        let (flow_seed, conntrack_max) = (tables.seed, tables.limit);
         let table_capacity = adopted_size(maps.select.map(), names::SELECT, "table_capacity", config.table_capacity)?;
         let select_memory = SelectMemory::map(&maps.select);
         if select_memory.is_none() {
@@ -842,6 +828,16 @@ impl Dataplane {
     }
 
     /// Global counters (`lb_common::counter`) by name, summed over CPUs.
+    /// Copy an older datapath's global counters (`old`, which may have
+    /// fewer) into this one's, per CPU.
+    fn copy_counters(&mut self, old: &PerCpuArray<MapData, u64>) -> Result<(), DataplaneError> {
+        for i in 0..old.len().min(self.maps.counters.len()) {
+            let v = old.get(&i, 0).map_err(map_err(names::COUNTERS))?;
+            self.maps.counters.set(i, v, 0).map_err(map_err(names::COUNTERS))?;
+        }
+        Ok(())
+    }
+
     pub fn counters(&self) -> Result<BTreeMap<String, u64>, DataplaneError> {
         let c = &self.maps.counters;
         let mut out = BTreeMap::new();
