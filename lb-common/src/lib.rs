@@ -335,8 +335,10 @@ pub mod counter {
 /// 1: flows in an LRU hash; 2: flows in preallocated kernel hash maps;
 /// 3: flows in slots of the datapath's own table ([`Slot`]); 4: the same
 /// slots, placed by a hash seeded per datapath ([`SlotKey::slot_hash`],
-/// the seed kept in `FLOW_SEED`).
-pub const LAYOUT_VERSION: u32 = 4;
+/// the seed kept in `FLOW_SEED`); 5: an entry's first slot hashed from
+/// its client's side only, and reply entries' keys marked
+/// ([`KEY_REPLY`]), so that a flow's two entries sit side by side.
+pub const LAYOUT_VERSION: u32 = 5;
 
 /// Flood protection, read by the datapath (`FLOOD`, one entry), written by
 /// lbd from the config.
@@ -481,6 +483,8 @@ pub struct Conns {
 
 /// Key of the flow table: a 5-tuple as seen on the wire. Aligned to 8
 /// bytes: the flow table hashes and compares it as two 8-byte words.
+/// A reply entry's key (`DIR_REPLY`: backend -> client) has
+/// [`KEY_REPLY`] in `_pad[0]`; every other key has 0 there.
 #[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct FlowKey {
@@ -664,30 +668,74 @@ pub trait SlotKey: Copy {
     fn same(&self, other: &Self) -> bool;
 }
 
-/// The slot hash of `n` 8-byte words: a multiply-xorshift mix per word,
-/// from a state that starts at `seed`. Each datapath draws its seed at
-/// random when it makes its flow tables (kept in `FLOW_SEED` for the next
-/// lbd that adopts them), so where a 5-tuple lands is not known outside
-/// the gateway: a client cannot aim its flows at one probe sequence, fill
-/// its [`SLOT_PROBES`] slots and leave later flows there without an entry,
-/// as it could with a fixed hash read from this source. (Not a keyed
-/// cryptographic hash: a few multiplies per word is what a packet can
-/// afford; the kernel's own hash maps take the same approach, a random
-/// seed to jhash.)
+/// `_pad[0]` of a reply entry's key ([`FlowKey`], [`FlowKey6`]): its
+/// client is the destination, and its first slot is hashed from that
+/// side ([`SlotKey::slot_hash`]). Also keeps a reply key apart from a
+/// forward key of the same 5-tuple.
+pub const KEY_REPLY: u8 = 1;
+
+/// A key's slot hash ([`SlotKey::slot_hash`]) from the mixed state after
+/// its client side's words (`client`) and after all of them (`all`): a
+/// multiply-xorshift mix per 8-byte word ([`mix_word`]), from a state
+/// that starts at the seed ([`hash_init`]). The low 32 bits (the first
+/// slot) come from the client's side alone, the tag (the high 32) from
+/// the whole key.
+///
+/// Each datapath draws its seed at random when it makes its flow tables
+/// (kept in `FLOW_SEED` for the next lbd that adopts them), so where a
+/// 5-tuple lands is not known outside the gateway: a client cannot aim
+/// its flows at one probe sequence, fill its [`SLOT_PROBES`] slots and
+/// leave later flows there without an entry, as it could with a fixed
+/// hash read from this source. (Not a keyed cryptographic hash: a few
+/// multiplies per word is what a packet can afford; the kernel's own
+/// hash maps take the same approach, a random seed to jhash.)
+///
+/// Two keys with the same client side (a flow's forward entry, client
+/// -> VIP, and its reply entry, backend -> client) start their probes at
+/// the same slot: the second insert of a new flow then
+/// finds its slot's cache line and page just touched by the first,
+/// where a hash over the whole key sent it to a cold one (190 ns of the
+/// 520 a new flow of a service with shared endpoints cost).
+///
+/// What that gives up: a client's 5-tuples towards several VIP ports
+/// share a probe sequence, so a client (address, port) talking to `n`
+/// of the gateway's service ports makes a run of `n` entries. A run
+/// longer than [`SLOT_PROBES`] leaves the later flows of keys starting
+/// in it without an entry (routed by hash, counted `table_full`); a
+/// spoofed client can make such runs, but not aim them, as the seed is
+/// unknown outside the gateway.
 #[inline(always)]
-fn slot_mix(words: &[u64], seed: u64) -> u64 {
-    let mut h: u64 = 0x2545_f491_4f6c_dd1d ^ seed;
-    let mut i = 0;
-    while i < words.len() {
-        h = (h ^ words[i]).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        h ^= h >> 29;
-        i += 1;
-    }
-    h = h.wrapping_mul(0x1656_67b1_9e37_79f9);
+const fn split_hash(client: u64, all: u64) -> u64 {
+    (finish(all) & !0xffff_ffff) | (finish(client) & 0xffff_ffff)
+}
+
+/// The state a slot hash starts from under `seed`.
+#[inline(always)]
+const fn hash_init(seed: u64) -> u64 {
+    0x2545_f491_4f6c_dd1d ^ seed
+}
+
+#[inline(always)]
+const fn mix_word(h: u64, w: u64) -> u64 {
+    let h = (h ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    h ^ (h >> 29)
+}
+
+#[inline(always)]
+const fn finish(h: u64) -> u64 {
+    let h = h.wrapping_mul(0x1656_67b1_9e37_79f9);
     h ^ (h >> 32)
 }
 
 impl FlowKey {
+    /// This 5-tuple as a reply entry's key ([`KEY_REPLY`]).
+    #[inline(always)]
+    #[must_use]
+    pub const fn reply(mut self) -> Self {
+        self._pad[0] = KEY_REPLY;
+        self
+    }
+
     /// The key's 16 bytes as two words.
     #[inline(always)]
     pub fn words(&self) -> [u64; 2] {
@@ -700,7 +748,18 @@ impl FlowKey {
 impl SlotKey for FlowKey {
     #[inline(always)]
     fn slot_hash(&self, seed: u64) -> u64 {
-        slot_mix(&self.words(), seed)
+        let mark = self._pad[0];
+        let ((ca, cp), (oa, op)) = if mark == KEY_REPLY {
+            ((self.dst_addr, self.dst_port), (self.src_addr, self.src_port))
+        } else {
+            ((self.src_addr, self.src_port), (self.dst_addr, self.dst_port))
+        };
+        let side = |a: u32, p: u16| u64::from(a) << 32 | u64::from(p) << 16;
+        // The mark goes with the other side: the start is the client's.
+        // (Word by word, no arrays: the datapath inlines this, and an
+        // array is built on its stack.)
+        let client = mix_word(hash_init(seed), side(ca, cp) | u64::from(self.proto));
+        split_hash(client, mix_word(client, side(oa, op) | u64::from(mark)))
     }
     #[inline(always)]
     fn same(&self, other: &Self) -> bool {
@@ -710,6 +769,14 @@ impl SlotKey for FlowKey {
 }
 
 impl FlowKey6 {
+    /// This 5-tuple as a reply entry's key ([`KEY_REPLY`]).
+    #[inline(always)]
+    #[must_use]
+    pub const fn reply(mut self) -> Self {
+        self._pad[0] = KEY_REPLY;
+        self
+    }
+
     /// The key's 40 bytes as five words.
     #[inline(always)]
     pub fn words(&self) -> [u64; 5] {
@@ -722,7 +789,20 @@ impl FlowKey6 {
 impl SlotKey for FlowKey6 {
     #[inline(always)]
     fn slot_hash(&self, seed: u64) -> u64 {
-        slot_mix(&self.words(), seed)
+        let mark = self._pad[0];
+        let ((ca, cp), (oa, op)) = if mark == KEY_REPLY {
+            ((&self.dst_addr, self.dst_port), (&self.src_addr, self.src_port))
+        } else {
+            ((&self.src_addr, self.src_port), (&self.dst_addr, self.dst_port))
+        };
+        let pair = |a: u32, b: u32| u64::from(a) << 32 | u64::from(b);
+        // The mark goes with the other side (as for IPv4).
+        let mut h = mix_word(hash_init(seed), pair(ca[0], ca[1]));
+        h = mix_word(h, pair(ca[2], ca[3]));
+        let client = mix_word(h, u64::from(cp) << 16 | u64::from(self.proto));
+        h = mix_word(client, pair(oa[0], oa[1]));
+        h = mix_word(h, pair(oa[2], oa[3]));
+        split_hash(client, mix_word(h, u64::from(op) << 16 | u64::from(mark)))
     }
     #[inline(always)]
     fn same(&self, other: &Self) -> bool {
@@ -1130,6 +1210,54 @@ mod tests {
             }
         }
         assert!(k6.same(&{ k6 }));
+        // The mark is part of the key: a reply key is never the forward
+        // key of the same 5-tuple, nor has its tag.
+        assert!(!k.same(&k.reply()) && !k6.same(&k6.reply()));
+        assert_ne!(k.slot_hash(0) >> 32, k.reply().slot_hash(0) >> 32);
+        assert_ne!(k6.slot_hash(0) >> 32, k6.reply().slot_hash(0) >> 32);
+    }
+
+    /// A flow's forward key (client -> VIP) and its reply key (backend ->
+    /// client, marked) start at the same slot under any seed, with
+    /// different tags; another client's do not share that start.
+    #[test]
+    fn a_flows_forward_and_reply_keys_start_at_one_slot() {
+        let (client, cport, vip, backend) = (0x0a00_0001, 40_000, 0x0a00_0063, 0x0a00_020b);
+        let fwd = FlowKey { src_addr: client, dst_addr: vip, src_port: cport, dst_port: 80, proto: 6, _pad: [0; 3] };
+        let rev =
+            FlowKey { src_addr: backend, dst_addr: client, src_port: 8080, dst_port: cport, proto: 6, _pad: [0; 3] }
+                .reply();
+        let fwd6 = FlowKey6 {
+            src_addr: [1, 2, 3, 4],
+            dst_addr: [9, 9, 9, 9],
+            src_port: cport,
+            dst_port: 80,
+            proto: 6,
+            _pad: [0; 3],
+        };
+        let rev6 = FlowKey6 {
+            src_addr: [5, 6, 7, 8],
+            dst_addr: [1, 2, 3, 4],
+            src_port: 8080,
+            dst_port: cport,
+            proto: 6,
+            _pad: [0; 3],
+        }
+        .reply();
+        for seed in [0, 1, 0x5eed_1234_9876_abcd] {
+            let (f, r) = (fwd.slot_hash(seed), rev.slot_hash(seed));
+            assert_eq!(f as u32, r as u32, "seed {seed:#x}: the reply entry starts elsewhere");
+            assert_ne!(f >> 32, r >> 32, "seed {seed:#x}: one tag for both");
+            let (f6, r6) = (fwd6.slot_hash(seed), rev6.slot_hash(seed));
+            assert_eq!(f6 as u32, r6 as u32, "seed {seed:#x}: the IPv6 reply entry starts elsewhere");
+            assert_ne!(f6 >> 32, r6 >> 32);
+            // Unmarked, the backend's 5-tuple is a key of the backend's
+            // own side: another start.
+            let plain = FlowKey { _pad: [0; 3], ..rev };
+            assert_ne!(plain.slot_hash(seed) as u32, f as u32);
+            let other = FlowKey { src_port: cport + 1, ..fwd };
+            assert_ne!(other.slot_hash(seed) as u32, f as u32);
+        }
     }
 
     /// Consecutive client ports (what a busy client sends) spread over a

@@ -23,8 +23,8 @@
 //! headers, and errors about anything else, go to the kernel untouched.
 use aya_ebpf::{bindings::xdp_action, helpers::generated::bpf_redirect, macros::xdp, programs::XdpContext};
 use lb_common::{
-    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_REPLY, EndpointKey, FlowKey, FlowKey6, PROTO_TCP, PROTO_UDP, SVC_F_DSR,
-    Service, Vip6Key, VipKey, counter, fold6,
+    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_REPLY, EndpointKey, FlowKey, FlowKey6, KEY_REPLY, PROTO_TCP, PROTO_UDP,
+    SVC_F_DSR, Service, Vip6Key, VipKey, counter, fold6,
 };
 use lb_ebpf::csum;
 
@@ -181,7 +181,8 @@ fn icmp4(ctx: &XdpContext) -> Option<u32> {
             Some((vip.addr, vip.port))
         } else {
             let rev =
-                FlowKey { src_addr: q_dst, dst_addr: q_src, src_port: q_dport, dst_port: q_sport, proto, _pad: [0; 3] };
+                FlowKey { src_addr: q_dst, dst_addr: q_src, src_port: q_dport, dst_port: q_sport, proto, _pad: [0; 3] }
+                    .reply();
             // SAFETY: a valid, aligned map value; plain loads.
             table::flow(&rev).and_then(|f| unsafe { ((*f).dir == DIR_REPLY).then(|| ((*f).nat_addr, (*f).nat_port)) })
         };
@@ -360,7 +361,7 @@ fn icmp6(ctx: &XdpContext) -> Option<u32> {
                     src_port: q_dport,
                     dst_port: q_sport,
                     proto,
-                    _pad: [0; 3],
+                    _pad: [KEY_REPLY, 0, 0],
                 };
                 table::flow6(&(*k).flow).and_then(|f| ((*f).dir == DIR_REPLY).then(|| ((*f).nat_addr, (*f).nat_port)))
             }

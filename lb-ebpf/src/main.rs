@@ -134,7 +134,7 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
     if from_backend && let Some(vip) = endpoint_vip(&pkt) {
         to = reply_of_flow(&pkt, vip, &mut no_flow);
     }
-    let key = FlowKey {
+    let mut key = FlowKey {
         src_addr: pkt.saddr,
         dst_addr: pkt.daddr,
         src_port: pkt.sport,
@@ -147,7 +147,11 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
     // again.
     let mut hint = table::NO_SLOT;
     if to.is_none() {
-        hint = table::lb_flow_slot(&raw const key);
+        // A packet from a backend's address: its reply entry's first
+        // (see `lb_packet_flow_slot`). A reply entry's match never leads
+        // to a new flow, so the key a new flow is inserted by is the
+        // packet's own, unmarked.
+        hint = table::lb_packet_flow_slot(&raw mut key, u32::from(from_backend));
         if let Some(flow) = table::flow_at(hint) {
             to = known_flow(&pkt, flow, now);
         }
@@ -603,6 +607,8 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         // The backend's endpoint names another service's VIP: this flow's
         // replies need an entry of their own, inserted first so that once
         // the forward entry exists, replies can come.
+        // Marked as a reply key: its slots start where the forward
+        // entry's do, so this insert finds them already cached.
         let rev_key = FlowKey {
             src_addr: backend.addr,
             dst_addr: pkt.saddr,
@@ -610,7 +616,8 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
             dst_port: pkt.sport,
             proto: pkt.proto,
             _pad: [0; 3],
-        };
+        }
+        .reply();
         // SAFETY: see above; the shared reference lives for the call only,
         // and nothing writes the slot meanwhile.
         if !table::put_flow(&rev_key, table::NO_SLOT) {

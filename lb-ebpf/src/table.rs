@@ -46,8 +46,8 @@ use core::{
 
 use aya_ebpf::maps::Array;
 use lb_common::{
-    Flow, Flow6, FlowKey, FlowKey6, SLOT_BUCKET, SLOT_BUSY, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG,
-    SLOT_TOMB, Slot, SlotKey,
+    Flow, Flow6, FlowKey, FlowKey6, KEY_REPLY, SLOT_BUCKET, SLOT_BUSY, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE,
+    SLOT_TAG, SLOT_TOMB, Slot, SlotKey,
 };
 
 use crate::maps::{
@@ -561,6 +561,54 @@ pub(crate) extern "C" fn lb_flow_slot(key: *const FlowKey) -> u32 {
     // verifier makes it check); otherwise it points at a whole key.
     let Some(key) = (unsafe { key.as_ref() }) else { return NO_SLOT };
     find(&FLOW_SLOTS, flow_mask(), key)
+}
+
+/// The lookup of a packet's own 5-tuple (`key`), the one every packet
+/// makes. A packet from a backend's address (`from_backend` not 0) is
+/// looked up as a reply entry's key first (marked [`KEY_REPLY`]: its
+/// probes start on the destination's side, the client's, beside its
+/// flow's forward entry), and, when that misses, unmarked, as the
+/// packet's own (the backend a client of a VIP, through the gateway).
+/// Answers as [`lb_flow_slot`] for the key left in `key`: marked on a
+/// reply entry's match, unmarked otherwise. One global function for
+/// both kinds of packet: with the two lookups in the caller, LLVM
+/// spilled a register left undefined on one path (which the verifier
+/// refuses), and with two call sites the verifier walked the rest of the
+/// program once for each. The caller's mark on its stack key made LLVM
+/// do the same, hence the flag.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn lb_packet_flow_slot(key: *mut FlowKey, from_backend: u32) -> u32 {
+    // SAFETY: as in `lb_flow_slot`; the caller's key, written in place.
+    let Some(key) = (unsafe { key.as_mut() }) else { return NO_SLOT };
+    if from_backend != 0 {
+        key._pad[0] = KEY_REPLY;
+        let at = find(&FLOW_SLOTS, flow_mask(), key);
+        if at < MISS {
+            return at;
+        }
+        key._pad[0] = 0;
+    }
+    find(&FLOW_SLOTS, flow_mask(), key)
+}
+
+/// [`lb_packet_flow_slot`] for IPv6, whose key (in a per-CPU scratch
+/// slot, not on the stack) comes marked already when the packet is from
+/// a backend's address: a flag argument kept alive to the call grew the
+/// IPv6 program's frame past the verifier's combined stack limit.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn lb_packet_flow_slot6(key: *mut FlowKey6) -> u32 {
+    // SAFETY: as in `lb_packet_flow_slot`.
+    let Some(key) = (unsafe { key.as_mut() }) else { return NO_SLOT };
+    if key._pad[0] != 0 {
+        let at = find(&FLOW_SLOTS6, flow_mask6(), key);
+        if at < MISS {
+            return at;
+        }
+        key._pad[0] = 0;
+    }
+    find(&FLOW_SLOTS6, flow_mask6(), key)
 }
 
 /// [`flow6`]'s global function.

@@ -21,8 +21,8 @@ use aya_ebpf::{
 };
 use lb_common::{
     BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND,
-    FLOW_FIN_CLIENT, FLOW_REPLIED, Flow6, FlowKey6, MAX_IPV6_EXT, PROTO_TCP, PROTO_UDP, SVC_F_DSR, SVC_F_REPLY_ENTRY,
-    Service, Vip6Key, counter, flow_closed, fold6,
+    FLOW_FIN_CLIENT, FLOW_REPLIED, Flow6, FlowKey6, KEY_REPLY, MAX_IPV6_EXT, PROTO_TCP, PROTO_UDP, SVC_F_DSR,
+    SVC_F_REPLY_ENTRY, Service, Vip6Key, counter, flow_closed, fold6,
 };
 use lb_ebpf::csum;
 
@@ -327,7 +327,8 @@ fn try_lb(ctx: &XdpContext) -> u32 {
             src_port: pkt.sport,
             dst_port: pkt.dport,
             proto: pkt.proto,
-            _pad: [0; 3],
+            // A backend's packet: its reply entry's first (as for IPv4).
+            _pad: [if from_backend { KEY_REPLY } else { 0 }, 0, 0],
         };
     }
     // The lookup's answer, kept for a new flow's insert (as for IPv4).
@@ -335,7 +336,8 @@ fn try_lb(ctx: &XdpContext) -> u32 {
     unsafe { (*k).hint = table::NO_SLOT };
     if to.is_none() {
         // SAFETY: as above; the reference lives for the call only.
-        let at = table::lb_flow_slot6(unsafe { &raw const (*k).flow });
+        // SAFETY: as above; the key is written in place.
+        let at = table::lb_packet_flow_slot6(unsafe { &raw mut (*k).flow });
         // SAFETY: as above.
         unsafe { (*k).hint = at };
         if let Some(flow) = table::flow6_at(at) {
@@ -674,6 +676,8 @@ fn prepare_entry(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64)
         // The backend's endpoint names another service's VIP: this flow's
         // replies need an entry of their own, inserted first so that once
         // the forward entry exists, replies can come.
+        // Marked as a reply key: its slots start where the forward
+        // entry's do (already cached by this insert's lookup).
         // SAFETY: as above.
         unsafe {
             (*k).other = FlowKey6 {
@@ -682,7 +686,7 @@ fn prepare_entry(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64)
                 src_port: port,
                 dst_port: pkt.sport,
                 proto: pkt.proto,
-                _pad: [0; 3],
+                _pad: [KEY_REPLY, 0, 0],
             };
         }
         PLAN_INSERT_REPLY

@@ -234,13 +234,14 @@ impl Lbd {
         Self::backend(status, service, address)?["new_flows"].as_u64()
     }
 
-    /// New flows of every backend of the first service, now.
+    /// New flows of every backend of every service, now.
     pub fn total_new_flows(&self) -> u64 {
         let s = self.status().expect("lbctl status");
-        s["services"][0]["backends"]
+        s["services"]
             .as_array()
-            .expect("backends")
+            .expect("services")
             .iter()
+            .flat_map(|svc| svc["backends"].as_array().expect("backends"))
             .map(|b| b["new_flows"].as_u64().unwrap_or(0))
             .sum()
     }

@@ -257,6 +257,23 @@ fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_th
         assert_eq!(entries(&mut fx), 1, "a flow of a service owning its endpoints is one entry");
         assert_eq!(fx.forward(&tcp(CLIENT, 41001, VIP, 81, SYN).bytes()), BACKEND);
         assert_eq!(entries(&mut fx), 3, "a flow of the service that shares the endpoint keeps a reply entry");
+        // The reply entry is keyed by the backend's 5-tuple, marked as a
+        // reply key, and sits in the slot beside its forward entry (its
+        // probes start on the client's side): the second insert of the
+        // flow touches memory the first had just read.
+        let key = |src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16| lb_common::FlowKey {
+            src_addr: u32::from_ne_bytes(src.octets()),
+            dst_addr: u32::from_ne_bytes(dst.octets()),
+            src_port: sport.to_be(),
+            dst_port: dport.to_be(),
+            proto: lb_common::PROTO_TCP,
+            _pad: [0; 3],
+        };
+        let fwd = fx.dp.flow_slot(&key(CLIENT, 41001, VIP, 81)).unwrap().expect("the forward entry");
+        let rev = fx.dp.flow_slot(&key(BACKEND, 8080, CLIENT, 41001).reply()).unwrap().expect("the reply entry");
+        assert_eq!(fx.dp.flow_slot(&key(BACKEND, 8080, CLIENT, 41001)).unwrap(), None, "an unmarked reply key");
+        let mask = lb_common::flow_slots(1024) - 1;
+        assert_eq!((rev + 1) & mask, fwd, "the reply entry is not beside its forward entry");
         assert_eq!(fx.forward(&tcp(CLIENT, 41002, VIP, 82, SYN).bytes()), BACKEND);
         assert_eq!(entries(&mut fx), 4);
         // Each reply gets its own service's VIP port back.

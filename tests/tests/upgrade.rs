@@ -42,6 +42,12 @@ fn v3_lbd(lab: &Lab) -> PathBuf {
     release_lbd(lab, "LB_UPGRADE_FROM_V3_LBD", "upgrade-from-v3", "the layout-3 release's")
 }
 
+/// The layout-4 release's lbd (slots hashed over the whole 5-tuple,
+/// reply entries' keys unmarked): where `cargo xtask test` built it.
+fn v4_lbd(lab: &Lab) -> PathBuf {
+    release_lbd(lab, "LB_UPGRADE_FROM_V4_LBD", "upgrade-from-v4", "the layout-4 release's")
+}
+
 /// An older release's lbd, which `cargo xtask test` builds into
 /// target/`dir` and names in the environment variable `var`.
 fn release_lbd(lab: &Lab, var: &str, dir: &str, what: &str) -> PathBuf {
@@ -70,11 +76,14 @@ struct Staged {
 }
 
 fn start_release(prefix: &str, release: fn(&Lab) -> PathBuf) -> Staged {
+    start_release_with(prefix, release, &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]))
+}
+
+/// [`start_release`] with the services `services`.
+fn start_release_with(prefix: &str, release: fn(&Lab) -> PathBuf, services: &str) -> Staged {
     let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
     let sock = socket_for(prefix);
-    let config =
-        write_config(&config_dir(prefix), "lbd", &sock, &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]))
-            .unwrap();
+    let config = write_config(&config_dir(prefix), "lbd", &sock, services).unwrap();
     let bin = PathBuf::from(format!("/tmp/{prefix}-bin"));
     std::fs::create_dir_all(&bin).unwrap();
     let exe = bin.join("lbd");
@@ -151,7 +160,7 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     assert!(lbd.total_new_flows() >= 50, "the old release lost its counters: {}", lbd.total_new_flows());
     let old_program = lbd.program_id().unwrap();
 
-    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program);
+    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:80");
     let log = lbd.log_text();
     assert!(log.contains("migrated the pinned datapath"), "{log}");
     let status = lbd.status().unwrap();
@@ -269,7 +278,7 @@ fn an_upgrade_from_kernel_hash_flow_tables_keeps_every_flow() {
     lab.reset_backend_counts().unwrap();
     let old_program = lbd.program_id().unwrap();
 
-    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program);
+    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:80");
     migrated(&lab, &lbd, &maps, 2);
     assert!(maps.join("FLOW_SLOTS").exists() && !maps.join("FLOWS").exists(), "the flow tables were not replaced");
     assert!(lbd.stop().unwrap().success());
@@ -294,7 +303,7 @@ fn an_upgrade_from_unseeded_flow_slots_keeps_every_flow_under_a_drawn_seed() {
     lab.reset_backend_counts().unwrap();
     let old_program = lbd.program_id().unwrap();
 
-    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program);
+    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:80");
     migrated(&lab, &lbd, &maps, 3);
     let seed = pinned_seed(&maps);
     assert_ne!(seed, 0, "the migrated tables were given no seed");
@@ -308,6 +317,44 @@ fn an_upgrade_from_unseeded_flow_slots_keeps_every_flow_under_a_drawn_seed() {
     let after = lbd.status().unwrap()["flood"]["flow_entries"].as_u64().expect("flow_entries");
     assert!(after <= entries && after > 0, "{entries} entries before the restart, {after} after");
     let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+    let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// From layout 4 (slots hashed over the whole 5-tuple, a reply entry
+/// keyed by the backend's bare 5-tuple) to this build's (a slot hashed
+/// from the client's side, reply keys marked), under load, with the
+/// long-lived connections on a service whose backends another service
+/// owns (`alt`: each flow has a reply entry, made by the old program
+/// and migrated). Nothing fails or changes backend; once every
+/// connection has closed, the sweeper empties the table: a reply entry
+/// migrated without its mark would be one the sweeper never finds from
+/// its forward entry, left behind for good.
+#[test]
+fn an_upgrade_from_whole_tuple_slots_keeps_every_flow_and_its_reply_entry() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let mut services = web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]);
+    services.push_str("  - name: alt\n    vip: 10.10.0.100\n    port: 81\n    scheduler: rr\n    backends:\n");
+    for n in 1..=3 {
+        services.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: 1 }}\n", 10 + n));
+    }
+    let Staged { lab, mut lbd, bin, exe, maps, .. } = start_release_with("lbt-upgrade4", v4_lbd, &services);
+    assert_eq!(pinned_layout(&maps), 4, "not the layout-4 release");
+    lab.reset_backend_counts().unwrap();
+    let old_program = lbd.program_id().unwrap();
+
+    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:81");
+    migrated(&lab, &lbd, &maps, 4);
+    assert_ne!(pinned_seed(&maps), 0, "the migrated tables lost their seed");
+    // Every connection is closed: its entries go after the closed-flow
+    // linger (10 s) at the next sweep (every 5 s).
+    let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
+    let left = wait_for(40, || entries().filter(|&n| n == 0));
+    assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
+    let r = lab.client(&["conns", "--target", "10.10.0.100:81", "--count", "100"]).unwrap();
     assert_eq!(r["failed"], 0, "{r}");
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
@@ -330,9 +377,10 @@ fn migrated(lab: &Lab, lbd: &Lbd, maps: &Path, from: u32) {
 /// The upgrade itself, under load: new connections from 250 sources and
 /// 20 long-lived ones run while this build's lbd replaces the old binary
 /// `exe` on disk (staged in `bin`) and `lbd`'s graceful restart runs it,
-/// migrating the maps and swapping its program in on the pinned links. No
-/// connection fails and no live one changes backend.
-fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_program: u64) {
+/// migrating the maps and swapping its program in on the pinned links
+/// (the long-lived ones to `long_target`). No connection fails and no
+/// live one changes backend.
+fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_program: u64, long_target: &str) {
     std::thread::scope(|scope| {
         let load = scope.spawn(|| {
             lab.client(&[
@@ -352,7 +400,7 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
             lab.client(&[
                 "longlived",
                 "--target",
-                "10.10.0.100:80",
+                long_target,
                 "--connections",
                 "20",
                 "--rounds",

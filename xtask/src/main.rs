@@ -377,13 +377,15 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     let old_lbd = build_upgrade_from(UPGRADE_FROM, "upgrade-from")?;
     let v2_lbd = build_upgrade_from(UPGRADE_FROM_V2, "upgrade-from-v2")?;
     let v3_lbd = build_upgrade_from(UPGRADE_FROM_V3, "upgrade-from-v3")?;
+    let v4_lbd = build_upgrade_from(UPGRADE_FROM_V4, "upgrade-from-v4")?;
     let result = run(cargo()
         .args(["test", "--no-fail-fast"])
         .args(extra)
         .env("LB_BIN_DIR", bin_dir())
         .env("LB_UPGRADE_FROM_LBD", old_lbd)
         .env("LB_UPGRADE_FROM_V2_LBD", v2_lbd)
-        .env("LB_UPGRADE_FROM_V3_LBD", v3_lbd));
+        .env("LB_UPGRADE_FROM_V3_LBD", v3_lbd)
+        .env("LB_UPGRADE_FROM_V4_LBD", v4_lbd));
     // The labs' bpf filesystem, once no lab (the user's own included)
     // has anything pinned in it.
     if let Err(e) = lb_tests::lab::release_bpffs() {
@@ -403,6 +405,10 @@ const UPGRADE_FROM_V2: &str = "44637cace7b7622b7eef548a88e9ee76768d17e4";
 /// The release the third upgrade test upgrades from: the last commit of
 /// layout 3 (flow slots placed by an unseeded hash).
 const UPGRADE_FROM_V3: &str = "9e1e1f1b38e019a4506411487f50c67306ea4b38";
+
+/// The release the fourth upgrade test upgrades from: the last commit of
+/// layout 4 (slots hashed over the whole 5-tuple, reply keys unmarked).
+const UPGRADE_FROM_V4: &str = "f85d190ffbf8172ac4a0d8e1a2e432150ab449d4";
 
 /// Build the lbd of commit `commit` from this repository's history, once,
 /// into target/`name` (its source is extracted with `git archive`);

@@ -6,7 +6,7 @@
 //! existed have no such map and are version 1. lbd reads the version before
 //! it opens any other pinned map, and then:
 //! - the same version: adopts the maps as they are;
-//! - an older version it knows (1, 2 or 3): migrates. The old maps are
+//! - an older version it knows (1 to 4): migrates. The old maps are
 //!   moved aside (`maps` -> `maps-v1`: a rename on bpffs, which reserves
 //!   names with a dot; the running program keeps using them), fresh maps
 //!   of this layout are created and pinned, and what the old ones hold is
@@ -14,7 +14,8 @@
 //!   every flow, through the new datapath's insert (layouts 1 and 2 kept
 //!   flows in kernel hash maps named `FLOWS` and `FLOWS6`; layout 3 in
 //!   slots of its own placed by an unseeded hash, which layout 4 seeds at
-//!   random per datapath, so every entry moves). The services' tables are rebuilt by the
+//!   random per datapath, and layout 5 hashes from the client's side
+//!   with reply entries' keys marked: so every entry moves). The services' tables are rebuilt by the
 //!   first `apply`, before anything is attached. Attaching then swaps the
 //!   program in on its pinned links (one atomic link update per
 //!   interface), and [`Dataplane::finish_migration`] copies the flows the
@@ -32,9 +33,9 @@ use std::{
 
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
 use lb_common::{
-    Backend, BackendStats, Conns, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6, FlowKey, FlowKey6,
-    LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot, Vip6Key, VipKey,
-    flow_closed, maps as names,
+    Backend, BackendStats, Conns, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6, FlowKey,
+    FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot, Vip6Key,
+    VipKey, flow_closed, maps as names,
 };
 use tracing::{info, warn};
 
@@ -54,9 +55,10 @@ fn flows6_name(version: u32) -> &'static str {
     if version <= 2 { OLD_FLOWS6 } else { names::FLOWS6 }
 }
 
-/// Layout 3's flow-table slots: the same bytes as layout 4's (only where
-/// an entry sits changed: its hash was not seeded), spelled out as the
-/// old types are.
+/// Layout 3's and 4's flow-table slots: the same bytes as layout 5's
+/// (only where an entry sits changed: its hash was not seeded, then it
+/// covered the whole key; and a reply key was not marked), spelled out
+/// as the old types are.
 type BucketV3 = [Slot<FlowKey, Flow>; SLOT_BUCKET as usize];
 type Bucket6V3 = [Slot<FlowKey6, Flow6>; SLOT_BUCKET as usize];
 
@@ -242,7 +244,7 @@ fn old_flow_maps(from: u32, dir: &Path) -> Result<(MapData, Option<MapData>), Da
 
 /// Every entry (key and value) of the layout-`from` flow table `old`, read
 /// in batches: a kernel hash's (layouts 1 and 2), or the whole entries of
-/// a table of slots whose elements are `B` (layout 3; an entry being
+/// a table of slots whose elements are `B` (layouts 3 and 4; an entry being
 /// written as it is read is left out, the copy after the program swap
 /// takes it).
 fn old_entries<K: aya::Pod, V: aya::Pod, B: aya::Pod + AsRef<[Slot<K, V>]>>(
@@ -280,9 +282,22 @@ impl Dataplane {
                 }
             }
         }
+        // Before layout 5 a reply entry's key was the backend's bare
+        // 5-tuple: it is marked now, and so starts its probes beside its
+        // flow's forward entry.
+        for (k, f) in &mut flows {
+            if f.dir == DIR_REPLY {
+                *k = k.reply();
+            }
+        }
         let mut done = self.insert_flows(&flows)?;
         if let Some(old6) = old6 {
-            let flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6)?;
+            let mut flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6)?;
+            for (k, f) in &mut flows6 {
+                if f.dir == DIR_REPLY {
+                    *k = k.reply();
+                }
+            }
             let d6 = self.insert_flows6(&flows6)?;
             done.inserted += d6.inserted;
             done.no_room += d6.no_room;
@@ -296,7 +311,7 @@ impl Dataplane {
         Ok(done.inserted)
     }
 
-    /// Copy what the set-aside maps of layout `from` (1 to 3) in `dir` hold
+    /// Copy what the set-aside maps of layout `from` (1 to 4) in `dir` hold
     /// into this datapath's fresh maps (see the module documentation).
     pub(super) fn migrate_from(&mut self, from: u32, dir: &Path) -> Result<Migration, DataplaneError> {
         let at = |name: &str| dir.join(name);

@@ -72,6 +72,7 @@ impl Table for V4 {
             proto: k.proto,
             _pad: [0; 3],
         }
+        .reply()
     }
 }
 
@@ -104,6 +105,7 @@ impl Table for V6 {
             proto: k.proto,
             _pad: [0; 3],
         }
+        .reply()
     }
 }
 
@@ -512,7 +514,7 @@ pub fn monotonic_coarse_secs() -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use lb_common::{DIR_FLOW, FLOW_FIN_BACKEND, FLOW_REPLIED, FLOW_RST, PROTO_UDP};
+    use lb_common::{DIR_FLOW, FLOW_FIN_BACKEND, FLOW_REPLIED, FLOW_RST, KEY_REPLY, PROTO_UDP, SlotKey as _};
 
     use super::*;
 
@@ -633,5 +635,8 @@ mod tests {
             (r.src_addr, r.dst_addr, r.src_port, r.dst_port, r.proto),
             ([9, 10, 11, 12], [1, 2, 3, 4], 8080, 40_000, TCP)
         );
+        assert_eq!(r._pad[0], KEY_REPLY, "a reply key is marked");
+        // It starts where the forward key does (layout 5).
+        assert_eq!(r.slot_hash(7) as u32, k.slot_hash(7) as u32);
     }
 }
