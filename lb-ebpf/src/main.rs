@@ -607,20 +607,9 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         // The backend's endpoint names another service's VIP: this flow's
         // replies need an entry of their own, inserted first so that once
         // the forward entry exists, replies can come.
-        // Marked as a reply key: its slots start where the forward
-        // entry's do, so this insert finds them already cached.
-        let rev_key = FlowKey {
-            src_addr: backend.addr,
-            dst_addr: pkt.saddr,
-            src_port: backend.port,
-            dst_port: pkt.sport,
-            proto: pkt.proto,
-            _pad: [0; 3],
-        }
-        .reply();
         // SAFETY: see above; the shared reference lives for the call only,
         // and nothing writes the slot meanwhile.
-        if !table::put_flow(&rev_key, table::NO_SLOT) {
+        if !table::put_flow(&reply_key(pkt, backend.addr, backend.port), table::NO_SLOT) {
             return Insert::Full;
         }
         DIR_FORWARD
@@ -637,6 +626,12 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
     }
     // SAFETY: as above.
     if !table::put_flow(key, hint) {
+        // The reply entry without its flow would never be swept (the
+        // sweeper removes it with its forward entry): taken back, with
+        // its room in the table.
+        if dir == DIR_FORWARD {
+            table::lb_take_back(&reply_key(pkt, backend.addr, backend.port));
+        }
         return Insert::Full;
     }
     // A TCP packet other than a SYN that takes an entry belongs to a
@@ -650,6 +645,16 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         stats::flow_closed(id);
     }
     Insert::Done(Nat { backend_id: id, addr: backend.addr, port: backend.port })
+}
+
+/// The reply entry's key of a new flow of `pkt` to the backend endpoint
+/// (`addr`, `port`): the backend's 5-tuple towards the client, marked as
+/// a reply key, so that its slots start where the forward entry's do
+/// and its insert finds them already cached.
+#[inline(always)]
+fn reply_key(pkt: &Packet, addr: u32, port: u16) -> FlowKey {
+    FlowKey { src_addr: addr, dst_addr: pkt.saddr, src_port: port, dst_port: pkt.sport, proto: pkt.proto, _pad: [0; 3] }
+        .reply()
 }
 
 /// What a packet of a flow gets rewritten to, and whose counters it counts in.

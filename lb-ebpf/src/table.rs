@@ -11,10 +11,11 @@
 //! this touches one or two.
 //!
 //! What that costs in exchange, and how it is kept safe:
-//! - Removal is the sweeper's alone (`sweep.rs`): it marks a slot
-//!   removed (`SLOT_TOMB`) by compare-and-swap, and turns a run of removed
-//!   slots that ends at an empty one back to empty, so that lookups stop
-//!   early again.
+//! - Removal is the sweeper's (`sweep.rs`), and, for the one entry it has
+//!   just made, a new flow's whose second insert failed
+//!   ([`lb_take_back`]): it marks a slot removed (`SLOT_TOMB`) by
+//!   compare-and-swap, and turns a run of removed slots that ends at an
+//!   empty one back to empty, so that lookups stop early again.
 //! - An insert takes the first free slot of the key's probe sequence
 //!   after making sure the key is not further on; two CPUs inserting the
 //!   same key race for the same slot, and the table keeps one entry (a
@@ -609,6 +610,37 @@ pub(crate) extern "C" fn lb_packet_flow_slot6(key: *mut FlowKey6) -> u32 {
         key._pad[0] = 0;
     }
     find(&FLOW_SLOTS6, flow_mask6(), key)
+}
+
+/// Remove `key`'s entry, which this program invocation has just inserted:
+/// a new flow's reply entry whose forward entry then found no room (the
+/// entry limit reached by the reply entry itself, its probe sequence
+/// full, or a lost race). Left in place, no sweep would ever remove it
+/// (the sweeper removes a reply entry with its forward entry) and its
+/// room would stay taken. Answers 1 when it was removed.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn lb_take_back(key: *const FlowKey) -> u32 {
+    // SAFETY: as in `lb_flow_slot`.
+    let Some(key) = (unsafe { key.as_ref() }) else { return 0 };
+    let at = find(&FLOW_SLOTS, flow_mask(), key);
+    if at >= MISS {
+        return 0;
+    }
+    u32::from(remove_if(&FLOW_SLOTS, flow_mask(), Count::V4, at, key, |_| true))
+}
+
+/// [`lb_take_back`] for IPv6.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub(crate) extern "C" fn lb_take_back6(key: *const FlowKey6) -> u32 {
+    // SAFETY: as in `lb_flow_slot`.
+    let Some(key) = (unsafe { key.as_ref() }) else { return 0 };
+    let at = find(&FLOW_SLOTS6, flow_mask6(), key);
+    if at >= MISS {
+        return 0;
+    }
+    u32::from(remove_if(&FLOW_SLOTS6, flow_mask6(), Count::V6, at, key, |_| true))
 }
 
 /// [`flow6`]'s global function.

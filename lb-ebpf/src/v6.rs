@@ -528,15 +528,21 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
 fn new_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> Result<Nat6, u32> {
     let mut code = plan_flow(pkt, k, now);
     if code == PLAN_INSERT || code == PLAN_INSERT_REPLY {
+        let reply = code == PLAN_INSERT_REPLY;
         // SAFETY: this CPU's scratch slot, where `plan_flow` wrote the
         // keys; the reference lives for the call only.
-        let mut ok = code != PLAN_INSERT_REPLY || table::put_flow6(unsafe { &(*k).other }, table::NO_SLOT);
-        if ok && code == PLAN_INSERT_REPLY {
+        let ok = !reply || table::put_flow6(unsafe { &(*k).other }, table::NO_SLOT);
+        if ok && reply {
             forward_entry(pkt, k, DIR_FORWARD, now);
         }
         // SAFETY: as above.
-        ok = ok && table::put_flow6(unsafe { &(*k).flow }, unsafe { (*k).hint });
-        code = settle_flow(pkt, k, ok);
+        let inserted = ok && table::put_flow6(unsafe { &(*k).flow }, unsafe { (*k).hint });
+        if ok && reply && !inserted {
+            // The reply entry without its flow: taken back (as for IPv4).
+            // SAFETY: as above.
+            table::lb_take_back6(unsafe { &raw const (*k).other });
+        }
+        code = settle_flow(pkt, k, inserted);
     }
     if code == PLAN_NAT {
         // SAFETY: as above; a plain copy.

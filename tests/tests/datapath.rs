@@ -312,6 +312,45 @@ fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_th
     });
 }
 
+/// A new flow of a service sharing its backend's endpoint takes two
+/// entries, its reply entry first. When the reply entry takes the table's
+/// last room and the forward entry then finds none, the reply entry is
+/// taken back: left, no sweep would ever remove it (the sweeper removes
+/// a reply entry with its forward entry), and its room would be lost for
+/// good.
+#[test]
+fn a_reply_entry_whose_flow_found_no_room_is_taken_back() {
+    in_netns(|| {
+        let mut fx = Fixture::with_config(
+            vec![
+                service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+                service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
+            ],
+            |c| {
+                c.conntrack_max = 3;
+                c.flood.new_flow_rate_per_cpu = Some(0);
+            },
+        );
+        // Two flows of web (the endpoint's owner): one entry each.
+        for cport in [41000, 41001] {
+            assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 80, SYN).bytes()), BACKEND);
+        }
+        assert_eq!(fx.dp.flow_counts().unwrap(), (2, 0));
+        // alt's flow: its reply entry takes the third and last room, its
+        // forward entry finds none; the SYN is dropped (such a flow cannot
+        // go without entries) and the reply entry taken back.
+        let syn = tcp(CLIENT, 41002, VIP, 81, SYN).bytes();
+        assert_eq!(fx.run(&syn, fx.if_a).0, XDP_DROP);
+        assert_eq!(fx.counter("flow_table"), 1);
+        assert_eq!(fx.dp.flow_counts().unwrap(), (2, 0), "the reply entry was left in the table");
+        assert_eq!(fx.entries(), 2);
+        // Its room is back: another flow of web gets an entry.
+        assert_eq!(fx.forward(&tcp(CLIENT, 41003, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(fx.dp.flow_counts().unwrap(), (3, 0));
+        assert_eq!(fx.counter("table_full"), 0);
+    });
+}
+
 #[test]
 fn a_udp_service_with_its_own_idle_timeout_expires_its_flows_by_it() {
     in_netns(|| {

@@ -76,6 +76,35 @@ fn the_ipv6_flow_table_holds_conntrack_max_ipv6_flows_and_ipv4_keeps_its_own_lim
     });
 }
 
+/// As for IPv4 (`datapath.rs`): a reply entry whose forward entry found
+/// no room is taken back, its room with it.
+#[test]
+fn an_ipv6_reply_entry_whose_flow_found_no_room_is_taken_back() {
+    in_netns(|| {
+        let mut fx = Fixture::with_config(
+            vec![
+                service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
+                service6("alt6", 81, Protocol::Tcp, &[(BACKEND6, 8080)]),
+            ],
+            |c| {
+                c.conntrack_max_ipv6 = 3;
+                c.flood.new_flow_rate_per_cpu = Some(0);
+            },
+        );
+        for cport in [41000, 41001] {
+            assert_eq!(fx.run(&tcp6(CLIENT6, cport, VIP6, 80, SYN).bytes(), fx.if_a).0, XDP_REDIRECT);
+        }
+        assert_eq!(fx.dp.flow_counts().unwrap(), (0, 2));
+        assert_eq!(fx.run(&tcp6(CLIENT6, 41002, VIP6, 81, SYN).bytes(), fx.if_a).0, XDP_DROP);
+        assert_eq!(fx.counter("flow_table"), 1);
+        assert_eq!(fx.dp.flow_counts().unwrap(), (0, 2), "the reply entry was left in the table");
+        assert_eq!(fx.entries(), 2);
+        assert_eq!(fx.run(&tcp6(CLIENT6, 41003, VIP6, 80, SYN).bytes(), fx.if_a).0, XDP_REDIRECT);
+        assert_eq!(fx.dp.flow_counts().unwrap(), (0, 3));
+        assert_eq!(fx.counter("table_full"), 0);
+    });
+}
+
 #[test]
 fn ipv6_tcp_is_rewritten_both_ways_byte_for_byte() {
     in_netns(|| {
