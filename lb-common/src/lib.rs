@@ -501,7 +501,8 @@ pub struct FlowKey {
 /// find it through `ENDPOINTS` and get the VIP back as source. A flow of a
 /// service flagged `SVC_F_REPLY_ENTRY` (and every flow made by an lbd from
 /// before this layout, adopted from its pinned table) has two: the forward one (`DIR_FORWARD`) and a reply one
-/// (`DIR_REPLY`) keyed by the backend's 5-tuple, whose rewrite is the VIP.
+/// (`DIR_REPLY`) keyed by the backend's 5-tuple marked [`KEY_REPLY`] (its
+/// slots start beside the forward entry's), whose rewrite is the VIP.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Flow {
