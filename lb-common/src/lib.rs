@@ -667,6 +667,10 @@ pub trait SlotKey: Copy {
     fn slot_hash(&self, seed: u64) -> u64;
     /// Equal keys, word by word (no memcmp: BPF has none).
     fn same(&self, other: &Self) -> bool;
+    /// Whether this is a reply entry's key (marked [`KEY_REPLY`]).
+    fn is_reply(&self) -> bool;
+    /// Mark this key as a reply entry's, or take the mark off.
+    fn set_reply(&mut self, reply: bool);
 }
 
 /// `_pad[0]` of a reply entry's key ([`FlowKey`], [`FlowKey6`]): its
@@ -767,6 +771,14 @@ impl SlotKey for FlowKey {
         let (a, b) = (self.words(), other.words());
         (a[0] ^ b[0]) | (a[1] ^ b[1]) == 0
     }
+    #[inline(always)]
+    fn is_reply(&self) -> bool {
+        self._pad[0] == KEY_REPLY
+    }
+    #[inline(always)]
+    fn set_reply(&mut self, reply: bool) {
+        self._pad[0] = if reply { KEY_REPLY } else { 0 };
+    }
 }
 
 impl FlowKey6 {
@@ -809,6 +821,14 @@ impl SlotKey for FlowKey6 {
     fn same(&self, other: &Self) -> bool {
         let (a, b) = (self.words(), other.words());
         (a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3]) | (a[4] ^ b[4]) == 0
+    }
+    #[inline(always)]
+    fn is_reply(&self) -> bool {
+        self._pad[0] == KEY_REPLY
+    }
+    #[inline(always)]
+    fn set_reply(&mut self, reply: bool) {
+        self._pad[0] = if reply { KEY_REPLY } else { 0 };
     }
 }
 

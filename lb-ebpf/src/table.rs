@@ -47,8 +47,8 @@ use core::{
 
 use aya_ebpf::maps::Array;
 use lb_common::{
-    Flow, Flow6, FlowKey, FlowKey6, KEY_REPLY, SLOT_BUCKET, SLOT_BUSY, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE,
-    SLOT_TAG, SLOT_TOMB, Slot, SlotKey,
+    Flow, Flow6, FlowKey, FlowKey6, SLOT_BUCKET, SLOT_BUSY, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG,
+    SLOT_TOMB, Slot, SlotKey,
 };
 
 use crate::maps::{
@@ -582,15 +582,8 @@ pub(crate) extern "C" fn lb_flow_slot(key: *const FlowKey) -> u32 {
 pub(crate) extern "C" fn lb_packet_flow_slot(key: *mut FlowKey, from_backend: u32) -> u32 {
     // SAFETY: as in `lb_flow_slot`; the caller's key, written in place.
     let Some(key) = (unsafe { key.as_mut() }) else { return NO_SLOT };
-    if from_backend != 0 {
-        key._pad[0] = KEY_REPLY;
-        let at = find(&FLOW_SLOTS, flow_mask(), key);
-        if at < MISS {
-            return at;
-        }
-        key._pad[0] = 0;
-    }
-    find(&FLOW_SLOTS, flow_mask(), key)
+    key.set_reply(from_backend != 0);
+    reply_first(&FLOW_SLOTS, flow_mask(), key)
 }
 
 /// [`lb_packet_flow_slot`] for IPv6, whose key (in a per-CPU scratch
@@ -602,14 +595,22 @@ pub(crate) extern "C" fn lb_packet_flow_slot(key: *mut FlowKey, from_backend: u3
 pub(crate) extern "C" fn lb_packet_flow_slot6(key: *mut FlowKey6) -> u32 {
     // SAFETY: as in `lb_packet_flow_slot`.
     let Some(key) = (unsafe { key.as_mut() }) else { return NO_SLOT };
-    if key._pad[0] != 0 {
-        let at = find(&FLOW_SLOTS6, flow_mask6(), key);
+    reply_first(&FLOW_SLOTS6, flow_mask6(), key)
+}
+
+/// `key`'s slot in `table` (as [`find`]), looked up first as marked (a
+/// reply entry's) when it comes marked, then, on a miss, unmarked; the
+/// key is left as it was found.
+#[inline(always)]
+fn reply_first<K: SlotKey, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, mask: u32, key: &mut K) -> u32 {
+    if key.is_reply() {
+        let at = find(table, mask, key);
         if at < MISS {
             return at;
         }
-        key._pad[0] = 0;
+        key.set_reply(false);
     }
-    find(&FLOW_SLOTS6, flow_mask6(), key)
+    find(table, mask, key)
 }
 
 /// Remove `key`'s entry, which this program invocation has just inserted:
@@ -623,11 +624,7 @@ pub(crate) extern "C" fn lb_packet_flow_slot6(key: *mut FlowKey6) -> u32 {
 pub(crate) extern "C" fn lb_take_back(key: *const FlowKey) -> u32 {
     // SAFETY: as in `lb_flow_slot`.
     let Some(key) = (unsafe { key.as_ref() }) else { return 0 };
-    let at = find(&FLOW_SLOTS, flow_mask(), key);
-    if at >= MISS {
-        return 0;
-    }
-    u32::from(remove_if(&FLOW_SLOTS, flow_mask(), Count::V4, at, key, |_| true))
+    take_back(&FLOW_SLOTS, flow_mask(), Count::V4, key)
 }
 
 /// [`lb_take_back`] for IPv6.
@@ -636,11 +633,22 @@ pub(crate) extern "C" fn lb_take_back(key: *const FlowKey) -> u32 {
 pub(crate) extern "C" fn lb_take_back6(key: *const FlowKey6) -> u32 {
     // SAFETY: as in `lb_flow_slot`.
     let Some(key) = (unsafe { key.as_ref() }) else { return 0 };
-    let at = find(&FLOW_SLOTS6, flow_mask6(), key);
+    take_back(&FLOW_SLOTS6, flow_mask6(), Count::V6, key)
+}
+
+/// [`lb_take_back`]'s work for either table.
+#[inline(always)]
+fn take_back<K: SlotKey, V>(
+    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    mask: u32,
+    count: Count,
+    key: &K,
+) -> u32 {
+    let at = find(table, mask, key);
     if at >= MISS {
         return 0;
     }
-    u32::from(remove_if(&FLOW_SLOTS6, flow_mask6(), Count::V6, at, key, |_| true))
+    u32::from(remove_if(table, mask, count, at, key, |_| true))
 }
 
 /// [`flow6`]'s global function.

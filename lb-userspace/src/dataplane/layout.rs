@@ -34,8 +34,8 @@ use std::{
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
 use lb_common::{
     Backend, BackendStats, Conns, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6, FlowKey,
-    FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot, Vip6Key,
-    VipKey, flow_closed, maps as names,
+    FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot, SlotKey,
+    Vip6Key, VipKey, flow_closed, maps as names,
 };
 use tracing::{info, warn};
 
@@ -246,11 +246,15 @@ fn old_flow_maps(from: u32, dir: &Path) -> Result<(MapData, Option<MapData>), Da
 /// in batches: a kernel hash's (layouts 1 and 2), or the whole entries of
 /// a table of slots whose elements are `B` (layouts 3 and 4; an entry being
 /// written as it is read is left out, the copy after the program swap
-/// takes it).
-fn old_entries<K: aya::Pod, V: aya::Pod, B: aya::Pod + AsRef<[Slot<K, V>]>>(
+/// takes it). A reply entry's key (its value's direction, `dir`, is
+/// `DIR_REPLY`) was the backend's bare 5-tuple before layout 5: it comes
+/// back marked, so that it starts its probes beside its flow's forward
+/// entry.
+fn old_entries<K: aya::Pod + SlotKey, V: aya::Pod, B: aya::Pod + AsRef<[Slot<K, V>]>>(
     from: u32,
     old: &MapData,
     map: &'static str,
+    dir: fn(&V) -> u8,
 ) -> Result<Vec<(K, V)>, DataplaneError> {
     let mut out = Vec::new();
     let fd = old.fd().as_fd();
@@ -262,6 +266,9 @@ fn old_entries<K: aya::Pod, V: aya::Pod, B: aya::Pod + AsRef<[Slot<K, V>]>>(
         batch::for_each::<K, V>(fd, |k, v| out.push((*k, *v)))
     };
     read.map_err(|source| DataplaneError::Batch { map, source })?;
+    for (k, v) in &mut out {
+        k.set_reply(dir(v) == DIR_REPLY);
+    }
     Ok(out)
 }
 
@@ -270,7 +277,7 @@ impl Dataplane {
     /// datapath's, through its insert: an entry the new program already
     /// made stands. Returns how many were copied.
     fn copy_flows(&self, from: u32, old: &MapData, old6: Option<&MapData>) -> Result<u64, DataplaneError> {
-        let mut flows = old_entries::<FlowKey, Flow, BucketV3>(from, old, names::FLOWS)?;
+        let mut flows = old_entries::<FlowKey, Flow, BucketV3>(from, old, names::FLOWS, |f| f.dir)?;
         if from == 1 {
             for (_, f) in &mut flows {
                 // Layout 1 did not track handshakes: an open flow it knew
@@ -282,22 +289,9 @@ impl Dataplane {
                 }
             }
         }
-        // Before layout 5 a reply entry's key was the backend's bare
-        // 5-tuple: it is marked now, and so starts its probes beside its
-        // flow's forward entry.
-        for (k, f) in &mut flows {
-            if f.dir == DIR_REPLY {
-                *k = k.reply();
-            }
-        }
         let mut done = self.insert_flows(&flows)?;
         if let Some(old6) = old6 {
-            let mut flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6)?;
-            for (k, f) in &mut flows6 {
-                if f.dir == DIR_REPLY {
-                    *k = k.reply();
-                }
-            }
+            let flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6, |f| f.dir)?;
             let d6 = self.insert_flows6(&flows6)?;
             done.inserted += d6.inserted;
             done.no_room += d6.no_room;
