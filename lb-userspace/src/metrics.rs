@@ -96,6 +96,8 @@ struct Samples {
 }
 
 /// Help of `lb_flow_sweep_duration_seconds`.
+const ENTRIES_HELP: &str = "Flow table entries per address family (one per flow, two for a service whose backend endpoint another service owns), as the datapath counts them against the table's capacity";
+const CAPACITY_HELP: &str = "Entries the address family's flow table may hold (conntrack_max, conntrack_max_ipv6; an adopted table's own size until a clean stop): new flows beyond it go without an entry (lb_stateless_packets_total{reason=\"table_full\"})";
 const SWEEP_HELP: &str = "How long the last complete sweep of the flow tables took, start to end, pauses between its parts included (none before the first); longer than the sweep interval (5 s, less with a short flood.half_open_timeout) means flows outlive their timeouts";
 
 enum Value {
@@ -253,12 +255,13 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         ]);
         path.push(l, Value::Gauge(1));
     }
-    let mut entries = Samples::new(
-        "lb_flow_table_entries",
-        "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as the datapath counts them",
-        Gauge,
-    );
-    entries.push(Labels::new(), Value::Gauge(i64::try_from(snap.status.flood.flow_entries).unwrap_or(i64::MAX)));
+    let tables = &status.flood.flow_tables;
+    let mut entries = Samples::new("lb_flow_table_entries", ENTRIES_HELP, Gauge);
+    let mut capacity = Samples::new("lb_flow_table_capacity", CAPACITY_HELP, Gauge);
+    for (family, t) in [("ipv4", tables.ipv4), ("ipv6", tables.ipv6)] {
+        entries.push(labels(&[("family", family)]), Value::Gauge(i64::try_from(t.entries).unwrap_or(i64::MAX)));
+        capacity.push(labels(&[("family", family)]), Value::Gauge(i64::from(t.capacity)));
+    }
     let mut half_open = Samples::new(
         "lb_half_open_expired_flows",
         "Half-open flows (no completed handshake) expired after flood.half_open_timeout, since lbd started",
@@ -269,8 +272,6 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
     if let Some(ms) = status.flood.last_sweep_ms {
         sweep.push(Labels::new(), Value::GaugeF(Duration::from_millis(ms).as_secs_f64()));
     }
-    let mut capacity = Samples::new("lb_flow_table_capacity", "Flow table size (conntrack_max)", Gauge);
-    capacity.push(Labels::new(), Value::Gauge(i64::from(status.flood.flow_capacity)));
     let mut reloads = Samples::new("lb_config_reloads", "Configuration reloads by result", Counter);
     reloads.push(labels(&[("result", "ok")]), Value::Counter(snap.reloads_ok));
     reloads.push(labels(&[("result", "rejected")]), Value::Counter(snap.reloads_failed));
@@ -564,7 +565,7 @@ mod tests {
         config::Protocol,
         dataplane::Attachment,
         paths::PathReport,
-        report::{BackendStatus, FloodStatus, ServiceStatus},
+        report::{BackendStatus, FloodStatus, FlowTableStatus, FlowTablesStatus, ServiceStatus},
         sched::Scheduler,
     };
 
@@ -641,6 +642,10 @@ mod tests {
                 half_open_timeout: 10,
                 flow_entries: 24,
                 flow_capacity: 1024,
+                flow_tables: FlowTablesStatus {
+                    ipv4: FlowTableStatus { entries: 20, capacity: 1024 },
+                    ipv6: FlowTableStatus { entries: 4, capacity: 256 },
+                },
                 half_open_expired: 6,
                 last_sweep_ms: Some(1250),
             },
@@ -767,8 +772,13 @@ mod tests {
             ]))
             .set(1);
         }
-        let entries = Gauge::<i64>::default();
-        entries.set(i64::try_from(snap.status.flood.flow_entries).unwrap());
+        let entries = Family::<Labels, Gauge>::default();
+        let capacity = Family::<Labels, Gauge>::default();
+        let tables = &snap.status.flood.flow_tables;
+        for (family, t) in [("ipv4", tables.ipv4), ("ipv6", tables.ipv6)] {
+            entries.get_or_create(&labels(&[("family", family)])).set(i64::try_from(t.entries).unwrap());
+            capacity.get_or_create(&labels(&[("family", family)])).set(i64::from(t.capacity));
+        }
         let reloads = Family::<Labels, Counter>::default();
         reloads.get_or_create(&labels(&[("result", "ok")])).inc_by(snap.reloads_ok);
         reloads.get_or_create(&labels(&[("result", "rejected")])).inc_by(snap.reloads_failed);
@@ -810,10 +820,8 @@ mod tests {
             "Path packets take from an ingress interface to an egress interface (always 1; see the path label)",
             path,
         );
-        reg.register("lb_flow_table_entries", "Flow table entries (one per flow, two for a service whose backend endpoint another service owns), as the datapath counts them", entries);
-        let capacity = Gauge::<i64>::default();
-        capacity.set(i64::from(status.flood.flow_capacity));
-        reg.register("lb_flow_table_capacity", "Flow table size (conntrack_max)", capacity);
+        reg.register("lb_flow_table_entries", ENTRIES_HELP, entries);
+        reg.register("lb_flow_table_capacity", CAPACITY_HELP, capacity);
         let half_open = Counter::<u64>::default();
         half_open.inc_by(status.flood.half_open_expired);
         reg.register(
@@ -884,9 +892,12 @@ mod tests {
         // Without any datapath counter the unlabelled counters still have
         // their sample.
         let text = scrape(empty());
-        for line in
-            ["lb_xdp_redirect_packets_total 0", "lb_partial_checksum_packets_total 0", "lb_flow_table_entries 0"]
-        {
+        for line in [
+            "lb_xdp_redirect_packets_total 0",
+            "lb_partial_checksum_packets_total 0",
+            "lb_flow_table_entries{family=\"ipv4\"} 0",
+            "lb_flow_table_entries{family=\"ipv6\"} 0",
+        ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
         }
     }
@@ -909,7 +920,10 @@ mod tests {
             "lb_kernel_fallback_packets_total{reason=\"kernel_egress\"} 2",
             "lb_xdp_redirect_packets_total 40",
             "lb_partial_checksum_packets_total 1",
-            "lb_flow_table_entries 24",
+            "lb_flow_table_entries{family=\"ipv4\"} 20",
+            "lb_flow_table_entries{family=\"ipv6\"} 4",
+            "lb_flow_table_capacity{family=\"ipv4\"} 1024",
+            "lb_flow_table_capacity{family=\"ipv6\"} 256",
             "lb_config_reloads_total{result=\"rejected\"} 1",
             "lb_config_reloads_total{result=\"ok\"} 3",
             "lb_vip_announced{service=\"web\",vip=\"10.10.0.100\"} 1",

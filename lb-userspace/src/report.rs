@@ -95,10 +95,17 @@ pub struct FloodStatus {
     /// New flows per second and CPU that get a flow-table entry (0: no limit).
     pub new_flow_rate_per_cpu: u32,
     pub half_open_timeout: u32,
-    /// Flow-table entries now (both families, as the datapath counts them
-    /// against `conntrack_max`), and the table's size.
+    /// Flow-table entries now, both families together (as the datapath
+    /// counts them), and the IPv4 table's size (`conntrack_max`); each
+    /// table's own, which is what fills, in `flow_tables`.
     pub flow_entries: u64,
     pub flow_capacity: u32,
+    /// Each family's flow table: entries now and the entries it may hold
+    /// (`conntrack_max`, `conntrack_max_ipv6`). A table that is full
+    /// routes its family's new flows without an entry (`table_full`)
+    /// while the other table may have room.
+    #[serde(default)]
+    pub flow_tables: FlowTablesStatus,
     /// Half-open flows expired early since lbd started.
     pub half_open_expired: u64,
     /// How long the last complete sweep of the flow tables took, start to
@@ -107,6 +114,21 @@ pub struct FloodStatus {
     /// timeouts say.
     #[serde(default)]
     pub last_sweep_ms: Option<u64>,
+}
+
+/// The two flow tables in [`FloodStatus`].
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FlowTablesStatus {
+    pub ipv4: FlowTableStatus,
+    pub ipv6: FlowTableStatus,
+}
+
+/// One flow table: entries now (as the datapath counts them against its
+/// limit) and the entries it may hold.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FlowTableStatus {
+    pub entries: u64,
+    pub capacity: u32,
 }
 
 /// Jain's fairness index `(sum x)^2 / (n * sum x^2)` over `x`; None when
@@ -173,6 +195,8 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
         });
     }
     let (rate, capacity) = dp.flood_limits();
+    let (entries4, entries6) = dp.flow_counts()?;
+    let (capacity4, capacity6) = dp.flow_capacities();
     Ok(Status {
         program_id: dp.program_id(),
         interfaces: dp.attachments(),
@@ -181,11 +205,12 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
         flood: FloodStatus {
             new_flow_rate_per_cpu: rate,
             half_open_timeout: agent.config.flood.half_open_timeout,
-            flow_entries: {
-                let (v4, v6) = dp.flow_counts()?;
-                v4 + v6
-            },
+            flow_entries: entries4 + entries6,
             flow_capacity: capacity,
+            flow_tables: FlowTablesStatus {
+                ipv4: FlowTableStatus { entries: entries4, capacity: capacity4 },
+                ipv6: FlowTableStatus { entries: entries6, capacity: capacity6 },
+            },
             half_open_expired: agent.half_open_expired,
             last_sweep_ms: agent.last_sweep_ms,
         },

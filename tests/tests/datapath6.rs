@@ -73,6 +73,7 @@ fn the_ipv6_flow_table_holds_conntrack_max_ipv6_flows_and_ipv4_keeps_its_own_lim
         assert_eq!(fx.dp.flow_counts().unwrap(), (40, 16));
         assert_eq!(fx.counter("table_full"), 24, "the IPv4 table had room for all 40");
         assert_eq!(fx.entries(), 56);
+        assert_eq!(fx.dp.flow_capacities(), (64, 16), "(IPv4, IPv6) capacities, as the status reports them");
     });
 }
 

@@ -17,6 +17,7 @@ use lb_tests::{
 const PREFIX: &str = "lbt-flood";
 const TABLE: u64 = 16_384;
 const FLOOD_MS: u64 = 20_000;
+const TABLE6: u64 = 1_024;
 
 /// `name{labels} value` samples of a family, by their label text.
 fn samples(text: &str, name: &str) -> BTreeMap<String, f64> {
@@ -45,13 +46,15 @@ fn a_syn_flood_at_twice_the_table_per_second_spares_live_and_new_connections() {
     let sock = socket_for(PREFIX);
     // Round robin, as the operator who reported the problem ran it: a flow
     // without an entry must be hashed (the Maglev fallback table), not
-    // scheduled twice. Flood settings are the defaults.
+    // scheduled twice. Flood settings are the defaults. The IPv6 flow
+    // table, unused here, is sized on its own (the status and the metrics
+    // report each table against its own size).
     let config = write_config_with(
         &config_dir(PREFIX),
         "lbd",
         &sock,
         &lab.gw_interfaces(),
-        &format!("conntrack_max: {TABLE}\n"),
+        &format!("conntrack_max: {TABLE}\nconntrack_max_ipv6: {TABLE6}\n"),
         &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]),
     )
     .expect("config");
@@ -129,9 +132,24 @@ fn a_syn_flood_at_twice_the_table_per_second_spares_live_and_new_connections() {
     assert!(stateless > TABLE, "flows routed without an entry: {counters}");
     assert!(status["flood"]["half_open_expired"].as_u64().unwrap() > 0, "{}", status["flood"]);
     assert_eq!(status["flood"]["flow_capacity"], TABLE, "{}", status["flood"]);
+    let tables = &status["flood"]["flow_tables"];
+    assert_eq!((tables["ipv4"]["capacity"].as_u64(), tables["ipv6"]["capacity"].as_u64()), (Some(TABLE), Some(TABLE6)));
+    let entries4 = tables["ipv4"]["entries"].as_u64().unwrap();
+    assert!(entries4 <= TABLE, "the IPv4 table holds more than its limit: {tables}");
+    assert_eq!(tables["ipv6"]["entries"], 0, "{tables}");
+    assert_eq!(status["flood"]["flow_entries"], entries4, "the total is both tables': {}", status["flood"]);
     let out = lab.cmd("gw", "curl").args(["-sf", "--max-time", "5", "http://127.0.0.1:9464/metrics"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     let by_reason = samples(&text, "lb_stateless_packets_total");
+    let capacity = samples(&text, "lb_flow_table_capacity");
+    assert_eq!(
+        (capacity.get("family=\"ipv4\"").copied(), capacity.get("family=\"ipv6\"").copied()),
+        (Some(TABLE as f64), Some(TABLE6 as f64)),
+        "lb_flow_table_capacity: {capacity:?}"
+    );
+    let entries = samples(&text, "lb_flow_table_entries");
+    assert!(entries.get("family=\"ipv4\"").is_some_and(|&n| n <= TABLE as f64), "lb_flow_table_entries: {entries:?}");
+    assert_eq!(entries.get("family=\"ipv6\"").copied(), Some(0.0), "lb_flow_table_entries: {entries:?}");
     let metric_total: f64 = ["table_full", "flood_rate"]
         .iter()
         .map(|r| by_reason.get(&format!("reason=\"{r}\"")).copied().unwrap_or(0.0))
@@ -157,6 +175,7 @@ fn a_syn_flood_at_twice_the_table_per_second_spares_live_and_new_connections() {
     let redirected = counters["xdp_redirect"].as_u64().unwrap();
     assert!(redirected > 10 * ok, "{redirected} packets by XDP redirect for {ok} new connections: {counters}");
     let text = lbd.lbctl(&["status"]).expect("lbctl status");
-    assert!(text.contains("flood protection: flow table"), "{text}");
+    assert!(text.contains("flood protection: flow table IPv4 "), "{text}");
+    assert!(text.contains(&format!("/{TABLE}, IPv6 0/{TABLE6} entries")), "{text}");
     assert!(text.contains(" entries (last sweep "), "{text}");
 }

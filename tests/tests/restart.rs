@@ -306,7 +306,14 @@ fn a_killed_first_start_and_a_resized_restart_go_by_the_maps_pinned() {
     .unwrap();
     let mut lbd = Lbd::start(&lab, &bigger, &sock).unwrap();
     let status = lbd.status().unwrap();
-    assert_eq!(status["flood"]["flow_capacity"], 262_144, "the status reports the config's size, not the table's");
+    assert_eq!(
+        status["flood"]["flow_capacity"], 262_144,
+        "the status reports the adopted table's size, not the config's"
+    );
+    for family in ["ipv4", "ipv6"] {
+        let table = &status["flood"]["flow_tables"][family];
+        assert_eq!(table["capacity"], 262_144, "{family}: the adopted table's size, not the config's: {table}");
+    }
     let log = lbd.log_text();
     for line in [
         "the adopted flow table has 524288 slots, room for 262144 flows where the config's conntrack_max says 524288",

@@ -143,6 +143,18 @@ fn the_status_page_shows_every_backend_live_in_a_browser() {
     assert!(so_far < 40_000, "the screenshot was not taken while the traffic flowed ({so_far} shown by then)");
     assert_eq!(web_shown.iter().sum::<u64>(), 40000);
     assert_eq!(alt_shown.iter().sum::<u64>(), 100);
+    // The header shows each family's flow table against its own size
+    // (the lab config's conntrack_max, which the IPv6 table takes too):
+    // the connections just closed linger in the IPv4 one; none is IPv6.
+    let flows = b.eval("document.getElementById('flows').textContent").unwrap();
+    let flows = flows.as_str().unwrap_or_default();
+    let ipv4 = flows
+        .strip_prefix("IPv4 ")
+        .and_then(|t| t.split_once(" / 262144 ("))
+        .and_then(|(n, _)| n.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("the page's flow tables: {flows:?}"));
+    assert!((1..=262_144).contains(&ipv4), "the page's flow tables: {flows:?}");
+    assert!(flows.ends_with(", IPv6 0 / 262144 (0.0%)"), "the page's flow tables: {flows:?}");
 
     // /status.json is lbctl status --json (the same document: equal when
     // taken between two health probes, which change response times).

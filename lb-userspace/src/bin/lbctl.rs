@@ -239,9 +239,11 @@ fn render(s: &Status) -> String {
     let f = &s.flood;
     let _ = writeln!(
         out,
-        "\nflood protection: flow table {}/{} entries{}; new flows above {} per second and CPU ({} so far) and into a full table ({} so far) routed by hash without an entry; {} replies without an entry; {} half-open flows expired after {}s",
-        f.flow_entries,
-        f.flow_capacity,
+        "\nflood protection: flow table IPv4 {}/{}, IPv6 {}/{} entries{}; new flows above {} per second and CPU ({} so far) and into a full table ({} so far) routed by hash without an entry; {} replies without an entry; {} half-open flows expired after {}s",
+        f.flow_tables.ipv4.entries,
+        f.flow_tables.ipv4.capacity,
+        f.flow_tables.ipv6.entries,
+        f.flow_tables.ipv6.capacity,
         f.last_sweep_ms.map(|ms| format!(" (last sweep {ms} ms)")).unwrap_or_default(),
         if f.new_flow_rate_per_cpu == 0 { "no limit".to_owned() } else { f.new_flow_rate_per_cpu.to_string() },
         count("flood_rate"),

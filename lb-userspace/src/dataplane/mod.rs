@@ -234,7 +234,10 @@ pub struct Dataplane {
     /// The `maglev_seed` the next `apply` builds tables with
     /// (`set_maglev_seed`).
     maglev_seed: u64,
+    /// The entry limits in force (the adopted tables' sizes when they
+    /// differ from the config's): IPv4's and IPv6's.
     conntrack_max: u32,
+    conntrack_max_ipv6: u32,
     /// The flow tables' slot-hash seed (the program's `FLOW_HASH_SEED`).
     flow_seed: u64,
     /// A migration from an older pinned layout, finished after attaching.
@@ -405,12 +408,14 @@ fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
 }
 
 /// What the program was loaded with for its flow tables: the slot hash's
-/// seed (`FLOW_HASH_SEED`) and the IPv4 table's entry limit
-/// (`FLOW_LIMIT`, the `conntrack_max` in force).
+/// seed (`FLOW_HASH_SEED`) and each table's entry limit (`FLOW_LIMIT`,
+/// the `conntrack_max` in force, and `FLOW_LIMIT6`, the
+/// `conntrack_max_ipv6` in force).
 #[derive(Clone, Copy)]
 struct FlowTables {
     seed: u64,
     limit: u32,
+    limit6: u32,
 }
 
 impl Dataplane {
@@ -566,7 +571,7 @@ impl Dataplane {
             Some(dir) if adopting && migrate_from.is_none() => layout::pinned_seed(dir)?,
             _ => random_seed()?,
         };
-        let tables = FlowTables { seed, limit };
+        let tables = FlowTables { seed, limit, limit6 };
         loader
             .override_global("FLOW_HASH_SEED", &seed, true)
             .map_max_entries(names::FLOWS, slots4 / SLOT_BUCKET)
@@ -653,7 +658,7 @@ impl Dataplane {
         // made with, whatever the config now says (a change takes effect
         // after a clean stop), and limits, allocation and reports follow
         // the maps (the flow tables' read, and warned about, at load).
-        let (flow_seed, conntrack_max) = (tables.seed, tables.limit);
+        let (flow_seed, conntrack_max, conntrack_max_ipv6) = (tables.seed, tables.limit, tables.limit6);
         let table_capacity = adopted_size(maps.select.map(), names::SELECT, "table_capacity", config.table_capacity)?;
         let select_memory = SelectMemory::map(&maps.select);
         if select_memory.is_none() {
@@ -683,6 +688,7 @@ impl Dataplane {
             flood: config.flood,
             maglev_seed: config.maglev_seed,
             conntrack_max,
+            conntrack_max_ipv6,
             flow_seed,
             migration: None,
             swapped: false,
@@ -789,6 +795,13 @@ impl Dataplane {
     /// The per-CPU new-flow rate in force (0: no limit) and the table size.
     pub fn flood_limits(&self) -> (u32, u32) {
         (self.flood.rate_per_cpu(self.conntrack_max, self.ncpus), self.conntrack_max)
+    }
+
+    /// The entries each flow table may hold, (IPv4, IPv6): the limits the
+    /// program was loaded with, `conntrack_max` and `conntrack_max_ipv6`
+    /// (an adopted table's size when it differs from the config's).
+    pub fn flow_capacities(&self) -> (u32, u32) {
+        (self.conntrack_max, self.conntrack_max_ipv6)
     }
 
     /// The loaded object, for callers that need a map or the program
