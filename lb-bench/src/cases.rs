@@ -126,6 +126,17 @@ pub(crate) enum Expect {
     Tx,
 }
 
+impl Expect {
+    /// The program's return value on this path.
+    pub(crate) fn retval(self) -> u32 {
+        match self {
+            Self::Redirect => XDP_REDIRECT,
+            Self::Pass => XDP_PASS,
+            Self::Tx => XDP_TX,
+        }
+    }
+}
+
 /// One thing timed every round.
 #[derive(Clone)]
 pub(crate) struct Item {

@@ -270,6 +270,32 @@ fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<Atom
         "packet_cpu": cpu,
         "verdict": verdict,
     });
+    // New flows on two CPUs at once (the datapath, then the table alone),
+    // on a machine with more than one.
+    let mut scaling = Vec::new();
+    if b.has_another_cpu() {
+        for key in ["new_maglev", "open_new"] {
+            let sc = b.new_flows_on_two_cpus(key, args.rounds.max(3) as usize, args.repeat)?;
+            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+            let one = report::median(&sc.one);
+            let both = report::median(&sc.both.iter().map(|r| mean(r)).collect::<Vec<_>>());
+            println!(
+                "two CPUs: {key} on CPUs {:?} at once: {both:.1} ns per packet on each (median of rounds), {:.2}x one CPU alone ({one:.1} ns) in the same rounds",
+                sc.cpus,
+                both / one
+            );
+            scaling.push(serde_json::json!({
+                "key": key,
+                "cpus": sc.cpus,
+                "one_cpu_ns": sc.one,
+                "two_cpus_ns": sc.both,
+                "one_cpu_median_ns": one,
+                "two_cpus_median_ns": both,
+                "ratio": both / one,
+            }));
+        }
+    }
+    out["two_cpus"] = Value::Array(scaling);
     let n = args.fill.max(1_000_000);
     let c = b.sweep_cost(n)?;
     println!(

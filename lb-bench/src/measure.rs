@@ -39,6 +39,14 @@ use crate::{
     netns::{ifindex, pin_to},
 };
 
+/// [`Bench::new_flows_on_two_cpus`]'s figures, ns per packet: per round,
+/// one CPU alone, and each of the two CPUs running at once.
+pub(crate) struct Scaling {
+    pub cpus: Vec<usize>,
+    pub one: Vec<f64>,
+    pub both: Vec<Vec<f64>>,
+}
+
 /// One timed run.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sample {
@@ -550,6 +558,149 @@ impl Bench {
         self.dp.apply_admin(&services()).context("restoring the weights")?;
         self.flush_flows()?;
         Ok(out)
+    }
+
+    /// New flows on two CPUs at once, against one CPU alone, in the same
+    /// rounds: what the datapath's shared cache lines cost when CPUs open
+    /// flows together (the flow table's entry count, `FLOW_COUNT`, and the
+    /// backends' connection counts, `CONNS`, are one atomic word each for
+    /// every CPU), beside the open-addressing table alone (no shared word:
+    /// what the memory itself costs two CPUs). Each round runs `repeat`
+    /// new flows of `key` on this CPU alone, then on this CPU and another
+    /// at once (started together, each its own fresh 5-tuples), on an
+    /// emptied table; every run is checked (each repeat a new flow that
+    /// got an entry and left by XDP redirect; the table alone: one insert
+    /// a repeat).
+    pub(crate) fn new_flows_on_two_cpus(&mut self, key: &str, rounds: usize, repeat: u32) -> anyhow::Result<Scaling> {
+        let item = items().into_iter().find(|i| i.key == key).ok_or_else(|| anyhow!("no {key} case"))?;
+        let Via::Harness(mode) = item.via else { anyhow::bail!("{key} runs through the harness") };
+        ensure!(mode == MODE_NEW_TCP, "{key} is not a new-flow case");
+        let other = other_cpu(self.cpu);
+        ensure!(other != self.cpu, "one CPU only: nothing to run beside it");
+        let cpus = [self.cpu, other];
+        let mut out = Scaling { cpus: cpus.to_vec(), one: Vec::new(), both: Vec::new() };
+        for round in 0..=rounds {
+            self.empty_for(&item)?;
+            let (c0, i0) = (self.new_flows_of(&item)?, self.inserts_on(&cpus)?);
+            let one = self.run(&item, repeat)?;
+            ensure!(one.retval == item.expect.retval(), "{key}: returned {}", one.retval);
+            self.check_new_flows(&item, c0, i0, &cpus, u64::from(repeat))?;
+            self.empty_for(&item)?;
+            self.spread_counters(&cpus)?;
+            let (c0, i0) = (self.new_flows_of(&item)?, self.inserts_on(&cpus)?);
+            let stateless0 = self.stateless_count()?;
+            let harness = xdp(&self.bench, "bench_harness")?;
+            let (frame, if_a) = (&item.frame, self.if_a);
+            let start = std::sync::Barrier::new(cpus.len());
+            let both = std::thread::scope(|s| -> anyhow::Result<Vec<(u32, u32)>> {
+                let runs: Vec<_> = cpus
+                    .iter()
+                    .map(|&cpu| {
+                        let start = &start;
+                        s.spawn(move || -> anyhow::Result<(u32, u32)> {
+                            pin_to(cpu)?;
+                            let ctx = xdp_ctx(frame.len(), if_a);
+                            let mut buf = vec![0u8; frame.len() + 256];
+                            start.wait();
+                            let r = harness
+                                .test_run(TestRunOptions {
+                                    data_in: Some(frame),
+                                    data_out: Some(&mut buf),
+                                    ctx_in: Some(&ctx),
+                                    repeat,
+                                    ..TestRunOptions::new()
+                                })
+                                .context("BPF_PROG_TEST_RUN on two CPUs")?;
+                            Ok((r.return_value, r.duration.as_nanos() as u32))
+                        })
+                    })
+                    .collect();
+                runs.into_iter().map(|t| t.join().map_err(|_| anyhow!("a run thread panicked"))?).collect()
+            })?;
+            pin_to(self.cpu)?;
+            for &(retval, _) in &both {
+                ensure!(retval == item.expect.retval(), "{key} on two CPUs: returned {retval}");
+            }
+            let stateless = self.stateless_count()? - stateless0;
+            ensure!(stateless == 0, "{key} on two CPUs: {stateless} flows routed without an entry");
+            self.check_new_flows(&item, c0, i0, &cpus, 2 * u64::from(repeat))?;
+            if round > 0 {
+                out.one.push(f64::from(one.sample.kernel_ns) + 0.5);
+                out.both.push(both.iter().map(|&(_, ns)| f64::from(ns) + 0.5).collect());
+            }
+        }
+        self.empty_for(&item)?;
+        Ok(out)
+    }
+
+    /// Whether the machine has a CPU besides the measuring one (this
+    /// thread is pinned: its own affinity says one).
+    pub(crate) fn has_another_cpu(&self) -> bool {
+        other_cpu(self.cpu) != self.cpu
+    }
+
+    /// For [`Self::new_flows_on_two_cpus`]: `item`'s table emptied (and
+    /// marked so for the per-packet cases).
+    fn empty_for(&mut self, item: &Item) -> anyhow::Result<()> {
+        match item.prog {
+            Prog::Lb => {
+                self.flush_flows()?;
+                self.filled[0] = None;
+            }
+            Prog::Open => {
+                self.reset_table(Prog::Open, 0)?;
+                self.filled[3] = None;
+            }
+            p => anyhow::bail!("no two-CPU run of {p:?}"),
+        }
+        Ok(())
+    }
+
+    /// New flows counted on `item`'s service so far (0 for the table alone).
+    fn new_flows_of(&self, item: &Item) -> anyhow::Result<u64> {
+        Ok(match item.service {
+            Some(s) => self.service_counters(s)?.0,
+            None => 0,
+        })
+    }
+
+    /// The table-alone programs' inserts so far on `cpus` together.
+    fn inserts_on(&self, cpus: &[usize]) -> anyhow::Result<u64> {
+        let m: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(self.bench.map("INSERTS").ok_or_else(|| anyhow!("INSERTS"))?)?;
+        let v = m.get(&0, 0)?;
+        cpus.iter().map(|&c| v.get(c).copied().ok_or_else(|| anyhow!("no INSERTS value for CPU {c}"))).sum()
+    }
+
+    /// `n` new flows since (`c0`, `i0`): counted on the service, each with
+    /// its entry (the datapath), or inserted (the table alone).
+    fn check_new_flows(&self, item: &Item, c0: u64, i0: u64, cpus: &[usize], n: u64) -> anyhow::Result<()> {
+        if item.prog == Prog::Lb {
+            let new = self.new_flows_of(item)? - c0;
+            ensure!(new == n, "{}: {new} new flows counted, expected {n}", item.key);
+            let entries = self.dp.flow_counts()?.0;
+            ensure!(entries == n, "{}: {entries} flow-table entries, expected {n}", item.key);
+        } else {
+            let inserts = self.inserts_on(cpus)? - i0;
+            ensure!(inserts == n, "{}: {inserts} inserts, expected {n}", item.key);
+        }
+        Ok(())
+    }
+
+    /// Set the harness's new-flow counters of `cpus` after the first
+    /// 2^34 apart, so that each CPU's fresh 5-tuples (source address + n
+    /// >> 16) are its own: the counters are per CPU and all start at 0.
+    fn spread_counters(&mut self, cpus: &[usize]) -> anyhow::Result<()> {
+        let mut m: PerCpuArray<&mut MapData, u64> =
+            PerCpuArray::try_from(self.bench.map_mut("COUNTER").ok_or_else(|| anyhow!("COUNTER"))?)?;
+        let mut v: Vec<u64> = m.get(&0, 0)?.iter().copied().collect();
+        let base = v.get(cpus[0]).copied().ok_or_else(|| anyhow!("no COUNTER value for CPU {}", cpus[0]))?;
+        for (i, &c) in cpus.iter().enumerate().skip(1) {
+            let slot = v.get_mut(c).ok_or_else(|| anyhow!("no COUNTER value for CPU {c}"))?;
+            *slot = base + ((i as u64) << 34);
+        }
+        m.set(0, aya::maps::PerCpuValues::try_from(v)?, 0)?;
+        Ok(())
     }
 
     /// For [`Self::weight_changes`]: the `maglev` service's new flows, the

@@ -159,6 +159,24 @@ left by XDP redirect as a new flow counted on one of the service's backends: {wh
         );
         verdicts.push((what, sent.as_u64().is_some_and(|n| n > 0) && lost.as_u64() == Some(0)));
     }
+    if let Some(two) = p["two_cpus"].as_array().filter(|t| !t.is_empty()) {
+        let _ = writeln!(
+            md,
+            "New flows on two CPUs at once (each CPU its own fresh 5-tuples, started together, on an emptied table; every run checked: each repeat a new flow with its entry, or an insert), against one CPU alone in the same rounds. The datapath's entry count and each backend's connection count are one shared word for every CPU; the open-addressing table alone has none, so the two lines together say what sharing costs beyond the memory:\n"
+        );
+        for t in two {
+            let _ = writeln!(
+                md,
+                "- {} on CPUs {}: {:.1} ns per packet on each, {:.2}x one CPU alone ({:.1} ns)",
+                t["key"].as_str().unwrap_or("?"),
+                t["cpus"],
+                f(&t["two_cpus_median_ns"]),
+                f(&t["ratio"]),
+                f(&t["one_cpu_median_ns"])
+            );
+        }
+        let _ = writeln!(md);
+    }
     if let Some(sw) = p.get("sweeper") {
         let _ = writeln!(
             md,
