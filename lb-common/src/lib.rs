@@ -337,8 +337,27 @@ pub mod counter {
 /// slots, placed by a hash seeded per datapath ([`SlotKey::slot_hash`],
 /// the seed kept in `FLOW_SEED`); 5: an entry's first slot hashed from
 /// its client's side only, and reply entries' keys marked
-/// ([`KEY_REPLY`]), so that a flow's two entries sit side by side.
-pub const LAYOUT_VERSION: u32 = 5;
+/// ([`KEY_REPLY`]), so that a flow's two entries sit side by side; 6:
+/// the selection tables' entries packed four to an element of `SELECT`
+/// ([`SelectWord`]).
+pub const LAYOUT_VERSION: u32 = 6;
+
+/// An element of the `SELECT` array: four selection-table entries
+/// (backend ids, which fit 16 bits: [`MAX_BACKENDS`]). Entry `i` of the
+/// array is lane `i % 4` of element `i / 4`. The kernel rounds an array's
+/// values up to 8 bytes, so one `u32` entry per element took 8 bytes: a
+/// 65,537-entry Maglev table filled 512 KB, and the random entry each new
+/// flow reads missed the cache more often than in the 128 KB it takes
+/// packed.
+pub type SelectWord = [u16; SELECT_LANES as usize];
+/// Entries per [`SelectWord`].
+pub const SELECT_LANES: u32 = 4;
+const _: () = assert!(MAX_BACKENDS <= 1 << 16, "backend ids must fit a SELECT lane");
+
+/// `SELECT` elements that hold `entries` entries.
+pub const fn select_elements(entries: u32) -> u32 {
+    entries.div_ceil(SELECT_LANES)
+}
 
 /// Flood protection, read by the datapath (`FLOOD`, one entry), written by
 /// lbd from the config.

@@ -29,12 +29,13 @@ pub(crate) static VIP_ADDRS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_S
 pub(crate) static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// Selection tables of all services, back to back: each entry is a backend
-/// id. Sized by userspace at load time; one service's table is the slice
-/// `[table_off, table_off + table_len)` named by its `Service` value.
-/// Memory-mappable: userspace writes a whole table with plain stores
-/// instead of one syscall per entry.
+/// id, four to an element (`lb_common::SelectWord`; read with
+/// `select::entry`). Sized by userspace at load time; one service's table
+/// is the entries `[table_off, table_off + table_len)` named by its
+/// `Service` value. Memory-mappable: userspace writes a whole table with
+/// plain stores instead of one syscall per entry.
 #[map]
-pub(crate) static SELECT: Array<u32> = Array::with_max_entries(1, BPF_F_MMAPABLE);
+pub(crate) static SELECT: Array<lb_common::SelectWord> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 
 /// Per-service position in a sequence table (round robin / WRR), shared by
 /// all CPUs and advanced with an atomic add.

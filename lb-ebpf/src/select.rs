@@ -8,7 +8,7 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use lb_common::{
-    BACKEND_NONE, SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_LEAST_TIME, SCHED_SEQUENCE, SCHED_SOURCE_HASH,
+    BACKEND_NONE, SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_LEAST_TIME, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SELECT_LANES,
     SVC_F_NO_BACKEND, Service, flow_hash, source_hash,
 };
 
@@ -64,10 +64,15 @@ pub(crate) fn pick(svc: &Service, pkt: Tuple) -> u32 {
     };
     // idx < len and userspace keeps [off, off + len) inside SELECT; the map
     // lookup bounds-checks the index again for the verifier.
-    match SELECT.get(svc.table_off.wrapping_add(idx)) {
-        Some(id) => *id,
-        None => BACKEND_NONE,
-    }
+    entry(svc.table_off.wrapping_add(idx)).unwrap_or(BACKEND_NONE)
+}
+
+/// Entry `i` of `SELECT` (lane `i % 4` of element `i / 4`), a backend id;
+/// None past the array's end.
+#[inline(always)]
+fn entry(i: u32) -> Option<u32> {
+    let word = SELECT.get(i / SELECT_LANES)?;
+    Some(u32::from(word[(i % SELECT_LANES) as usize]))
 }
 
 /// The backend id for a flow that gets no flow-table entry (or a TCP
@@ -84,10 +89,7 @@ pub(crate) fn pick_stateless(svc: &Service, pkt: Tuple) -> u32 {
         return BACKEND_NONE;
     }
     let idx = flow_hash(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % len;
-    match SELECT.get(svc.fallback_off.wrapping_add(idx)) {
-        Some(id) => *id,
-        None => BACKEND_NONE,
-    }
+    entry(svc.fallback_off.wrapping_add(idx)).unwrap_or(BACKEND_NONE)
 }
 
 /// Power of two choices over the weighted table: draw two entries at
@@ -98,14 +100,8 @@ pub(crate) fn pick_stateless(svc: &Service, pkt: Tuple) -> u32 {
 fn least_conn(svc: &Service, len: u32, by_time: bool) -> u32 {
     // SAFETY: plain helper calls.
     let (r1, r2) = unsafe { (bpf_get_prandom_u32(), bpf_get_prandom_u32()) };
-    let b1 = match SELECT.get(svc.table_off.wrapping_add(r1 % len)) {
-        Some(id) => *id,
-        None => return BACKEND_NONE,
-    };
-    let b2 = match SELECT.get(svc.table_off.wrapping_add(r2 % len)) {
-        Some(id) => *id,
-        None => return b1,
-    };
+    let Some(b1) = entry(svc.table_off.wrapping_add(r1 % len)) else { return BACKEND_NONE };
+    let Some(b2) = entry(svc.table_off.wrapping_add(r2 % len)) else { return b1 };
     if b1 == b2 {
         return b1;
     }

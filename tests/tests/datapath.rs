@@ -693,6 +693,63 @@ fn every_flow_sticks_to_one_backend_and_flows_spread_over_all() {
     });
 }
 
+/// The selection tables are packed four entries to an element of SELECT
+/// (layout 6), and services' regions lie back to back, so one element
+/// may hold the end of one table and the start of the next. Every
+/// service's table and fallback table reads back from the kernel as lbd
+/// built it, before and after a weight change moves two of them, and a
+/// Maglev pick is the built table's entry at the flow's hash.
+#[test]
+fn packed_selection_tables_read_back_as_built_and_picks_follow_them() {
+    in_netns(|| {
+        let b: Vec<(Ipv4Addr, u16)> = (11..14).map(|i| (Ipv4Addr::new(10, 20, 0, i), 8080)).collect();
+        let mut wrr = service_with("wrr", 82, Protocol::Tcp, Scheduler::Wrr, &b);
+        wrr.backends[0].weight = 5;
+        let mut services = vec![
+            service_with("rr", 81, Protocol::Tcp, Scheduler::Rr, &b),
+            service("web", 80, Protocol::Tcp, &b),
+            wrr,
+            service_with("lc", 83, Protocol::Tcp, Scheduler::LeastConn, &b),
+        ];
+        let mut fx = Fixture::new(services.clone());
+        let check = |fx: &Fixture| {
+            for name in ["rr", "web", "wrr", "lc"] {
+                let [(table, read), (fallback, read_fallback)] = fx.dp.select_tables(name).unwrap().unwrap();
+                assert!(!table.is_empty(), "{name}: no table");
+                assert_eq!(read, table, "{name}: SELECT holds another table than the one built");
+                assert_eq!(read_fallback, fallback, "{name}: SELECT holds another fallback table than the one built");
+            }
+            let offsets: Vec<u32> =
+                ["rr", "web", "wrr", "lc"].iter().map(|n| fx.dp.select_offset(n).unwrap()).collect();
+            assert!(offsets.iter().any(|o| o % 4 != 0), "no table starts inside an element: {offsets:?}");
+        };
+        check(&fx);
+        // Two weight changes: wrr's and rr's tables move to new regions
+        // beside the others.
+        services[2].backends[1].weight = 3;
+        services[0].backends[2].weight = 2;
+        fx.dp.apply_admin(&services).unwrap();
+        check(&fx);
+        // Maglev: the backend of a new flow is the table's entry at the
+        // flow's hash (the packet's own byte order, as the datapath reads it).
+        let [(table, _), _] = fx.dp.select_tables("web").unwrap().unwrap();
+        let web = fx.dp.services().find(|s| s.config.name == "web").unwrap().clone();
+        for port in 42_000..42_050u16 {
+            let got = fx.forward(&tcp(CLIENT, port, VIP, 80, SYN).bytes());
+            let hash = lb_common::flow_hash(
+                u32::from_ne_bytes(CLIENT.octets()),
+                u32::from_ne_bytes(VIP.octets()),
+                u16::from_ne_bytes(port.to_be_bytes()),
+                u16::from_ne_bytes(80u16.to_be_bytes()),
+                6,
+            );
+            let id = table[(hash % table.len() as u32) as usize];
+            let want = web.backends.iter().find(|b| b.id == id).map(|b| b.config.address);
+            assert_eq!(Some(IpAddr::V4(got)), want, "port {port}: backend id {id}");
+        }
+    });
+}
+
 #[test]
 fn round_robin_and_wrr_follow_their_sequence_exactly() {
     in_netns(|| {

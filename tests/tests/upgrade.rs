@@ -48,6 +48,12 @@ fn v4_lbd(lab: &Lab) -> PathBuf {
     release_lbd(lab, "LB_UPGRADE_FROM_V4_LBD", "upgrade-from-v4", "the layout-4 release's")
 }
 
+/// The layout-5 release's lbd (one selection-table entry to an element
+/// of SELECT): where `cargo xtask test` built it.
+fn v5_lbd(lab: &Lab) -> PathBuf {
+    release_lbd(lab, "LB_UPGRADE_FROM_V5_LBD", "upgrade-from-v5", "the layout-5 release's")
+}
+
 /// An older release's lbd, which `cargo xtask test` builds into
 /// target/`dir` and names in the environment variable `var`.
 fn release_lbd(lab: &Lab, var: &str, dir: &str, what: &str) -> PathBuf {
@@ -356,6 +362,57 @@ fn an_upgrade_from_whole_tuple_slots_keeps_every_flow_and_its_reply_entry() {
     assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
     let r = lab.client(&["conns", "--target", "10.10.0.100:81", "--count", "100"]).unwrap();
     assert_eq!(r["failed"], 0, "{r}");
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+    let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// From layout 5 (a selection-table entry per 8-byte element of SELECT)
+/// to this build's (four to an element), under load, with the
+/// long-lived connections on a Maglev service whose backends another
+/// service owns (`alt`: each flow has a reply entry): the old program
+/// picks from its SELECT until the swap, this one from the packed copy
+/// the first apply wrote. Nothing fails or changes backend; the pinned
+/// SELECT is the packed one (8-byte elements, a quarter as many); new
+/// connections after it spread over every backend; once every connection
+/// has closed, the table empties.
+#[test]
+fn an_upgrade_from_unpacked_selection_tables_keeps_every_flow_and_picks_from_the_packed_ones() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let mut services = web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]);
+    services.push_str("  - name: alt\n    vip: 10.10.0.100\n    port: 81\n    scheduler: maglev\n    backends:\n");
+    for n in 1..=3 {
+        services.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: 1 }}\n", 10 + n));
+    }
+    let Staged { lab, mut lbd, bin, exe, maps, .. } = start_release_with("lbt-upgrade5", v5_lbd, &services);
+    assert_eq!(pinned_layout(&maps), 5, "not the layout-5 release");
+    let select = |maps: &Path| {
+        let out =
+            Command::new("bpftool").args(["-j", "map", "show", "pinned"]).arg(maps.join("SELECT")).output().unwrap();
+        assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (v["bytes_value"].as_u64(), v["max_entries"].as_u64())
+    };
+    // The lab config's table_capacity: the default, 4,194,304 entries.
+    assert_eq!(select(&maps), (Some(4), Some(4_194_304)), "not layout 5's SELECT");
+    lab.reset_backend_counts().unwrap();
+    let old_program = lbd.program_id().unwrap();
+
+    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:81");
+    migrated(&lab, &lbd, &maps, 5);
+    assert_eq!(select(&maps), (Some(8), Some(1_048_576)), "SELECT is not packed four entries to an element");
+    lab.reset_backend_counts().unwrap();
+    // From the client's own address: the sources of the load just run to
+    // web would reuse its (address, port) pairs towards alt's same
+    // backend endpoints (see the README's shared endpoints).
+    let r = lab.client(&["conns", "--target", "10.10.0.100:81", "--count", "300"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
+    let served: Vec<u64> = lab.backend_counts().unwrap().iter().map(|c| c.connections).collect();
+    assert!(served.iter().all(|&n| n > 30), "Maglev's new connections after the upgrade: {served:?}");
+    let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
+    let left = wait_for(40, || entries().filter(|&n| n == 0));
+    assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
     let _ = std::fs::remove_dir_all(&bin);

@@ -6,7 +6,7 @@
 //! existed have no such map and are version 1. lbd reads the version before
 //! it opens any other pinned map, and then:
 //! - the same version: adopts the maps as they are;
-//! - an older version it knows (1 to 4): migrates. The old maps are
+//! - an older version it knows (1 to 5): migrates. The old maps are
 //!   moved aside (`maps` -> `maps-v1`: a rename on bpffs, which reserves
 //!   names with a dot; the running program keeps using them), fresh maps
 //!   of this layout are created and pinned, and what the old ones hold is
@@ -15,7 +15,10 @@
 //!   flows in kernel hash maps named `FLOWS` and `FLOWS6`; layout 3 in
 //!   slots of its own placed by an unseeded hash, which layout 4 seeds at
 //!   random per datapath, and layout 5 hashes from the client's side
-//!   with reply entries' keys marked: so every entry moves). The services' tables are rebuilt by the
+//!   with reply entries' keys marked: so every entry moves; layout 6
+//!   packs the selection tables' entries four to an element of SELECT,
+//!   which the program reads another way, so its flows are copied as
+//!   layout 5's into a fresh table). The services' tables are rebuilt by the
 //!   first `apply`, before anything is attached. Attaching then swaps the
 //!   program in on its pinned links (one atomic link update per
 //!   interface), and [`Dataplane::finish_migration`] copies the flows the
@@ -55,10 +58,10 @@ fn flows6_name(version: u32) -> &'static str {
     if version <= 2 { OLD_FLOWS6 } else { names::FLOWS6 }
 }
 
-/// Layout 3's and 4's flow-table slots: the same bytes as layout 5's
+/// Layout 3's to 5's flow-table slots: the same bytes as layout 6's
 /// (only where an entry sits changed: its hash was not seeded, then it
-/// covered the whole key; and a reply key was not marked), spelled out
-/// as the old types are.
+/// covered the whole key; and a reply key was not marked before layout
+/// 5), spelled out as the old types are.
 type BucketV3 = [Slot<FlowKey, Flow>; SLOT_BUCKET as usize];
 type Bucket6V3 = [Slot<FlowKey6, Flow6>; SLOT_BUCKET as usize];
 
@@ -244,7 +247,7 @@ fn old_flow_maps(from: u32, dir: &Path) -> Result<(MapData, Option<MapData>), Da
 
 /// Every entry (key and value) of the layout-`from` flow table `old`, read
 /// in batches: a kernel hash's (layouts 1 and 2), or the whole entries of
-/// a table of slots whose elements are `B` (layouts 3 and 4; an entry being
+/// a table of slots whose elements are `B` (layouts 3 to 5; an entry being
 /// written as it is read is left out, the copy after the program swap
 /// takes it). A reply entry's key (its value's direction, `dir`, is
 /// `DIR_REPLY`) was the backend's bare 5-tuple before layout 5: it comes
@@ -305,7 +308,7 @@ impl Dataplane {
         Ok(done.inserted)
     }
 
-    /// Copy what the set-aside maps of layout `from` (1 to 4) in `dir` hold
+    /// Copy what the set-aside maps of layout `from` (1 to 5) in `dir` hold
     /// into this datapath's fresh maps (see the module documentation).
     pub(super) fn migrate_from(&mut self, from: u32, dir: &Path) -> Result<Migration, DataplaneError> {
         let at = |name: &str| dir.join(name);

@@ -1,7 +1,7 @@
 //! Typed handles of every datapath map, taken out of the loaded object once
 //! at load: nothing looks a map up by name afterwards, and a wrong name or
 //! type fails the load instead of a later update.
-use std::{os::fd::AsFd as _, ptr::NonNull};
+use std::{mem::size_of, os::fd::AsFd as _, ptr::NonNull};
 
 use aya::{
     Ebpf,
@@ -9,7 +9,7 @@ use aya::{
 };
 use lb_common::{
     Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowBucket, FlowBucket6, NextHop,
-    RateWindow, Service, Vip6Key, VipKey, maps as names,
+    RateWindow, SELECT_LANES, SelectWord, Service, Vip6Key, VipKey, maps as names,
 };
 
 use super::DataplaneError;
@@ -45,6 +45,8 @@ fn take<T: TryFrom<aya::maps::Map, Error = MapError>>(
 /// The SELECT array mapped into our memory (it is created with
 /// BPF_F_MMAPABLE): a table is written with plain stores, tens of
 /// microseconds for 65,537 entries instead of one syscall per entry.
+/// Its elements (`SelectWord`, 8 bytes: no padding) lie back to back,
+/// so the mapping is one array of 16-bit entries.
 pub(super) struct SelectMemory {
     base: NonNull<u8>,
     len: usize,
@@ -55,20 +57,24 @@ pub(super) struct SelectMemory {
 // reads it. Moving it to another thread moves that ownership.
 unsafe impl Send for SelectMemory {}
 
-/// The array's element stride: the kernel rounds values up to 8 bytes.
+/// The array's element stride (the kernel rounds values up to 8 bytes; a
+/// `SelectWord` is 8) and an entry's size in it.
 const STRIDE: usize = 8;
+const ENTRY: usize = 2;
+const _: () = assert!(size_of::<SelectWord>() == STRIDE && STRIDE == ENTRY * SELECT_LANES as usize);
 
 impl SelectMemory {
     /// Map `select`; None when the map was not created mappable (a map
     /// pinned by an older version), so the caller writes entry by entry.
-    pub(super) fn map(select: &Array<MapData, u32>) -> Option<Self> {
+    pub(super) fn map(select: &Array<MapData, SelectWord>) -> Option<Self> {
         let data = select.map();
         let info = data.info().ok()?;
         if info.map_flags() & BPF_F_MMAPABLE == 0 {
             return None;
         }
-        let entries = info.max_entries();
-        let len = usize::try_from(entries).ok()?.checked_mul(STRIDE)?;
+        let elements = info.max_entries();
+        let entries = elements.checked_mul(SELECT_LANES)?;
+        let len = usize::try_from(elements).ok()?.checked_mul(STRIDE)?;
         // SAFETY: a fresh shared mapping of the map's fd (no address hint,
         // nothing else aliased); length and offset are what the kernel
         // allows for an mmapable array. Unmapped in Drop.
@@ -86,20 +92,23 @@ impl SelectMemory {
         Some(Self { base: NonNull::new(base.cast())?, len, entries })
     }
 
-    /// Write `values` at entries `off..off + values.len()`; false (nothing
-    /// written) when that runs past the array.
+    /// Write `values` (backend ids, under 2^16) at entries `off..off +
+    /// values.len()`; false (nothing written) when that runs past the
+    /// array.
     pub(super) fn write(&mut self, off: u32, values: &[u32]) -> bool {
         let Some(end) = u32::try_from(values.len()).ok().and_then(|n| off.checked_add(n)) else { return false };
         if end > self.entries {
             return false;
         }
         for (i, &v) in values.iter().enumerate() {
-            let at = (off as usize + i) * STRIDE;
-            // SAFETY: at + 4 <= len (checked above), the mapping is live
+            let at = (off as usize + i) * ENTRY;
+            // SAFETY: at + 2 <= len (checked above), the mapping is live
             // and 8-byte aligned, and this region is not in use by any
             // service yet (the caller writes a freshly allocated region
             // before the VIP entry points at it), so no reader races it.
-            unsafe { self.base.as_ptr().add(at).cast::<u32>().write_volatile(v) };
+            // Entries of another region sharing the element are other
+            // 16-bit words: not touched.
+            unsafe { self.base.as_ptr().add(at).cast::<u16>().write_volatile(v as u16) };
         }
         true
     }
@@ -118,7 +127,7 @@ pub(super) struct Maps {
     pub(super) vip_addrs: HashMap<MapData, u32, u32>,
     pub(super) addr_filter: Array<MapData, lb_common::AddrFilter>,
     pub(super) backends: Array<MapData, Backend>,
-    pub(super) select: Array<MapData, u32>,
+    pub(super) select: Array<MapData, SelectWord>,
     /// The shared round-robin positions: advanced by the datapath, written
     /// by userspace only when a migration copies them.
     pub(super) seq: Array<MapData, u64>,

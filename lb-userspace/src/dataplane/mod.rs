@@ -27,8 +27,9 @@ use aya::{
 };
 use lb_common::{
     BACKEND_F_V6, BackendStats, Flood, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, FlowSlot, FlowSlot6,
-    LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG,
-    SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, TAIL_CALLS, counter, flow_slots, maps as names,
+    LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES, SLOT_READY,
+    SLOT_STATE, SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, TAIL_CALLS, counter, flow_slots,
+    maps as names, select_elements,
 };
 use tracing::{info, warn};
 
@@ -261,24 +262,27 @@ pub struct Dataplane {
 /// `flow_slots(conntrack_max)` and `flow_slots(conntrack_max_ipv6)` of
 /// them, allocated in full) and per selection-table entry: the slots'
 /// sizes (an array's values, back to back), and the selection table as
-/// `bpftool map` reported it on kernel 6.18 (33,558,528 bytes for
-/// 4,194,304).
+/// `bpftool map` reported it on kernel 6.18 (2,101,248 bytes for
+/// 1,048,576 entries, four to an 8-byte element).
 const FLOW_BYTES: u64 = size_of::<FlowSlot>() as u64;
 const FLOW_BYTES6: u64 = size_of::<FlowSlot6>() as u64;
-const SELECT_BYTES: u64 = 8;
+const SELECT_BYTES: u64 = 2;
 
-/// The entries `map` was made with. When that is not `configured` (the
-/// config's `key`), the map was adopted from an lbd that ran with another
-/// size: said once, as a warning, and the map's size is what counts.
-fn adopted_size(map: &MapData, name: &'static str, key: &str, configured: u32) -> Result<u32, DataplaneError> {
-    let size = map.info().map_err(map_err(name))?.max_entries();
-    if size != configured {
-        warn!(
-            map = name,
-            entries = size,
-            "the adopted {name} map has {size} entries, the config's {key} says {configured}: it keeps {size} until a clean stop (SIGTERM) and a fresh start"
-        );
+/// The entries the selection tables may take in SELECT: the config's
+/// `table_capacity` when the array was made for it. Otherwise the array
+/// was adopted from an lbd that ran with another size: said once, as a
+/// warning, and all its elements' entries are what counts.
+fn adopted_select(map: &MapData, configured: u32) -> Result<u32, DataplaneError> {
+    let elements = map.info().map_err(map_err(names::SELECT))?.max_entries();
+    if elements == select_elements(configured) {
+        return Ok(configured);
     }
+    let size = elements.saturating_mul(SELECT_LANES);
+    warn!(
+        map = names::SELECT,
+        entries = size,
+        "the adopted SELECT map has {size} entries, the config's table_capacity says {configured}: it keeps {size} until a clean stop (SIGTERM) and a fresh start"
+    );
     Ok(size)
 }
 
@@ -452,7 +456,11 @@ impl Dataplane {
         // warn and above unless asked (level numbers follow aya-log-common).
         let level: u8 = if tracing::enabled!(tracing::Level::DEBUG) { 4 } else { 2 };
         let mut loader = EbpfLoader::new();
-        loader.map_max_entries("SELECT", config.table_capacity).override_global("AYA_LOG_LEVEL", &level, false);
+        loader.map_max_entries("SELECT", select_elements(config.table_capacity)).override_global(
+            "AYA_LOG_LEVEL",
+            &level,
+            false,
+        );
         let mut adopting = false;
         // Old maps to migrate from (moved aside here), or left aside by a
         // migration that did not finish (its flows are copied again).
@@ -659,7 +667,7 @@ impl Dataplane {
         // after a clean stop), and limits, allocation and reports follow
         // the maps (the flow tables' read, and warned about, at load).
         let (flow_seed, conntrack_max, conntrack_max_ipv6) = (tables.seed, tables.limit, tables.limit6);
-        let table_capacity = adopted_size(maps.select.map(), names::SELECT, "table_capacity", config.table_capacity)?;
+        let table_capacity = adopted_select(maps.select.map(), config.table_capacity)?;
         let select_memory = SelectMemory::map(&maps.select);
         if select_memory.is_none() {
             warn!(
@@ -830,6 +838,31 @@ impl Dataplane {
         self.services.values()
     }
 
+    /// `service`'s selection table and its fallback table, each as lbd
+    /// built it beside what SELECT holds in its region, read back through
+    /// the kernel (tests: the program picks from what was built, whatever
+    /// element the region starts in); None for an unknown service.
+    #[expect(clippy::type_complexity, reason = "two (built, read) pairs, named where used")]
+    pub fn select_tables(&self, service: &str) -> Result<Option<[(Vec<u32>, Vec<u32>); 2]>, DataplaneError> {
+        let Some(s) = self.services.get(service) else { return Ok(None) };
+        let read = |region: Option<(u32, u32)>| -> Result<Vec<u32>, DataplaneError> {
+            let Some((off, len)) = region else { return Ok(Vec::new()) };
+            (off..off + len)
+                .map(|i| {
+                    let word = self.maps.select.get(&(i / SELECT_LANES), 0).map_err(map_err(names::SELECT))?;
+                    Ok(u32::from(word[(i % SELECT_LANES) as usize]))
+                })
+                .collect()
+        };
+        Ok(Some([(s.table.clone(), read(s.region)?), (s.fallback.clone(), read(s.fallback_region)?)]))
+    }
+
+    /// Where `service`'s selection table starts in SELECT, in entries
+    /// (tests).
+    pub fn select_offset(&self, service: &str) -> Option<u32> {
+        self.services.get(service).and_then(|s| s.region).map(|r| r.0)
+    }
+
     /// Per-backend counters summed over CPUs.
     pub fn backend_stats(&self, id: u32) -> Result<BackendStats, DataplaneError> {
         let stats = &self.maps.backend_stats;
@@ -994,14 +1027,14 @@ mod tests {
         // The defaults: 1,048,576 flows (2,097,152 slots of 80 + 120
         // bytes) and 4,194,304 selection entries.
         let c = config(1 << 20);
-        assert_eq!(table_memory(&c), ((1 << 21) * 200, (1 << 22) * 8));
+        assert_eq!(table_memory(&c), ((1 << 21) * 200, (1 << 22) * 2));
         // One more flow doubles the slots.
         assert_eq!(table_memory(&config((1 << 20) + 1)).0, (1 << 22) * 200);
         let gib = 1 << 30;
         assert_eq!(memory_warning(&c, 24 * gib), None);
         // 64M flows on the 24 GiB machine the README speaks of: 26.9 GB.
         let w = memory_warning(&config(1 << 26), 24 * gib).expect("a warning");
-        assert!(w.contains("conntrack_max: 67108864") && w.contains("about 26877 MB") && w.contains("104%"), "{w}");
+        assert!(w.contains("conntrack_max: 67108864") && w.contains("about 26851 MB") && w.contains("104%"), "{w}");
         assert!(memory_warning(&c, gib / 2).is_some());
         // An IPv4-only gateway's small IPv6 table: 2,048 slots of 120 bytes.
         let v4_only = Config { conntrack_max_ipv6: 1024, ..c.clone() };

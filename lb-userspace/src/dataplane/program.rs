@@ -5,8 +5,8 @@ use std::{collections::HashSet, net::IpAddr};
 
 use aya::maps::PerCpuValues;
 use lb_common::{
-    BACKEND_F_DOWN, BACKEND_F_V6, Backend, BackendStats, Conns, SVC_F_DSR, SVC_F_NO_BACKEND, SVC_F_REPLY_ENTRY,
-    Service, fold6, maps as names,
+    BACKEND_F_DOWN, BACKEND_F_V6, Backend, BackendStats, Conns, SELECT_LANES, SVC_F_DSR, SVC_F_NO_BACKEND,
+    SVC_F_REPLY_ENTRY, Service, fold6, maps as names,
 };
 use tracing::info;
 
@@ -305,9 +305,22 @@ impl Dataplane {
         })?;
         let mapped = self.select_memory.as_mut().is_some_and(|m| m.write(off, table));
         if !mapped {
+            // Element by element, each read first: a region need not start
+            // or end on an element's edge, and the entries of its
+            // neighbours (live tables) are written back as they were.
             let sel = &mut self.maps.select;
-            for (i, &b) in table.iter().enumerate() {
-                sel.set(off + i as u32, b, 0).map_err(map_err(names::SELECT))?;
+            let lanes = SELECT_LANES as usize;
+            let (first, end) = (off as usize, off as usize + table.len());
+            for e in first / lanes..end.div_ceil(lanes) {
+                let at = e as u32;
+                let mut word = sel.get(&at, 0).map_err(map_err(names::SELECT))?;
+                for (lane, slot) in word.iter_mut().enumerate() {
+                    let i = e * lanes + lane;
+                    if (first..end).contains(&i) {
+                        *slot = table[i - first] as u16;
+                    }
+                }
+                sel.set(at, word, 0).map_err(map_err(names::SELECT))?;
             }
         }
         Ok(Some((off, len)))
