@@ -458,6 +458,13 @@ fn state_of(flow: *mut Flow) -> *mut u64 {
     unsafe { &raw mut (*flow).state }
 }
 
+/// The rewrite port of a flow entry (see `superseded`).
+#[inline(always)]
+fn nat_port_of(flow: *mut Flow) -> *mut u16 {
+    // SAFETY: only the field's address is taken.
+    unsafe { &raw mut (*flow).nat_port }
+}
+
 // Its own stack frame (flow entry and keys), off the established path; it
 // returns what to rewrite, and the caller forwards (so the FIB lookup's
 // frame is not stacked on this one).
@@ -721,12 +728,45 @@ fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
     };
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat) = unsafe { ((*flow).dir, Nat::of(flow)) };
-    if dir != DIR_FLOW || nat.addr != pkt.saddr || nat.port != pkt.sport {
+    if dir != DIR_FLOW
+        || nat.addr != pkt.saddr
+        || nat.port != pkt.sport
+        || superseded(pkt.proto, pkt.tcp_flags, state_of(flow), nat_port_of(flow))
+    {
         return None;
     }
     mark_replied(state_of(flow));
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_BACKEND);
     Some(To::Client(Nat { backend_id: nat.backend_id, addr: vip.addr, port: vip.port }, flow))
+}
+
+/// A SYN-ACK that matches the endpoint owner's flow only after that flow
+/// closed: it answers a new connection on the same backend tuple, which
+/// a client reusing its address and port opened to another service of
+/// the endpoint (a renewed connection of the owner's own would have
+/// reopened the entry with its SYN). That flow's reply entry, which the
+/// packet's own lookup finds next, says where it and the rest of the new
+/// connection's replies go; the closed flow would send them back as from
+/// the owner's VIP port, which the client resets. So the closed entry is
+/// retired from the backend's tuple: its rewrite port (`nat_port`, the
+/// backend's) is cleared, and no later packet of the backend matches it
+/// (a late one that matches nothing else is dropped as stale). Only a
+/// SYN-ACK does this: the closed flow's own late packets (a retransmitted
+/// FIN) still go back as the owner's until the sweeper removes it.
+#[inline(always)]
+pub(crate) fn superseded(proto: u8, tcp_flags: u8, state: *mut u64, nat_port: *mut u16) -> bool {
+    if proto != PROTO_TCP || tcp_flags & (TCP_SYN | TCP_ACK) != (TCP_SYN | TCP_ACK) {
+        return false;
+    }
+    // SAFETY: a valid, aligned u64 inside a map value (volatile: other
+    // CPUs set its bits).
+    if !flow_closed(unsafe { core::ptr::read_volatile(state) }) {
+        return false;
+    }
+    // SAFETY: a field of the same map value; a plain store, read by
+    // others' comparisons only (a port, never 0 for a backend).
+    unsafe { core::ptr::write_volatile(nat_port, 0) };
+    true
 }
 
 /// The backend has answered on this flow entry (set once).

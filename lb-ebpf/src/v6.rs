@@ -483,6 +483,13 @@ fn state_of(flow: *mut Flow6) -> *mut u64 {
     unsafe { &raw mut (*flow).state }
 }
 
+/// The rewrite port of a flow entry (see `main.rs`'s `superseded`).
+#[inline(always)]
+fn nat_port_of(flow: *mut Flow6) -> *mut u16 {
+    // SAFETY: only the field's address is taken.
+    unsafe { &raw mut (*flow).nat_port }
+}
+
 /// A packet that matched a flow-table entry by its own 5-tuple (see
 /// `main.rs`'s `known_flow`).
 #[inline(always)]
@@ -730,7 +737,11 @@ fn reply_of_flow(pkt: &Packet6, k: *mut Keys6, no_flow: &mut bool) -> Option<To>
     };
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat) = unsafe { ((*flow).dir, Nat6::of(flow)) };
-    if dir != DIR_FLOW || nat.addr != pkt.saddr() || nat.port != pkt.sport {
+    if dir != DIR_FLOW
+        || nat.addr != pkt.saddr()
+        || nat.port != pkt.sport
+        || crate::superseded(pkt.proto, pkt.tcp_flags, state_of(flow), nat_port_of(flow))
+    {
         return None;
     }
     crate::mark_replied(state_of(flow));

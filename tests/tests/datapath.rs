@@ -693,6 +693,47 @@ fn every_flow_sticks_to_one_backend_and_flows_spread_over_all() {
     });
 }
 
+/// A client reuses its address and port for the service that shares an
+/// endpoint right after its connection to the endpoint's owner closed
+/// (its entry lingers), and the new flow goes to the same backend: the
+/// backend's SYN-ACK carries the same tuple as the closed flow's replies,
+/// yet answers the new flow, and goes back as from that flow's VIP port,
+/// as does every later reply of it. (It went as from the owner's: the
+/// client reset it, and every retried SYN the same way, until the closed
+/// entry was swept: a connect timeout, seen in the lab; with the SYN-ACK
+/// alone mended, the answer to the request went as the owner's.)
+#[test]
+fn a_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_sharing_service() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![
+            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
+        ]);
+        let back = |fx: &Fixture, flags: u8| {
+            let (action, out) = fx.run(&from_backend(BACKEND, 8080, 40_000, flags).bytes(), fx.if_b);
+            assert_eq!(action, XDP_REDIRECT);
+            let got = Frame::parse(&out).unwrap();
+            (got.src, got.sport)
+        };
+        // A whole connection to web, closed both ways.
+        assert_eq!(handshake(&fx, 40_000, 80, 8080), BACKEND);
+        assert_eq!(back(&fx, FIN | ACK), (VIP, 80));
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 80, FIN | ACK).bytes()), BACKEND);
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 80, ACK).bytes()), BACKEND);
+        assert_eq!(fx.active_flows("web"), 0, "web's flow is not closed");
+        // The same client address and port to alt, on the same backend.
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 81, SYN).bytes()), BACKEND);
+        assert_eq!(back(&fx, SYN | ACK), (VIP, 81), "the SYN-ACK of alt's flow went back as web's");
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 81, ACK).bytes()), BACKEND);
+        // And so does the rest of its replies: the closed flow was retired
+        // from the backend's tuple by the SYN-ACK.
+        assert_eq!(back(&fx, ACK | PSH), (VIP, 81), "alt's answer went back as web's");
+        assert_eq!(back(&fx, FIN | ACK), (VIP, 81));
+        assert_eq!(fx.active_flows("alt"), 1);
+        assert_eq!(fx.counter("stale_backend"), 0);
+    });
+}
+
 /// The selection tables are packed four entries to an element of SELECT
 /// (layout 6), and services' regions lie back to back, so one element
 /// may hold the end of one table and the start of the next. Every

@@ -12,7 +12,7 @@ use lb_testkit::{
     Frame, Frame6, L4Checksum,
     frame::{
         ETH_LEN, IPV4_LEN, TCP_LEN,
-        tcp::{ACK, FIN, SYN},
+        tcp::{ACK, FIN, PSH, SYN},
     },
     frame6::{Ext, IPV6_LEN, parse_frag_needed, parse_too_big6},
 };
@@ -466,6 +466,42 @@ fn an_old_backends_late_ipv6_packet_for_a_reused_tuple_is_dropped_not_leaked() {
         // The new backend's answer is the new flow's reply, from the VIP.
         let (action, out) = fx.run(&from(new, SYN | ACK).bytes(), fx.if_b);
         assert_eq!((action, assert_valid6(&out).src), (XDP_REDIRECT, VIP6));
+    });
+}
+
+/// As for IPv4 (`datapath.rs`): a client reusing its address and port
+/// for the service sharing an endpoint, right after its connection to the
+/// owner closed, gets the backend's SYN-ACK and later replies as from the
+/// sharing service's VIP port, not the owner's.
+#[test]
+fn an_ipv6_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_sharing_service() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![
+            service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
+            service6("alt6", 81, Protocol::Tcp, &[(BACKEND6, 8080)]),
+        ]);
+        let to = |vport: u16, flags: u8| {
+            let (action, out) = fx.run(&tcp6(CLIENT6, 40_040, VIP6, vport, flags).bytes(), fx.if_a);
+            assert_eq!((action, assert_valid6(&out).dst), (XDP_REDIRECT, BACKEND6), "to {vport}");
+        };
+        let back = |flags: u8| {
+            let f = Frame6::tcp(BACKEND6, 8080, CLIENT6, 40_040, flags).macs(GW_B_MAC, BACKEND_MAC);
+            let (action, out) = fx.run(&f.bytes(), fx.if_b);
+            assert_eq!(action, XDP_REDIRECT);
+            let got = assert_valid6(&out);
+            (got.src, got.sport)
+        };
+        to(80, SYN);
+        assert_eq!(back(SYN | ACK), (VIP6, 80));
+        to(80, ACK);
+        assert_eq!(back(FIN | ACK), (VIP6, 80));
+        to(80, FIN | ACK);
+        to(80, ACK);
+        to(81, SYN);
+        assert_eq!(back(SYN | ACK), (VIP6, 81), "the SYN-ACK of alt6's flow went back as web6's");
+        to(81, ACK);
+        assert_eq!(back(ACK | PSH), (VIP6, 81), "alt6's answer went back as web6's");
+        assert_eq!(fx.counter("stale_backend"), 0);
     });
 }
 

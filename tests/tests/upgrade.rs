@@ -403,10 +403,11 @@ fn an_upgrade_from_unpacked_selection_tables_keeps_every_flow_and_picks_from_the
     migrated(&lab, &lbd, &maps, 5);
     assert_eq!(select(&maps), (Some(8), Some(1_048_576)), "SELECT is not packed four entries to an element");
     lab.reset_backend_counts().unwrap();
-    // From the client's own address: the sources of the load just run to
-    // web would reuse its (address, port) pairs towards alt's same
-    // backend endpoints (see the README's shared endpoints).
-    let r = lab.client(&["conns", "--target", "10.10.0.100:81", "--count", "300"]).unwrap();
+    // From sources the load to web just used: some reuse an address and
+    // port whose web flow on the same backend has closed and lingers.
+    let r = lab
+        .client(&["conns", "--target", "10.10.0.100:81", "--count", "300", "--sources-range", "10.10.1.1-10.10.1.100"])
+        .unwrap();
     assert_eq!(r["failed"], 0, "{r}");
     let served: Vec<u64> = lab.backend_counts().unwrap().iter().map(|c| c.connections).collect();
     assert!(served.iter().all(|&n| n > 30), "Maglev's new connections after the upgrade: {served:?}");
