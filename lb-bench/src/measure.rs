@@ -224,10 +224,7 @@ impl Bench {
 
     /// The table-alone programs' inserts so far on our CPU (one counter).
     fn table_inserts(&self) -> anyhow::Result<u64> {
-        let m: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(self.bench.map("INSERTS").ok_or_else(|| anyhow!("INSERTS"))?)?;
-        let v = m.get(&0, 0)?;
-        v.get(self.cpu).copied().ok_or_else(|| anyhow!("no INSERTS value for CPU {}", self.cpu))
+        self.inserts_on(&[self.cpu])
     }
 
     /// Empty the table of a table-alone program, then put `n` fresh

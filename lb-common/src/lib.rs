@@ -354,6 +354,12 @@ pub type SelectWord = [u16; SELECT_LANES as usize];
 pub const SELECT_LANES: u32 = 4;
 const _: () = assert!(MAX_BACKENDS <= 1 << 16, "backend ids must fit a SELECT lane");
 
+/// Where entry `i` of `SELECT` lives: its element and the lane in it.
+#[inline(always)]
+pub const fn select_slot(i: u32) -> (u32, usize) {
+    (i / SELECT_LANES, (i % SELECT_LANES) as usize)
+}
+
 /// `SELECT` elements that hold `entries` entries.
 pub const fn select_elements(entries: u32) -> u32 {
     entries.div_ceil(SELECT_LANES)

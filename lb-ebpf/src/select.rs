@@ -8,8 +8,8 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use lb_common::{
-    BACKEND_NONE, SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_LEAST_TIME, SCHED_SEQUENCE, SCHED_SOURCE_HASH, SELECT_LANES,
-    SVC_F_NO_BACKEND, Service, flow_hash, source_hash,
+    BACKEND_NONE, SCHED_FLOW_HASH, SCHED_LEAST_CONN, SCHED_LEAST_TIME, SCHED_SEQUENCE, SCHED_SOURCE_HASH,
+    SVC_F_NO_BACKEND, Service, flow_hash, select_slot, source_hash,
 };
 
 use crate::{
@@ -71,8 +71,9 @@ pub(crate) fn pick(svc: &Service, pkt: Tuple) -> u32 {
 /// None past the array's end.
 #[inline(always)]
 fn entry(i: u32) -> Option<u32> {
-    let word = SELECT.get(i / SELECT_LANES)?;
-    Some(u32::from(word[(i % SELECT_LANES) as usize]))
+    let (element, lane) = select_slot(i);
+    let word = SELECT.get(element)?;
+    Some(u32::from(word[lane]))
 }
 
 /// The backend id for a flow that gets no flow-table entry (or a TCP

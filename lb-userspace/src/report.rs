@@ -194,7 +194,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             backends,
         });
     }
-    let (rate, capacity) = dp.flood_limits();
+    let rate = dp.new_flow_rate();
     let (entries4, entries6) = dp.flow_counts()?;
     let (capacity4, capacity6) = dp.flow_capacities();
     Ok(Status {
@@ -206,7 +206,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             new_flow_rate_per_cpu: rate,
             half_open_timeout: agent.config.flood.half_open_timeout,
             flow_entries: entries4 + entries6,
-            flow_capacity: capacity,
+            flow_capacity: capacity4,
             flow_tables: FlowTablesStatus {
                 ipv4: FlowTableStatus { entries: entries4, capacity: capacity4 },
                 ipv6: FlowTableStatus { entries: entries6, capacity: capacity6 },

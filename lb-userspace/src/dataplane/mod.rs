@@ -29,7 +29,7 @@ use lb_common::{
     BACKEND_F_V6, BackendStats, Flood, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, FlowSlot, FlowSlot6,
     LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES, SLOT_READY,
     SLOT_STATE, SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, TAIL_CALLS, counter, flow_slots,
-    maps as names, select_elements,
+    maps as names, select_elements, select_slot,
 };
 use tracing::{info, warn};
 
@@ -800,9 +800,9 @@ impl Dataplane {
         self.maglev_seed = seed;
     }
 
-    /// The per-CPU new-flow rate in force (0: no limit) and the table size.
-    pub fn flood_limits(&self) -> (u32, u32) {
-        (self.flood.rate_per_cpu(self.conntrack_max, self.ncpus), self.conntrack_max)
+    /// The per-CPU new-flow rate in force (0: no limit).
+    pub fn new_flow_rate(&self) -> u32 {
+        self.flood.rate_per_cpu(self.conntrack_max, self.ncpus)
     }
 
     /// The entries each flow table may hold, (IPv4, IPv6): the limits the
@@ -849,8 +849,9 @@ impl Dataplane {
             let Some((off, len)) = region else { return Ok(Vec::new()) };
             (off..off + len)
                 .map(|i| {
-                    let word = self.maps.select.get(&(i / SELECT_LANES), 0).map_err(map_err(names::SELECT))?;
-                    Ok(u32::from(word[(i % SELECT_LANES) as usize]))
+                    let (element, lane) = select_slot(i);
+                    let word = self.maps.select.get(&element, 0).map_err(map_err(names::SELECT))?;
+                    Ok(u32::from(word[lane]))
                 })
                 .collect()
         };

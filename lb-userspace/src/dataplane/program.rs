@@ -6,7 +6,7 @@ use std::{collections::HashSet, net::IpAddr};
 use aya::maps::PerCpuValues;
 use lb_common::{
     BACKEND_F_DOWN, BACKEND_F_V6, Backend, BackendStats, Conns, SELECT_LANES, SVC_F_DSR, SVC_F_NO_BACKEND,
-    SVC_F_REPLY_ENTRY, Service, fold6, maps as names,
+    SVC_F_REPLY_ENTRY, Service, fold6, maps as names, select_slot,
 };
 use tracing::info;
 
@@ -309,18 +309,15 @@ impl Dataplane {
             // or end on an element's edge, and the entries of its
             // neighbours (live tables) are written back as they were.
             let sel = &mut self.maps.select;
-            let lanes = SELECT_LANES as usize;
-            let (first, end) = (off as usize, off as usize + table.len());
-            for e in first / lanes..end.div_ceil(lanes) {
-                let at = e as u32;
-                let mut word = sel.get(&at, 0).map_err(map_err(names::SELECT))?;
-                for (lane, slot) in word.iter_mut().enumerate() {
-                    let i = e * lanes + lane;
-                    if (first..end).contains(&i) {
-                        *slot = table[i - first] as u16;
-                    }
+            let mut k = 0;
+            while k < table.len() {
+                let (element, lane) = select_slot(off + k as u32);
+                let mut word = sel.get(&element, 0).map_err(map_err(names::SELECT))?;
+                for (slot, &b) in word[lane..].iter_mut().zip(&table[k..]) {
+                    *slot = b as u16;
                 }
-                sel.set(at, word, 0).map_err(map_err(names::SELECT))?;
+                sel.set(element, word, 0).map_err(map_err(names::SELECT))?;
+                k += SELECT_LANES as usize - lane;
             }
         }
         Ok(Some((off, len)))
