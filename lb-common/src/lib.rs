@@ -120,6 +120,14 @@ pub const DIR_DSR: u8 = 3;
 /// next-hop cache is the reply direction's (forward packets use the
 /// backend's, `NEXT_HOPS`).
 pub const DIR_FLOW: u8 = 2;
+/// [`Flow::dir`]: a [`DIR_FLOW`] entry retired from its backend's tuple.
+/// The flow had closed, and a SYN-ACK from its backend endpoint on the
+/// same tuple answered another service's new connection (a client reusing
+/// its address and port for a service that shares the endpoint): the
+/// backend's packets on that tuple are that connection's, no longer this
+/// flow's replies. The client's own late packets of it still go to its
+/// backend, until the sweeper removes it (as a closed `DIR_FLOW` entry).
+pub const DIR_RETIRED: u8 = 4;
 
 /// Indexes into the per-CPU global counter array.
 /// The datapath's BPF map names, defined once: `lb-ebpf` declares each map

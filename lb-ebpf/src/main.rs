@@ -31,9 +31,9 @@ use aya_log_ebpf::debug;
 use forward::Hop;
 use forward::Way;
 use lb_common::{
-    BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED,
-    FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST, Flow, FlowKey, PROTO_TCP, SVC_F_DSR,
-    SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
+    BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, DIR_RETIRED, EndpointKey,
+    FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST, Flow, FlowKey,
+    PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
 use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
@@ -223,7 +223,8 @@ fn stale_or_pass(ctx: &XdpContext, pkt: &Packet) -> u32 {
     let Some(flow) = table::flow(&client_key(pkt, vip.addr, vip.port)) else { return xdp_action::XDP_PASS };
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat) = unsafe { ((*flow).dir, Nat::of(flow)) };
-    if dir == DIR_DSR || (nat.addr == pkt.saddr && nat.port == pkt.sport) || forward::to_gateway(ctx, pkt) {
+    let its_own = dir != DIR_RETIRED && nat.addr == pkt.saddr && nat.port == pkt.sport;
+    if dir == DIR_DSR || its_own || forward::to_gateway(ctx, pkt) {
         return xdp_action::XDP_PASS;
     }
     stats::count(counter::STALE_BACKEND);
@@ -458,11 +459,11 @@ fn state_of(flow: *mut Flow) -> *mut u64 {
     unsafe { &raw mut (*flow).state }
 }
 
-/// The rewrite port of a flow entry (see `superseded`).
+/// The direction of a flow entry (see `superseded`).
 #[inline(always)]
-fn nat_port_of(flow: *mut Flow) -> *mut u16 {
+fn dir_of(flow: *mut Flow) -> *mut u8 {
     // SAFETY: only the field's address is taken.
-    unsafe { &raw mut (*flow).nat_port }
+    unsafe { &raw mut (*flow).dir }
 }
 
 // Its own stack frame (flow entry and keys), off the established path; it
@@ -731,7 +732,7 @@ fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
     if dir != DIR_FLOW
         || nat.addr != pkt.saddr
         || nat.port != pkt.sport
-        || superseded(pkt.proto, pkt.tcp_flags, state_of(flow), nat_port_of(flow))
+        || superseded(pkt.proto, pkt.tcp_flags, state_of(flow), dir_of(flow))
     {
         return None;
     }
@@ -748,13 +749,14 @@ fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
 /// packet's own lookup finds next, says where it and the rest of the new
 /// connection's replies go; the closed flow would send them back as from
 /// the owner's VIP port, which the client resets. So the closed entry is
-/// retired from the backend's tuple: its rewrite port (`nat_port`, the
-/// backend's) is cleared, and no later packet of the backend matches it
-/// (a late one that matches nothing else is dropped as stale). Only a
-/// SYN-ACK does this: the closed flow's own late packets (a retransmitted
-/// FIN) still go back as the owner's until the sweeper removes it.
+/// retired (`DIR_RETIRED`): no later packet of the backend matches it (a
+/// late one that matches nothing else is dropped as stale), while the
+/// client's own late packets of it (a retransmitted FIN) still go to its
+/// backend, as any NAT's would, until the sweeper removes it. Only a
+/// SYN-ACK retires: the closed flow's own late replies still go back as
+/// the owner's until then.
 #[inline(always)]
-pub(crate) fn superseded(proto: u8, tcp_flags: u8, state: *mut u64, nat_port: *mut u16) -> bool {
+pub(crate) fn superseded(proto: u8, tcp_flags: u8, state: *mut u64, dir: *mut u8) -> bool {
     if proto != PROTO_TCP || tcp_flags & (TCP_SYN | TCP_ACK) != (TCP_SYN | TCP_ACK) {
         return false;
     }
@@ -763,9 +765,9 @@ pub(crate) fn superseded(proto: u8, tcp_flags: u8, state: *mut u64, nat_port: *m
     if !flow_closed(unsafe { core::ptr::read_volatile(state) }) {
         return false;
     }
-    // SAFETY: a field of the same map value; a plain store, read by
-    // others' comparisons only (a port, never 0 for a backend).
-    unsafe { core::ptr::write_volatile(nat_port, 0) };
+    // SAFETY: a field of the same map value; a one-byte store, which other
+    // CPUs' plain loads see whole, before or after.
+    unsafe { core::ptr::write_volatile(dir, DIR_RETIRED) };
     true
 }
 

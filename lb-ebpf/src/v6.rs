@@ -20,9 +20,9 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use lb_common::{
-    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND,
-    FLOW_FIN_CLIENT, FLOW_REPLIED, Flow6, FlowKey6, KEY_REPLY, MAX_IPV6_EXT, PROTO_TCP, PROTO_UDP, SVC_F_DSR,
-    SVC_F_REPLY_ENTRY, Service, Vip6Key, counter, flow_closed, fold6,
+    BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, DIR_RETIRED, FLOW_ESTABLISHED,
+    FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, Flow6, FlowKey6, KEY_REPLY, MAX_IPV6_EXT, PROTO_TCP, PROTO_UDP,
+    SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, Vip6Key, counter, flow_closed, fold6,
 };
 use lb_ebpf::csum;
 
@@ -453,7 +453,8 @@ fn stale_or_pass(ctx: &XdpContext, pkt: &Packet6, k: *mut Keys6) -> u32 {
     let Some(flow) = table::flow6(client_key(pkt, k, &vip.addr, vip.port)) else { return xdp_action::XDP_PASS };
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat) = unsafe { ((*flow).dir, Nat6::of(flow)) };
-    if dir == DIR_DSR || (nat.addr == pkt.saddr() && nat.port == pkt.sport) || to_gateway(ctx, pkt) {
+    let its_own = dir != DIR_RETIRED && nat.addr == pkt.saddr() && nat.port == pkt.sport;
+    if dir == DIR_DSR || its_own || to_gateway(ctx, pkt) {
         return xdp_action::XDP_PASS;
     }
     stats::count(counter::STALE_BACKEND);
@@ -483,11 +484,11 @@ fn state_of(flow: *mut Flow6) -> *mut u64 {
     unsafe { &raw mut (*flow).state }
 }
 
-/// The rewrite port of a flow entry (see `main.rs`'s `superseded`).
+/// The direction of a flow entry (see `main.rs`'s `superseded`).
 #[inline(always)]
-fn nat_port_of(flow: *mut Flow6) -> *mut u16 {
+fn dir_of(flow: *mut Flow6) -> *mut u8 {
     // SAFETY: only the field's address is taken.
-    unsafe { &raw mut (*flow).nat_port }
+    unsafe { &raw mut (*flow).dir }
 }
 
 /// A packet that matched a flow-table entry by its own 5-tuple (see
@@ -740,7 +741,7 @@ fn reply_of_flow(pkt: &Packet6, k: *mut Keys6, no_flow: &mut bool) -> Option<To>
     if dir != DIR_FLOW
         || nat.addr != pkt.saddr()
         || nat.port != pkt.sport
-        || crate::superseded(pkt.proto, pkt.tcp_flags, state_of(flow), nat_port_of(flow))
+        || crate::superseded(pkt.proto, pkt.tcp_flags, state_of(flow), dir_of(flow))
     {
         return None;
     }

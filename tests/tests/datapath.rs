@@ -705,7 +705,7 @@ fn every_flow_sticks_to_one_backend_and_flows_spread_over_all() {
 #[test]
 fn a_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_sharing_service() {
     in_netns(|| {
-        let fx = Fixture::new(vec![
+        let mut fx = Fixture::new(vec![
             service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
             service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
         ]);
@@ -731,6 +731,19 @@ fn a_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_s
         assert_eq!(back(&fx, FIN | ACK), (VIP, 81));
         assert_eq!(fx.active_flows("alt"), 1);
         assert_eq!(fx.counter("stale_backend"), 0);
+        // The client's own late packet of web's closed flow (its last ACK,
+        // retransmitted) still goes to web's backend endpoint, port and
+        // all, as before the flow was retired.
+        let (action, out) = fx.run(&tcp(CLIENT, 40_000, VIP, 80, ACK).bytes(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        let late = Frame::parse(&out).unwrap();
+        assert_eq!((late.dst, late.dport), (BACKEND, 8080), "a retired flow's late packet");
+        // The sweeper removes the retired flow once its linger is over, and
+        // with it nothing of alt's: alt's replies still go back as alt's.
+        let later = lb_userspace::dataplane::monotonic_coarse_secs() + 11;
+        let r = fx.dp.sweep(later, u64::MAX / 2, u64::MAX / 2).unwrap();
+        assert_eq!((r.removed, r.entries_removed), (1, 1), "{r:?}");
+        assert_eq!(back(&fx, ACK), (VIP, 81), "alt's reply after the retired flow was swept");
     });
 }
 

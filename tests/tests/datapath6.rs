@@ -502,6 +502,12 @@ fn an_ipv6_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as
         to(81, ACK);
         assert_eq!(back(ACK | PSH), (VIP6, 81), "alt6's answer went back as web6's");
         assert_eq!(fx.counter("stale_backend"), 0);
+        // The client's late packet of web6's closed flow still goes to its
+        // backend endpoint, port and all.
+        let (action, out) = fx.run(&tcp6(CLIENT6, 40_040, VIP6, 80, ACK).bytes(), fx.if_a);
+        assert_eq!(action, XDP_REDIRECT);
+        let late = assert_valid6(&out);
+        assert_eq!((late.dst, late.dport), (BACKEND6, 8080), "a retired flow's late packet");
     });
 }
 

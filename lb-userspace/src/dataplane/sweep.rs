@@ -514,7 +514,9 @@ pub fn monotonic_coarse_secs() -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use lb_common::{DIR_FLOW, FLOW_FIN_BACKEND, FLOW_REPLIED, FLOW_RST, KEY_REPLY, PROTO_UDP, SlotKey as _};
+    use lb_common::{
+        DIR_FLOW, DIR_RETIRED, FLOW_FIN_BACKEND, FLOW_REPLIED, FLOW_RST, KEY_REPLY, PROTO_UDP, SlotKey as _,
+    };
 
     use super::*;
 
@@ -564,6 +566,9 @@ mod tests {
             ((DIR_FORWARD, TCP, open | FLOW_FIN_CLIENT | FLOW_FIN_BACKEND, 10), Verdict::Keep),
             ((DIR_FORWARD, TCP, open | FLOW_FIN_CLIENT | FLOW_FIN_BACKEND, 11), Verdict::Closed),
             ((DIR_FLOW, TCP, FLOW_RST, 11), Verdict::Closed),
+            // A retired flow (always closed) lingers and goes like one.
+            ((DIR_RETIRED, TCP, open | FLOW_FIN_CLIENT | FLOW_FIN_BACKEND, 10), Verdict::Keep),
+            ((DIR_RETIRED, TCP, open | FLOW_FIN_CLIENT | FLOW_FIN_BACKEND, 11), Verdict::Closed),
             // One FIN is not a close for a NAT flow.
             ((DIR_FORWARD, TCP, open | FLOW_FIN_CLIENT, 899), Verdict::Keep),
             ((DIR_FORWARD, PROTO_UDP, open, 299), Verdict::Keep),
