@@ -747,6 +747,41 @@ fn a_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_s
     });
 }
 
+/// The other way round: a client's connection to the sharing service
+/// closed, and the same client address and port then connect to the
+/// endpoint's owner, on the same backend, within the closed flow's
+/// linger. The backend's SYN-ACK and replies go back as from the owner's
+/// VIP port, not the sharing service's.
+#[test]
+fn a_syn_ack_for_the_owner_on_a_closed_sharing_flows_tuple_goes_back_as_the_owner() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![
+            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
+        ]);
+        let back = |fx: &Fixture, flags: u8| {
+            let (action, out) = fx.run(&from_backend(BACKEND, 8080, 40_000, flags).bytes(), fx.if_b);
+            assert_eq!(action, XDP_REDIRECT);
+            let got = Frame::parse(&out).unwrap();
+            (got.src, got.sport)
+        };
+        // A whole connection to alt, closed both ways.
+        assert_eq!(handshake(&fx, 40_000, 81, 8080), BACKEND);
+        assert_eq!(back(&fx, FIN | ACK), (VIP, 81));
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 81, FIN | ACK).bytes()), BACKEND);
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 81, ACK).bytes()), BACKEND);
+        assert_eq!(fx.active_flows("alt"), 0, "alt's flow is not closed");
+        // The same client address and port to web, on the same backend.
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(back(&fx, SYN | ACK), (VIP, 80), "the SYN-ACK of web's flow went back as alt's");
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 80, ACK).bytes()), BACKEND);
+        assert_eq!(back(&fx, ACK | PSH), (VIP, 80), "web's answer went back as alt's");
+        assert_eq!(back(&fx, FIN | ACK), (VIP, 80));
+        assert_eq!(fx.active_flows("web"), 1);
+        assert_eq!(fx.counter("stale_backend"), 0);
+    });
+}
+
 /// The selection tables are packed four entries to an element of SELECT
 /// (layout 6), and services' regions lie back to back, so one element
 /// may hold the end of one table and the start of the next. Every
