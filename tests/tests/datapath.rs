@@ -705,22 +705,9 @@ fn every_flow_sticks_to_one_backend_and_flows_spread_over_all() {
 #[test]
 fn a_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_sharing_service() {
     in_netns(|| {
-        let mut fx = Fixture::new(vec![
-            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
-            service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
-        ]);
-        let back = |fx: &Fixture, flags: u8| {
-            let (action, out) = fx.run(&from_backend(BACKEND, 8080, 40_000, flags).bytes(), fx.if_b);
-            assert_eq!(action, XDP_REDIRECT);
-            let got = Frame::parse(&out).unwrap();
-            (got.src, got.sport)
-        };
-        // A whole connection to web, closed both ways.
-        assert_eq!(handshake(&fx, 40_000, 80, 8080), BACKEND);
-        assert_eq!(back(&fx, FIN | ACK), (VIP, 80));
-        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 80, FIN | ACK).bytes()), BACKEND);
-        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 80, ACK).bytes()), BACKEND);
-        assert_eq!(fx.active_flows("web"), 0, "web's flow is not closed");
+        let mut fx = sharing_fixture();
+        let back = back_from_shared;
+        closed_connection(&fx, "web", 80);
         // The same client address and port to alt, on the same backend.
         assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 81, SYN).bytes()), BACKEND);
         assert_eq!(back(&fx, SYN | ACK), (VIP, 81), "the SYN-ACK of alt's flow went back as web's");
@@ -755,22 +742,9 @@ fn a_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_s
 #[test]
 fn a_syn_ack_for_the_owner_on_a_closed_sharing_flows_tuple_goes_back_as_the_owner() {
     in_netns(|| {
-        let fx = Fixture::new(vec![
-            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
-            service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
-        ]);
-        let back = |fx: &Fixture, flags: u8| {
-            let (action, out) = fx.run(&from_backend(BACKEND, 8080, 40_000, flags).bytes(), fx.if_b);
-            assert_eq!(action, XDP_REDIRECT);
-            let got = Frame::parse(&out).unwrap();
-            (got.src, got.sport)
-        };
-        // A whole connection to alt, closed both ways.
-        assert_eq!(handshake(&fx, 40_000, 81, 8080), BACKEND);
-        assert_eq!(back(&fx, FIN | ACK), (VIP, 81));
-        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 81, FIN | ACK).bytes()), BACKEND);
-        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 81, ACK).bytes()), BACKEND);
-        assert_eq!(fx.active_flows("alt"), 0, "alt's flow is not closed");
+        let fx = sharing_fixture();
+        let back = back_from_shared;
+        closed_connection(&fx, "alt", 81);
         // The same client address and port to web, on the same backend.
         assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 80, SYN).bytes()), BACKEND);
         assert_eq!(back(&fx, SYN | ACK), (VIP, 80), "the SYN-ACK of web's flow went back as alt's");
@@ -780,6 +754,34 @@ fn a_syn_ack_for_the_owner_on_a_closed_sharing_flows_tuple_goes_back_as_the_owne
         assert_eq!(fx.active_flows("web"), 1);
         assert_eq!(fx.counter("stale_backend"), 0);
     });
+}
+
+/// Two services, web (:80, the endpoint's owner) and alt (:81), sharing
+/// one backend endpoint, BACKEND:8080.
+fn sharing_fixture() -> Fixture {
+    Fixture::new(vec![
+        service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+        service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
+    ])
+}
+
+/// A packet from the shared endpoint to the client's port 40,000: the
+/// address and port it goes back to the client from.
+fn back_from_shared(fx: &Fixture, flags: u8) -> (Ipv4Addr, u16) {
+    let (action, out) = fx.run(&from_backend(BACKEND, 8080, 40_000, flags).bytes(), fx.if_b);
+    assert_eq!(action, XDP_REDIRECT);
+    let got = Frame::parse(&out).unwrap();
+    (got.src, got.sport)
+}
+
+/// A whole connection from the client's port 40,000 to `name` (VIP port
+/// `vport`) of `sharing_fixture`, closed both ways.
+fn closed_connection(fx: &Fixture, name: &str, vport: u16) {
+    assert_eq!(handshake(fx, 40_000, vport, 8080), BACKEND);
+    assert_eq!(back_from_shared(fx, FIN | ACK), (VIP, vport));
+    assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, vport, FIN | ACK).bytes()), BACKEND);
+    assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, vport, ACK).bytes()), BACKEND);
+    assert_eq!(fx.active_flows(name), 0, "{name}'s flow is not closed");
 }
 
 /// The selection tables are packed four entries to an element of SELECT
