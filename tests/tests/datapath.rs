@@ -706,18 +706,11 @@ fn every_flow_sticks_to_one_backend_and_flows_spread_over_all() {
 fn a_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_sharing_service() {
     in_netns(|| {
         let mut fx = sharing_fixture();
-        let back = back_from_shared;
         closed_connection(&fx, "web", 80);
-        // The same client address and port to alt, on the same backend.
-        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 81, SYN).bytes()), BACKEND);
-        assert_eq!(back(&fx, SYN | ACK), (VIP, 81), "the SYN-ACK of alt's flow went back as web's");
-        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 81, ACK).bytes()), BACKEND);
-        // And so does the rest of its replies: the closed flow was retired
-        // from the backend's tuple by the SYN-ACK.
-        assert_eq!(back(&fx, ACK | PSH), (VIP, 81), "alt's answer went back as web's");
-        assert_eq!(back(&fx, FIN | ACK), (VIP, 81));
-        assert_eq!(fx.active_flows("alt"), 1);
-        assert_eq!(fx.counter("stale_backend"), 0);
+        // The same client address and port to alt, on the same backend:
+        // its SYN-ACK, and the rest of its replies (the closed flow was
+        // retired from the backend's tuple by the SYN-ACK), go back as alt's.
+        answered_as(&fx, ("alt", 81), "web");
         // The client's own late packet of web's closed flow (its last ACK,
         // retransmitted) still goes to web's backend endpoint, port and
         // all, as before the flow was retired.
@@ -730,7 +723,7 @@ fn a_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_s
         let later = lb_userspace::dataplane::monotonic_coarse_secs() + 11;
         let r = fx.dp.sweep(later, u64::MAX / 2, u64::MAX / 2).unwrap();
         assert_eq!((r.removed, r.entries_removed), (1, 1), "{r:?}");
-        assert_eq!(back(&fx, ACK), (VIP, 81), "alt's reply after the retired flow was swept");
+        assert_eq!(back_from_shared(&fx, ACK), (VIP, 81), "alt's reply after the retired flow was swept");
     });
 }
 
@@ -743,16 +736,9 @@ fn a_syn_ack_for_the_sharing_service_on_a_closed_owners_tuple_goes_back_as_the_s
 fn a_syn_ack_for_the_owner_on_a_closed_sharing_flows_tuple_goes_back_as_the_owner() {
     in_netns(|| {
         let fx = sharing_fixture();
-        let back = back_from_shared;
         closed_connection(&fx, "alt", 81);
         // The same client address and port to web, on the same backend.
-        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 80, SYN).bytes()), BACKEND);
-        assert_eq!(back(&fx, SYN | ACK), (VIP, 80), "the SYN-ACK of web's flow went back as alt's");
-        assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, 80, ACK).bytes()), BACKEND);
-        assert_eq!(back(&fx, ACK | PSH), (VIP, 80), "web's answer went back as alt's");
-        assert_eq!(back(&fx, FIN | ACK), (VIP, 80));
-        assert_eq!(fx.active_flows("web"), 1);
-        assert_eq!(fx.counter("stale_backend"), 0);
+        answered_as(&fx, ("web", 80), "alt");
     });
 }
 
@@ -782,6 +768,20 @@ fn closed_connection(fx: &Fixture, name: &str, vport: u16) {
     assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, vport, FIN | ACK).bytes()), BACKEND);
     assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, vport, ACK).bytes()), BACKEND);
     assert_eq!(fx.active_flows(name), 0, "{name}'s flow is not closed");
+}
+
+/// A new connection from the client's port 40,000 to `name` (VIP port
+/// `vport`) of `sharing_fixture`, right after one to `other` closed: its
+/// SYN-ACK, its answer and its FIN go back as from `vport`, not `other`'s;
+/// it is active, and nothing was dropped as stale.
+fn answered_as(fx: &Fixture, (name, vport): (&str, u16), other: &str) {
+    assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, vport, SYN).bytes()), BACKEND);
+    assert_eq!(back_from_shared(fx, SYN | ACK), (VIP, vport), "the SYN-ACK of {name}'s flow went back as {other}'s");
+    assert_eq!(fx.forward(&tcp(CLIENT, 40_000, VIP, vport, ACK).bytes()), BACKEND);
+    assert_eq!(back_from_shared(fx, ACK | PSH), (VIP, vport), "{name}'s answer went back as {other}'s");
+    assert_eq!(back_from_shared(fx, FIN | ACK), (VIP, vport));
+    assert_eq!(fx.active_flows(name), 1);
+    assert_eq!(fx.counter("stale_backend"), 0);
 }
 
 /// The selection tables are packed four entries to an element of SELECT
