@@ -912,7 +912,9 @@ pub struct SweepItem6 {
 /// [`SweepHeader::family`] bit of a request to insert flows (with 4 or 6):
 /// items of [`InsertItem`] or [`InsertItem6`], each inserted unless its
 /// key has an entry already (a migration's copy of an old table, which
-/// the datapath fills at the same time).
+/// the datapath fills at the same time). An item with [`COPIED`] in its
+/// `copied` word is the old program's later view of a flow copied before:
+/// see [`InsertItem::copied`].
 pub const SWEEP_INSERT: u32 = 0x100;
 
 /// One IPv4 flow to insert; see [`SWEEP_INSERT`].
@@ -921,31 +923,72 @@ pub const SWEEP_INSERT: u32 = 0x100;
 pub struct InsertItem {
     pub key: FlowKey,
     pub value: Flow,
-    /// Set by the program: [`INSERTED`], [`INSERT_EXISTS`], or 0 (no free
-    /// slot for it).
+    /// Set by the program: [`INSERTED`], [`INSERT_EXISTS`],
+    /// [`INSERT_MERGED`], or 0 (no free slot for it).
     pub inserted: u32,
-    pub _pad: u32,
+    /// 0: a plain insert. [`COPIED`] | the `state` bits the flow had when
+    /// it was first copied: where the key's entry is still that copy (the
+    /// same backend endpoint and direction, every copied bit still set, no
+    /// reopen since), the handshake and close bits the old program added
+    /// since ([`MERGED_BITS`]) are set in it too, and a later `last_seen`
+    /// is taken. A close that needed both programs' halves (one FIN each)
+    /// is counted for the backend then; one the old program made alone it
+    /// counted itself.
+    pub copied: u32,
 }
 
-/// One IPv6 flow to insert; see [`SWEEP_INSERT`].
+/// One IPv6 flow to insert; see [`SWEEP_INSERT`] and [`InsertItem`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InsertItem6 {
     pub key: FlowKey6,
     pub value: Flow6,
     pub inserted: u32,
-    pub _pad: u32,
+    pub copied: u32,
 }
 
 /// [`InsertItem::inserted`]: the entry was inserted.
 pub const INSERTED: u32 = 1;
 /// [`InsertItem::inserted`]: the key had an entry, which stands.
 pub const INSERT_EXISTS: u32 = 2;
+/// [`InsertItem::inserted`]: the key's entry was the item's earlier copy,
+/// and the old program's later bits or time went into it.
+pub const INSERT_MERGED: u32 = 3;
+/// [`InsertItem::copied`]: the item carries the copied state bits.
+pub const COPIED: u32 = 1 << 31;
+/// The `state` bits a later view of a copied flow brings into its entry:
+/// the handshake (`FLOW_REPLIED`, `FLOW_ESTABLISHED`) and the close
+/// (`FLOW_FIN_CLIENT`, `FLOW_FIN_BACKEND`, `FLOW_RST`). A reopen
+/// (`FLOW_REOPENED`) is brought in as the datapath makes it: the
+/// entry's other bits cleared but `FLOW_REPLIED`.
+pub const MERGED_BITS: u64 = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND | FLOW_RST | FLOW_REPLIED | FLOW_ESTABLISHED;
 
 /// Items per insert request: 8 + 43 x 80 = 3,448 bytes; IPv6 8 + 29 x
 /// 120 = 3,488 (see [`SWEEP_BATCH`]).
 pub const INSERT_BATCH: u32 = 43;
 pub const INSERT_BATCH6: u32 = 29;
+
+/// [`SweepHeader::family`] of a request to add to backends' connection
+/// counts (`CONNS`): items of [`ConnsAdd`], added atomically, so that no
+/// count the datapath makes at the same time is lost (a read and a write
+/// back from userspace would lose those made between them). A migration
+/// carries the old program's last counts over with it.
+pub const SWEEP_CONNS: u32 = 0x200;
+
+/// One backend's additions to its `CONNS` entry; see [`SWEEP_CONNS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnsAdd {
+    pub backend_id: u32,
+    /// Set to 1 by the program when it added the counts (0: no such
+    /// backend id).
+    pub added: u32,
+    pub opened: u64,
+    pub closed: u64,
+}
+
+/// Items per [`SWEEP_CONNS`] request: 8 + 128 x 24 = 3,080 bytes.
+pub const CONNS_BATCH: u32 = 128;
 
 /// [`SweepItem::slot`] when the entry's slot is not known: `lb_sweep`
 /// finds the key's entry wherever it is and removes it whatever its state
@@ -1142,7 +1185,8 @@ mod pod {
         FlowSlot,
         FlowSlot6,
         InsertItem,
-        InsertItem6
+        InsertItem6,
+        ConnsAdd
     );
 }
 
@@ -1206,6 +1250,10 @@ mod tests {
         assert_eq!(size_of::<InsertItem6>(), 120);
         assert!(8 + INSERT_BATCH as usize * size_of::<InsertItem>() <= 3520);
         assert!(8 + INSERT_BATCH6 as usize * size_of::<InsertItem6>() <= 3520);
+        assert_eq!(size_of::<ConnsAdd>(), 24);
+        assert!(8 + CONNS_BATCH as usize * size_of::<ConnsAdd>() <= 3520);
+        // The copied state travels in the low 31 bits of a u32.
+        assert_eq!((MERGED_BITS | FLOW_REOPENED) & !u64::from(!COPIED), 0);
         assert_eq!(align_of::<Flow6>(), 8);
         assert_eq!(size_of::<FlowSlot>(), 80);
         assert_eq!(size_of::<FlowSlot6>(), 120);

@@ -12,20 +12,22 @@
 //! Run by lbd through BPF_PROG_TEST_RUN, never attached: the "frame" is
 //! the request, and the program marks in it what it removed.
 use aya_ebpf::{bindings::xdp_action, macros::xdp, maps::Array, programs::XdpContext};
+use core::intrinsics::{AtomicOrdering, atomic_and, atomic_or, atomic_xadd};
 use core::{
     mem::size_of,
     ptr::{addr_of, addr_of_mut, read_volatile},
 };
 use lb_common::{
-    Flow, Flow6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERTED, InsertItem, InsertItem6,
-    SLOT_BUCKET, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_INSERT, Slot, SlotKey, SweepHeader, SweepItem,
-    SweepItem6,
+    CONNS_BATCH, COPIED, ConnsAdd, DIR_REPLY, FLOW_REOPENED, FLOW_REPLIED, Flow, Flow6, FlowKey, FlowKey6,
+    INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERTED, InsertItem, InsertItem6, MERGED_BITS,
+    SLOT_BUCKET, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_CONNS, SWEEP_INSERT, Slot, SlotKey, SweepHeader,
+    SweepItem, SweepItem6, flow_closed,
 };
 
 use crate::{
-    maps::{FLOW_SLOTS, FLOW_SLOTS6, flow_mask, flow_mask6},
+    maps::{CONNS, FLOW_SLOTS, FLOW_SLOTS6, flow_mask, flow_mask6},
     parse::ptr_at,
-    table,
+    stats, table,
 };
 
 #[xdp]
@@ -116,6 +118,7 @@ fn try_sweep(ctx: &XdpContext) -> Option<()> {
         6 => remove_unchanged::<SweepItem6, { SWEEP_BATCH6 as usize }>(ctx, count, &FLOW_SLOTS6, flow_mask6()),
         INSERT4 => insert::<InsertItem, { INSERT_BATCH as usize }>(ctx, count),
         INSERT6 => insert::<InsertItem6, { INSERT_BATCH6 as usize }>(ctx, count),
+        SWEEP_CONNS => add_conns(ctx, count),
         _ => None,
     }
 }
@@ -126,8 +129,14 @@ trait Insert {
     type Value;
     /// `table::lb_put_flow` or `table::lb_put_flow6`, without replacing.
     fn put(key: *const Self::Key, value: *const Self::Value) -> u32;
-    /// Where the item's key, value and result word are.
-    fn parts(item: *mut Self) -> (*const Self::Key, *const Self::Value, *mut u32);
+    /// Where the item's key, value and result word are, and its `copied`
+    /// word.
+    fn parts(item: *mut Self) -> (*const Self::Key, *const Self::Value, *mut u32, u32);
+    /// Bring `old`, the old program's later view of a flow copied with the
+    /// state bits `copied`, into the key's entry (see
+    /// `lb_common::InsertItem::copied`); answers `INSERT_MERGED` or
+    /// `INSERT_EXISTS`.
+    fn merge(key: *const Self::Key, old: *const Self::Value, copied: u32) -> u32;
 }
 
 impl Insert for InsertItem {
@@ -136,9 +145,33 @@ impl Insert for InsertItem {
     fn put(key: *const FlowKey, value: *const Flow) -> u32 {
         table::lb_put_flow(key, value, 0, table::NO_SLOT)
     }
-    fn parts(item: *mut Self) -> (*const FlowKey, *const Flow, *mut u32) {
+    fn parts(item: *mut Self) -> (*const FlowKey, *const Flow, *mut u32, u32) {
+        // SAFETY: the fields' addresses are taken, and the item (inside
+        // the frame: `ptr_at`) gives its `copied` word.
+        unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted, (*item).copied) }
+    }
+    fn merge(key: *const FlowKey, old: *const Flow, copied: u32) -> u32 {
+        // SAFETY: both lie inside the frame (`ptr_at`); copied out whole.
+        let (key, old) = unsafe { (key.read_unaligned(), old.read_unaligned()) };
+        let Some(live) = table::flow(&key) else { return INSERT_EXISTS };
+        // SAFETY: a valid, aligned map value; plain loads of integers.
+        let same = unsafe {
+            (*live).backend_id == old.backend_id
+                && (*live).nat_addr == old.nat_addr
+                && (*live).nat_port == old.nat_port
+                && (*live).dir == old.dir
+        };
+        if !same || old.dir == DIR_REPLY {
+            return INSERT_EXISTS;
+        }
         // SAFETY: only the fields' addresses are taken.
-        unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted) }
+        let (state, seen) = unsafe { (&raw mut (*live).state, &raw mut (*live).last_seen) };
+        merge_into(
+            state,
+            seen,
+            &OldView { backend_id: old.backend_id, state: old.state, last_seen: old.last_seen },
+            copied,
+        )
     }
 }
 
@@ -148,15 +181,97 @@ impl Insert for InsertItem6 {
     fn put(key: *const FlowKey6, value: *const Flow6) -> u32 {
         table::lb_put_flow6(key, value, 0, table::NO_SLOT)
     }
-    fn parts(item: *mut Self) -> (*const FlowKey6, *const Flow6, *mut u32) {
+    fn parts(item: *mut Self) -> (*const FlowKey6, *const Flow6, *mut u32, u32) {
+        // SAFETY: as for `InsertItem`.
+        unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted, (*item).copied) }
+    }
+    fn merge(key: *const FlowKey6, old: *const Flow6, copied: u32) -> u32 {
+        // SAFETY: as for `InsertItem`.
+        let (key, old) = unsafe { (key.read_unaligned(), old.read_unaligned()) };
+        let Some(live) = table::flow6(&key) else { return INSERT_EXISTS };
+        // SAFETY: as for `InsertItem`.
+        let same = unsafe {
+            (*live).backend_id == old.backend_id
+                && (*live).nat_addr == old.nat_addr
+                && (*live).nat_port == old.nat_port
+                && (*live).dir == old.dir
+        };
+        if !same || old.dir == DIR_REPLY {
+            return INSERT_EXISTS;
+        }
         // SAFETY: only the fields' addresses are taken.
-        unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted) }
+        let (state, seen) = unsafe { (&raw mut (*live).state, &raw mut (*live).last_seen) };
+        merge_into(
+            state,
+            seen,
+            &OldView { backend_id: old.backend_id, state: old.state, last_seen: old.last_seen },
+            copied,
+        )
     }
 }
 
+/// What a merge takes from the old program's view of a flow.
+struct OldView {
+    backend_id: u32,
+    state: u64,
+    last_seen: u64,
+}
+
+/// The merge of `lb_common::InsertItem::copied` into a live entry's
+/// `state` and `last_seen` (the same flow: its backend endpoint and
+/// direction were checked). The datapath writes both at the same time:
+/// the state with atomic AND and OR as it does itself, the time with a
+/// plain store (either time is a packet's).
+#[inline(always)]
+fn merge_into(state: *mut u64, seen: *mut u64, old: &OldView, copied: u32) -> u32 {
+    let copied = u64::from(copied & !COPIED);
+    // SAFETY: a valid, aligned u64 inside a map value (see `known_flow`
+    // on reading a word other CPUs OR bits into).
+    let live = unsafe { read_volatile(state) };
+    // The entry lost a bit it was copied with, or was reopened since: a
+    // new connection on the tuple, which the old view is not about.
+    if live & copied != copied || (live ^ copied) & FLOW_REOPENED != 0 {
+        return INSERT_EXISTS;
+    }
+    let mut merged = false;
+    let mut have = live;
+    if old.state & FLOW_REOPENED != 0 && copied & FLOW_REOPENED == 0 {
+        // The old program saw the client reopen the tuple (and counted
+        // the close and the open): what `reopen` does to the entry.
+        // SAFETY: as above.
+        unsafe {
+            atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(state, FLOW_REPLIED);
+            atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(state, FLOW_REOPENED);
+        }
+        have = FLOW_REPLIED | FLOW_REOPENED;
+        merged = true;
+    }
+    let add = old.state & MERGED_BITS & !have;
+    if add != 0 {
+        // SAFETY: as above.
+        let before = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(state, add) };
+        // Closed by halves the two programs saw apart (neither counted
+        // it); a close the old program saw whole it counted.
+        if !flow_closed(old.state) && !flow_closed(before) && flow_closed(before | add) {
+            stats::flow_closed(old.backend_id);
+        }
+        merged = true;
+    }
+    // SAFETY: as above; plain load and store of a timestamp.
+    unsafe {
+        if old.last_seen > read_volatile(seen) {
+            seen.write_volatile(old.last_seen);
+            merged = true;
+        }
+    }
+    if merged { INSERT_MERGED } else { INSERT_EXISTS }
+}
+
 /// Insert each of the request's `count` items (at most `N`) unless its key
-/// has an entry, and write what became of it into the item. The insert
-/// is the table's global function (verified once, not once per item).
+/// has an entry, and write what became of it into the item; an item with
+/// `copied` set is merged into the key's entry instead, where that is its
+/// earlier copy. The insert is the table's global function (verified
+/// once, not once per item).
 #[inline(always)]
 fn insert<I: Insert, const N: usize>(ctx: &XdpContext, count: u32) -> Option<()> {
     for i in 0..N {
@@ -164,18 +279,41 @@ fn insert<I: Insert, const N: usize>(ctx: &XdpContext, count: u32) -> Option<()>
             break;
         }
         let item = ptr_at::<I>(ctx, HDR + i * size_of::<I>())?;
-        let (key, value, result) = I::parts(item);
+        let (key, value, result, copied) = I::parts(item);
         let done = I::put(key, value);
         let answer = if done == table::Put::Done as u32 {
             INSERTED
         } else if done == table::Put::Exists as u32 {
-            INSERT_EXISTS
+            if copied & COPIED != 0 { I::merge(key, value, copied) } else { INSERT_EXISTS }
         } else {
             0
         };
         // SAFETY: the result word lies inside the item, inside the frame
         // (`ptr_at`).
         unsafe { result.write(answer) };
+    }
+    Some(())
+}
+
+/// Add each of the request's `count` items (at most `CONNS_BATCH`) to its
+/// backend's connection counts, atomically (`lb_common::SWEEP_CONNS`).
+#[inline(always)]
+fn add_conns(ctx: &XdpContext, count: u32) -> Option<()> {
+    for i in 0..CONNS_BATCH as usize {
+        if i >= count as usize {
+            break;
+        }
+        let item = ptr_at::<ConnsAdd>(ctx, HDR + i * size_of::<ConnsAdd>())?;
+        // SAFETY: inside the frame (`ptr_at`); copied out.
+        let add = unsafe { item.read_unaligned() };
+        let Some(c) = CONNS.get_ptr_mut(add.backend_id) else { continue };
+        // SAFETY: aligned u64s inside a map value; the item's result word
+        // inside the frame.
+        unsafe {
+            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).opened, add.opened);
+            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).closed, add.closed);
+            (&raw mut (*item).added).write(1);
+        }
     }
     Some(())
 }

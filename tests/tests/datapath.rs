@@ -1276,6 +1276,87 @@ fn inserted_flows_keep_entries_the_datapath_made() {
     });
 }
 
+/// A migration's late copy reads the old table again after the program
+/// swap. Where a key's entry is still the flow's earlier copy, what the old
+/// program saw since goes into it: a handshake it completed (else the live
+/// connection stayed half-open here and was expired early), a close (else
+/// the entry lived out its idle timeout and was counted expired on top of
+/// closed), a reopen, its later time. A close whose two FINs the two
+/// programs saw apart is counted then, once; one the old program saw whole
+/// it counted itself (carried by `add_conns`). An entry that is a new
+/// connection on the tuple since (made anew, or reopened here) keeps its
+/// own state.
+#[test]
+fn a_late_copy_brings_what_the_old_program_saw_into_the_flows_copies() {
+    use lb_common::{FLOW_ESTABLISHED as EST, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED};
+    const CLOSED: u64 = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND;
+    in_netns(|| {
+        let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        let id = fx.dp.services().next().unwrap().backends[0].id;
+        let entry = |p: u16| fx.dp.flow(&key4(p)).unwrap().expect("an entry");
+        // 44,100: a handshake the old program completed after the copy.
+        assert_eq!(fx.forward(&tcp(CLIENT, 44_100, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(fx.run(&from_backend(BACKEND, 8080, 44_100, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        // 44,101: closed by the old program alone; 44,102: the backend's
+        // FIN seen here, the client's by the old program; 44,103: closed
+        // before the copy, then a new connection on the tuple here; 44,104:
+        // reopened here; 44,105: reopened by the old program.
+        for p in 44_101..=44_105 {
+            assert_eq!(handshake(&fx, p, 80, 8080), BACKEND);
+        }
+        let close = |p: u16| {
+            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, FIN | ACK).bytes()), BACKEND);
+            assert_eq!(fx.run(&from_backend(BACKEND, 8080, p, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        };
+        close(44_103);
+        // The copies, as the first copy took them (this datapath made them).
+        let copies: std::collections::HashMap<u16, lb_common::Flow> =
+            (44_100..=44_105).map(|p| (p, entry(p))).collect();
+        assert_eq!(copies[&44_100].state, FLOW_REPLIED);
+        assert_eq!(copies[&44_101].state, FLOW_REPLIED | EST);
+        assert_eq!(copies[&44_103].state & CLOSED, CLOSED);
+        // What the new program sees after the swap.
+        assert_eq!(fx.run(&from_backend(BACKEND, 8080, 44_102, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        assert_eq!(fx.forward(&tcp(CLIENT, 44_103, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(fx.forward(&tcp(CLIENT, 44_104, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(entry(44_103).state & CLOSED, 0, "the new connection on 44,103 has an entry of its own");
+        assert_eq!(entry(44_104).state, FLOW_REPLIED | FLOW_REOPENED);
+        let live: std::collections::HashMap<u16, lb_common::Flow> = (44_100..=44_105).map(|p| (p, entry(p))).collect();
+        // 44,100 and 44,103 to 44,105 are open here, 44,101 and 44,102 too.
+        let active = fx.active_flows("web");
+        // The old program's later view of each.
+        let later = |p: u16, state: u64| lb_common::Flow { state, last_seen: copies[&p].last_seen + 5, ..copies[&p] };
+        let old = vec![
+            (key4(44_100), later(44_100, FLOW_REPLIED | EST)),
+            (key4(44_101), later(44_101, FLOW_REPLIED | EST | CLOSED)),
+            (key4(44_102), later(44_102, FLOW_REPLIED | EST | FLOW_FIN_CLIENT)),
+            (key4(44_103), later(44_103, copies[&44_103].state)),
+            (key4(44_104), later(44_104, FLOW_REPLIED | EST | CLOSED)),
+            (key4(44_105), later(44_105, FLOW_REPLIED | FLOW_REOPENED)),
+        ];
+        let copied = copies.iter().map(|(&p, f)| (key4(p), f.state)).collect();
+        let done = fx.dp.merge_flows(&old, &copied).unwrap();
+        assert_eq!((done.inserted, done.merged, done.existed, done.no_room), (0, 4, 2, 0), "{done:?}");
+        let now: std::collections::HashMap<u16, lb_common::Flow> = (44_100..=44_105).map(|p| (p, entry(p))).collect();
+        assert_eq!(now[&44_100].state, FLOW_REPLIED | EST, "the handshake the old program saw");
+        assert_eq!(now[&44_101].state & CLOSED, CLOSED, "the close the old program saw");
+        assert_eq!(now[&44_102].state & CLOSED, CLOSED, "the close seen by halves");
+        assert_eq!(now[&44_105].state, FLOW_REPLIED | FLOW_REOPENED, "the reopen the old program saw");
+        for p in [44_100, 44_101, 44_102, 44_105] {
+            assert_eq!(now[&p].last_seen, copies[&p].last_seen + 5, "{p}: the old program's later time");
+        }
+        for p in [44_103, 44_104] {
+            assert_eq!(now[&p], live[&p], "{p}: a new connection on the tuple took the old view");
+        }
+        // Only the close by halves was counted here.
+        assert_eq!(fx.active_flows("web"), active - 1);
+        // The old program's own counts (one close: 44,101's) are added in
+        // the kernel, to what this datapath counted.
+        assert_eq!(fx.dp.add_conns(&[(id, 0, 1), (lb_common::MAX_BACKENDS + 1, 1, 1)]).unwrap(), 1);
+        assert_eq!(fx.active_flows("web"), active - 2);
+    });
+}
+
 /// The global-counter map an older lbd pinned has fewer counters than this
 /// build counts (it adds them as the datapath learns new cases): the next
 /// start replaces it with a map of the right size and carries every count

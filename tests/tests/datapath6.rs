@@ -789,3 +789,64 @@ fn the_sweeper_removes_an_ipv6_flow_only_while_it_is_as_it_was_judged() {
         assert_eq!(fx.entries(), 0);
     });
 }
+
+/// As for IPv4 (`datapath.rs`): a migration's late copy brings what the
+/// old program saw since into an IPv6 flow's copy (a handshake; a close by
+/// halves, counted once, here) and leaves an entry made anew since alone.
+#[test]
+fn a_late_copy_brings_what_the_old_program_saw_into_an_ipv6_flows_copy() {
+    use lb_common::{FLOW_ESTABLISHED as EST, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED};
+    in_netns(|| {
+        let fx = web6();
+        let key = |p: u16| lb_common::FlowKey6 {
+            src_addr: lb_userspace::dataplane::words6(&CLIENT6),
+            dst_addr: lb_userspace::dataplane::words6(&VIP6),
+            src_port: p.to_be(),
+            dst_port: 80u16.to_be(),
+            proto: lb_common::PROTO_TCP,
+            _pad: [0; 3],
+        };
+        let entry = |p: u16| fx.dp.flow6(&key(p)).unwrap().expect("an entry");
+        let to =
+            |p: u16, flags: u8| assert_eq!(fx.run(&tcp6(CLIENT6, p, VIP6, 80, flags).bytes(), fx.if_a).0, XDP_REDIRECT);
+        let from = |p: u16, flags: u8| {
+            let f = Frame6::tcp(BACKEND6, 8080, CLIENT6, p, flags).macs(GW_B_MAC, BACKEND_MAC);
+            assert_eq!(fx.run(&f.bytes(), fx.if_b).0, XDP_REDIRECT);
+        };
+        // 41,100: half-open when copied; 41,101: established; 41,102:
+        // closed when copied, a new connection on the tuple since.
+        to(41_100, SYN);
+        from(41_100, SYN | ACK);
+        for p in [41_101, 41_102] {
+            to(p, SYN);
+            from(p, SYN | ACK);
+            to(p, ACK);
+        }
+        to(41_102, FIN | ACK);
+        from(41_102, FIN | ACK);
+        let copies: Vec<(lb_common::FlowKey6, lb_common::Flow6)> =
+            [41_100, 41_101, 41_102].iter().map(|&p| (key(p), entry(p))).collect();
+        // After the swap: the backend's FIN of 41,101 here; 41,102 anew.
+        from(41_101, FIN | ACK);
+        to(41_102, SYN);
+        let anew = entry(41_102);
+        let active = fx.active_flows("web6");
+        // The old program's later views: 41,100's handshake completed,
+        // the client's FIN of 41,101, 41,102 as copied.
+        let seen = [FLOW_REPLIED | EST, FLOW_REPLIED | EST | FLOW_FIN_CLIENT, copies[2].1.state];
+        let old: Vec<_> = copies
+            .iter()
+            .zip(seen)
+            .map(|(&(k, f), state)| (k, lb_common::Flow6 { state, last_seen: f.last_seen + 3, ..f }))
+            .collect();
+        let copied = copies.iter().map(|(k, f)| (*k, f.state)).collect();
+        let done = fx.dp.merge_flows6(&old, &copied).unwrap();
+        assert_eq!((done.inserted, done.merged, done.existed, done.no_room), (0, 2, 1, 0), "{done:?}");
+        assert_eq!(entry(41_100).state, FLOW_REPLIED | EST, "the handshake the old program saw");
+        let closed = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND;
+        assert_eq!(entry(41_101).state & closed, closed, "the close seen by halves");
+        assert_eq!(entry(41_101).last_seen, copies[1].1.last_seen + 3);
+        assert_eq!(entry(41_102), anew, "the new connection on the tuple took the old view");
+        assert_eq!(fx.active_flows("web6"), active - 1, "the close by halves is counted once");
+    });
+}

@@ -42,7 +42,7 @@ use lb_common::{
 };
 use tracing::{info, warn};
 
-use super::{Dataplane, DataplaneError, batch, map_err};
+use super::{Dataplane, DataplaneError, batch, map_err, sweep::Inserted};
 
 /// The flow tables' pin names in layouts 1 and 2 (kernel hash maps).
 pub(super) const OLD_FLOWS: &str = "FLOWS";
@@ -212,6 +212,20 @@ pub(super) struct Migration {
     stats: PerCpuArray<MapData, BackendStats>,
     /// Per-backend counters as copied (backends that had any).
     stats_copied: Vec<(u32, PerCpuValues<BackendStats>)>,
+    /// The state each flow had when this process copied it (none for a
+    /// migration resumed from an earlier start's: its copies are not
+    /// known, and the late copy only inserts what is missing).
+    copied: Option<Copied>,
+}
+
+/// The state bits of every flow a migration copied, by key: the late copy
+/// brings what the old program saw since into the entries still those
+/// copies (`Dataplane::merge_flows`). About 30 bytes a flow, for the
+/// migration's length.
+#[derive(Default)]
+struct Copied {
+    v4: std::collections::HashMap<FlowKey, u64>,
+    v6: std::collections::HashMap<FlowKey6, u64>,
 }
 
 impl Migration {
@@ -229,7 +243,18 @@ impl Migration {
             stats_copied.push((id, stats.get(&id, 0).map_err(map_err(names::BACKEND_STATS))?));
         }
         info!(dir = %dir.display(), "an earlier migration did not finish: its flows are copied again after attaching");
-        Ok(Self { from, dir: dir.to_path_buf(), fresh: false, flows, flows6, conns, conns_copied, stats, stats_copied })
+        Ok(Self {
+            from,
+            dir: dir.to_path_buf(),
+            fresh: false,
+            flows,
+            flows6,
+            conns,
+            conns_copied,
+            stats,
+            stats_copied,
+            copied: None,
+        })
     }
 }
 
@@ -278,8 +303,17 @@ fn old_entries<K: aya::Pod + SlotKey, V: aya::Pod, B: aya::Pod + AsRef<[Slot<K, 
 impl Dataplane {
     /// Copy every flow of the old tables (of layout `from`) into this
     /// datapath's, through its insert: an entry the new program already
-    /// made stands. Returns how many were copied.
-    fn copy_flows(&self, from: u32, old: &MapData, old6: Option<&MapData>) -> Result<u64, DataplaneError> {
+    /// made stands, unless `earlier` says it is this flow's earlier copy,
+    /// which then takes what the old program saw since (see
+    /// [`Dataplane::merge_flows`]). Returns how many were inserted and
+    /// merged, and the state of every flow read.
+    fn copy_flows(
+        &self,
+        from: u32,
+        old: &MapData,
+        old6: Option<&MapData>,
+        earlier: Option<&Copied>,
+    ) -> Result<(Inserted, Copied), DataplaneError> {
         let mut flows = old_entries::<FlowKey, Flow, BucketV3>(from, old, names::FLOWS, |f| f.dir)?;
         if from == 1 {
             for (_, f) in &mut flows {
@@ -292,12 +326,19 @@ impl Dataplane {
                 }
             }
         }
-        let mut done = self.insert_flows(&flows)?;
+        let none = Copied::default();
+        let earlier = earlier.unwrap_or(&none);
+        let mut done = self.merge_flows(&flows, &earlier.v4)?;
+        let mut read = Copied { v4: flows.iter().map(|(k, f)| (*k, f.state)).collect(), v6: Default::default() };
+        drop(flows);
         if let Some(old6) = old6 {
             let flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6, |f| f.dir)?;
-            let d6 = self.insert_flows6(&flows6)?;
+            let d6 = self.merge_flows6(&flows6, &earlier.v6)?;
             done.inserted += d6.inserted;
+            done.existed += d6.existed;
+            done.merged += d6.merged;
             done.no_room += d6.no_room;
+            read.v6 = flows6.iter().map(|(k, f)| (*k, f.state)).collect();
         }
         if done.no_room > 0 {
             warn!(
@@ -305,7 +346,7 @@ impl Dataplane {
                 "flows of the old table found no free slot in the new one (a smaller conntrack_max?): they go on without an entry"
             );
         }
-        Ok(done.inserted)
+        Ok((done, read))
     }
 
     /// Copy what the set-aside maps of layout `from` (1 to 5) in `dir` hold
@@ -387,8 +428,8 @@ impl Dataplane {
             self.maps.endpoints.insert(k, v, 0).map_err(map_err(names::ENDPOINTS))?;
         }
         let (flows, flows6) = old_flow_maps(from, dir)?;
-        let copied = self.copy_flows(from, &flows, flows6.as_ref())?;
-        info!(flows = copied, from, to = LAYOUT_VERSION, "migrating the pinned datapath: maps copied");
+        let (done, copied) = self.copy_flows(from, &flows, flows6.as_ref(), None)?;
+        info!(flows = done.inserted, from, to = LAYOUT_VERSION, "migrating the pinned datapath: maps copied");
         Ok(Migration {
             from,
             dir: dir.to_path_buf(),
@@ -399,6 +440,7 @@ impl Dataplane {
             conns_copied,
             stats,
             stats_copied,
+            copied: Some(copied),
         })
     }
 
@@ -430,21 +472,21 @@ impl Dataplane {
     /// Nothing to do unless this lbd migrated.
     pub fn finish_migration(&mut self) -> Result<(), DataplaneError> {
         let Some(m) = self.migration.take() else { return Ok(()) };
-        let late = self.copy_flows(m.from, &m.flows, m.flows6.as_ref())?;
+        let (late, _) = self.copy_flows(m.from, &m.flows, m.flows6.as_ref(), m.copied.as_ref())?;
         // Every flow is in: stop holding packets without an entry.
         let flood = self.flood;
         self.set_flood(&flood)?;
+        // What the old program counted since the copy, added in the
+        // kernel: the new program counts into the same words meanwhile.
+        let mut adds = Vec::new();
         for id in 1..MAX_BACKENDS {
             let before = m.conns_copied[id as usize];
             let after = m.conns.get(&id, 0).map_err(map_err(names::CONNS))?;
-            if after == before {
-                continue;
+            if after != before {
+                adds.push((id, after.opened.saturating_sub(before.opened), after.closed.saturating_sub(before.closed)));
             }
-            let mut c = self.maps.conns.get(&id, 0).map_err(map_err(names::CONNS))?;
-            c.opened += after.opened.saturating_sub(before.opened);
-            c.closed += after.closed.saturating_sub(before.closed);
-            self.maps.conns.set(id, c, 0).map_err(map_err(names::CONNS))?;
         }
+        self.add_conns(&adds)?;
         for (id, before) in &m.stats_copied {
             let after = m.stats.get(id, 0).map_err(map_err(names::BACKEND_STATS))?;
             let now = self.maps.backend_stats.get(id, 0).map_err(map_err(names::BACKEND_STATS))?;
@@ -472,7 +514,8 @@ impl Dataplane {
         info!(
             from = m.from,
             to = LAYOUT_VERSION,
-            late_flows = late,
+            late_flows = late.inserted,
+            merged_flows = late.merged,
             "migrated the pinned datapath; the old maps are removed"
         );
         Ok(())

@@ -6,10 +6,11 @@ use aya::maps::IterableMap as _;
 
 use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
-    DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED, Flow, Flow6, FlowBucket,
-    FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERTED, InsertItem, InsertItem6,
-    PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_INSERT,
-    SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed, maps as names,
+    CONNS_BATCH, COPIED, ConnsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
+    Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED,
+    INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH, SWEEP_BATCH6,
+    SWEEP_BY_KEY, SWEEP_CONNS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed,
+    maps as names,
 };
 
 use super::{Dataplane, DataplaneError, batch::Walk, map_err};
@@ -275,6 +276,13 @@ fn remove_unchanged<T: Table>(remover: &Xdp, items: &[T::Item]) -> Result<Vec<T:
 
 /// `lb_sweep` over `items` (of the request `family`), in runs of `batch`:
 /// the items as the program left them.
+/// An insert item's `copied` word for a flow copied with `state` (0: not
+/// copied before, a plain insert). The flow state bits all lie in the low
+/// 32 (see `lb_common::MERGED_BITS`).
+fn copied_word(state: Option<&u64>) -> u32 {
+    state.map_or(0, |&s| COPIED | (s as u32 & !COPIED))
+}
+
 fn request<I: aya::Pod>(
     remover: &Xdp,
     map: &'static str,
@@ -327,6 +335,9 @@ pub struct Inserted {
     pub inserted: u64,
     /// Keys that had an entry already (which stands).
     pub existed: u64,
+    /// Keys whose entry was the flow's earlier copy, into which the later
+    /// view's bits or time went (see [`Dataplane::merge_flows`]).
+    pub merged: u64,
     /// Flows for which the table had no free slot.
     pub no_room: u64,
 }
@@ -338,6 +349,7 @@ impl Inserted {
             match r {
                 INSERTED => c.inserted += 1,
                 INSERT_EXISTS => c.existed += 1,
+                INSERT_MERGED => c.merged += 1,
                 _ => c.no_room += 1,
             }
         }
@@ -363,18 +375,61 @@ impl Dataplane {
     /// has an entry (which stands), through the datapath's own insert (by
     /// `lb_sweep`), safe while packets are balanced: a migration's copy.
     pub fn insert_flows(&self, flows: &[(FlowKey, Flow)]) -> Result<Inserted, DataplaneError> {
-        let items: Vec<InsertItem> =
-            flows.iter().map(|&(key, value)| InsertItem { key, value, inserted: 0, _pad: 0 }).collect();
-        let done = request(self.remover()?, names::FLOWS, SWEEP_INSERT | 4, INSERT_BATCH as usize, &items)?;
-        Ok(Inserted::count(done.iter().map(|i| i.inserted)))
+        self.merge_flows(flows, &HashMap::new())
     }
 
     /// [`Dataplane::insert_flows`] for IPv6 flows.
     pub fn insert_flows6(&self, flows: &[(FlowKey6, Flow6)]) -> Result<Inserted, DataplaneError> {
-        let items: Vec<InsertItem6> =
-            flows.iter().map(|&(key, value)| InsertItem6 { key, value, inserted: 0, _pad: 0 }).collect();
+        self.merge_flows6(flows, &HashMap::new())
+    }
+
+    /// [`Dataplane::insert_flows`] of an old table's flows read again,
+    /// some of which were copied before with the state bits `copied`
+    /// gives: where a key's entry is still that copy, the handshake and
+    /// close the old program saw since go into it, and its later time (see
+    /// `lb_common::InsertItem::copied`). Without this, a connection whose
+    /// handshake completed under the old program after the copy stayed
+    /// half-open here (and was expired after `half_open_timeout` of
+    /// silence, while alive), and one it saw close stayed open until its
+    /// idle timeout and was then counted expired as well as closed.
+    pub fn merge_flows(
+        &self,
+        flows: &[(FlowKey, Flow)],
+        copied: &HashMap<FlowKey, u64>,
+    ) -> Result<Inserted, DataplaneError> {
+        let items: Vec<InsertItem> = flows
+            .iter()
+            .map(|&(key, value)| InsertItem { key, value, inserted: 0, copied: copied_word(copied.get(&key)) })
+            .collect();
+        let done = request(self.remover()?, names::FLOWS, SWEEP_INSERT | 4, INSERT_BATCH as usize, &items)?;
+        Ok(Inserted::count(done.iter().map(|i| i.inserted)))
+    }
+
+    /// [`Dataplane::merge_flows`] for IPv6 flows.
+    pub fn merge_flows6(
+        &self,
+        flows: &[(FlowKey6, Flow6)],
+        copied: &HashMap<FlowKey6, u64>,
+    ) -> Result<Inserted, DataplaneError> {
+        let items: Vec<InsertItem6> = flows
+            .iter()
+            .map(|&(key, value)| InsertItem6 { key, value, inserted: 0, copied: copied_word(copied.get(&key)) })
+            .collect();
         let done = request(self.remover()?, names::FLOWS6, SWEEP_INSERT | 6, INSERT_BATCH6 as usize, &items)?;
         Ok(Inserted::count(done.iter().map(|i| i.inserted)))
+    }
+
+    /// Add to backends' connection counts (`CONNS`) atomically, in the
+    /// kernel: (backend id, opened, closed). A read and write back from
+    /// here would lose what the datapath counts between them. Answers how
+    /// many backend ids had an entry to add to.
+    pub fn add_conns(&self, adds: &[(u32, u64, u64)]) -> Result<usize, DataplaneError> {
+        let items: Vec<ConnsAdd> = adds
+            .iter()
+            .map(|&(backend_id, opened, closed)| ConnsAdd { backend_id, added: 0, opened, closed })
+            .collect();
+        let done = request(self.remover()?, names::CONNS, SWEEP_CONNS, CONNS_BATCH as usize, &items)?;
+        Ok(done.iter().filter(|a| a.added == 1).count())
     }
 
     fn remover(&self) -> Result<&Xdp, DataplaneError> {
