@@ -968,27 +968,32 @@ pub const MERGED_BITS: u64 = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND | FLOW_RST | FLO
 pub const INSERT_BATCH: u32 = 43;
 pub const INSERT_BATCH6: u32 = 29;
 
-/// [`SweepHeader::family`] of a request to add to backends' connection
-/// counts (`CONNS`): items of [`ConnsAdd`], added atomically, so that no
-/// count the datapath makes at the same time is lost (a read and a write
-/// back from userspace would lose those made between them). A migration
-/// carries the old program's last counts over with it.
-pub const SWEEP_CONNS: u32 = 0x200;
+/// [`SweepHeader::family`] of a request to add to backends' counts: items
+/// of [`CountsAdd`], added atomically to the connection counts (`CONNS`)
+/// and to the running CPU's slot of the per-CPU counters
+/// (`BACKEND_STATS`), so that no count the datapath makes at the same time
+/// is lost (a read and a write back from userspace would lose those made
+/// between them). A migration carries the old program's last counts over
+/// with it.
+pub const SWEEP_COUNTS: u32 = 0x200;
 
-/// One backend's additions to its `CONNS` entry; see [`SWEEP_CONNS`].
+/// One backend's additions to its counts; see [`SWEEP_COUNTS`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ConnsAdd {
+pub struct CountsAdd {
     pub backend_id: u32,
     /// Set to 1 by the program when it added the counts (0: no such
     /// backend id).
     pub added: u32,
+    /// Added to [`Conns`].
     pub opened: u64,
     pub closed: u64,
+    /// Added to [`BackendStats`].
+    pub stats: BackendStats,
 }
 
-/// Items per [`SWEEP_CONNS`] request: 8 + 128 x 24 = 3,080 bytes.
-pub const CONNS_BATCH: u32 = 128;
+/// Items per [`SWEEP_COUNTS`] request: 8 + 54 x 64 = 3,464 bytes.
+pub const COUNTS_BATCH: u32 = 54;
 
 /// [`SweepItem::slot`] when the entry's slot is not known: `lb_sweep`
 /// finds the key's entry wherever it is and removes it whatever its state
@@ -1186,7 +1191,7 @@ mod pod {
         FlowSlot6,
         InsertItem,
         InsertItem6,
-        ConnsAdd
+        CountsAdd
     );
 }
 
@@ -1250,8 +1255,8 @@ mod tests {
         assert_eq!(size_of::<InsertItem6>(), 120);
         assert!(8 + INSERT_BATCH as usize * size_of::<InsertItem>() <= 3520);
         assert!(8 + INSERT_BATCH6 as usize * size_of::<InsertItem6>() <= 3520);
-        assert_eq!(size_of::<ConnsAdd>(), 24);
-        assert!(8 + CONNS_BATCH as usize * size_of::<ConnsAdd>() <= 3520);
+        assert_eq!(size_of::<CountsAdd>(), 64);
+        assert!(8 + COUNTS_BATCH as usize * size_of::<CountsAdd>() <= 3520);
         // The copied state travels in the low 31 bits of a u32.
         assert_eq!((MERGED_BITS | FLOW_REOPENED) & !u64::from(!COPIED), 0);
         assert_eq!(align_of::<Flow6>(), 8);

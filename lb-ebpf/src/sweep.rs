@@ -18,14 +18,14 @@ use core::{
     ptr::{addr_of, addr_of_mut, read_volatile},
 };
 use lb_common::{
-    CONNS_BATCH, COPIED, ConnsAdd, DIR_REPLY, FLOW_REOPENED, FLOW_REPLIED, Flow, Flow6, FlowKey, FlowKey6,
+    COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_REOPENED, FLOW_REPLIED, Flow, Flow6, FlowKey, FlowKey6,
     INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERTED, InsertItem, InsertItem6, MERGED_BITS,
-    SLOT_BUCKET, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_CONNS, SWEEP_INSERT, Slot, SlotKey, SweepHeader,
+    SLOT_BUCKET, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, Slot, SlotKey, SweepHeader,
     SweepItem, SweepItem6, flow_closed,
 };
 
 use crate::{
-    maps::{CONNS, FLOW_SLOTS, FLOW_SLOTS6, flow_mask, flow_mask6},
+    maps::{BACKEND_STATS, CONNS, FLOW_SLOTS, FLOW_SLOTS6, flow_mask, flow_mask6},
     parse::ptr_at,
     stats, table,
 };
@@ -118,7 +118,7 @@ fn try_sweep(ctx: &XdpContext) -> Option<()> {
         6 => remove_unchanged::<SweepItem6, { SWEEP_BATCH6 as usize }>(ctx, count, &FLOW_SLOTS6, flow_mask6()),
         INSERT4 => insert::<InsertItem, { INSERT_BATCH as usize }>(ctx, count),
         INSERT6 => insert::<InsertItem6, { INSERT_BATCH6 as usize }>(ctx, count),
-        SWEEP_CONNS => add_conns(ctx, count),
+        SWEEP_COUNTS => add_counts(ctx, count),
         _ => None,
     }
 }
@@ -295,23 +295,36 @@ fn insert<I: Insert, const N: usize>(ctx: &XdpContext, count: u32) -> Option<()>
     Some(())
 }
 
-/// Add each of the request's `count` items (at most `CONNS_BATCH`) to its
-/// backend's connection counts, atomically (`lb_common::SWEEP_CONNS`).
+/// Add each of the request's `count` items (at most `COUNTS_BATCH`) to its
+/// backend's counts, atomically (`lb_common::SWEEP_COUNTS`): the
+/// connection counts, and this CPU's slot of the per-CPU counters, which
+/// userspace sums (a packet on this CPU may interrupt the run between two
+/// instructions, never inside an atomic add).
 #[inline(always)]
-fn add_conns(ctx: &XdpContext, count: u32) -> Option<()> {
-    for i in 0..CONNS_BATCH as usize {
+fn add_counts(ctx: &XdpContext, count: u32) -> Option<()> {
+    for i in 0..COUNTS_BATCH as usize {
         if i >= count as usize {
             break;
         }
-        let item = ptr_at::<ConnsAdd>(ctx, HDR + i * size_of::<ConnsAdd>())?;
-        // SAFETY: inside the frame (`ptr_at`); copied out.
-        let add = unsafe { item.read_unaligned() };
-        let Some(c) = CONNS.get_ptr_mut(add.backend_id) else { continue };
-        // SAFETY: aligned u64s inside a map value; the item's result word
-        // inside the frame.
+        let item = ptr_at::<CountsAdd>(ctx, HDR + i * size_of::<CountsAdd>())?;
+        // SAFETY: inside the frame (`ptr_at`), aligned as the frame's
+        // items are (8 + i x 64 bytes); integers read one at a time (a
+        // copy of the whole item would not fit the program's stack).
+        let id = unsafe { (*item).backend_id };
+        let (Some(c), Some(s)) = (CONNS.get_ptr_mut(id), BACKEND_STATS.get_ptr_mut(id)) else {
+            continue;
+        };
+        // SAFETY: aligned u64s inside map values and inside the frame;
+        // the item's result word inside the frame.
         unsafe {
-            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).opened, add.opened);
-            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).closed, add.closed);
+            let add = |to: *mut u64, n: u64| atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(to, n);
+            add(&raw mut (*c).opened, (*item).opened);
+            add(&raw mut (*c).closed, (*item).closed);
+            add(&raw mut (*s).new_flows, (*item).stats.new_flows);
+            add(&raw mut (*s).packets_in, (*item).stats.packets_in);
+            add(&raw mut (*s).bytes_in, (*item).stats.bytes_in);
+            add(&raw mut (*s).packets_out, (*item).stats.packets_out);
+            add(&raw mut (*s).bytes_out, (*item).stats.bytes_out);
             (&raw mut (*item).added).write(1);
         }
     }

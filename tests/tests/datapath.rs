@@ -1283,7 +1283,7 @@ fn inserted_flows_keep_entries_the_datapath_made() {
 /// the entry lived out its idle timeout and was counted expired on top of
 /// closed), a reopen, its later time. A close whose two FINs the two
 /// programs saw apart is counted then, once; one the old program saw whole
-/// it counted itself (carried by `add_conns`). An entry that is a new
+/// it counted itself (carried by `add_counts`). An entry that is a new
 /// connection on the tuple since (made anew, or reopened here) keeps its
 /// own state.
 #[test]
@@ -1350,10 +1350,15 @@ fn a_late_copy_brings_what_the_old_program_saw_into_the_flows_copies() {
         }
         // Only the close by halves was counted here.
         assert_eq!(fx.active_flows("web"), active - 1);
-        // The old program's own counts (one close: 44,101's) are added in
-        // the kernel, to what this datapath counted.
-        assert_eq!(fx.dp.add_conns(&[(id, 0, 1), (lb_common::MAX_BACKENDS + 1, 1, 1)]).unwrap(), 1);
+        // The old program's own counts (one close, 44,101's, and two new
+        // flows with their packets) are added in the kernel, to what this
+        // datapath counted; an id past the table's adds nothing.
+        let new_flows = fx.new_flows("web", BACKEND);
+        let stats = lb_common::BackendStats { new_flows: 2, packets_in: 6, ..Default::default() };
+        let add = |backend_id| lb_common::CountsAdd { backend_id, closed: 1, stats, ..Default::default() };
+        assert_eq!(fx.dp.add_counts(&[add(id), add(lb_common::MAX_BACKENDS + 1)]).unwrap(), 1);
         assert_eq!(fx.active_flows("web"), active - 2);
+        assert_eq!(fx.new_flows("web", BACKEND), new_flows + 2);
     });
 }
 

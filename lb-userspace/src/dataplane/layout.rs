@@ -36,9 +36,9 @@ use std::{
 
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
 use lb_common::{
-    Backend, BackendStats, Conns, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6, FlowKey,
-    FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot, SlotKey,
-    Vip6Key, VipKey, flow_closed, maps as names,
+    Backend, BackendStats, Conns, CountsAdd, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6,
+    FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot,
+    SlotKey, Vip6Key, VipKey, flow_closed, maps as names,
 };
 use tracing::{info, warn};
 
@@ -478,38 +478,40 @@ impl Dataplane {
         self.set_flood(&flood)?;
         // What the old program counted since the copy, added in the
         // kernel: the new program counts into the same words meanwhile.
-        let mut adds = Vec::new();
+        let mut adds: std::collections::BTreeMap<u32, CountsAdd> = std::collections::BTreeMap::new();
+        let entry = |adds: &mut std::collections::BTreeMap<u32, CountsAdd>, id: u32| {
+            *adds.entry(id).or_insert(CountsAdd { backend_id: id, ..CountsAdd::default() })
+        };
         for id in 1..MAX_BACKENDS {
             let before = m.conns_copied[id as usize];
             let after = m.conns.get(&id, 0).map_err(map_err(names::CONNS))?;
             if after != before {
-                adds.push((id, after.opened.saturating_sub(before.opened), after.closed.saturating_sub(before.closed)));
+                let mut a = entry(&mut adds, id);
+                a.opened = after.opened.saturating_sub(before.opened);
+                a.closed = after.closed.saturating_sub(before.closed);
+                adds.insert(id, a);
             }
         }
-        self.add_conns(&adds)?;
         for (id, before) in &m.stats_copied {
             let after = m.stats.get(id, 0).map_err(map_err(names::BACKEND_STATS))?;
-            let now = self.maps.backend_stats.get(id, 0).map_err(map_err(names::BACKEND_STATS))?;
-            let mut sum = Vec::with_capacity(now.len());
-            let mut moved = false;
-            for ((n, b), a) in now.iter().zip(before.iter()).zip(after.iter()) {
-                let mut v = *n;
-                let delta = BackendStats {
+            let mut delta = BackendStats::default();
+            for (b, a) in before.iter().zip(after.iter()) {
+                delta.add(&BackendStats {
                     new_flows: a.new_flows.saturating_sub(b.new_flows),
                     packets_in: a.packets_in.saturating_sub(b.packets_in),
                     bytes_in: a.bytes_in.saturating_sub(b.bytes_in),
                     packets_out: a.packets_out.saturating_sub(b.packets_out),
                     bytes_out: a.bytes_out.saturating_sub(b.bytes_out),
-                };
-                moved |= delta != BackendStats::default();
-                v.add(&delta);
-                sum.push(v);
+                });
             }
-            if moved {
-                let values = PerCpuValues::try_from(sum).expect("one value per CPU");
-                self.maps.backend_stats.set(*id, values, 0).map_err(map_err(names::BACKEND_STATS))?;
+            if delta != BackendStats::default() {
+                let mut a = entry(&mut adds, *id);
+                a.stats = delta;
+                adds.insert(*id, a);
             }
         }
+        let adds: Vec<CountsAdd> = adds.into_values().collect();
+        self.add_counts(&adds)?;
         std::fs::remove_dir_all(&m.dir).map_err(|source| DataplaneError::Pin { path: m.dir.clone(), source })?;
         info!(
             from = m.from,

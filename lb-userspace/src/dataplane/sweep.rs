@@ -6,10 +6,10 @@ use aya::maps::IterableMap as _;
 
 use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
-    CONNS_BATCH, COPIED, ConnsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
+    COPIED, COUNTS_BATCH, CountsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
     Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED,
     INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH, SWEEP_BATCH6,
-    SWEEP_BY_KEY, SWEEP_CONNS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed,
+    SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed,
     maps as names,
 };
 
@@ -419,16 +419,12 @@ impl Dataplane {
         Ok(Inserted::count(done.iter().map(|i| i.inserted)))
     }
 
-    /// Add to backends' connection counts (`CONNS`) atomically, in the
-    /// kernel: (backend id, opened, closed). A read and write back from
-    /// here would lose what the datapath counts between them. Answers how
-    /// many backend ids had an entry to add to.
-    pub fn add_conns(&self, adds: &[(u32, u64, u64)]) -> Result<usize, DataplaneError> {
-        let items: Vec<ConnsAdd> = adds
-            .iter()
-            .map(|&(backend_id, opened, closed)| ConnsAdd { backend_id, added: 0, opened, closed })
-            .collect();
-        let done = request(self.remover()?, names::CONNS, SWEEP_CONNS, CONNS_BATCH as usize, &items)?;
+    /// Add to backends' counts atomically, in the kernel (see
+    /// `lb_common::SWEEP_COUNTS`): a read and write back from here would
+    /// lose what the datapath counts between them. Answers how many items'
+    /// backend ids had an entry to add to.
+    pub fn add_counts(&self, adds: &[CountsAdd]) -> Result<usize, DataplaneError> {
+        let done = request(self.remover()?, names::CONNS, SWEEP_COUNTS, COUNTS_BATCH as usize, adds)?;
         Ok(done.iter().filter(|a| a.added == 1).count())
     }
 
