@@ -125,18 +125,39 @@ fn try_sweep(ctx: &XdpContext) -> Option<()> {
 
 /// An insert request's item and its table's global insert function.
 trait Insert {
-    type Key;
-    type Value;
+    type Key: Copy;
+    type Value: Copy;
     /// `table::lb_put_flow` or `table::lb_put_flow6`, without replacing.
     fn put(key: *const Self::Key, value: *const Self::Value) -> u32;
     /// Where the item's key, value and result word are, and its `copied`
     /// word.
     fn parts(item: *mut Self) -> (*const Self::Key, *const Self::Value, *mut u32, u32);
-    /// Bring `old`, the old program's later view of a flow copied with the
-    /// state bits `copied`, into the key's entry (see
-    /// `lb_common::InsertItem::copied`); answers `INSERT_MERGED` or
-    /// `INSERT_EXISTS`.
-    fn merge(key: *const Self::Key, old: *const Self::Value, copied: u32) -> u32;
+    /// The key's entry, when it is the flow `old` is a view of (the same
+    /// backend endpoint and direction, not a reply entry): what a merge
+    /// takes from `old`, and the entry's `state` and `last_seen`.
+    fn same_flow(key: &Self::Key, old: &Self::Value) -> Option<(OldView, *mut u64, *mut u64)>;
+}
+
+/// [`Insert::same_flow`] of either family: `Flow` and `Flow6` name these
+/// fields alike, and `$find` is `table::flow` or `table::flow6`.
+macro_rules! same_flow {
+    ($find:path, $key:expr, $old:expr) => {{
+        let old = $old;
+        let live = $find($key)?;
+        // SAFETY: a valid, aligned map value; plain loads of integers,
+        // and the addresses of two fields.
+        unsafe {
+            let same = (*live).backend_id == old.backend_id
+                && (*live).nat_addr == old.nat_addr
+                && (*live).nat_port == old.nat_port
+                && (*live).dir == old.dir
+                && old.dir != DIR_REPLY;
+            same.then(|| {
+                let view = OldView { backend_id: old.backend_id, state: old.state, last_seen: old.last_seen };
+                (view, &raw mut (*live).state, &raw mut (*live).last_seen)
+            })
+        }
+    }};
 }
 
 impl Insert for InsertItem {
@@ -150,28 +171,8 @@ impl Insert for InsertItem {
         // the frame: `ptr_at`) gives its `copied` word.
         unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted, (*item).copied) }
     }
-    fn merge(key: *const FlowKey, old: *const Flow, copied: u32) -> u32 {
-        // SAFETY: both lie inside the frame (`ptr_at`); copied out whole.
-        let (key, old) = unsafe { (key.read_unaligned(), old.read_unaligned()) };
-        let Some(live) = table::flow(&key) else { return INSERT_EXISTS };
-        // SAFETY: a valid, aligned map value; plain loads of integers.
-        let same = unsafe {
-            (*live).backend_id == old.backend_id
-                && (*live).nat_addr == old.nat_addr
-                && (*live).nat_port == old.nat_port
-                && (*live).dir == old.dir
-        };
-        if !same || old.dir == DIR_REPLY {
-            return INSERT_EXISTS;
-        }
-        // SAFETY: only the fields' addresses are taken.
-        let (state, seen) = unsafe { (&raw mut (*live).state, &raw mut (*live).last_seen) };
-        merge_into(
-            state,
-            seen,
-            &OldView { backend_id: old.backend_id, state: old.state, last_seen: old.last_seen },
-            copied,
-        )
+    fn same_flow(key: &FlowKey, old: &Flow) -> Option<(OldView, *mut u64, *mut u64)> {
+        same_flow!(table::flow, key, old)
     }
 }
 
@@ -185,28 +186,22 @@ impl Insert for InsertItem6 {
         // SAFETY: as for `InsertItem`.
         unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted, (*item).copied) }
     }
-    fn merge(key: *const FlowKey6, old: *const Flow6, copied: u32) -> u32 {
-        // SAFETY: as for `InsertItem`.
-        let (key, old) = unsafe { (key.read_unaligned(), old.read_unaligned()) };
-        let Some(live) = table::flow6(&key) else { return INSERT_EXISTS };
-        // SAFETY: as for `InsertItem`.
-        let same = unsafe {
-            (*live).backend_id == old.backend_id
-                && (*live).nat_addr == old.nat_addr
-                && (*live).nat_port == old.nat_port
-                && (*live).dir == old.dir
-        };
-        if !same || old.dir == DIR_REPLY {
-            return INSERT_EXISTS;
-        }
-        // SAFETY: only the fields' addresses are taken.
-        let (state, seen) = unsafe { (&raw mut (*live).state, &raw mut (*live).last_seen) };
-        merge_into(
-            state,
-            seen,
-            &OldView { backend_id: old.backend_id, state: old.state, last_seen: old.last_seen },
-            copied,
-        )
+    fn same_flow(key: &FlowKey6, old: &Flow6) -> Option<(OldView, *mut u64, *mut u64)> {
+        same_flow!(table::flow6, key, old)
+    }
+}
+
+/// Bring `old`, the old program's later view of a flow copied with the
+/// state bits `copied`, into the key's entry where that is the flow's
+/// copy (see `lb_common::InsertItem::copied`); answers `INSERT_MERGED` or
+/// `INSERT_EXISTS`.
+#[inline(always)]
+fn merge<I: Insert>(key: *const I::Key, old: *const I::Value, copied: u32) -> u32 {
+    // SAFETY: both lie inside the frame (`ptr_at`); copied out whole.
+    let (key, old) = unsafe { (key.read_unaligned(), old.read_unaligned()) };
+    match I::same_flow(&key, &old) {
+        Some((view, state, seen)) => merge_into(state, seen, &view, copied),
+        None => INSERT_EXISTS,
     }
 }
 
@@ -284,7 +279,7 @@ fn insert<I: Insert, const N: usize>(ctx: &XdpContext, count: u32) -> Option<()>
         let answer = if done == table::Put::Done as u32 {
             INSERTED
         } else if done == table::Put::Exists as u32 {
-            if copied & COPIED != 0 { I::merge(key, value, copied) } else { INSERT_EXISTS }
+            if copied & COPIED != 0 { merge::<I>(key, value, copied) } else { INSERT_EXISTS }
         } else {
             0
         };
