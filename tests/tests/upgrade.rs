@@ -450,11 +450,21 @@ fn migrated(lab: &Lab, lbd: &Lbd, maps: &Path, from: u32) {
 /// does (README, "Shared endpoints"), and that is not what an upgrade test
 /// is about.
 fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_program: u64, long_target: &str) {
+    /// Stops both loads (their `--stop-file`) when dropped: also when
+    /// the test fails before it means to, so that the scope's join of the
+    /// loads ends.
+    struct StopLoads<'a>(&'a Path);
+    impl Drop for StopLoads<'_> {
+        fn drop(&mut self) {
+            let _ = std::fs::write(self.0, b"");
+        }
+    }
     let stop = bin.join("load-stop");
     // Left by an earlier run that failed.
     let _ = std::fs::remove_file(&stop);
     let stop_arg = stop.to_str().unwrap();
     std::thread::scope(|scope| {
+        let stop_loads = StopLoads(&stop);
         let load = scope.spawn(|| {
             lab.client(&[
                 "conns",
@@ -497,7 +507,7 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
         // The loads go on through the new program for a while, and stop
         // however the restart went.
         std::thread::sleep(Duration::from_millis(1500));
-        std::fs::write(&stop, b"").unwrap();
+        drop(stop_loads);
         let new_program = restarted.unwrap();
         assert_ne!(new_program, old_program);
         assert_eq!(attached_program(lab), new_program);
