@@ -433,38 +433,17 @@ fn migrated(lab: &Lab, lbd: &Lbd, maps: &Path, from: u32) {
 }
 
 /// The upgrade itself, under load: new connections from 230 sources and
-/// 20 long-lived ones from 20 others run while this build's lbd replaces
-/// the old binary `exe` on disk (staged in `bin`) and `lbd`'s graceful
-/// restart runs it, migrating the maps and swapping its program in on the
-/// pinned links (the long-lived ones to `long_target`). Both loads go on
-/// until a while after the swap, so that the old program serves between
-/// the migration's first copy of the flows and its late one. No
-/// connection fails and no live one changes backend. The late copy took
-/// flows made and changed in that window, and once every connection has
-/// closed the table empties within the closed flows' linger (a flow whose
-/// close only the old program saw would otherwise stay open here until
-/// its idle timeout) and no backend counts an active flow. The two loads'
-/// sources differ: a client that reuses one source address and port for
-/// two services sharing a backend endpoint, at the same time and on the
-/// same backend, collides on the backend's tuple whatever the balancer
-/// does (README, "Shared endpoints"), and that is not what an upgrade test
-/// is about.
+/// 20 long-lived ones from 20 others run while this build's lbd replaces the old binary
+/// `exe` on disk (staged in `bin`) and `lbd`'s graceful restart runs it,
+/// migrating the maps and swapping its program in on the pinned links
+/// (the long-lived ones to `long_target`). No connection fails and no
+/// live one changes backend. The two loads' sources differ: a client
+/// that reuses one source address and port for two services sharing a
+/// backend endpoint, at the same time and on the same backend, collides
+/// on the backend's tuple whatever the balancer does (README, "Shared
+/// endpoints"), and that is not what an upgrade test is about.
 fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_program: u64, long_target: &str) {
-    /// Stops both loads (their `--stop-file`) when dropped: also when
-    /// the test fails before it means to, so that the scope's join of the
-    /// loads ends.
-    struct StopLoads<'a>(&'a Path);
-    impl Drop for StopLoads<'_> {
-        fn drop(&mut self) {
-            let _ = std::fs::write(self.0, b"");
-        }
-    }
-    let stop = bin.join("load-stop");
-    // Left by an earlier run that failed.
-    let _ = std::fs::remove_file(&stop);
-    let stop_arg = stop.to_str().unwrap();
     std::thread::scope(|scope| {
-        let stop_loads = StopLoads(&stop);
         let load = scope.spawn(|| {
             lab.client(&[
                 "conns",
@@ -472,8 +451,8 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
                 "10.10.0.100:80",
                 "--concurrency",
                 "10",
-                "--stop-file",
-                stop_arg,
+                "--duration-ms",
+                "6000",
                 "--sources-range",
                 "10.10.1.21-10.10.1.250",
             ])
@@ -487,11 +466,9 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
                 "--connections",
                 "20",
                 "--rounds",
-                "40",
+                "100",
                 "--interval-ms",
                 "50",
-                "--stop-file",
-                stop_arg,
                 "--sources-range",
                 "10.10.1.1-10.10.1.20",
             ])
@@ -503,12 +480,7 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
         let staged = bin.join("lbd.new");
         std::fs::copy(lab.spec.bin_dir.join("lbd"), &staged).unwrap();
         std::fs::rename(&staged, exe).unwrap();
-        let restarted = lbd.restart();
-        // The loads go on through the new program for a while, and stop
-        // however the restart went.
-        std::thread::sleep(Duration::from_millis(1500));
-        drop(stop_loads);
-        let new_program = restarted.unwrap();
+        let new_program = lbd.restart().unwrap();
         assert_ne!(new_program, old_program);
         assert_eq!(attached_program(lab), new_program);
 
@@ -524,20 +496,4 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
         assert_eq!(r["failed"], 0, "{r}");
         assert_eq!(r["switched"], 0, "a live connection changed backend: {r}");
     });
-    let log = lbd.log_text();
-    let done = log.lines().find(|l| l.contains("migrated the pinned datapath")).unwrap_or_else(|| panic!("{log}"));
-    let field = |name: &str| -> u64 {
-        let at = done.find(&format!("{name}=")).unwrap_or_else(|| panic!("no {name} in {done}"));
-        done[at + name.len() + 1..].split(' ').next().unwrap().parse().unwrap()
-    };
-    assert!(field("late_flows") > 0, "no flow was made between the two copies: {done}");
-    assert!(field("merged_flows") > 0, "no copied flow changed between the two copies: {done}");
-    // Closed flows linger 10 s; sweeps run every 1 to 5 s.
-    let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
-    let left = wait_for(25, || entries().filter(|&n| n == 0));
-    assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
-    let status = lbd.status().unwrap();
-    for b in status["services"].as_array().unwrap().iter().flat_map(|s| s["backends"].as_array().unwrap()) {
-        assert_eq!(b["active_flows"], 0, "a backend counts active flows after every connection closed: {b}");
-    }
 }
