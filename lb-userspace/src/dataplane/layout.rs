@@ -306,14 +306,15 @@ impl Dataplane {
     /// made stands, unless `earlier` says it is this flow's earlier copy,
     /// which then takes what the old program saw since (see
     /// [`Dataplane::merge_flows`]). Returns how many were inserted and
-    /// merged, and the state of every flow read.
+    /// merged, and, for the first copy (no `earlier`), the state of every
+    /// flow read.
     fn copy_flows(
         &self,
         from: u32,
         old: &MapData,
         old6: Option<&MapData>,
         earlier: Option<&Copied>,
-    ) -> Result<(Inserted, Copied), DataplaneError> {
+    ) -> Result<(Inserted, Option<Copied>), DataplaneError> {
         let mut flows = old_entries::<FlowKey, Flow, BucketV3>(from, old, names::FLOWS, |f| f.dir)?;
         if from == 1 {
             for (_, f) in &mut flows {
@@ -326,10 +327,13 @@ impl Dataplane {
                 }
             }
         }
+        let first = earlier.is_none();
         let none = Copied::default();
         let earlier = earlier.unwrap_or(&none);
         let mut done = self.merge_flows(&flows, &earlier.v4)?;
-        let mut read = Copied { v4: flows.iter().map(|(k, f)| (*k, f.state)).collect(), v6: Default::default() };
+        // The record a late copy merges by; the late copy needs none.
+        let mut read =
+            first.then(|| Copied { v4: flows.iter().map(|(k, f)| (*k, f.state)).collect(), v6: Default::default() });
         drop(flows);
         if let Some(old6) = old6 {
             let flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6, |f| f.dir)?;
@@ -338,7 +342,9 @@ impl Dataplane {
             done.existed += d6.existed;
             done.merged += d6.merged;
             done.no_room += d6.no_room;
-            read.v6 = flows6.iter().map(|(k, f)| (*k, f.state)).collect();
+            if let Some(read) = &mut read {
+                read.v6 = flows6.iter().map(|(k, f)| (*k, f.state)).collect();
+            }
         }
         if done.no_room > 0 {
             warn!(
@@ -440,7 +446,7 @@ impl Dataplane {
             conns_copied,
             stats,
             stats_copied,
-            copied: Some(copied),
+            copied,
         })
     }
 
@@ -479,17 +485,16 @@ impl Dataplane {
         // What the old program counted since the copy, added in the
         // kernel: the new program counts into the same words meanwhile.
         let mut adds: std::collections::BTreeMap<u32, CountsAdd> = std::collections::BTreeMap::new();
-        let entry = |adds: &mut std::collections::BTreeMap<u32, CountsAdd>, id: u32| {
-            *adds.entry(id).or_insert(CountsAdd { backend_id: id, ..CountsAdd::default() })
-        };
+        fn entry(adds: &mut std::collections::BTreeMap<u32, CountsAdd>, id: u32) -> &mut CountsAdd {
+            adds.entry(id).or_insert(CountsAdd { backend_id: id, ..CountsAdd::default() })
+        }
         for id in 1..MAX_BACKENDS {
             let before = m.conns_copied[id as usize];
             let after = m.conns.get(&id, 0).map_err(map_err(names::CONNS))?;
             if after != before {
-                let mut a = entry(&mut adds, id);
+                let a = entry(&mut adds, id);
                 a.opened = after.opened.saturating_sub(before.opened);
                 a.closed = after.closed.saturating_sub(before.closed);
-                adds.insert(id, a);
             }
         }
         for (id, before) in &m.stats_copied {
@@ -505,9 +510,7 @@ impl Dataplane {
                 });
             }
             if delta != BackendStats::default() {
-                let mut a = entry(&mut adds, *id);
-                a.stats = delta;
-                adds.insert(*id, a);
+                entry(&mut adds, *id).stats = delta;
             }
         }
         let adds: Vec<CountsAdd> = adds.into_values().collect();
