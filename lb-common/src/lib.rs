@@ -924,16 +924,25 @@ pub struct InsertItem {
     pub key: FlowKey,
     pub value: Flow,
     /// Set by the program: [`INSERTED`], [`INSERT_EXISTS`],
-    /// [`INSERT_MERGED`], or 0 (no free slot for it).
+    /// [`INSERT_MERGED`], [`INSERT_REPLACED`], or 0 (no free slot for it).
+    /// The program may rewrite the item's `state` and `last_seen`.
     pub inserted: u32,
     /// 0: a plain insert. [`COPIED`] | the `state` bits the flow had when
-    /// it was first copied: where the key's entry is still that copy (the
-    /// same backend endpoint and direction, every copied bit still set, no
-    /// reopen since), the handshake and close bits the old program added
-    /// since ([`MERGED_BITS`]) are set in it too, and a later `last_seen`
-    /// is taken. A close that needed both programs' halves (one FIN each)
-    /// is counted for the backend then; one the old program made alone it
-    /// counted itself.
+    /// it was first copied. Where the key's entry is still that copy (the
+    /// same direction, every copied bit still set, no reopen since):
+    /// - if the item is a view of the same connection (the same backend
+    ///   endpoint, every copied bit set, no reopen since), the handshake
+    ///   and close bits the old program added since ([`MERGED_BITS`]) are
+    ///   set in the entry too, and a later `last_seen` is taken. A close
+    ///   that needed both programs' halves (one FIN each) is counted for
+    ///   the backend then; one the old program made alone it counted
+    ///   itself;
+    /// - otherwise the item is a later connection the old program made on
+    ///   the tuple (a client reusing its port), and replaces the entry,
+    ///   keeping the bits the new program added since. The old program
+    ///   counted the copy's close and the later connection's open; a close
+    ///   the new program counted on the copy is taken back, and the later
+    ///   one's close counted if the two views together make it.
     pub copied: u32,
 }
 
@@ -954,13 +963,17 @@ pub const INSERT_EXISTS: u32 = 2;
 /// [`InsertItem::inserted`]: the key's entry was the item's earlier copy,
 /// and the old program's later bits or time went into it.
 pub const INSERT_MERGED: u32 = 3;
+/// [`InsertItem::inserted`]: the key's entry was the item's earlier copy,
+/// and the item is the old program's view of a later connection on the
+/// tuple, which replaced it.
+pub const INSERT_REPLACED: u32 = 4;
 /// [`InsertItem::copied`]: the item carries the copied state bits.
 pub const COPIED: u32 = 1 << 31;
 /// The `state` bits a later view of a copied flow brings into its entry:
 /// the handshake (`FLOW_REPLIED`, `FLOW_ESTABLISHED`) and the close
 /// (`FLOW_FIN_CLIENT`, `FLOW_FIN_BACKEND`, `FLOW_RST`). A reopen
-/// (`FLOW_REOPENED`) is brought in as the datapath makes it: the
-/// entry's other bits cleared but `FLOW_REPLIED`.
+/// (`FLOW_REOPENED`) is a later connection on the tuple, which replaces
+/// the entry (see [`InsertItem::copied`]).
 pub const MERGED_BITS: u64 = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND | FLOW_RST | FLOW_REPLIED | FLOW_ESTABLISHED;
 
 /// Items per insert request: 8 + 43 x 80 = 3,448 bytes; IPv6 8 + 29 x

@@ -1,5 +1,5 @@
 //! Per-CPU counters: plain adds, no atomics needed (each CPU owns its copy).
-use core::intrinsics::{AtomicOrdering, atomic_xadd};
+use core::intrinsics::{AtomicOrdering, atomic_xadd, atomic_xsub};
 
 use crate::maps::{BACKEND_STATS, CONNS, COUNTERS, EXPIRED};
 
@@ -62,6 +62,17 @@ pub(crate) fn flow_closed(id: u32) {
     if let Some(c) = CONNS.get_ptr_mut(id) {
         // SAFETY: aligned u64 inside a map value.
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).closed, 1) };
+    }
+}
+
+/// A close counted for backend `id` taken back: the connection it was
+/// counted for had been counted closed already (a migration's late copy,
+/// `sweep::replace`). `closed` holds that count, so it stays whole.
+#[inline(always)]
+pub(crate) fn close_taken_back(id: u32) {
+    if let Some(c) = CONNS.get_ptr_mut(id) {
+        // SAFETY: aligned u64 inside a map value.
+        unsafe { atomic_xsub::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).closed, 1) };
     }
 }
 

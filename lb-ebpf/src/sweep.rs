@@ -12,14 +12,14 @@
 //! Run by lbd through BPF_PROG_TEST_RUN, never attached: the "frame" is
 //! the request, and the program marks in it what it removed.
 use aya_ebpf::{bindings::xdp_action, macros::xdp, maps::Array, programs::XdpContext};
-use core::intrinsics::{AtomicOrdering, atomic_and, atomic_or, atomic_xadd};
+use core::intrinsics::{AtomicOrdering, atomic_or, atomic_xadd};
 use core::{
     mem::size_of,
     ptr::{addr_of, addr_of_mut, read_volatile},
 };
 use lb_common::{
-    COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_REOPENED, FLOW_REPLIED, Flow, Flow6, FlowKey, FlowKey6,
-    INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERTED, InsertItem, InsertItem6, MERGED_BITS,
+    COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_REOPENED, Flow, Flow6, FlowKey, FlowKey6, INSERT_BATCH,
+    INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, MERGED_BITS,
     SLOT_BUCKET, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, Slot, SlotKey, SweepHeader,
     SweepItem, SweepItem6, flow_closed,
 };
@@ -127,34 +127,37 @@ fn try_sweep(ctx: &XdpContext) -> Option<()> {
 trait Insert {
     type Key: Copy;
     type Value: Copy;
-    /// `table::lb_put_flow` or `table::lb_put_flow6`, without replacing.
-    fn put(key: *const Self::Key, value: *const Self::Value) -> u32;
+    /// `table::lb_put_flow` or `table::lb_put_flow6`; `replace` as there.
+    fn put(key: *const Self::Key, value: *const Self::Value, replace: u32) -> u32;
     /// Where the item's key, value and result word are, and its `copied`
     /// word.
-    fn parts(item: *mut Self) -> (*const Self::Key, *const Self::Value, *mut u32, u32);
-    /// The key's entry, when it is the flow `old` is a view of (the same
-    /// backend endpoint and direction, not a reply entry): what a merge
-    /// takes from `old`, and the entry's `state` and `last_seen`.
-    fn same_flow(key: &Self::Key, old: &Self::Value) -> Option<(OldView, *mut u64, *mut u64)>;
+    fn parts(item: *mut Self) -> (*const Self::Key, *mut Self::Value, *mut u32, u32);
+    /// The key's entry, when it is a flow in the same direction as `old`
+    /// (not a reply entry), and how the two stand to each other.
+    fn live(key: &Self::Key, old: &Self::Value) -> Option<Live>;
+    /// The old view's backend, `state` and `last_seen`.
+    fn view(old: &Self::Value) -> OldView;
+    /// Where the item's value keeps its `state` and `last_seen`.
+    fn words(value: *mut Self::Value) -> (*mut u64, *mut u64);
 }
 
-/// [`Insert::same_flow`] of either family: `Flow` and `Flow6` name these
+/// [`Insert::live`] of either family: `Flow` and `Flow6` name these
 /// fields alike, and `$find` is `table::flow` or `table::flow6`.
-macro_rules! same_flow {
+macro_rules! live {
     ($find:path, $key:expr, $old:expr) => {{
         let old = $old;
         let live = $find($key)?;
         // SAFETY: a valid, aligned map value; plain loads of integers,
         // and the addresses of two fields.
         unsafe {
-            let same = (*live).backend_id == old.backend_id
-                && (*live).nat_addr == old.nat_addr
-                && (*live).nat_port == old.nat_port
-                && (*live).dir == old.dir
-                && old.dir != DIR_REPLY;
-            same.then(|| {
-                let view = OldView { backend_id: old.backend_id, state: old.state, last_seen: old.last_seen };
-                (view, &raw mut (*live).state, &raw mut (*live).last_seen)
+            let flow = (*live).dir == old.dir && old.dir != DIR_REPLY;
+            flow.then(|| Live {
+                backend_id: (*live).backend_id,
+                same_endpoint: (*live).backend_id == old.backend_id
+                    && (*live).nat_addr == old.nat_addr
+                    && (*live).nat_port == old.nat_port,
+                state: &raw mut (*live).state,
+                seen: &raw mut (*live).last_seen,
             })
         }
     }};
@@ -163,46 +166,55 @@ macro_rules! same_flow {
 impl Insert for InsertItem {
     type Key = FlowKey;
     type Value = Flow;
-    fn put(key: *const FlowKey, value: *const Flow) -> u32 {
-        table::lb_put_flow(key, value, 0, table::NO_SLOT)
+    fn put(key: *const FlowKey, value: *const Flow, replace: u32) -> u32 {
+        table::lb_put_flow(key, value, replace, table::NO_SLOT)
     }
-    fn parts(item: *mut Self) -> (*const FlowKey, *const Flow, *mut u32, u32) {
+    fn parts(item: *mut Self) -> (*const FlowKey, *mut Flow, *mut u32, u32) {
         // SAFETY: the fields' addresses are taken, and the item (inside
         // the frame: `ptr_at`) gives its `copied` word.
-        unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted, (*item).copied) }
+        unsafe { (&raw const (*item).key, &raw mut (*item).value, &raw mut (*item).inserted, (*item).copied) }
     }
-    fn same_flow(key: &FlowKey, old: &Flow) -> Option<(OldView, *mut u64, *mut u64)> {
-        same_flow!(table::flow, key, old)
+    fn live(key: &FlowKey, old: &Flow) -> Option<Live> {
+        live!(table::flow, key, old)
+    }
+    fn view(old: &Flow) -> OldView {
+        OldView { backend_id: old.backend_id, state: old.state, last_seen: old.last_seen }
+    }
+    fn words(value: *mut Flow) -> (*mut u64, *mut u64) {
+        // SAFETY: only the fields' addresses are taken.
+        unsafe { (&raw mut (*value).state, &raw mut (*value).last_seen) }
     }
 }
 
 impl Insert for InsertItem6 {
     type Key = FlowKey6;
     type Value = Flow6;
-    fn put(key: *const FlowKey6, value: *const Flow6) -> u32 {
-        table::lb_put_flow6(key, value, 0, table::NO_SLOT)
+    fn put(key: *const FlowKey6, value: *const Flow6, replace: u32) -> u32 {
+        table::lb_put_flow6(key, value, replace, table::NO_SLOT)
     }
-    fn parts(item: *mut Self) -> (*const FlowKey6, *const Flow6, *mut u32, u32) {
+    fn parts(item: *mut Self) -> (*const FlowKey6, *mut Flow6, *mut u32, u32) {
         // SAFETY: as for `InsertItem`.
-        unsafe { (&raw const (*item).key, &raw const (*item).value, &raw mut (*item).inserted, (*item).copied) }
+        unsafe { (&raw const (*item).key, &raw mut (*item).value, &raw mut (*item).inserted, (*item).copied) }
     }
-    fn same_flow(key: &FlowKey6, old: &Flow6) -> Option<(OldView, *mut u64, *mut u64)> {
-        same_flow!(table::flow6, key, old)
+    fn live(key: &FlowKey6, old: &Flow6) -> Option<Live> {
+        live!(table::flow6, key, old)
+    }
+    fn view(old: &Flow6) -> OldView {
+        OldView { backend_id: old.backend_id, state: old.state, last_seen: old.last_seen }
+    }
+    fn words(value: *mut Flow6) -> (*mut u64, *mut u64) {
+        // SAFETY: as for `InsertItem`.
+        unsafe { (&raw mut (*value).state, &raw mut (*value).last_seen) }
     }
 }
 
-/// Bring `old`, the old program's later view of a flow copied with the
-/// state bits `copied`, into the key's entry where that is the flow's
-/// copy (see `lb_common::InsertItem::copied`); answers `INSERT_MERGED` or
-/// `INSERT_EXISTS`.
-#[inline(always)]
-fn merge<I: Insert>(key: *const I::Key, old: *const I::Value, copied: u32) -> u32 {
-    // SAFETY: both lie inside the frame (`ptr_at`); copied out whole.
-    let (key, old) = unsafe { (key.read_unaligned(), old.read_unaligned()) };
-    match I::same_flow(&key, &old) {
-        Some((view, state, seen)) => merge_into(state, seen, &view, copied),
-        None => INSERT_EXISTS,
-    }
+/// A key's entry as a merge sees it.
+struct Live {
+    backend_id: u32,
+    /// It names the old view's backend endpoint.
+    same_endpoint: bool,
+    state: *mut u64,
+    seen: *mut u64,
 }
 
 /// What a merge takes from the old program's view of a flow.
@@ -212,39 +224,49 @@ struct OldView {
     last_seen: u64,
 }
 
-/// The merge of `lb_common::InsertItem::copied` into a live entry's
-/// `state` and `last_seen` (the same flow: its backend endpoint and
-/// direction were checked). The datapath writes both at the same time:
-/// the state with atomic AND and OR as it does itself, the time with a
-/// plain store (either time is a packet's).
+/// Bring the old program's later view of a flow copied with the state
+/// bits `copied` (the item's value, `old`) into the key's entry where that
+/// is still the flow's copy (see `lb_common::InsertItem::copied`):
+/// answers `INSERT_MERGED`, `INSERT_REPLACED` or `INSERT_EXISTS`.
+///
+/// The entry is still the copy when every copied bit is set in it and it
+/// was not reopened since: the new program changes an entry in no other
+/// way than adding bits, unless it sees a new connection on the tuple (a
+/// reopen, or a new entry: `known_flow`).
 #[inline(always)]
-fn merge_into(state: *mut u64, seen: *mut u64, old: &OldView, copied: u32) -> u32 {
+fn merge<I: Insert>(key: *const I::Key, old: *mut I::Value, copied: u32) -> u32 {
+    // SAFETY: both lie inside the frame (`ptr_at`); copied out whole.
+    let (k, v) = unsafe { (key.read_unaligned(), old.read_unaligned()) };
+    let Some(live) = I::live(&k, &v) else { return INSERT_EXISTS };
+    let view = I::view(&v);
     let copied = u64::from(copied & !COPIED);
     // SAFETY: a valid, aligned u64 inside a map value (see `known_flow`
     // on reading a word other CPUs OR bits into).
-    let live = unsafe { read_volatile(state) };
-    // The entry lost a bit it was copied with, or was reopened since: a
-    // new connection on the tuple, which the old view is not about.
-    if live & copied != copied || (live ^ copied) & FLOW_REOPENED != 0 {
+    let now = unsafe { read_volatile(live.state) };
+    if now & copied != copied || (now ^ copied) & FLOW_REOPENED != 0 {
+        // A new connection on the tuple since the swap: the newest view.
         return INSERT_EXISTS;
     }
+    // The old program's view is of a later connection on the tuple when
+    // it lost a copied bit or was reopened (`reopen` clears the handshake
+    // and close bits), or names another backend (scheduled anew, after
+    // the copy's connection closed or its backend went down).
+    let later = !live.same_endpoint || view.state & copied != copied || (view.state ^ copied) & FLOW_REOPENED != 0;
+    if later { replace::<I>(key, old, &live, &view, now, copied) } else { merge_into(&live, &view, now) }
+}
+
+/// The old program's view of the same connection as the entry: ORs in
+/// the handshake and close bits it saw since the copy (`MERGED_BITS`) and
+/// takes its later time. The datapath writes both at the same time: the
+/// state with atomic OR as it does itself, the time with a plain store
+/// (either time is a packet's).
+#[inline(always)]
+fn merge_into(live: &Live, old: &OldView, now: u64) -> u32 {
     let mut merged = false;
-    let mut have = live;
-    if old.state & FLOW_REOPENED != 0 && copied & FLOW_REOPENED == 0 {
-        // The old program saw the client reopen the tuple (and counted
-        // the close and the open): what `reopen` does to the entry.
-        // SAFETY: as above.
-        unsafe {
-            atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(state, FLOW_REPLIED);
-            atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(state, FLOW_REOPENED);
-        }
-        have = FLOW_REPLIED | FLOW_REOPENED;
-        merged = true;
-    }
-    let add = old.state & MERGED_BITS & !have;
+    let add = old.state & MERGED_BITS & !now;
     if add != 0 {
         // SAFETY: as above.
-        let before = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(state, add) };
+        let before = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(live.state, add) };
         // Closed by halves the two programs saw apart (neither counted
         // it); a close the old program saw whole it counted.
         if !flow_closed(old.state) && !flow_closed(before) && flow_closed(before | add) {
@@ -254,12 +276,53 @@ fn merge_into(state: *mut u64, seen: *mut u64, old: &OldView, copied: u32) -> u3
     }
     // SAFETY: as above; plain load and store of a timestamp.
     unsafe {
-        if old.last_seen > read_volatile(seen) {
-            seen.write_volatile(old.last_seen);
+        if old.last_seen > read_volatile(live.seen) {
+            live.seen.write_volatile(old.last_seen);
             merged = true;
         }
     }
     if merged { INSERT_MERGED } else { INSERT_EXISTS }
+}
+
+/// The old program's view of a later connection on the tuple than the
+/// entry's (`now`, still the copy): the entry is replaced by it (backend
+/// and all), with the bits the new program added to the copy since
+/// (`now` less `copied`: the client's packets after the swap, which are
+/// the later connection's) and the later time. The old program counted
+/// the copy's connection closed before it took the tuple again (`reopen`,
+/// or a closed or downed flow scheduled anew), and the later one opened:
+/// a close the new program counted on the copy is taken back, and the
+/// later connection's close is counted if only the two views together
+/// make it. The view is written into the item (inside the frame) and put
+/// from there: the stack has no room for another value.
+#[inline(always)]
+fn replace<I: Insert>(
+    key: *const I::Key,
+    old: *mut I::Value,
+    live: &Live,
+    view: &OldView,
+    now: u64,
+    copied: u64,
+) -> u32 {
+    let state = view.state | (now & !copied & MERGED_BITS);
+    // SAFETY: a plain load of a timestamp in a map value.
+    let seen = unsafe { read_volatile(live.seen) }.max(view.last_seen);
+    let (s, t) = I::words(old);
+    // SAFETY: both words lie inside the item, inside the frame.
+    unsafe {
+        s.write_unaligned(state);
+        t.write_unaligned(seen);
+    }
+    if I::put(key, old, 1) != table::Put::Done as u32 {
+        return INSERT_EXISTS;
+    }
+    if !flow_closed(copied) && flow_closed(now) {
+        stats::close_taken_back(live.backend_id);
+    }
+    if !flow_closed(view.state) && flow_closed(state) {
+        stats::flow_closed(view.backend_id);
+    }
+    INSERT_REPLACED
 }
 
 /// Insert each of the request's `count` items (at most `N`) unless its key
@@ -275,7 +338,7 @@ fn insert<I: Insert, const N: usize>(ctx: &XdpContext, count: u32) -> Option<()>
         }
         let item = ptr_at::<I>(ctx, HDR + i * size_of::<I>())?;
         let (key, value, result, copied) = I::parts(item);
-        let done = I::put(key, value);
+        let done = I::put(key, value, 0);
         let answer = if done == table::Put::Done as u32 {
             INSERTED
         } else if done == table::Put::Exists as u32 {

@@ -1336,12 +1336,13 @@ fn a_late_copy_brings_what_the_old_program_saw_into_the_flows_copies() {
         ];
         let copied = copies.iter().map(|(&p, f)| (key4(p), f.state)).collect();
         let done = fx.dp.merge_flows(&old, &copied).unwrap();
-        assert_eq!((done.inserted, done.merged, done.existed, done.no_room), (0, 4, 2, 0), "{done:?}");
+        let counts = (done.inserted, done.merged, done.replaced, done.existed, done.no_room);
+        assert_eq!(counts, (0, 3, 1, 2, 0), "{done:?}");
         let now: std::collections::HashMap<u16, lb_common::Flow> = (44_100..=44_105).map(|p| (p, entry(p))).collect();
         assert_eq!(now[&44_100].state, FLOW_REPLIED | EST, "the handshake the old program saw");
         assert_eq!(now[&44_101].state & CLOSED, CLOSED, "the close the old program saw");
         assert_eq!(now[&44_102].state & CLOSED, CLOSED, "the close seen by halves");
-        assert_eq!(now[&44_105].state, FLOW_REPLIED | FLOW_REOPENED, "the reopen the old program saw");
+        assert_eq!(now[&44_105].state, FLOW_REPLIED | FLOW_REOPENED, "the reopen the old program saw (replaced)");
         for p in [44_100, 44_101, 44_102, 44_105] {
             assert_eq!(now[&p].last_seen, copies[&p].last_seen + 5, "{p}: the old program's later time");
         }
@@ -1359,6 +1360,96 @@ fn a_late_copy_brings_what_the_old_program_saw_into_the_flows_copies() {
         assert_eq!(fx.dp.add_counts(&[add(id), add(lb_common::MAX_BACKENDS + 1)]).unwrap(), 1);
         assert_eq!(fx.active_flows("web"), active - 2);
         assert_eq!(fx.new_flows("web", BACKEND), new_flows + 2);
+    });
+}
+
+/// A client reuses a closed connection's port while the old program still
+/// serves, between the migration's two copies: the old program schedules
+/// the later connection (maybe onto another backend) and counts it open,
+/// while the new table holds the closed copy. The late copy puts the later
+/// connection in the copy's place, with what the new program saw of it
+/// since the swap, so its packets reach its own backend and its close is
+/// counted once. (Without this, its packets went to the copy's backend,
+/// or its close was never counted: one connection active for ever.)
+#[test]
+fn a_late_copy_puts_a_later_connection_on_a_copys_tuple_in_its_place() {
+    use lb_common::{
+        FLOW_ESTABLISHED as EST, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST,
+    };
+    const CLOSED: u64 = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND;
+    in_netns(|| {
+        // Round robin over three backends: consecutive flows go to
+        // different ones.
+        let fx = rr_fixture_with_table(64);
+        let entry = |p: u16| fx.dp.flow(&key4(p)).unwrap().expect("an entry");
+        let active = |b: u32| fx.dp.active_flows(b).unwrap();
+        let close_from = |p: u16, b: Ipv4Addr, flags: u8| {
+            assert_eq!(fx.run(&from_backend(b, 8080, p, flags).bytes(), fx.if_b).0, XDP_REDIRECT);
+        };
+        // 45,000 and 45,001: closed when copied; 45,002: open when copied.
+        let on: Vec<Ipv4Addr> = (45_000..=45_002).map(|p| handshake(&fx, p, 80, 8080)).collect();
+        // A flow on another backend than 45,001's, whose entry lends the
+        // later connection its backend.
+        let other =
+            (45_010..45_020).find(|&p| handshake(&fx, p, 80, 8080) != on[1]).expect("round robin spreads flows");
+        // 45,000 closed by the client's reset, 45,001 by FINs both ways.
+        assert_eq!(fx.forward(&tcp(CLIENT, 45_000, VIP, 80, RST).bytes()), on[0]);
+        assert_eq!(fx.forward(&tcp(CLIENT, 45_001, VIP, 80, FIN | ACK).bytes()), on[1]);
+        close_from(45_001, on[1], FIN | ACK);
+        let copies: std::collections::HashMap<u16, lb_common::Flow> =
+            (45_000..=45_002).map(|p| (p, entry(p))).collect();
+        assert_eq!(copies[&45_000].state, FLOW_REPLIED | EST | FLOW_RST);
+        assert_eq!(copies[&45_001].state & CLOSED, CLOSED);
+        let x = |p: u16| copies[&p].backend_id;
+        // The old program's later connections: 45,000 anew on its backend,
+        // open; 45,001 anew on another backend, open; 45,002 reopened.
+        let later = |p: u16, state: u64, like: lb_common::Flow| lb_common::Flow {
+            state,
+            last_seen: copies[&p].last_seen + 5,
+            ..like
+        };
+        let moved = entry(other);
+        let old = vec![
+            (key4(45_000), later(45_000, FLOW_REPLIED | EST, copies[&45_000])),
+            (key4(45_001), later(45_001, FLOW_REPLIED | EST, moved)),
+            (key4(45_002), later(45_002, FLOW_REPLIED | FLOW_REOPENED | EST, copies[&45_002])),
+        ];
+        // After the swap, the new program sees the later connections'
+        // packets on the copies: 45,000's client FIN (not counted: the
+        // copy is closed; a FIN on a copy closed by FINs would add
+        // nothing that tells it apart); 45,002's close both ways (counted on the open
+        // copy, whose connection the old program counted closed at the
+        // reopen).
+        assert_eq!(fx.forward(&tcp(CLIENT, 45_000, VIP, 80, FIN | ACK).bytes()), on[0]);
+        let before = (active(x(45_000)), active(x(45_002)));
+        assert_eq!(fx.forward(&tcp(CLIENT, 45_002, VIP, 80, FIN | ACK).bytes()), on[2]);
+        close_from(45_002, on[2], FIN | ACK);
+        assert_eq!(active(x(45_002)), before.1 - 1);
+        let all: Vec<u32> = fx.dp.services().next().unwrap().backends.iter().map(|b| b.id).collect();
+        let actives = |fx: &Fixture| all.iter().map(|&b| fx.dp.active_flows(b).unwrap()).collect::<Vec<u64>>();
+        let merged_at = actives(&fx);
+
+        let copied = copies.iter().map(|(&p, f)| (key4(p), f.state)).collect();
+        let done = fx.dp.merge_flows(&old, &copied).unwrap();
+        assert_eq!((done.inserted, done.merged, done.replaced, done.existed), (0, 0, 3, 0), "{done:?}");
+        // 45,000: the later connection, with the client's FIN seen here.
+        let e = entry(45_000);
+        assert_eq!((e.backend_id, e.state), (x(45_000), FLOW_REPLIED | EST | FLOW_FIN_CLIENT));
+        assert_eq!(e.last_seen, copies[&45_000].last_seen + 5);
+        // 45,001: on the later connection's backend, and its packets go there.
+        let e = entry(45_001);
+        assert_eq!((e.backend_id, e.nat_addr, e.state), (moved.backend_id, moved.nat_addr, FLOW_REPLIED | EST));
+        assert_ne!(moved.backend_id, x(45_001));
+        let to = fx.forward(&tcp(CLIENT, 45_001, VIP, 80, ACK | PSH).bytes());
+        assert_eq!(u32::from_ne_bytes(to.octets()), moved.nat_addr, "45,001's packets go to its own backend");
+        // 45,002: reopened, and closed by what the new program saw; the
+        // close counted on the copy was taken back and counted for the
+        // later connection: once in all.
+        assert_eq!(entry(45_002).state, FLOW_REPLIED | FLOW_REOPENED | EST | CLOSED);
+        assert_eq!(actives(&fx), merged_at, "the replace changed no count but 45,002's, back and forth");
+        // 45,000's close, seen whole here, is counted.
+        close_from(45_000, on[0], FIN | ACK);
+        assert_eq!(active(x(45_000)), merged_at[all.iter().position(|&b| b == x(45_000)).unwrap()] - 1);
     });
 }
 

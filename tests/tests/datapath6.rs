@@ -12,7 +12,7 @@ use lb_testkit::{
     Frame, Frame6, L4Checksum,
     frame::{
         ETH_LEN, IPV4_LEN, TCP_LEN,
-        tcp::{ACK, FIN, PSH, SYN},
+        tcp::{ACK, FIN, PSH, RST, SYN},
     },
     frame6::{Ext, IPV6_LEN, parse_frag_needed, parse_too_big6},
 };
@@ -792,10 +792,12 @@ fn the_sweeper_removes_an_ipv6_flow_only_while_it_is_as_it_was_judged() {
 
 /// As for IPv4 (`datapath.rs`): a migration's late copy brings what the
 /// old program saw since into an IPv6 flow's copy (a handshake; a close by
-/// halves, counted once, here) and leaves an entry made anew since alone.
+/// halves, counted once, here), leaves an entry made anew since alone, and
+/// puts a later connection the old program made on a copy's tuple in the
+/// copy's place (its close then counted here).
 #[test]
 fn a_late_copy_brings_what_the_old_program_saw_into_an_ipv6_flows_copy() {
-    use lb_common::{FLOW_ESTABLISHED as EST, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED};
+    use lb_common::{FLOW_ESTABLISHED as EST, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, FLOW_RST};
     in_netns(|| {
         let fx = web6();
         let key = |p: u16| lb_common::FlowKey6 {
@@ -814,26 +816,33 @@ fn a_late_copy_brings_what_the_old_program_saw_into_an_ipv6_flows_copy() {
             assert_eq!(fx.run(&f.bytes(), fx.if_b).0, XDP_REDIRECT);
         };
         // 41,100: half-open when copied; 41,101: established; 41,102:
-        // closed when copied, a new connection on the tuple since.
+        // closed when copied, a new connection on the tuple since; 41,103:
+        // reset when copied, a later connection by the old program.
         to(41_100, SYN);
         from(41_100, SYN | ACK);
-        for p in [41_101, 41_102] {
+        for p in [41_101, 41_102, 41_103] {
             to(p, SYN);
             from(p, SYN | ACK);
             to(p, ACK);
         }
         to(41_102, FIN | ACK);
         from(41_102, FIN | ACK);
+        to(41_103, RST);
         let copies: Vec<(lb_common::FlowKey6, lb_common::Flow6)> =
-            [41_100, 41_101, 41_102].iter().map(|&p| (key(p), entry(p))).collect();
-        // After the swap: the backend's FIN of 41,101 here; 41,102 anew.
+            [41_100, 41_101, 41_102, 41_103].iter().map(|&p| (key(p), entry(p))).collect();
+        assert_eq!(copies[3].1.state, FLOW_REPLIED | EST | FLOW_RST);
+        // After the swap: the backend's FIN of 41,101 here; 41,102 anew;
+        // the client's FIN of 41,103's later connection (on the copy,
+        // closed: not counted).
         from(41_101, FIN | ACK);
         to(41_102, SYN);
+        to(41_103, FIN | ACK);
         let anew = entry(41_102);
         let active = fx.active_flows("web6");
         // The old program's later views: 41,100's handshake completed,
-        // the client's FIN of 41,101, 41,102 as copied.
-        let seen = [FLOW_REPLIED | EST, FLOW_REPLIED | EST | FLOW_FIN_CLIENT, copies[2].1.state];
+        // the client's FIN of 41,101, 41,102 as copied, 41,103's later
+        // connection established.
+        let seen = [FLOW_REPLIED | EST, FLOW_REPLIED | EST | FLOW_FIN_CLIENT, copies[2].1.state, FLOW_REPLIED | EST];
         let old: Vec<_> = copies
             .iter()
             .zip(seen)
@@ -841,12 +850,17 @@ fn a_late_copy_brings_what_the_old_program_saw_into_an_ipv6_flows_copy() {
             .collect();
         let copied = copies.iter().map(|(k, f)| (*k, f.state)).collect();
         let done = fx.dp.merge_flows6(&old, &copied).unwrap();
-        assert_eq!((done.inserted, done.merged, done.existed, done.no_room), (0, 2, 1, 0), "{done:?}");
+        let counts = (done.inserted, done.merged, done.replaced, done.existed, done.no_room);
+        assert_eq!(counts, (0, 2, 1, 1, 0), "{done:?}");
         assert_eq!(entry(41_100).state, FLOW_REPLIED | EST, "the handshake the old program saw");
         let closed = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND;
         assert_eq!(entry(41_101).state & closed, closed, "the close seen by halves");
         assert_eq!(entry(41_101).last_seen, copies[1].1.last_seen + 3);
         assert_eq!(entry(41_102), anew, "the new connection on the tuple took the old view");
         assert_eq!(fx.active_flows("web6"), active - 1, "the close by halves is counted once");
+        assert_eq!(entry(41_103).state, FLOW_REPLIED | EST | FLOW_FIN_CLIENT, "the later connection, as both saw it");
+        assert_eq!(entry(41_103).last_seen, copies[3].1.last_seen + 3);
+        from(41_103, FIN | ACK);
+        assert_eq!(fx.active_flows("web6"), active - 2, "the later connection's close is counted here");
     });
 }

@@ -521,6 +521,7 @@ impl Dataplane {
             to = LAYOUT_VERSION,
             late_flows = late.inserted,
             merged_flows = late.merged,
+            replaced_flows = late.replaced,
             "migrated the pinned datapath; the old maps are removed"
         );
         Ok(())

@@ -8,9 +8,9 @@ use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
     COPIED, COUNTS_BATCH, CountsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
     Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED,
-    INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH, SWEEP_BATCH6,
-    SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed,
-    maps as names,
+    INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH,
+    SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6,
+    flow_closed, maps as names,
 };
 
 use super::{Dataplane, DataplaneError, batch::Walk, map_err};
@@ -338,6 +338,10 @@ pub struct Inserted {
     /// Keys whose entry was the flow's earlier copy, into which the later
     /// view's bits or time went (see [`Dataplane::merge_flows`]).
     pub merged: u64,
+    /// Keys whose entry was the flow's earlier copy, replaced by the later
+    /// view of a later connection on the tuple (see
+    /// [`Dataplane::merge_flows`]).
+    pub replaced: u64,
     /// Flows for which the table had no free slot.
     pub no_room: u64,
 }
@@ -350,6 +354,7 @@ impl Inserted {
                 INSERTED => c.inserted += 1,
                 INSERT_EXISTS => c.existed += 1,
                 INSERT_MERGED => c.merged += 1,
+                INSERT_REPLACED => c.replaced += 1,
                 _ => c.no_room += 1,
             }
         }
@@ -386,12 +391,15 @@ impl Dataplane {
     /// [`Dataplane::insert_flows`] of an old table's flows read again,
     /// some of which were copied before with the state bits `copied`
     /// gives: where a key's entry is still that copy, the handshake and
-    /// close the old program saw since go into it, and its later time (see
-    /// `lb_common::InsertItem::copied`). Without this, a connection whose
-    /// handshake completed under the old program after the copy stayed
-    /// half-open here (and was expired after `half_open_timeout` of
-    /// silence, while alive), and one it saw close stayed open until its
-    /// idle timeout and was then counted expired as well as closed.
+    /// close the old program saw since go into it, and its later time; the
+    /// old program's view of a later connection on the tuple (a client
+    /// reusing its port) replaces it (see `lb_common::InsertItem::copied`).
+    /// Without this, a connection whose handshake completed under the old
+    /// program after the copy stayed half-open here (and was expired after
+    /// `half_open_timeout` of silence, while alive), and one it saw close
+    /// stayed open until its idle timeout and was then counted expired as
+    /// well as closed; a later connection on a closed copy's tuple went to
+    /// the copy's backend, or was never counted closed.
     pub fn merge_flows(
         &self,
         flows: &[(FlowKey, Flow)],
