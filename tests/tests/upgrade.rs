@@ -315,13 +315,29 @@ fn an_upgrade_from_unseeded_flow_slots_keeps_every_flow_under_a_drawn_seed() {
     assert_ne!(seed, 0, "the migrated tables were given no seed");
 
     // A plain restart adopts the tables and their seed: every entry the
-    // status counted is still there.
-    let entries = lbd.status().unwrap()["flood"]["flow_entries"].as_u64().expect("flow_entries");
-    assert!(entries > 0, "no entries to adopt");
-    lbd.restart().unwrap();
-    assert_eq!(pinned_seed(&maps), seed, "the restart changed the adopted tables' seed");
-    let after = lbd.status().unwrap()["flood"]["flow_entries"].as_u64().expect("flow_entries");
-    assert!(after <= entries && after > 0, "{entries} entries before the restart, {after} after");
+    // status counted is still there, and the connections open across it
+    // (the upgrade's have all closed) keep their backends.
+    let stop = bin.join("adopt-stop");
+    let _ = std::fs::remove_file(&stop);
+    std::thread::scope(|scope| {
+        let stop_loads = StopLoads(&stop);
+        let long = scope.spawn(|| {
+            let stop = stop.to_str().unwrap();
+            let args = ["longlived", "--target", "10.10.0.100:80", "--connections", "20", "--rounds", "1"];
+            lab.client(&[&args[..], &["--interval-ms", "50", "--stop-file", stop]].concat()).unwrap()
+        });
+        let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
+        let entries = wait_for(10, || entries().filter(|&n| n >= 20)).expect("the 20 connections' entries");
+        lbd.restart().unwrap();
+        assert_eq!(pinned_seed(&maps), seed, "the restart changed the adopted tables' seed");
+        let after = lbd.status().unwrap()["flood"]["flow_entries"].as_u64().expect("flow_entries");
+        assert!(after <= entries && after >= 20, "{entries} entries before the restart, {after} after");
+        std::thread::sleep(Duration::from_millis(500));
+        drop(stop_loads);
+        let r = long.join().unwrap();
+        assert_eq!(r["failed"], 0, "{r}");
+        assert_eq!(r["switched"], 0, "a live connection changed backend across the adoption: {r}");
+    });
     let r = lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "100"]).unwrap();
     assert_eq!(r["failed"], 0, "{r}");
     assert!(lbd.stop().unwrap().success());
@@ -432,18 +448,40 @@ fn migrated(lab: &Lab, lbd: &Lbd, maps: &Path, from: u32) {
     assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
 }
 
+/// Stops the loads started with its file as `--stop-file` when dropped:
+/// also when the test fails before it means to, so that the scope's join
+/// of the loads ends.
+struct StopLoads<'a>(&'a Path);
+impl Drop for StopLoads<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.0, b"");
+    }
+}
+
 /// The upgrade itself, under load: new connections from 230 sources and
-/// 20 long-lived ones from 20 others run while this build's lbd replaces the old binary
-/// `exe` on disk (staged in `bin`) and `lbd`'s graceful restart runs it,
-/// migrating the maps and swapping its program in on the pinned links
-/// (the long-lived ones to `long_target`). No connection fails and no
-/// live one changes backend. The two loads' sources differ: a client
-/// that reuses one source address and port for two services sharing a
-/// backend endpoint, at the same time and on the same backend, collides
-/// on the backend's tuple whatever the balancer does (README, "Shared
-/// endpoints"), and that is not what an upgrade test is about.
+/// 20 long-lived ones from 20 others run while this build's lbd replaces
+/// the old binary `exe` on disk (staged in `bin`) and `lbd`'s graceful
+/// restart runs it, migrating the maps and swapping its program in on the
+/// pinned links (the long-lived ones to `long_target`). Both loads go on
+/// until a while after the swap, so that the old program serves between
+/// the migration's first copy of the flows and its late one. No
+/// connection fails and no live one changes backend. The late copy took
+/// flows made and changed in that window, and once every connection has
+/// closed the table empties within the closed flows' linger (a flow whose
+/// close only the old program saw would otherwise stay open here until
+/// its idle timeout) and no backend counts an active flow. The two loads'
+/// sources differ: a client that reuses one source address and port for
+/// two services sharing a backend endpoint, at the same time and on the
+/// same backend, collides on the backend's tuple whatever the balancer
+/// does (README, "Shared endpoints"), and that is not what an upgrade test
+/// is about.
 fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_program: u64, long_target: &str) {
+    let stop = bin.join("load-stop");
+    // Left by an earlier run that failed.
+    let _ = std::fs::remove_file(&stop);
+    let stop_arg = stop.to_str().unwrap();
     std::thread::scope(|scope| {
+        let stop_loads = StopLoads(&stop);
         let load = scope.spawn(|| {
             lab.client(&[
                 "conns",
@@ -451,8 +489,8 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
                 "10.10.0.100:80",
                 "--concurrency",
                 "10",
-                "--duration-ms",
-                "6000",
+                "--stop-file",
+                stop_arg,
                 "--sources-range",
                 "10.10.1.21-10.10.1.250",
             ])
@@ -466,9 +504,11 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
                 "--connections",
                 "20",
                 "--rounds",
-                "100",
+                "40",
                 "--interval-ms",
                 "50",
+                "--stop-file",
+                stop_arg,
                 "--sources-range",
                 "10.10.1.1-10.10.1.20",
             ])
@@ -480,7 +520,12 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
         let staged = bin.join("lbd.new");
         std::fs::copy(lab.spec.bin_dir.join("lbd"), &staged).unwrap();
         std::fs::rename(&staged, exe).unwrap();
-        let new_program = lbd.restart().unwrap();
+        let restarted = lbd.restart();
+        // The loads go on through the new program for a while, and stop
+        // however the restart went.
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(stop_loads);
+        let new_program = restarted.unwrap();
         assert_ne!(new_program, old_program);
         assert_eq!(attached_program(lab), new_program);
 
@@ -496,4 +541,22 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
         assert_eq!(r["failed"], 0, "{r}");
         assert_eq!(r["switched"], 0, "a live connection changed backend: {r}");
     });
+    let log = lbd.log_text();
+    let done = log.lines().find(|l| l.contains("migrated the pinned datapath")).unwrap_or_else(|| panic!("{log}"));
+    let field = |name: &str| -> u64 {
+        let at = done.find(&format!("{name}=")).unwrap_or_else(|| panic!("no {name} in {done}"));
+        done[at + name.len() + 1..].split(' ').next().unwrap().parse().unwrap()
+    };
+    assert!(field("late_flows") > 0, "no flow was made between the two copies: {done}");
+    println!("{done}");
+    let changed = field("merged_flows") + field("replaced_flows");
+    assert!(changed > 0, "no copied flow changed between the two copies: {done}");
+    // Closed flows linger 10 s; sweeps run every 1 to 5 s.
+    let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
+    let left = wait_for(25, || entries().filter(|&n| n == 0));
+    assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
+    let status = lbd.status().unwrap();
+    for b in status["services"].as_array().unwrap().iter().flat_map(|s| s["backends"].as_array().unwrap()) {
+        assert_eq!(b["active_flows"], 0, "a backend counts active flows after every connection closed: {b}");
+    }
 }

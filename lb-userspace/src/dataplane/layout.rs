@@ -38,7 +38,7 @@ use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
 use lb_common::{
     Backend, BackendStats, Conns, CountsAdd, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6,
     FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot,
-    SlotKey, Vip6Key, VipKey, flow_closed, maps as names,
+    SlotKey, Vip6Key, VipKey, maps as names,
 };
 use tracing::{info, warn};
 
@@ -318,13 +318,13 @@ impl Dataplane {
         let mut flows = old_entries::<FlowKey, Flow, BucketV3>(from, old, names::FLOWS, |f| f.dir)?;
         if from == 1 {
             for (_, f) in &mut flows {
-                // Layout 1 did not track handshakes: an open flow it knew
-                // is taken as established (a half-open one then lives its
+                // Layout 1 did not track handshakes: every flow it knew is
+                // taken as established (a half-open one then lives its
                 // idle timeout, not the short one; no live flow is expired
-                // early).
-                if !flow_closed(f.state) {
-                    f.state |= FLOW_REPLIED | FLOW_ESTABLISHED;
-                }
+                // early). Closed ones too: the late copy then judges a
+                // close the old program saw since as the same connection's
+                // (a view that lost a copied bit is a later connection).
+                f.state |= FLOW_REPLIED | FLOW_ESTABLISHED;
             }
         }
         let first = earlier.is_none();
@@ -338,10 +338,7 @@ impl Dataplane {
         if let Some(old6) = old6 {
             let flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6, |f| f.dir)?;
             let d6 = self.merge_flows6(&flows6, &earlier.v6)?;
-            done.inserted += d6.inserted;
-            done.existed += d6.existed;
-            done.merged += d6.merged;
-            done.no_room += d6.no_room;
+            done += d6;
             if let Some(read) = &mut read {
                 read.v6 = flows6.iter().map(|(k, f)| (*k, f.state)).collect();
             }

@@ -346,6 +346,16 @@ pub struct Inserted {
     pub no_room: u64,
 }
 
+impl std::ops::AddAssign for Inserted {
+    fn add_assign(&mut self, o: Self) {
+        self.inserted += o.inserted;
+        self.existed += o.existed;
+        self.merged += o.merged;
+        self.replaced += o.replaced;
+        self.no_room += o.no_room;
+    }
+}
+
 impl Inserted {
     fn count(results: impl Iterator<Item = u32>) -> Self {
         let mut c = Self::default();

@@ -171,6 +171,10 @@ struct ConnsArgs {
     /// worker finishes its connection in flight).
     #[arg(long)]
     duration_ms: Option<u64>,
+    /// Keep going until this file exists instead of stopping after
+    /// `count` (a test's signal that what the load spans is over).
+    #[arg(long)]
+    stop_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -179,6 +183,7 @@ struct LonglivedArgs {
     target: SocketAddr,
     #[arg(long, default_value_t = 50)]
     connections: usize,
+    /// Rounds per connection; with `stop_file`, at least these.
     #[arg(long, default_value_t = 100)]
     rounds: usize,
     #[command(flatten)]
@@ -187,6 +192,9 @@ struct LonglivedArgs {
     interval_ms: u64,
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
+    /// Go on with rounds after `rounds` until this file exists.
+    #[arg(long)]
+    stop_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -398,17 +406,17 @@ async fn run_conns(a: ConnsArgs) -> anyhow::Result<serde_json::Value> {
     let next = Arc::new(AtomicUsize::new(0));
     let errors = Errors::default();
     let mut workers = Vec::new();
-    let workers_n =
-        if a.duration_ms.is_some() { a.concurrency.max(1) } else { a.concurrency.max(1).min(a.count.max(1)) };
+    let open_ended = a.duration_ms.is_some() || a.stop_file.is_some();
+    let workers_n = if open_ended { a.concurrency.max(1) } else { a.concurrency.max(1).min(a.count.max(1)) };
     for _ in 0..workers_n {
         let (sources, next, errors) = (sources.clone(), next.clone(), errors.clone());
-        let (target, timeout_ms) = (a.target, a.timeout_ms);
-        let count = if a.duration_ms.is_some() { usize::MAX } else { a.count };
+        let (target, timeout_ms, stop_file) = (a.target, a.timeout_ms, a.stop_file.clone());
+        let count = if open_ended { usize::MAX } else { a.count };
         let deadline = a.duration_ms.map(|ms| start + Duration::from_millis(ms));
         workers.push(tokio::spawn(async move {
             let mut agg = ConnsAgg::default();
             loop {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
+                if deadline.is_some_and(|d| Instant::now() >= d) || stop_file.as_ref().is_some_and(|f| f.exists()) {
                     break;
                 }
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -535,6 +543,11 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
         let (errors, barrier) = (errors.clone(), barrier.clone());
         let src = pick(&sources, i);
         let (target, rounds, timeout_ms, interval_ms) = (a.target, a.rounds, a.timeout_ms, a.interval_ms);
+        let stop_file = a.stop_file.clone();
+        // Whether round `n` is to be done; the rounds a failure leaves
+        // undone count as failed (at least the one that failed).
+        let more = move |n: usize| n < rounds || stop_file.as_ref().is_some_and(|f| !f.exists());
+        let undone = move |n: usize| rounds.saturating_sub(n).max(1) as u64;
         tasks.push(tokio::spawn(async move {
             let conn = connect(target, src, timeout_ms).await;
             // All connections are open before any round starts.
@@ -551,7 +564,10 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
             };
             let mut buf = Vec::new();
             let req = request(target, false);
-            for round in 0..rounds {
+            for round in 0.. {
+                if !more(round) {
+                    break;
+                }
                 if round > 0 && interval_ms > 0 {
                     tokio::time::sleep(Duration::from_millis(interval_ms)).await;
                 }
@@ -564,9 +580,9 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
                         if !r.backends_seen.contains(&backend) {
                             r.backends_seen.push(backend);
                         }
-                        if closing && round + 1 < rounds {
+                        if closing && more(round + 1) {
                             errors.push(format!("conn {i} round {round}: server closed the keep-alive connection"));
-                            r.failed += (rounds - round - 1) as u64;
+                            r.failed += undone(round + 1);
                             r.broken = true;
                             break;
                         }
@@ -575,7 +591,7 @@ async fn run_longlived(a: LonglivedArgs) -> anyhow::Result<serde_json::Value> {
                         // The connection state is unknown now: this round and
                         // all remaining ones count as failed.
                         errors.push(e);
-                        r.failed += (rounds - round) as u64;
+                        r.failed += undone(round);
                         r.broken = true;
                         break;
                     }
