@@ -281,7 +281,7 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     if down && !flow_closed(state) {
         stats::flow_closed(nat.backend_id);
     }
-    if down || (is_syn(pkt) && flow_closed(state)) {
+    if down || (flow_closed(state) && (is_syn(pkt) || (pkt.proto == PROTO_TCP && holding(now)))) {
         return None;
     }
     if is_syn(pkt) && state & FLOW_ESTABLISHED != 0 {
@@ -445,6 +445,17 @@ pub(crate) fn reopen(state: *mut u64, backend_id: u32) {
     stats::flow_opened(backend_id);
 }
 
+/// A migration is copying the old datapath's last flows (`Flood::hold_until`).
+/// A TCP packet other than a SYN that finds no entry then waits for its
+/// retransmission (`new_flow`), and so does one on a closed entry: it may
+/// be a later connection's that the old program scheduled on the reused
+/// tuple, which the late copy puts in the entry's place, and whose close
+/// would be lost on the closed copy (its FIN bits already set there).
+#[inline(always)]
+pub(crate) fn holding(now: u64) -> bool {
+    FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until) > now)
+}
+
 /// Set `bit` in a flow entry's state, once (atomic OR: other CPUs write it too).
 #[inline(always)]
 pub(crate) fn set_state(state: *mut u64, bit: u64) {
@@ -475,7 +486,7 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64, hint: u32) -> 
     // A migration is copying the old datapath's last flows: a TCP packet
     // of one of them waits for its retransmission rather than be hashed
     // to a backend that may not be the one its SYN went to.
-    if !opening && FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until) > now) {
+    if !opening && holding(now) {
         stats::count(counter::HELD);
         return Err(xdp_action::XDP_DROP);
     }

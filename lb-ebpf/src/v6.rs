@@ -32,7 +32,8 @@ use crate::{
         FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, cached_hop, can_redirect,
         classify_segment, generic_ingress, may_cache, segment_sum, set_macs, store_hop,
     },
-    maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, FLOOD, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
+    holding,
+    maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     no_backend, now_secs, opening_state,
     parse::{ETH_HLEN, ETH_P_IPV6, EthHdr, ICMP6_TOO_BIG, IP6_HLEN, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
     rate_ok, reopen, select, set_state, stats, syn_only, table, track_close,
@@ -495,6 +496,14 @@ fn dir_of(flow: *mut Flow6) -> *mut u8 {
 /// `main.rs`'s `known_flow`).
 #[inline(always)]
 fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Option<To> {
+    // Held on a closed entry (see `holding`), decided first: with the
+    // entry's fields loaded, the map lookup's spills took the chain of stack
+    // frames past the verifier's 512 bytes.
+    // SAFETY: a valid, aligned u64 inside a map value (see main.rs).
+    let closed = flow_closed(unsafe { core::ptr::read_volatile(&raw const (*flow).state) });
+    if closed && pkt.proto == PROTO_TCP && !pkt.is_syn() && holding(now) {
+        return None;
+    }
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat, last_seen) = unsafe { ((*flow).dir, Nat6::of(flow), (*flow).last_seen) };
     if dir == DIR_REPLY {
@@ -576,7 +585,7 @@ fn plan_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> u32 {
     // nothing writes `svc` while this reference lives.
     let svc = unsafe { &(*k).svc };
     let opening = pkt.proto != PROTO_TCP || pkt.is_syn();
-    if !opening && FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until) > now) {
+    if !opening && holding(now) {
         stats::count(counter::HELD);
         return xdp_action::XDP_DROP;
     }

@@ -1453,6 +1453,42 @@ fn a_late_copy_puts_a_later_connection_on_a_copys_tuple_in_its_place() {
     });
 }
 
+/// While a migration copies the old datapath's last flows, a TCP packet
+/// other than a SYN on a closed entry waits for its retransmission, as one
+/// with no entry does (`held`): it may be a later connection's, scheduled
+/// by the old program on the reused tuple, which the late copy then puts
+/// in the entry's place; on the closed copy its FIN would go unseen. A SYN
+/// is scheduled as ever, and once the hold ends the closed flow's late
+/// packets pass to its backend again.
+#[test]
+fn a_migrations_hold_keeps_packets_on_a_closed_entry_for_their_retransmission() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        assert_eq!(handshake(&fx, 46_000, 80, 8080), BACKEND);
+        assert_eq!(handshake(&fx, 46_001, 80, 8080), BACKEND);
+        for p in [46_000, 46_001] {
+            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, FIN | ACK).bytes()), BACKEND);
+            assert_eq!(fx.run(&from_backend(BACKEND, 8080, p, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        }
+        fx.dp.hold_for(10).unwrap();
+        let held = fx.counter("held");
+        assert_eq!(fx.run(&tcp(CLIENT, 46_000, VIP, 80, ACK).bytes(), fx.if_a).0, XDP_DROP);
+        assert_eq!(fx.run(&tcp(CLIENT, 46_000, VIP, 80, FIN | ACK).bytes(), fx.if_a).0, XDP_DROP);
+        assert_eq!(fx.counter("held"), held + 2);
+        // An open flow's packets are not held.
+        assert_eq!(handshake(&fx, 46_002, 80, 8080), BACKEND);
+        assert_eq!(fx.forward(&tcp(CLIENT, 46_002, VIP, 80, ACK | PSH).bytes()), BACKEND);
+        // A SYN on the closed tuple is a new connection, scheduled.
+        let new_flows = fx.new_flows("web", BACKEND);
+        assert_eq!(fx.forward(&tcp(CLIENT, 46_001, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(fx.new_flows("web", BACKEND), new_flows + 1);
+        assert_eq!(fx.counter("held"), held + 2);
+        fx.dp.hold_for(0).unwrap();
+        assert_eq!(fx.forward(&tcp(CLIENT, 46_000, VIP, 80, ACK).bytes()), BACKEND);
+        assert_eq!(fx.counter("held"), held + 2);
+    });
+}
+
 /// The global-counter map an older lbd pinned has fewer counters than this
 /// build counts (it adds them as the datapath learns new cases): the next
 /// start replaces it with a map of the right size and carries every count

@@ -864,3 +864,39 @@ fn a_late_copy_brings_what_the_old_program_saw_into_an_ipv6_flows_copy() {
         assert_eq!(fx.active_flows("web6"), active - 2, "the later connection's close is counted here");
     });
 }
+
+/// As for IPv4 (`datapath.rs`): while a migration holds, a TCP packet
+/// other than a SYN on a closed IPv6 entry is dropped for its
+/// retransmission (`held`); a SYN is scheduled, and once the hold ends
+/// the closed flow's late packets pass again.
+#[test]
+fn a_migrations_hold_keeps_packets_on_a_closed_ipv6_entry_for_their_retransmission() {
+    in_netns(|| {
+        let mut fx = web6();
+        let run = |fx: &Fixture, p: u16, flags: u8| fx.run(&tcp6(CLIENT6, p, VIP6, 80, flags).bytes(), fx.if_a).0;
+        let from = |fx: &Fixture, p: u16, flags: u8| {
+            let f = Frame6::tcp(BACKEND6, 8080, CLIENT6, p, flags).macs(GW_B_MAC, BACKEND_MAC);
+            assert_eq!(fx.run(&f.bytes(), fx.if_b).0, XDP_REDIRECT);
+        };
+        for p in [41_200, 41_201, 41_202] {
+            assert_eq!(run(&fx, p, SYN), XDP_REDIRECT);
+            from(&fx, p, SYN | ACK);
+            assert_eq!(run(&fx, p, ACK), XDP_REDIRECT);
+        }
+        for p in [41_200, 41_201] {
+            assert_eq!(run(&fx, p, FIN | ACK), XDP_REDIRECT);
+            from(&fx, p, FIN | ACK);
+        }
+        fx.dp.hold_for(10).unwrap();
+        let held = fx.counter("held");
+        assert_eq!(run(&fx, 41_200, ACK), XDP_DROP);
+        assert_eq!(run(&fx, 41_200, FIN | ACK), XDP_DROP);
+        assert_eq!(fx.counter("held"), held + 2);
+        assert_eq!(run(&fx, 41_202, ACK | PSH), XDP_REDIRECT, "an open flow's packet is not held");
+        assert_eq!(run(&fx, 41_201, SYN), XDP_REDIRECT, "a SYN on the closed tuple is scheduled");
+        assert_eq!(fx.counter("held"), held + 2);
+        fx.dp.hold_for(0).unwrap();
+        assert_eq!(run(&fx, 41_200, ACK), XDP_REDIRECT);
+        assert_eq!(fx.counter("held"), held + 2);
+    });
+}

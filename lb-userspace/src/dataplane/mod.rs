@@ -793,6 +793,17 @@ impl Dataplane {
         Ok(())
     }
 
+    /// Hold TCP packets other than SYNs that find no flow entry, or a
+    /// closed one, for `secs` seconds from now (0: no longer), as a
+    /// migration does while it copies the old datapath's last flows
+    /// (`lb_common::Flood::hold_until`, counted `held`). The next
+    /// [`set_flood`](Self::set_flood) outside a migration ends it.
+    pub fn hold_for(&mut self, secs: u64) -> Result<(), DataplaneError> {
+        let hold_until = if secs == 0 { 0 } else { (monotonic_coarse_secs() + secs) as u32 };
+        let v = Flood { new_flow_rate_per_cpu: self.new_flow_rate(), hold_until };
+        self.maps.flood.set(0, v, 0).map_err(map_err(names::FLOOD))
+    }
+
     /// The `maglev_seed` for the tables the next [`apply`](Self::apply)
     /// builds (at load, and on reload). A service whose tables were built
     /// with another seed gets new ones then, even if nothing else changed.
