@@ -382,9 +382,12 @@ pub struct Flood {
     /// rest get a backend by consistent hash and no entry. 0: no limit.
     pub new_flow_rate_per_cpu: u32,
     /// Until this coarse second (truncated), a TCP packet other than a SYN
-    /// that finds no flow entry is dropped (`counter::HELD`) instead of
-    /// routed by hash: lbd is copying an older datapath's last flows
-    /// (a migration), and the sender's retransmission will find its entry.
+    /// that finds no flow entry, or a closed one, is dropped
+    /// (`counter::HELD`) instead of routed by hash or to the closed flow's
+    /// backend: lbd is copying an older datapath's last flows (a
+    /// migration), and the sender's retransmission will find its entry
+    /// (a closed copy's may be replaced by a later connection the old
+    /// program made on the tuple: see [`InsertItem::copied`]).
     /// 0: never.
     pub hold_until: u32,
 }

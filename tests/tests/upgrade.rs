@@ -556,6 +556,8 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
     let left = wait_for(25, || entries().filter(|&n| n == 0));
     assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
     let status = lbd.status().unwrap();
+    let counters = &status["counters"];
+    println!("held {} stale_backend {}", counters["held"], counters["stale_backend"]);
     for b in status["services"].as_array().unwrap().iter().flat_map(|s| s["backends"].as_array().unwrap()) {
         assert_eq!(b["active_flows"], 0, "a backend counts active flows after every connection closed: {b}");
     }
