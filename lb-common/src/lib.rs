@@ -265,9 +265,9 @@ pub mod counter {
     /// routed statelessly, or its entry expired): its source rewritten to
     /// the VIP the endpoint names, without per-flow state.
     pub const STATELESS_REPLY: u32 = 11;
-    /// TCP packet without a flow entry dropped while a migration copies
-    /// the old datapath's last flows (`Flood::hold_until`); its sender
-    /// retransmits.
+    /// TCP packet other than a SYN without a flow entry, or on a closed
+    /// one, dropped while a migration copies the old datapath's last flows
+    /// (`Flood::hold_until`); its sender retransmits.
     pub const HELD: u32 = 12;
     /// Packet too big for its egress device's MTU: never redirected (a
     /// redirected frame above the MTU is dropped silently). With DF set
