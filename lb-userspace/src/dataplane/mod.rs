@@ -787,8 +787,7 @@ impl Dataplane {
     pub fn set_flood(&mut self, flood: &FloodConfig) -> Result<(), DataplaneError> {
         let rate = flood.rate_per_cpu(self.conntrack_max, self.ncpus);
         let hold_until = if self.migration.is_some() { self.hold_until } else { 0 };
-        let v = Flood { new_flow_rate_per_cpu: rate, hold_until };
-        self.maps.flood.set(0, v, 0).map_err(map_err(names::FLOOD))?;
+        self.write_flood(rate, hold_until)?;
         self.flood = *flood;
         Ok(())
     }
@@ -800,7 +799,13 @@ impl Dataplane {
     /// [`set_flood`](Self::set_flood) outside a migration ends it.
     pub fn hold_for(&mut self, secs: u64) -> Result<(), DataplaneError> {
         let hold_until = if secs == 0 { 0 } else { (monotonic_coarse_secs() + secs) as u32 };
-        let v = Flood { new_flow_rate_per_cpu: self.new_flow_rate(), hold_until };
+        self.write_flood(self.new_flow_rate(), hold_until)
+    }
+
+    /// The datapath's flood settings (`FLOOD`): the per-CPU new-flow rate
+    /// and the hold.
+    fn write_flood(&mut self, new_flow_rate_per_cpu: u32, hold_until: u32) -> Result<(), DataplaneError> {
+        let v = Flood { new_flow_rate_per_cpu, hold_until };
         self.maps.flood.set(0, v, 0).map_err(map_err(names::FLOOD))
     }
 
