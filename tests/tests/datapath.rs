@@ -792,7 +792,20 @@ fn answered_as(fx: &Fixture, (name, vport): (&str, u16), other: &str) {
 /// Maglev pick is the built table's entry at the flow's hash.
 #[test]
 fn packed_selection_tables_read_back_as_built_and_picks_follow_them() {
-    in_netns(|| {
+    packed_selection_tables(false);
+}
+
+/// The same, with the tables written through the kernel element by
+/// element (lbd's way where SELECT cannot be memory-mapped): each element
+/// read first, so that the lanes of its neighbours' live tables are
+/// written back as they were.
+#[test]
+fn packed_selection_tables_written_without_the_mapping_read_back_as_built() {
+    packed_selection_tables(true);
+}
+
+fn packed_selection_tables(unmapped: bool) {
+    in_netns(move || {
         let b: Vec<(Ipv4Addr, u16)> = (11..14).map(|i| (Ipv4Addr::new(10, 20, 0, i), 8080)).collect();
         let mut wrr = service_with("wrr", 82, Protocol::Tcp, Scheduler::Wrr, &b);
         wrr.backends[0].weight = 5;
@@ -802,7 +815,11 @@ fn packed_selection_tables_read_back_as_built_and_picks_follow_them() {
             wrr,
             service_with("lc", 83, Protocol::Tcp, Scheduler::LeastConn, &b),
         ];
-        let mut fx = Fixture::new(services.clone());
+        let mut fx = Fixture::new(Vec::new());
+        if unmapped {
+            fx.dp.unmap_select();
+        }
+        fx.dp.apply_admin(&services).unwrap();
         let check = |fx: &Fixture| {
             for name in ["rr", "web", "wrr", "lc"] {
                 let [(table, read), (fallback, read_fallback)] = fx.dp.select_tables(name).unwrap().unwrap();

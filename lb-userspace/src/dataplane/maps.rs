@@ -63,18 +63,35 @@ const STRIDE: usize = 8;
 const ENTRY: usize = 2;
 const _: () = assert!(size_of::<SelectWord>() == STRIDE && STRIDE == ENTRY * SELECT_LANES as usize);
 
+/// Why SELECT could not be memory-mapped (lbd then writes its tables
+/// element by element through the kernel, and says why).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum NotMapped {
+    #[error("reading the map's info: {0}")]
+    Info(#[source] MapError),
+    #[error("the array was created without BPF_F_MMAPABLE")]
+    Flags,
+    #[error("its {0} elements do not fit this machine's address space")]
+    Size(u32),
+    #[error("mmap: {0}")]
+    Mmap(#[source] rustix::io::Errno),
+}
+
 impl SelectMemory {
-    /// Map `select`; None when the map was not created mappable (a map
-    /// pinned by an older version), so the caller writes entry by entry.
-    pub(super) fn map(select: &Array<MapData, SelectWord>) -> Option<Self> {
+    /// Map `select`; an error when it cannot be (an array created without
+    /// BPF_F_MMAPABLE, or mmap refused), so the caller writes element by
+    /// element.
+    pub(super) fn map(select: &Array<MapData, SelectWord>) -> Result<Self, NotMapped> {
         let data = select.map();
-        let info = data.info().ok()?;
+        let info = data.info().map_err(NotMapped::Info)?;
         if info.map_flags() & BPF_F_MMAPABLE == 0 {
-            return None;
+            return Err(NotMapped::Flags);
         }
         let elements = info.max_entries();
-        let entries = elements.checked_mul(SELECT_LANES)?;
-        let len = usize::try_from(elements).ok()?.checked_mul(STRIDE)?;
+        let size = || -> Option<(u32, usize)> {
+            Some((elements.checked_mul(SELECT_LANES)?, usize::try_from(elements).ok()?.checked_mul(STRIDE)?))
+        };
+        let (entries, len) = size().ok_or(NotMapped::Size(elements))?;
         // SAFETY: a fresh shared mapping of the map's fd (no address hint,
         // nothing else aliased); length and offset are what the kernel
         // allows for an mmapable array. Unmapped in Drop.
@@ -88,8 +105,10 @@ impl SelectMemory {
                 0,
             )
         }
-        .ok()?;
-        Some(Self { base: NonNull::new(base.cast())?, len, entries })
+        .map_err(NotMapped::Mmap)?;
+        // mmap answers a valid address or an error, never null.
+        let base = NonNull::new(base.cast()).ok_or(NotMapped::Mmap(rustix::io::Errno::FAULT))?;
+        Ok(Self { base, len, entries })
     }
 
     /// Write `values` (backend ids, under 2^16) at entries `off..off +

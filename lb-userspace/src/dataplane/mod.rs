@@ -668,12 +668,13 @@ impl Dataplane {
         // the maps (the flow tables' read, and warned about, at load).
         let (flow_seed, conntrack_max, conntrack_max_ipv6) = (tables.seed, tables.limit, tables.limit6);
         let table_capacity = adopted_select(maps.select.map(), config.table_capacity)?;
-        let select_memory = SelectMemory::map(&maps.select);
-        if select_memory.is_none() {
-            warn!(
-                "the selection-table array cannot be memory-mapped (pinned by an older version): tables are written entry by entry until a clean restart"
-            );
-        }
+        let select_memory = SelectMemory::map(&maps.select)
+            .inspect_err(|e| {
+                warn!(
+                    "the selection-table array cannot be memory-mapped ({e}): its tables are written through the kernel instead, a read and a write per four entries (slower weight changes, same result)"
+                );
+            })
+            .ok();
         let mut dp = Self {
             ebpf,
             maps,
@@ -790,6 +791,14 @@ impl Dataplane {
         self.write_flood(rate, hold_until)?;
         self.flood = *flood;
         Ok(())
+    }
+
+    /// Write the selection tables element by element through the kernel from
+    /// now on, as where SELECT cannot be memory-mapped (tests: that path
+    /// is otherwise reached only when mmap fails).
+    #[doc(hidden)]
+    pub fn unmap_select(&mut self) {
+        self.select_memory = None;
     }
 
     /// Hold TCP packets other than SYNs that find no flow entry, or a
