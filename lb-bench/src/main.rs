@@ -45,11 +45,13 @@
 //!
 //! Modules: `netns` (the namespace, the thread's place in it), `cases` (what
 //! is measured; frames from `lb-testkit`), `measure` (runs and checks),
-//! `report` (figures, table, JSON). Signals are caught with `signal-hook`.
+//! `memory` (one random load in memory of the flow table's size, timed from
+//! userspace on the same CPU), `report` (figures, table, JSON). Signals are caught with `signal-hook`.
 //! The benchmark programs come from lb-userspace's build script
 //! (`lb_userspace::dataplane::BENCH_OBJECT`).
 mod cases;
 mod measure;
+mod memory;
 mod netns;
 mod report;
 
@@ -245,6 +247,34 @@ fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<Atom
     }
     eprintln!();
     let mut out = report(&items, &samples, args, cpu, host, b.conntrack_max);
+    // The least a new flow waits for on this machine: its slot, one random
+    // load in memory the size of the IPv4 flow table.
+    let bytes = lb_common::flow_slots(b.conntrack_max) as usize * size_of::<lb_common::FlowSlot>();
+    let mem = memory::random_load(bytes, args.rounds.max(3) as usize)?;
+    let tx = out["cases"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["key"] == "floor_tx"))
+        .and_then(|c| c["median_ns"].as_f64())
+        .context("the XDP_TX floor's median")?;
+    let small = report::median(&mem.small_pages_ns);
+    let huge = mem.huge_pages_ns.as_deref().map(report::median);
+    println!(
+        "memory: one random load in {} MB (the IPv4 flow table's size), 4 KB pages as the kernel's BPF arrays: {small:.1} ns = {:.1}x floor_tx{}",
+        bytes >> 20,
+        small / tx,
+        huge.map_or_else(
+            || "; no huge pages to compare".to_owned(),
+            |h| format!("; with 2 MB pages {h:.1} ns = {:.1}x", h / tx)
+        )
+    );
+    out["memory"] = serde_json::json!({
+        "bytes": bytes,
+        "random_load_ns": mem.small_pages_ns,
+        "random_load_median_ns": small,
+        "random_load_x_floor_tx": small / tx,
+        "random_load_huge_pages_ns": mem.huge_pages_ns,
+        "random_load_huge_pages_median_ns": huge,
+    });
     let wc = b.weight_changes(11)?;
     let mut ms = wc.ms.clone();
     ms.sort_by(f64::total_cmp);
