@@ -124,6 +124,10 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
         return Ok(drop_if_vip(ctx, pkt.daddr, counter::DROP_MALFORMED));
     }
 
+    // The packet's flow-table key, written before the clock's read: made
+    // after it, LLVM kept one of its words in a register it spilled
+    // undefined on the clock's slow path, which the verifier refuses.
+    let mut key = FlowKey::new(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto);
     let now = now_secs();
     // Where the packet goes. One call site each for `forward` and `reply`
     // (both inlined): the paths to them share one stack frame.
@@ -134,14 +138,6 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
     if from_backend && let Some(vip) = endpoint_vip(&pkt) {
         to = reply_of_flow(&pkt, vip, &mut no_flow);
     }
-    let mut key = FlowKey {
-        src_addr: pkt.saddr,
-        dst_addr: pkt.daddr,
-        src_port: pkt.sport,
-        dst_port: pkt.dport,
-        proto: pkt.proto,
-        _pad: [0; 3],
-    };
     // The lookup's answer: the entry's slot, or the slot a new entry
     // takes, which the insert of a new flow then takes without probing
     // again.
@@ -672,8 +668,7 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
 /// and its insert finds them already cached.
 #[inline(always)]
 fn reply_key(pkt: &Packet, addr: u32, port: u16) -> FlowKey {
-    FlowKey { src_addr: addr, dst_addr: pkt.saddr, src_port: port, dst_port: pkt.sport, proto: pkt.proto, _pad: [0; 3] }
-        .reply()
+    FlowKey::new(addr, pkt.saddr, port, pkt.sport, pkt.proto).reply()
 }
 
 /// What a packet of a flow gets rewritten to, and whose counters it counts in.
@@ -817,14 +812,7 @@ fn reply_entry_seen(pkt: &Packet, entry: *mut Flow, nat: Nat) {
 /// answers: the client's 5-tuple towards the VIP (`vip_addr`, `vip_port`).
 #[inline(always)]
 fn client_key(pkt: &Packet, vip_addr: u32, vip_port: u16) -> FlowKey {
-    FlowKey {
-        src_addr: pkt.daddr,
-        dst_addr: vip_addr,
-        src_port: pkt.dport,
-        dst_port: vip_port,
-        proto: pkt.proto,
-        _pad: [0; 3],
-    }
+    FlowKey::new(pkt.daddr, vip_addr, pkt.dport, vip_port, pkt.proto)
 }
 
 /// Backend -> client: source becomes the VIP again; the next hop is cached
