@@ -259,8 +259,8 @@ fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<Atom
     let small = report::median(&mem.small_pages_ns);
     let huge = mem.huge_pages_ns.as_deref().map(report::median);
     println!(
-        "memory: one random load in {} MB (the IPv4 flow table's size), 4 KB pages as the kernel's BPF arrays: {small:.1} ns = {:.1}x floor_tx{}",
-        bytes >> 20,
+        "memory: one random load in {:.1} MB (the IPv4 flow table's size), 4 KB pages as the kernel's BPF arrays: {small:.1} ns = {:.1}x floor_tx{}",
+        bytes as f64 / f64::from(1u32 << 20),
         small / tx,
         huge.map_or_else(
             || "; no huge pages to compare".to_owned(),

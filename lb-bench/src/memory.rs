@@ -12,18 +12,14 @@
 //! order, with 4 KB pages as the kernel's, and again with 2 MB pages
 //! where the kernel gives them (transparent huge pages), to show what the
 //! page walk costs.
-use std::{
-    num::NonZeroUsize,
-    ptr::NonNull,
-    time::{Duration, Instant},
-};
+use std::{num::NonZeroUsize, ptr::NonNull, time::Instant};
 
 use anyhow::Context as _;
 use nix::sys::mman::{MapFlags, MmapAdvise, ProtFlags, madvise, mmap_anonymous, munmap};
 
 /// A cache line: the chase touches one word of each line it visits.
 const LINE: usize = 64;
-/// Loads timed per round.
+/// Loads timed per round (fewer in a region of fewer lines).
 const STEPS: usize = 1 << 20;
 
 /// An anonymous mapping, unmapped when dropped.
@@ -95,7 +91,8 @@ pub(crate) fn random_load(bytes: usize, rounds: usize) -> anyhow::Result<Latency
 /// The chase in one region; also answers the huge pages it held (kB).
 fn chase(bytes: usize, huge: bool, rounds: usize) -> anyhow::Result<(Vec<f64>, u64)> {
     let lines = bytes / LINE;
-    anyhow::ensure!(lines >= 2 * STEPS, "{bytes} bytes: too small a region to time");
+    anyhow::ensure!(lines >= 2, "{bytes} bytes: too small a region to time");
+    let steps = STEPS.min(lines);
     let region = Region::new(bytes, huge)?;
     let huge_kb = anon_huge_kb();
     // Every line of the region in a random order (Fisher-Yates with
@@ -130,17 +127,13 @@ fn chase(bytes: usize, huge: bool, rounds: usize) -> anyhow::Result<(Vec<f64>, u
         }
         p
     };
-    let mut p = walk(STEPS / 8, at(first));
+    let mut p = walk(steps / 8, at(first));
     let mut ns = Vec::with_capacity(rounds);
     for _ in 0..rounds {
         let t = Instant::now();
-        p = walk(STEPS, p);
-        ns.push(per_load(t.elapsed()));
+        p = walk(steps, p);
+        ns.push(t.elapsed().as_secs_f64() * 1e9 / steps as f64);
     }
     std::hint::black_box(p);
     Ok((ns, huge_kb))
-}
-
-fn per_load(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e9 / STEPS as f64
 }

@@ -147,10 +147,10 @@ hash, the datapath's flow table up to layout 2. Beside our cases with as many fl
             );
             let _ = writeln!(
                 md,
-                "- one random load in memory the size of the IPv4 flow table ({} MB, in 4 KB pages as the kernel allocates BPF \
+                "- one random load in memory the size of the IPv4 flow table ({:.0} MB, in 4 KB pages as the kernel allocates BPF \
 arrays; timed from userspace on the measuring CPU, a pointer chase through every cache line in a random order): {small:.1} ns = \
 {x:.1}x floor_tx{huge}. Every new flow waits for at least one such load, for its slot: {}",
-                m["bytes"].as_u64().unwrap_or(0) >> 20,
+                m["bytes"].as_f64().unwrap_or(0.0) / f64::from(1u32 << 20),
                 if x < 14.0 {
                     format!("of the 14x target, that leaves {:.1}x floor_tx on this machine for all the rest", 14.0 - x)
                 } else {
