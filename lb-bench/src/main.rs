@@ -274,6 +274,7 @@ fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<Atom
         "random_load_x_floor_tx": small / tx,
         "random_load_huge_pages_ns": mem.huge_pages_ns,
         "random_load_huge_pages_median_ns": huge,
+        "random_load_huge_pages_x_floor_tx": huge.map(|h| h / tx),
     });
     let wc = b.weight_changes(11)?;
     let mut ms = wc.ms.clone();

@@ -141,10 +141,12 @@ hash, the datapath's flow table up to layout 2. Beside our cases with as many fl
         if let Some(m) = p.get("memory") {
             let small = f(&m["random_load_median_ns"]);
             let x = f(&m["random_load_x_floor_tx"]);
-            let huge = m["random_load_huge_pages_median_ns"].as_f64().map_or_else(
-                || "; the kernel gave no huge pages to compare".to_owned(),
-                |h| format!("; with 2 MB pages {h:.1} ns = {:.1}x", h * x / small),
-            );
+            let huge =
+                match (m["random_load_huge_pages_median_ns"].as_f64(), m["random_load_huge_pages_x_floor_tx"].as_f64())
+                {
+                    (Some(h), Some(hx)) => format!("; with 2 MB pages {h:.1} ns = {hx:.1}x"),
+                    _ => "; the kernel gave no huge pages to compare".to_owned(),
+                };
             let _ = writeln!(
                 md,
                 "- one random load in memory the size of the IPv4 flow table ({:.0} MB, in 4 KB pages as the kernel allocates BPF \
