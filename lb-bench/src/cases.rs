@@ -6,7 +6,7 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use lb_testkit::{
-    Frame,
+    Frame, Frame6,
     frame::{
         Proto, ipv6_tcp,
         tcp::{ACK, SYN},
@@ -44,9 +44,22 @@ pub(crate) const FILL: u32 = 1 << 20;
 pub(crate) const BACKENDS: [Ipv4Addr; 3] =
     [Ipv4Addr::new(10, 20, 0, 11), Ipv4Addr::new(10, 20, 0, 12), Ipv4Addr::new(10, 20, 0, 13)];
 pub(crate) const CONNTRACK_MAX: u32 = 4 << 20;
+/// The IPv6 service's VIP and client, on the client side's /64, and its
+/// backends, on the backends' side's /64 (`netns`).
+pub(crate) const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 0x64);
+pub(crate) const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 1, 1);
+pub(crate) const BACKENDS6: [Ipv6Addr; 3] = [
+    Ipv6Addr::new(0xfd00, 0x14, 0, 0, 0, 0, 0, 0x11),
+    Ipv6Addr::new(0xfd00, 0x14, 0, 0, 0, 0, 0, 0x12),
+    Ipv6Addr::new(0xfd00, 0x14, 0, 0, 0, 0, 0, 0x13),
+];
 
 pub(crate) fn backend_mac(addr: Ipv4Addr) -> [u8; 6] {
     [0x02, 0, 0, 0, 0x02, addr.octets()[3]]
+}
+
+pub(crate) fn backend_mac6(addr: Ipv6Addr) -> [u8; 6] {
+    [0x02, 0, 0, 0, 0x06, addr.octets()[15]]
 }
 
 /// Katran's XDP balancer on this kernel, same method (from the issue).
@@ -74,6 +87,16 @@ pub(crate) fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u
         ack_number: if flags & ACK != 0 { 5000 } else { 0 },
         payload: payload(FRAME_LEN - 54),
         ..Frame::tcp(src, sport, dst, dport, flags).macs(GW_A_MAC, CLIENT_MAC)
+    }
+}
+
+/// An IPv6 TCP segment from the client, FRAME_LEN bytes (an ACK
+/// acknowledges 5000).
+pub(crate) fn tcp6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, flags: u8) -> Frame6 {
+    Frame6 {
+        ack_number: if flags & ACK != 0 { 5000 } else { 0 },
+        payload: payload(FRAME_LEN - 74),
+        ..Frame6::tcp(src, sport, dst, dport, flags).macs(GW_A_MAC, CLIENT_MAC)
     }
 }
 
@@ -167,6 +190,7 @@ pub(crate) fn backend_port(service: &str) -> u16 {
         "rr" => 8082,
         "source-hash" => 8083,
         "least-conn" => 8084,
+        "maglev6" => 8086,
         _ => 8053,
     }
 }
@@ -192,6 +216,21 @@ pub(crate) fn services() -> Vec<ServiceConfig> {
         svc("least-conn", 84, Protocol::Tcp, Scheduler::LeastConn),
         svc("dns", 53, Protocol::Udp, Scheduler::Maglev),
         svc("maglev-shared", 85, Protocol::Tcp, Scheduler::Maglev),
+        // IPv6: its own VIP and backends, its own flow table.
+        ServiceConfig::example(
+            "maglev6",
+            VIP6,
+            80,
+            BACKENDS6
+                .iter()
+                .map(|&address| BackendConfig {
+                    address: address.into(),
+                    port: backend_port("maglev6"),
+                    weight: 1,
+                    drain: false,
+                })
+                .collect(),
+        ),
     ]
 }
 
@@ -364,6 +403,20 @@ pub(crate) fn items() -> Vec<Item> {
         fill: 0,
     });
     v.push(Item {
+        key: "tcp6_established",
+        label: "IPv6 TCP established flow (maglev)".into(),
+        path: "flow hit, NAT, cached next hop, REDIRECT",
+        prog: Prog::Lb,
+        via: Via::Harness(MODE_RESTORE),
+        frame: tcp6(CLIENT6, 40000, VIP6, 80, ACK).bytes(),
+        expect: Expect::Redirect,
+        service: Some("maglev6"),
+        // Katran's figure is its IPv4 one: not compared.
+        katran: None,
+        reply: false,
+        fill: 0,
+    });
+    v.push(Item {
         key: "ipv6",
         label: "IPv6 TCP, not a VIP".into(),
         path: "address filter: neither ours, PASS",
@@ -432,9 +485,27 @@ pub(crate) fn reply_frame(fwd: &Frame, backend: Ipv4Addr, service: &str) -> Vec<
     .bytes()
 }
 
+/// The same for an IPv6 flow (TCP).
+pub(crate) fn reply_frame6(fwd: &Frame6, backend: Ipv6Addr, service: &str) -> Vec<u8> {
+    Frame6 {
+        payload: payload(FRAME_LEN - 74),
+        ack_number: 7000,
+        ..Frame6::tcp(backend, backend_port(service), fwd.src, fwd.sport, ACK).macs(GW_B_MAC, backend_mac6(backend))
+    }
+    .bytes()
+}
+
+/// Whether `frame` is an IPv6 one (its EtherType).
+pub(crate) fn is_ipv6(frame: &[u8]) -> bool {
+    frame.get(12..14) == Some(&[0x86, 0xdd][..])
+}
+
 /// An established-flow case: before it is timed its flow's reply passes
 /// once and the client speaks again, so the flow is established (answered,
 /// `FLOW_ESTABLISHED`), as a real connection's is.
 pub(crate) fn answered_first(item: &Item) -> bool {
-    matches!(item.key.strip_suffix("_full").unwrap_or(item.key), "tcp_established" | "udp_established")
+    matches!(
+        item.key.strip_suffix("_full").unwrap_or(item.key),
+        "tcp_established" | "udp_established" | "tcp6_established"
+    )
 }

@@ -65,7 +65,7 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::Value;
 
 use crate::{
-    cases::{CONNTRACK_MAX, FILL, Prog, full, items},
+    cases::{CONNTRACK_MAX, FILL, Prog, full, is_ipv6, items},
     measure::{Bench, Sample},
     netns::{Netns, enter_netns, pin_thread},
     report::{HostInfo, read_trim, report},
@@ -104,8 +104,8 @@ pub struct PacketArgs {
     pub keep_bpf_stats: bool,
     /// Measure only these cases (comma-separated keys, e.g.
     /// `tcp_established,non_vip`); the floors, the flow table alone and the
-    /// harness are always measured. Keys: tcp_established, new_maglev, new_wrr, new_rr,
-    /// new_source_hash, new_least_conn, udp_established, ipv6, non_vip.
+    /// harness are always measured. Keys: tcp_established, tcp_reply, new_maglev, new_wrr, new_rr,
+    /// new_source_hash, new_least_conn, new_shared, udp_established, tcp6_established, ipv6, non_vip.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Flow table size in connections. Default 4M, or more when --repeat
@@ -220,7 +220,9 @@ fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<Atom
     if args.fill > 0 {
         let twins: Vec<_> = items
             .iter()
-            .filter(|i| (i.prog == Prog::Lb || i.prog.table_alone()) && i.key != "ipv6")
+            // Not the IPv6 cases: the fill is of IPv4 flows (the harness
+            // makes fresh IPv4 5-tuples), which another table holds.
+            .filter(|i| (i.prog == Prog::Lb || i.prog.table_alone()) && !is_ipv6(&i.frame))
             .map(|i| full(i, args.fill))
             .collect();
         items.extend(twins);

@@ -23,7 +23,7 @@ use aya::{
     maps::{Array, MapData, PerCpuArray, ProgramArray},
     programs::{ProgramFd, TestRun as _, TestRunOptions, Xdp},
 };
-use lb_common::{FLOW_ESTABLISHED, FLOW_REPLIED, FlowKey};
+use lb_common::{FLOW_ESTABLISHED, FLOW_REPLIED, FlowKey, FlowKey6};
 use lb_testkit::{Frame, Frame6};
 use lb_userspace::{
     config::{Config, XdpMode},
@@ -32,9 +32,9 @@ use lb_userspace::{
 
 use crate::{
     cases::{
-        BACKENDS, CLIENT, CLIENT_MAC, Expect, FRAME_MAX, GW_A_MAC, GW_B_MAC, Item, MODE_NEW_TCP, MODE_RESTORE, Prog,
-        VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, answered_first, backend_mac, backend_port, items, payload,
-        reply_frame, services, tcp, udp,
+        BACKENDS, BACKENDS6, CLIENT, CLIENT_MAC, Expect, FRAME_MAX, GW_A_MAC, GW_B_MAC, Item, MODE_NEW_TCP,
+        MODE_RESTORE, Prog, VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, answered_first, backend_mac, backend_mac6,
+        backend_port, is_ipv6, items, payload, reply_frame, reply_frame6, services, tcp, udp,
     },
     netns::{ifindex, pin_to},
 };
@@ -449,6 +449,9 @@ impl Bench {
                     "{what}: returned {} instead of XDP_REDIRECT (4): the measured path is not the forwarding path",
                     r.retval
                 );
+                if is_ipv6(&seen) {
+                    return check_redirect6(item, &seen, &r.out);
+                }
                 // Parsed, both checksums verified (etherparse).
                 let got = Frame::parse(&r.out).with_context(|| format!("{what}: output {:02x?}", r.out))?;
                 let orig = Frame::parse(&seen).with_context(|| format!("{what}: the frame the program saw"))?;
@@ -928,13 +931,30 @@ impl Bench {
     fn reply_to(&mut self, item: &Item) -> anyhow::Result<Item> {
         let fwd = self.run(item, 1)?;
         ensure!(fwd.retval == XDP_REDIRECT, "{}: the forward packet returned {}", item.label, fwd.retval);
-        let backend = Frame::parse(&fwd.out)?.dst;
-        let frame = Frame::parse(&item.frame)?;
-        Ok(Item { frame: reply_frame(&frame, backend, item.service.unwrap_or_default()), reply: true, ..item.clone() })
+        let service = item.service.unwrap_or_default();
+        let frame = if is_ipv6(&item.frame) {
+            reply_frame6(&Frame6::parse(&item.frame)?, Frame6::parse(&fwd.out)?.dst, service)
+        } else {
+            reply_frame(&Frame::parse(&item.frame)?, Frame::parse(&fwd.out)?.dst, service)
+        };
+        Ok(Item { frame, reply: true, ..item.clone() })
     }
 
     /// The close/handshake state of the flow `item`'s frame opens.
     fn flow_state(&self, item: &Item) -> anyhow::Result<u64> {
+        if is_ipv6(&item.frame) {
+            let f = Frame6::parse(&item.frame)?;
+            let key = FlowKey6 {
+                src_addr: words6(f.src),
+                dst_addr: words6(f.dst),
+                src_port: f.sport.to_be(),
+                dst_port: f.dport.to_be(),
+                proto: if f.proto == lb_testkit::Proto::Udp { lb_common::PROTO_UDP } else { lb_common::PROTO_TCP },
+                _pad: [0; 3],
+            };
+            let flow = self.dp.flow6(&key)?.ok_or_else(|| anyhow!("{}: no IPv6 flow-table entry", item.label))?;
+            return Ok(flow.state);
+        }
         let f = Frame::parse(&item.frame)?;
         let key = FlowKey {
             src_addr: u32::from_ne_bytes(f.src.octets()),
@@ -947,6 +967,37 @@ impl Bench {
         let flow = self.dp.flow(&key)?.ok_or_else(|| anyhow!("{}: no flow-table entry", item.label))?;
         Ok(flow.state)
     }
+}
+
+/// An IPv6 address as the datapath's keys hold it: four words in
+/// network byte order, as they lie in the packet.
+fn words6(a: std::net::Ipv6Addr) -> [u32; 4] {
+    let o = a.octets();
+    std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
+}
+
+/// An IPv6 forward case's output (`check_output`'s redirect check): the
+/// frame the program saw, sent to one of the service's backends with its
+/// hop limit one less, from the gateway's backend-side MAC. Parsed, its
+/// TCP/UDP checksum verified (etherparse) and compared byte for byte with
+/// one built from scratch.
+fn check_redirect6(item: &Item, seen: &[u8], out: &[u8]) -> anyhow::Result<()> {
+    let what = &item.label;
+    ensure!(!item.reply, "{what}: no IPv6 reply case is measured");
+    let got = Frame6::parse(out).with_context(|| format!("{what}: output {out:02x?}"))?;
+    let orig = Frame6::parse(seen).with_context(|| format!("{what}: the frame the program saw"))?;
+    let (dst, dport) = (got.dst, got.dport);
+    let port = backend_port(item.service.unwrap_or_default());
+    ensure!(BACKENDS6.contains(&dst), "{what}: destination {dst} is not a backend");
+    ensure!(dport == port, "{what}: destination port {dport}, expected {port}");
+    let want =
+        Frame6 { dmac: backend_mac6(dst), smac: GW_B_MAC, dst, dport: port, hop_limit: orig.hop_limit - 1, ..orig }
+            .bytes();
+    ensure!(
+        out == want,
+        "{what}: output differs from the expected frame (checksum recomputed from scratch)\n want {want:02x?}\n out  {out:02x?}"
+    );
+    Ok(())
 }
 
 /// What [`Bench::weight_changes`] measured.

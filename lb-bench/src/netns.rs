@@ -8,7 +8,7 @@ use std::{path::Path, process::Command};
 use anyhow::{Context as _, anyhow, ensure};
 use nix::sched::{CloneFlags, CpuSet};
 
-use crate::cases::{BACKENDS, CLIENT, CLIENT_MAC, GW_A_MAC, GW_B_MAC, backend_mac};
+use crate::cases::{BACKENDS, BACKENDS6, CLIENT, CLIENT_MAC, CLIENT6, GW_A_MAC, GW_B_MAC, backend_mac, backend_mac6};
 
 /// The benchmark's network namespace; deleted on drop.
 pub(crate) struct Netns {
@@ -57,9 +57,22 @@ impl Netns {
             format!("ip -n {n} addr add 10.20.0.1/24 dev gwb"),
             format!("ip -n {n} neigh replace {CLIENT} lladdr {} dev gwa nud permanent", mac_str(CLIENT_MAC)),
             format!("ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"),
+            // IPv6 (the FIB answers an IPv6 lookup only where forwarding
+            // is on); no duplicate address detection, so the addresses
+            // are usable at once.
+            format!("ip netns exec {n} sysctl -qw net.ipv6.conf.all.forwarding=1"),
+            format!("ip -n {n} -6 addr add fd00:a::1/64 dev gwa nodad"),
+            format!("ip -n {n} -6 addr add fd00:14::1/64 dev gwb nodad"),
+            format!("ip -n {n} -6 neigh replace {CLIENT6} lladdr {} dev gwa nud permanent", mac_str(CLIENT_MAC)),
         ];
         for b in BACKENDS {
             cmds.push(format!("ip -n {n} neigh replace {b} lladdr {} dev gwb nud permanent", mac_str(backend_mac(b))));
+        }
+        for b in BACKENDS6 {
+            cmds.push(format!(
+                "ip -n {n} -6 neigh replace {b} lladdr {} dev gwb nud permanent",
+                mac_str(backend_mac6(b))
+            ));
         }
         for c in cmds {
             sh(&c)?;
