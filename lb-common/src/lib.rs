@@ -845,7 +845,64 @@ impl SlotKey for FlowKey {
     }
 }
 
+/// Copy an IPv6 address from `src` to `dst` as four 32-bit words. On
+/// BPF, a plain copy of a 16-byte array (out of a packet, into a map value)
+/// compiles to a call of a `memmove` subprogram, a byte loop of 16 rounds,
+/// on every packet that makes one; the loads and stores are volatile so
+/// that LLVM does not merge them back into that call.
+///
+/// # Safety
+/// `src` is valid for reads and `dst` for writes of 16 bytes, each aligned
+/// to 4 as `[u32; 4]` is (the datapath's packet headers are read as
+/// structs at their offsets throughout; BPF has no alignment traps).
+#[inline(always)]
+pub unsafe fn copy_addr6(dst: *mut [u32; 4], src: *const [u32; 4]) {
+    let (d, s) = (dst.cast::<u32>(), src.cast::<u32>());
+    // SAFETY: the caller's promise; four words inside the 16 bytes.
+    unsafe {
+        d.write_volatile(s.read_volatile());
+        d.add(1).write_volatile(s.add(1).read_volatile());
+        d.add(2).write_volatile(s.add(2).read_volatile());
+        d.add(3).write_volatile(s.add(3).read_volatile());
+    }
+}
+
 impl FlowKey6 {
+    /// Write the key of a 5-tuple into `key` in place: the addresses
+    /// copied word by word from where they lie (the packet, a map value),
+    /// the ports, protocol, `mark` (0, or [`KEY_REPLY`]) and zero padding
+    /// as one word. A struct literal compiles to two `memmove` calls and a
+    /// `memset` call on BPF (see [`copy_addr6`]).
+    ///
+    /// # Safety
+    /// `key` is valid for writes of a `FlowKey6` (and aligned, as its type
+    /// is); `src` and `dst` as [`copy_addr6`] asks.
+    #[inline(always)]
+    pub unsafe fn write(
+        key: *mut Self,
+        src: *const [u32; 4],
+        dst: *const [u32; 4],
+        src_port: u16,
+        dst_port: u16,
+        proto: u8,
+        mark: u8,
+    ) {
+        let (sport, dport, proto, mark) = (u64::from(src_port), u64::from(dst_port), u64::from(proto), u64::from(mark));
+        let tail = if cfg!(target_endian = "little") {
+            sport | dport << 16 | proto << 32 | mark << 40
+        } else {
+            sport << 48 | dport << 32 | proto << 24 | mark << 16
+        };
+        // SAFETY: the caller's promise; `FlowKey6` is repr(C), 8-aligned,
+        // two addresses then 8 bytes of ports, protocol and padding (size
+        // tests below).
+        unsafe {
+            copy_addr6(&raw mut (*key).src_addr, src);
+            copy_addr6(&raw mut (*key).dst_addr, dst);
+            key.cast::<u64>().add(4).write_volatile(tail);
+        }
+    }
+
     /// This 5-tuple as a reply entry's key ([`KEY_REPLY`]).
     #[inline(always)]
     #[must_use]
@@ -1320,6 +1377,28 @@ mod tests {
             let literal = FlowKey { src_addr: sa, dst_addr: da, src_port: sp, dst_port: dp, proto, _pad: [0; 3] };
             assert_eq!(FlowKey::new(sa, da, sp, dp, proto), literal);
             assert_eq!(FlowKey::new(sa, da, sp, dp, proto).reply(), literal.reply());
+        }
+    }
+
+    #[test]
+    fn an_ipv6_flow_key_written_in_place_is_the_struct_literal() {
+        let a = [0x0000_00fd_u32.to_be(), 1, 2, 0x6400_0000];
+        let b = [u32::MAX, 0, 0x1234_5678, 1];
+        for (sa, da, sp, dp, proto, mark) in
+            [(a, b, 40_000, 80, 6, 0), (b, a, u16::MAX, 1, 17, KEY_REPLY), ([0; 4], [0; 4], 0, 0, 0, 0)]
+        {
+            let literal =
+                FlowKey6 { src_addr: sa, dst_addr: da, src_port: sp, dst_port: dp, proto, _pad: [mark, 0, 0] };
+            // Over a key of other bytes: every byte is written.
+            let mut key =
+                FlowKey6 { src_addr: [7; 4], dst_addr: [9; 4], src_port: 3, dst_port: 4, proto: 5, _pad: [6; 3] };
+            // SAFETY: a valid, aligned key; the addresses are arrays.
+            unsafe { FlowKey6::write(&raw mut key, &raw const sa, &raw const da, sp, dp, proto, mark) };
+            assert_eq!(key, literal);
+            let mut addr = [5u32; 4];
+            // SAFETY: two valid arrays.
+            unsafe { copy_addr6(&raw mut addr, &raw const sa) };
+            assert_eq!(addr, sa);
         }
     }
 

@@ -22,7 +22,7 @@ use aya_ebpf::{
 use lb_common::{
     BACKEND_F_V6, BACKEND_NONE, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, DIR_RETIRED, FLOW_ESTABLISHED,
     FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED, Flow6, FlowKey6, KEY_REPLY, MAX_IPV6_EXT, PROTO_TCP, PROTO_UDP,
-    SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, Vip6Key, counter, flow_closed, fold6,
+    SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, Vip6Key, copy_addr6, counter, flow_closed, fold6,
 };
 use lb_ebpf::csum;
 
@@ -310,27 +310,36 @@ fn try_lb(ctx: &XdpContext) -> u32 {
     if from_backend {
         // SAFETY: this CPU's slot, touched by this invocation only; the
         // shared reference lives for the lookup only.
-        let vip = unsafe {
-            (*k).vip = Vip6Key { addr: pkt.saddr(), port: pkt.sport, proto: pkt.proto, _pad: 0 };
-            ENDPOINTS6.get(&(*k).vip).copied()
+        // Addresses copied word by word (see `copy_addr6`).
+        let found = unsafe {
+            set_vip_key(k, &raw const (*pkt.ip).saddr, pkt.sport, pkt.proto);
+            match ENDPOINTS6.get_ptr(&(*k).vip) {
+                Some(vip) => {
+                    set_vip_key(k, &raw const (*vip).addr, (*vip).port, (*vip).proto);
+                    true
+                }
+                None => false,
+            }
         };
-        if let Some(vip) = vip {
-            // SAFETY: as above.
-            unsafe { (*k).vip = vip };
+        if found {
             to = reply_of_flow(&pkt, k, &mut no_flow);
         }
     }
-    // SAFETY: as above.
+    // SAFETY: as above; the addresses were bounds-checked by parse().
+    // Written in place, word by word (see `FlowKey6::write`). A backend's
+    // packet: its reply entry's first (as for IPv4).
     unsafe {
-        (*k).flow = FlowKey6 {
-            src_addr: pkt.saddr(),
-            dst_addr: pkt.daddr(),
-            src_port: pkt.sport,
-            dst_port: pkt.dport,
-            proto: pkt.proto,
-            // A backend's packet: its reply entry's first (as for IPv4).
-            _pad: [if from_backend { KEY_REPLY } else { 0 }, 0, 0],
-        };
+        let mark = if from_backend { KEY_REPLY } else { 0 };
+        let ip = pkt.ip;
+        FlowKey6::write(
+            &raw mut (*k).flow,
+            &raw const (*ip).saddr,
+            &raw const (*ip).daddr,
+            pkt.sport,
+            pkt.dport,
+            pkt.proto,
+            mark,
+        );
     }
     // The lookup's answer, kept for a new flow's insert (as for IPv4).
     // SAFETY: as above; a plain store.
@@ -377,6 +386,23 @@ fn try_lb(ctx: &XdpContext) -> u32 {
         }
     };
     transmit(ctx, &pkt, &to, now)
+}
+
+/// Write a VIP or endpoint key into the scratch slot's `vip`, its address
+/// word by word (see `copy_addr6`).
+///
+/// # Safety
+/// `k` is this CPU's scratch slot; `addr` as `copy_addr6` asks, and not
+/// inside `(*k).vip`'s address unless it is that address.
+#[inline(always)]
+unsafe fn set_vip_key(k: *mut Keys6, addr: *const [u32; 4], port: u16, proto: u8) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        copy_addr6(&raw mut (*k).vip.addr, addr);
+        (*k).vip.port = port;
+        (*k).vip.proto = proto;
+        (*k).vip._pad = 0;
+    }
 }
 
 /// Rewrite and send the packet where `to` says. Its own frame: the
@@ -781,15 +807,9 @@ fn reply_entry_seen(pkt: &Packet6, entry: *mut Flow6, k: *mut Keys6, nat: &Nat6)
 fn client_key<'a>(pkt: &Packet6, k: *mut Keys6, vip_addr: &[u32; 4], vip_port: u16) -> &'a FlowKey6 {
     // SAFETY: this CPU's scratch slot (see try_lb); the reference is used
     // for one lookup, and nothing writes the slot meanwhile.
+    // Written in place, word by word (see `FlowKey6::write`).
     unsafe {
-        (*k).other = FlowKey6 {
-            src_addr: pkt.daddr(),
-            dst_addr: *vip_addr,
-            src_port: pkt.dport,
-            dst_port: vip_port,
-            proto: pkt.proto,
-            _pad: [0; 3],
-        };
+        FlowKey6::write(&raw mut (*k).other, &raw const (*pkt.ip).daddr, vip_addr, pkt.dport, vip_port, pkt.proto, 0);
         &(*k).other
     }
 }
@@ -899,7 +919,11 @@ fn rewrite<'a>(pkt: &Packet6, addr: [u32; 4], port: u16, way: Way) -> Option<&'a
             Way::Forward => (&raw mut (*ip).daddr, &raw mut (*pkt.ports)[1]),
             Way::Reply => (&raw mut (*ip).saddr, &raw mut (*pkt.ports)[0]),
         };
-        (*k).rw = Rewrite6 { old_addr: *a, new_addr: addr, old_port: *p, new_port: port };
+        // The old address word by word (see `copy_addr6`).
+        copy_addr6(&raw mut (*k).rw.old_addr, a);
+        (*k).rw.new_addr = addr;
+        (*k).rw.old_port = *p;
+        (*k).rw.new_port = port;
         *a = addr;
         *p = port;
         Some(&(*k).rw)
