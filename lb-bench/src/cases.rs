@@ -24,6 +24,8 @@ pub(crate) const XDP_REDIRECT: u32 = 4;
 /// Harness modes (`bench-floor.rs`).
 pub(crate) const MODE_RESTORE: u32 = 0;
 pub(crate) const MODE_NEW_TCP: u32 = 1;
+/// A new IPv6 TCP flow per repeat (the source address's last word grows).
+pub(crate) const MODE_NEW_TCP6: u32 = 3;
 /// Largest frame the harness restores.
 pub(crate) const FRAME_MAX: usize = 128;
 /// Every test frame is this long (payload padded): whole 8-byte words, so
@@ -48,6 +50,8 @@ pub(crate) const CONNTRACK_MAX: u32 = 4 << 20;
 /// backends, on the backends' side's /64 (`netns`).
 pub(crate) const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 0x64);
 pub(crate) const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 1, 1);
+/// New IPv6 flows: the harness adds (n >> 16) to this address's last word.
+pub(crate) const NEW_FLOW_BASE6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0x40, 1);
 pub(crate) const BACKENDS6: [Ipv6Addr; 3] = [
     Ipv6Addr::new(0xfd00, 0x14, 0, 0, 0, 0, 0, 0x11),
     Ipv6Addr::new(0xfd00, 0x14, 0, 0, 0, 0, 0, 0x12),
@@ -303,6 +307,19 @@ pub(crate) fn items() -> Vec<Item> {
             fill: 0,
         },
         Item {
+            key: "harness_new6",
+            label: "harness (new IPv6 flow) -> floor_pass".into(),
+            path: "",
+            prog: Prog::FloorPass,
+            via: Via::Harness(MODE_NEW_TCP6),
+            frame: tcp6(NEW_FLOW_BASE6, 1, VIP6, 80, SYN).bytes(),
+            expect: Expect::Pass,
+            service: None,
+            katran: None,
+            reply: false,
+            fill: 0,
+        },
+        Item {
             key: "tcp_established",
             label: "TCP established flow (maglev)".into(),
             path: "flow hit, NAT, cached next hop, REDIRECT",
@@ -417,6 +434,19 @@ pub(crate) fn items() -> Vec<Item> {
         fill: 0,
     });
     v.push(Item {
+        key: "new_maglev6",
+        label: "IPv6 TCP new flow, maglev".into(),
+        path: "flow miss, VIP, pick, 1 insert, NAT, REDIRECT",
+        prog: Prog::Lb,
+        via: Via::Harness(MODE_NEW_TCP6),
+        frame: tcp6(NEW_FLOW_BASE6, 1, VIP6, 80, SYN).bytes(),
+        expect: Expect::Redirect,
+        service: Some("maglev6"),
+        katran: None,
+        reply: false,
+        fill: 0,
+    });
+    v.push(Item {
         key: "ipv6",
         label: "IPv6 TCP, not a VIP".into(),
         path: "address filter: neither ours, PASS",
@@ -498,6 +528,11 @@ pub(crate) fn reply_frame6(fwd: &Frame6, backend: Ipv6Addr, service: &str) -> Ve
 /// Whether `frame` is an IPv6 one (its EtherType).
 pub(crate) fn is_ipv6(frame: &[u8]) -> bool {
     frame.get(12..14) == Some(&[0x86, 0xdd][..])
+}
+
+/// A case that makes a new flow per repeat (through the harness).
+pub(crate) fn new_flow_case(item: &Item) -> bool {
+    matches!(item.via, Via::Harness(MODE_NEW_TCP | MODE_NEW_TCP6))
 }
 
 /// An established-flow case: before it is timed its flow's reply passes

@@ -33,8 +33,9 @@ use lb_userspace::{
 use crate::{
     cases::{
         BACKENDS, BACKENDS6, CLIENT, CLIENT_MAC, Expect, FRAME_MAX, GW_A_MAC, GW_B_MAC, Item, MODE_NEW_TCP,
-        MODE_RESTORE, Prog, VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, answered_first, backend_mac, backend_mac6,
-        backend_port, is_ipv6, items, payload, reply_frame, reply_frame6, services, tcp, udp,
+        MODE_NEW_TCP6, MODE_RESTORE, Prog, VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, answered_first, backend_mac,
+        backend_mac6, backend_port, is_ipv6, items, new_flow_case, payload, reply_frame, reply_frame6, services, tcp,
+        udp,
     },
     netns::{ifindex, pin_to},
 };
@@ -405,7 +406,14 @@ impl Bench {
         // The frame the program under test saw: for a new flow the harness
         // gave it the source derived from its counter (built here from
         // scratch, so the harness's incremental checksums are checked too).
-        let seen = if item.via == Via::Harness(MODE_NEW_TCP) {
+        let seen = if item.via == Via::Harness(MODE_NEW_TCP6) {
+            let n = counter_last.ok_or_else(|| anyhow!("{what}: no harness counter"))?;
+            let orig = Frame6::parse(&item.frame).with_context(|| format!("{what}: the case's frame"))?;
+            let mut src = orig.src.octets();
+            let last = u32::from_be_bytes(src[12..].try_into().expect("4 bytes")).wrapping_add((n >> 16) as u32);
+            src[12..].copy_from_slice(&last.to_be_bytes());
+            Frame6 { src: src.into(), sport: n as u16, ..orig }.bytes()
+        } else if item.via == Via::Harness(MODE_NEW_TCP) {
             let n = counter_last.ok_or_else(|| anyhow!("{what}: no harness counter"))?;
             let orig = Frame::parse(&item.frame).with_context(|| format!("{what}: the case's frame"))?;
             Frame { src: Ipv4Addr::from(u32::from(orig.src).wrapping_add((n >> 16) as u32)), sport: n as u16, ..orig }
@@ -777,7 +785,7 @@ impl Bench {
             }
             // A new-flow run adds its flows; they are taken out again
             // after it where they can be (see `forget_run`).
-            let adds_flows = item.via == Via::Harness(MODE_NEW_TCP);
+            let adds_flows = new_flow_case(item);
             self.filled[w] = if adds_flows { None } else { Some(item.fill) };
         }
         let reply;
@@ -790,7 +798,7 @@ impl Bench {
         if answered_first(item) {
             self.answer(item)?;
         }
-        let new_flow = item.via == Via::Harness(MODE_NEW_TCP);
+        let new_flow = new_flow_case(item);
         // Checked single run (inserts the flow of an established case).
         let c0 = self.new_flow_counter()?;
         let i0 = self.table_inserts()?;
@@ -877,6 +885,10 @@ impl Bench {
     /// service whose flows take a reply entry too; the open-addressing
     /// table, emptied by a new epoch), the table is refilled as before.
     fn forget_run(&mut self, item: &Item, counters: std::ops::Range<u64>) -> anyhow::Result<()> {
+        if is_ipv6(&item.frame) {
+            // The harness alone (floor_pass) made no flows.
+            return if item.prog == Prog::Lb { self.forget_run6(item, counters) } else { Ok(()) };
+        }
         let (fd, w) = match item.prog {
             Prog::Lb if item.service != Some("maglev-shared") => (None, 0),
             Prog::Table => (Some("FLOW_TABLE"), 1),
@@ -913,6 +925,35 @@ impl Bench {
             keys.len()
         );
         self.filled[w] = Some(item.fill);
+        Ok(())
+    }
+
+    /// `forget_run` for an IPv6 new-flow case: the flows are taken out
+    /// of the IPv6 table, which no fill touches.
+    fn forget_run6(&mut self, item: &Item, counters: std::ops::Range<u64>) -> anyhow::Result<()> {
+        ensure!(item.fill == 0, "{}: an IPv6 new-flow case runs on an empty table", item.label);
+        let f = Frame6::parse(&item.frame)?;
+        let src = words6(f.src);
+        let base = u32::from_be(src[3]);
+        let keys: Vec<FlowKey6> = counters
+            .map(|n| FlowKey6 {
+                src_addr: [src[0], src[1], src[2], base.wrapping_add((n >> 16) as u32).to_be()],
+                dst_addr: words6(f.dst),
+                src_port: (n as u16).to_be(),
+                dst_port: f.dport.to_be(),
+                proto: lb_common::PROTO_TCP,
+                _pad: [0; 3],
+            })
+            .collect();
+        let removed = self.dp.forget_flows6(&keys)?;
+        ensure!(
+            removed == keys.len() as u64,
+            "{}: {removed} of the run's {} new flows found in the IPv6 table afterwards",
+            item.label,
+            keys.len()
+        );
+        // The IPv4 table (and its fill) was not touched.
+        self.filled[0] = Some(item.fill);
         Ok(())
     }
 

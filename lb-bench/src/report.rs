@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use crate::{
     PacketArgs,
-    cases::{Item, MODE_NEW_TCP, Prog, Via, katran},
+    cases::{Item, MODE_NEW_TCP, MODE_NEW_TCP6, Prog, Via, katran},
     measure::Sample,
 };
 
@@ -40,6 +40,7 @@ pub(crate) fn report(
     // The harness's own cost, per round and mode (same-round differences).
     let h_restore = diff(&raw("harness_restore"), &floor_pass);
     let h_new = diff(&raw("harness_new"), &floor_pass);
+    let h_new6 = diff(&raw("harness_new6"), &floor_pass);
     let tx_via_harness = diff(&raw("harness_tx"), &h_restore);
     let tx_med = median(&floor_tx);
 
@@ -111,6 +112,7 @@ pub(crate) fn report(
         let v = match item.via {
             Via::Direct => ns,
             Via::Harness(MODE_NEW_TCP) => diff(&ns, &h_new),
+            Via::Harness(MODE_NEW_TCP6) => diff(&ns, &h_new6),
             Via::Harness(_) => diff(&ns, &h_restore),
         };
         let med = row(&item.label, item.path, &v, item.katran, item.key, &mut cases);
@@ -164,13 +166,16 @@ pub(crate) fn report(
     }
     print!("{table}");
     println!(
-        "\nharness cost: restore {:.1} ns (min-max {:.1}-{:.1}), restore + new flow {:.1} ns ({:.1}-{:.1})",
+        "\nharness cost: restore {:.1} ns (min-max {:.1}-{:.1}), restore + new flow {:.1} ns ({:.1}-{:.1}), restore + new IPv6 flow {:.1} ns ({:.1}-{:.1})",
         median(&h_restore),
         min(&h_restore),
         max(&h_restore),
         median(&h_new),
         min(&h_new),
-        max(&h_new)
+        max(&h_new),
+        median(&h_new6),
+        min(&h_new6),
+        max(&h_new6)
     );
     println!(
         "timing: the kernel's mean per repeat (whole ns, truncated) + 0.5 ns; kernel.bpf_stats_enabled during the run: {stats_during}"
@@ -219,6 +224,7 @@ pub(crate) fn report(
         "harness": {
             "restore": summary(&h_restore),
             "restore_new_flow": summary(&h_new),
+            "restore_new_ipv6_flow": summary(&h_new6),
         },
         "reference": {
             "source": katran::SOURCE,

@@ -70,6 +70,8 @@ const MODE_RESTORE: u32 = 0;
 const MODE_NEW_TCP: u32 = 1;
 /// The same for UDP.
 const MODE_NEW_UDP: u32 = 2;
+/// The same for IPv6 TCP.
+const MODE_NEW_TCP6: u32 = 3;
 
 /// Byte offsets in an Ethernet + IPv4 (no options) frame.
 const IP_CHECK: usize = 14 + 10;
@@ -78,6 +80,11 @@ const IP_SADDR: usize = 14 + 12;
 const L4: usize = 14 + 20;
 const TCP_CHECK: usize = L4 + 16;
 const UDP_CHECK: usize = L4 + 6;
+/// Byte offsets in an Ethernet + IPv6 (no extension headers) frame: the
+/// source address's last word, the TCP header and its checksum.
+const IP6_SADDR_LAST: usize = 14 + 8 + 12;
+const L4_6: usize = 14 + 40;
+const TCP6_CHECK: usize = L4_6 + 16;
 
 /// Written by userspace (lb-bench has the same layout).
 #[repr(C)]
@@ -365,8 +372,9 @@ pub(crate) fn bench_harness(ctx: XdpContext) -> u32 {
     }
     let varied = match cfg.mode {
         MODE_RESTORE => true,
-        MODE_NEW_TCP => vary_source::<TCP_CHECK>(&ctx, false),
-        MODE_NEW_UDP => vary_source::<UDP_CHECK>(&ctx, true),
+        MODE_NEW_TCP => vary_source::<IP_SADDR, L4, TCP_CHECK, false>(&ctx, false),
+        MODE_NEW_UDP => vary_source::<IP_SADDR, L4, UDP_CHECK, false>(&ctx, true),
+        MODE_NEW_TCP6 => vary_source::<IP6_SADDR_LAST, L4_6, TCP6_CHECK, true>(&ctx, false),
         _ => false,
     };
     if !varied {
@@ -434,9 +442,16 @@ fn settle() {
 /// stay distinct. The IPv4 header checksum and the TCP/UDP checksum
 /// (pseudo-header address and port) are updated incrementally, so the
 /// packet stays valid and the output check can verify both from scratch.
-/// Assumes IPv4 without options (userspace builds the frames).
+/// Assumes IPv4 without options (userspace builds the frames). For IPv6
+/// (`V6`, no extension headers) the address's last word is the one that
+/// grows, and there is no IP header checksum. `SADDR`, `SPORT` and `CHECK`
+/// are the offsets of that address word, the source port and the L4
+/// checksum.
 #[inline(always)]
-fn vary_source<const CHECK: usize>(ctx: &XdpContext, udp: bool) -> bool {
+fn vary_source<const SADDR: usize, const SPORT: usize, const CHECK: usize, const V6: bool>(
+    ctx: &XdpContext,
+    udp: bool,
+) -> bool {
     let Some(counter) = COUNTER.get_ptr_mut(0) else { return false };
     let data = ctx.data();
     if data + CHECK + 2 > ctx.data_end() {
@@ -447,8 +462,8 @@ fn vary_source<const CHECK: usize>(ctx: &XdpContext, udp: bool) -> bool {
     unsafe {
         let n = *counter;
         *counter = n + 1;
-        let saddr = (data + IP_SADDR) as *mut u32;
-        let sport = (data + L4) as *mut u16;
+        let saddr = (data + SADDR) as *mut u32;
+        let sport = (data + SPORT) as *mut u16;
         let ip_check = (data + IP_CHECK) as *mut u16;
         let l4_check = (data + CHECK) as *mut u16;
         let old_addr = saddr.read();
@@ -457,7 +472,9 @@ fn vary_source<const CHECK: usize>(ctx: &XdpContext, udp: bool) -> bool {
         let new_port = (n as u16).to_be();
         saddr.write(new_addr);
         sport.write(new_port);
-        ip_check.write(csum::replace4(ip_check.read(), old_addr, new_addr));
+        if !V6 {
+            ip_check.write(csum::replace4(ip_check.read(), old_addr, new_addr));
+        }
         let old = l4_check.read();
         if !(udp && old == 0) {
             let mut new = csum::replace4(old, old_addr, new_addr);

@@ -28,8 +28,8 @@ use aya::{
 use lb_common::{
     BACKEND_F_V6, BackendStats, Flood, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, FlowSlot, FlowSlot6,
     LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES, SLOT_READY,
-    SLOT_STATE, SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, TAIL_CALLS, counter, flow_slots,
-    maps as names, select_elements, select_slot,
+    SLOT_STATE, SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, SweepItem6, TAIL_CALLS, counter,
+    flow_slots, maps as names, select_elements, select_slot,
 };
 use tracing::{info, warn};
 
@@ -952,6 +952,15 @@ impl Dataplane {
         let items: Vec<SweepItem> =
             keys.iter().map(|&key| SweepItem { key, state: 0, last_seen: 0, removed: 0, slot: SWEEP_BY_KEY }).collect();
         Ok(self.remove_unchanged(&items)?.iter().filter(|i| i.removed != 0).count() as u64)
+    }
+
+    /// [`Dataplane::forget_flows`] for IPv6 flows.
+    pub fn forget_flows6(&mut self, keys: &[FlowKey6]) -> Result<u64, DataplaneError> {
+        let items: Vec<SweepItem6> = keys
+            .iter()
+            .map(|&key| SweepItem6 { key, state: 0, last_seen: 0, removed: 0, slot: SWEEP_BY_KEY })
+            .collect();
+        Ok(self.remove_unchanged6(&items)?.iter().filter(|i| i.removed != 0).count() as u64)
     }
 
     /// Whether `addr`'s bit is set in the address filter the datapath
