@@ -357,19 +357,7 @@ fn try_lb(ctx: &XdpContext) -> u32 {
     let to = match to {
         Some(to) => to,
         None => {
-            // SAFETY: as above; the service is copied into the slot
-            // (off the stack) before anything can replace it.
-            let found = unsafe {
-                (*k).vip = Vip6Key { addr: pkt.daddr(), port: pkt.dport, proto: pkt.proto, _pad: 0 };
-                match VIPS6.get(&(*k).vip) {
-                    Some(svc) => {
-                        (*k).svc = *svc;
-                        true
-                    }
-                    None => false,
-                }
-            };
-            match found {
+            match find_service(&pkt, k) {
                 true => match new_flow(&pkt, k, now) {
                     // SAFETY: as above; a plain load.
                     Ok(nat) if unsafe { (*k).svc.flags } & SVC_F_DSR != 0 => To::Dsr(nat),
@@ -402,6 +390,45 @@ unsafe fn set_vip_key(k: *mut Keys6, addr: *const [u32; 4], port: u16, proto: u8
         (*k).vip.port = port;
         (*k).vip.proto = proto;
         (*k).vip._pad = 0;
+    }
+}
+
+/// The service of the packet's VIP, copied into the scratch slot (off
+/// the stack) before anything can replace it; false when the packet is
+/// not to a VIP. A frame of its own: inlined, its word copies took
+/// registers from the established path's (6 ns more per packet there).
+#[inline(never)]
+fn find_service(pkt: &Packet6, k: *mut Keys6) -> bool {
+    // SAFETY: this CPU's scratch slot (see try_lb); the packet's address
+    // was bounds-checked by parse(); word by word (see `copy_addr6`,
+    // `copy_service`).
+    unsafe {
+        set_vip_key(k, &raw const (*pkt.ip).daddr, pkt.dport, pkt.proto);
+        match VIPS6.get_ptr(&(*k).vip) {
+            Some(svc) => {
+                copy_service(&raw mut (*k).svc, svc);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Copy a service (a map value) into the scratch slot as 32-bit words:
+/// a plain copy of its 32 bytes compiles to a call of a `memmove`
+/// subprogram, a byte loop, on every new flow.
+///
+/// # Safety
+/// Both valid, aligned `Service`s that do not overlap.
+#[inline(always)]
+unsafe fn copy_service(dst: *mut Service, src: *const Service) {
+    const { assert!(size_of::<Service>().is_multiple_of(4)) };
+    let (d, s) = (dst.cast::<u32>(), src.cast::<u32>());
+    // SAFETY: the caller's promise; words within the 32 bytes.
+    unsafe {
+        for i in 0..size_of::<Service>() / 4 {
+            d.add(i).write_volatile(s.add(i).read_volatile());
+        }
     }
 }
 
@@ -664,18 +691,18 @@ fn stateless(pkt: &Packet6, k: *mut Keys6, opening: bool) -> u32 {
             if opening {
                 stats::new_flow(id);
             }
-            // SAFETY: as above; a plain store.
-            unsafe { (*k).nat = Nat6 { backend_id: id, addr, port } };
+            set_nat(k, id, addr, port);
             PLAN_NAT
         }
         None => no_backend(),
     }
 }
 
-/// An IPv6 backend's address and port (None for an empty id or an IPv4
-/// backend: a table never mixes them, but a stale id might).
+/// An IPv6 backend's address (where its map value holds it) and port
+/// (None for an empty id or an IPv4 backend: a table never mixes them,
+/// but a stale id might).
 #[inline(always)]
-fn backend_addr(id: u32) -> Option<([u32; 4], u16)> {
+fn backend_addr(id: u32) -> Option<(*const [u32; 4], u16)> {
     if id == BACKEND_NONE {
         return None;
     }
@@ -684,7 +711,21 @@ fn backend_addr(id: u32) -> Option<([u32; 4], u16)> {
         return None;
     }
     let port = b.port;
-    Some((*BACKEND_ADDRS6.get(id)?, port))
+    Some((BACKEND_ADDRS6.get_ptr(id)?, port))
+}
+
+/// The new flow's rewrite, into the scratch slot's `nat`: backend `id`
+/// at the address `addr` points at (a map value), word by word (see
+/// `copy_addr6`).
+#[inline(always)]
+fn set_nat(k: *mut Keys6, id: u32, addr: *const [u32; 4], port: u16) {
+    // SAFETY: this CPU's scratch slot, touched by this invocation only;
+    // `addr` a valid map value (`backend_addr`).
+    unsafe {
+        (*k).nat.backend_id = id;
+        copy_addr6(&raw mut (*k).nat.addr, addr);
+        (*k).nat.port = port;
+    }
 }
 
 /// A new flow's entry built in this CPU's `SCRATCH6` slot, for backend
@@ -698,25 +739,24 @@ fn prepare_entry(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64)
     let Some(e) = SCRATCH6.get_ptr_mut(0) else {
         return xdp_action::XDP_DROP;
     };
+    set_nat(k, id, addr, port);
+    // Zeroed word by word first, then field by field: a whole-struct write
+    // is built on the stack first, and its MAC arrays and addresses compile
+    // to `memset` and `memmove` calls, byte loops (see `copy_addr6`).
+    const { assert!(size_of::<Flow6>().is_multiple_of(8) && align_of::<Flow6>() >= 8) };
     // SAFETY: this CPU's slots of per-CPU maps, touched by this program
-    // invocation only; plain stores.
-    // Field by field: a whole-struct write is built on the stack first.
+    // invocation only; plain stores, the words within the (8-aligned)
+    // value; the packet's address was bounds-checked by parse().
     unsafe {
-        (*k).nat = Nat6 { backend_id: id, addr, port };
+        let words = e.cast::<u64>();
+        for i in 0..size_of::<Flow6>() / 8 {
+            words.add(i).write_volatile(0);
+        }
         (*e).backend_id = id;
         (*e).service_id = svc.service_id;
-        (*e).nat_addr = pkt.daddr();
+        copy_addr6(&raw mut (*e).nat_addr, &raw const (*pkt.ip).daddr);
         (*e).nat_port = pkt.dport;
         (*e).dir = DIR_REPLY;
-        (*e)._pad = 0;
-        (*e)._pad2 = 0;
-        (*e).state = 0;
-        (*e).last_seen = 0;
-        (*e).nh_ifindex = 0;
-        (*e).nh_time = 0;
-        (*e).nh_smac = [0; 6];
-        (*e).nh_dmac = [0; 6];
-        (*e).nh_gen = 0;
     }
     if svc.flags & SVC_F_DSR != 0 {
         forward_entry(pkt, k, DIR_DSR, now);
@@ -728,15 +768,17 @@ fn prepare_entry(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64)
         // Marked as a reply key: its slots start where the forward
         // entry's do (already cached by this insert's lookup).
         // SAFETY: as above.
+        // Written in place (see `FlowKey6::write`).
         unsafe {
-            (*k).other = FlowKey6 {
-                src_addr: addr,
-                dst_addr: pkt.saddr(),
-                src_port: port,
-                dst_port: pkt.sport,
-                proto: pkt.proto,
-                _pad: [KEY_REPLY, 0, 0],
-            };
+            FlowKey6::write(
+                &raw mut (*k).other,
+                addr,
+                &raw const (*pkt.ip).saddr,
+                port,
+                pkt.sport,
+                pkt.proto,
+                KEY_REPLY,
+            );
         }
         PLAN_INSERT_REPLY
     } else {
@@ -753,7 +795,7 @@ fn forward_entry(pkt: &Packet6, k: *mut Keys6, dir: u8, now: u64) {
     let Some(e) = SCRATCH6.get_ptr_mut(0) else { return };
     // SAFETY: as in `prepare_entry`.
     unsafe {
-        (*e).nat_addr = (*k).nat.addr;
+        copy_addr6(&raw mut (*e).nat_addr, &raw const (*k).nat.addr);
         (*e).nat_port = (*k).nat.port;
         (*e).dir = dir;
         (*e).state = opening_state(pkt.proto, pkt.tcp_flags);
