@@ -434,6 +434,19 @@ pub(crate) fn items() -> Vec<Item> {
         fill: 0,
     });
     v.push(Item {
+        key: "tcp6_reply",
+        label: "IPv6 TCP reply (maglev)".into(),
+        path: "endpoint, flow hit, NAT, cached next hop, REDIRECT",
+        prog: Prog::Lb,
+        via: Via::Harness(MODE_RESTORE),
+        frame: tcp6(CLIENT6, 40000, VIP6, 80, ACK).bytes(),
+        expect: Expect::Redirect,
+        service: Some("maglev6"),
+        katran: None,
+        reply: true,
+        fill: 0,
+    });
+    v.push(Item {
         key: "new_maglev6",
         label: "IPv6 TCP new flow, maglev".into(),
         path: "flow miss, VIP, pick, 1 insert, NAT, REDIRECT",

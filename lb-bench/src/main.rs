@@ -105,7 +105,8 @@ pub struct PacketArgs {
     /// Measure only these cases (comma-separated keys, e.g.
     /// `tcp_established,non_vip`); the floors, the flow table alone and the
     /// harness are always measured. Keys: tcp_established, tcp_reply, new_maglev, new_wrr, new_rr,
-    /// new_source_hash, new_least_conn, new_shared, udp_established, tcp6_established, ipv6, non_vip.
+    /// new_source_hash, new_least_conn, new_shared, udp_established, tcp6_established, tcp6_reply,
+    /// new_maglev6, ipv6, non_vip.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Flow table size in connections. Default 4M, or more when --repeat

@@ -33,7 +33,7 @@ use lb_userspace::{
 use crate::{
     cases::{
         BACKENDS, BACKENDS6, CLIENT, CLIENT_MAC, Expect, FRAME_MAX, GW_A_MAC, GW_B_MAC, Item, MODE_NEW_TCP,
-        MODE_NEW_TCP6, MODE_RESTORE, Prog, VIP, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, answered_first, backend_mac,
+        MODE_NEW_TCP6, MODE_RESTORE, Prog, VIP, VIP6, Via, XDP_PASS, XDP_REDIRECT, XDP_TX, answered_first, backend_mac,
         backend_mac6, backend_port, is_ipv6, items, new_flow_case, payload, reply_frame, reply_frame6, services, tcp,
         udp,
     },
@@ -1017,16 +1017,27 @@ fn words6(a: std::net::Ipv6Addr) -> [u32; 4] {
     std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
 }
 
-/// An IPv6 forward case's output (`check_output`'s redirect check): the
-/// frame the program saw, sent to one of the service's backends with its
-/// hop limit one less, from the gateway's backend-side MAC. Parsed, its
+/// An IPv6 case's output (`check_output`'s redirect check): the frame
+/// the program saw, sent to one of the service's backends (a reply: to
+/// the client, from the VIP) with its hop limit one less, from the
+/// gateway's MAC on that side. Parsed, its
 /// TCP/UDP checksum verified (etherparse) and compared byte for byte with
 /// one built from scratch.
 fn check_redirect6(item: &Item, seen: &[u8], out: &[u8]) -> anyhow::Result<()> {
     let what = &item.label;
-    ensure!(!item.reply, "{what}: no IPv6 reply case is measured");
     let got = Frame6::parse(out).with_context(|| format!("{what}: output {out:02x?}"))?;
     let orig = Frame6::parse(seen).with_context(|| format!("{what}: the frame the program saw"))?;
+    if item.reply {
+        // Back to the client, from the VIP.
+        let want =
+            Frame6 { dmac: CLIENT_MAC, smac: GW_A_MAC, src: VIP6, sport: 80, hop_limit: orig.hop_limit - 1, ..orig }
+                .bytes();
+        ensure!(
+            out == want,
+            "{what}: output differs from the expected reply (checksum recomputed from scratch)\n want {want:02x?}\n out  {out:02x?}"
+        );
+        return Ok(());
+    }
     let (dst, dport) = (got.dst, got.dport);
     let port = backend_port(item.service.unwrap_or_default());
     ensure!(BACKENDS6.contains(&dst), "{what}: destination {dst} is not a backend");
