@@ -843,7 +843,7 @@ impl Bench {
         if matches!(item.expect, Expect::Redirect) {
             ensure!(
                 redirected == u64::from(repeat),
-                "{}: {redirected} XDP redirects counted for {repeat} repeats",
+                "{}: {redirected} XDP redirects counted for {repeat} repeats (other counters that moved: {moved:?})",
                 item.label
             );
         } else {
