@@ -22,7 +22,7 @@
 //!   `cost = t(harness -> program) - (t(harness -> floor_pass) - t(floor_pass))`,
 //!   i.e. what a direct run of the program on a fresh packet costs, the
 //!   test loop's own overhead included (as in the floors). A case whose
-//!   frame the program passes untouched (not a VIP, IPv6) needs no
+//!   frame the program passes untouched (not a VIP, in either family) needs no
 //!   restoring and runs directly, as the floors do.
 //! - Before timing, every case is run once and its return value and output
 //!   frame are checked byte for byte; after timing, the last repeat's

@@ -149,7 +149,7 @@ pub(crate) fn report(
     );
     println!(
         "Each case: harness -> program, minus the harness's own cost (harness -> floor_pass, minus floor_pass);\n\
-         a case whose frame the program passes untouched (not a VIP, IPv6) runs directly, as the floors do.\n"
+         a case whose frame the program passes untouched (not a VIP, in either family) runs directly, as the floors do.\n"
     );
     let missed = targets.iter().filter(|t| t.ends_with("missed")).count();
     println!("Targets: {} of {} met (read from this run, in its own floors)", targets.len() - missed, targets.len());

@@ -86,7 +86,7 @@ fn packet_section(md: &mut String, p: &Value, dir: &Path, verdicts: &mut Vec<(St
         md,
         "Each repeat sees the original frame: a harness program restores it, lets its stores reach the cache and \
 tail-calls the program under test; the harness's own cost (measured on the XDP_PASS floor) is subtracted. A case \
-whose frame the program passes untouched (not a VIP, IPv6) runs directly, as the floors do. Median of the rounds, \
+whose frame the program passes untouched (not a VIP, in either family) runs directly, as the floors do. Median of the rounds, \
 min-max beside.\n"
     );
     let _ = writeln!(
