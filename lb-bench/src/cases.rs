@@ -3,7 +3,7 @@
 //! the cases, each a frame, a program, a way to run it and the result it
 //! must give. Frames are built by `lb-testkit` (headers and checksums by the
 //! `etherparse` crate).
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use lb_testkit::{
     Frame, Frame6,
@@ -200,41 +200,26 @@ pub(crate) fn backend_port(service: &str) -> u16 {
 }
 
 pub(crate) fn services() -> Vec<ServiceConfig> {
-    let svc = |name: &str, port: u16, protocol: Protocol, scheduler: Scheduler| {
-        let backends = BACKENDS
+    let svc = |name: &str, vip: IpAddr, port: u16, protocol: Protocol, scheduler: Scheduler, addrs: &[IpAddr]| {
+        let backends = addrs
             .iter()
-            .map(|&address| BackendConfig {
-                address: address.into(),
-                port: backend_port(name),
-                weight: 1,
-                drain: false,
-            })
+            .map(|&address| BackendConfig { address, port: backend_port(name), weight: 1, drain: false })
             .collect();
-        ServiceConfig { protocol, scheduler, ..ServiceConfig::example(name, VIP, port, backends) }
+        ServiceConfig { protocol, scheduler, ..ServiceConfig::example(name, vip, port, backends) }
     };
+    let v4: Vec<IpAddr> = BACKENDS.iter().map(|&a| a.into()).collect();
+    let v6: Vec<IpAddr> = BACKENDS6.iter().map(|&a| a.into()).collect();
+    let (vip, vip6) = (IpAddr::from(VIP), IpAddr::from(VIP6));
     vec![
-        svc("maglev", 80, Protocol::Tcp, Scheduler::Maglev),
-        svc("wrr", 81, Protocol::Tcp, Scheduler::Wrr),
-        svc("rr", 82, Protocol::Tcp, Scheduler::Rr),
-        svc("source-hash", 83, Protocol::Tcp, Scheduler::SourceHash),
-        svc("least-conn", 84, Protocol::Tcp, Scheduler::LeastConn),
-        svc("dns", 53, Protocol::Udp, Scheduler::Maglev),
-        svc("maglev-shared", 85, Protocol::Tcp, Scheduler::Maglev),
+        svc("maglev", vip, 80, Protocol::Tcp, Scheduler::Maglev, &v4),
+        svc("wrr", vip, 81, Protocol::Tcp, Scheduler::Wrr, &v4),
+        svc("rr", vip, 82, Protocol::Tcp, Scheduler::Rr, &v4),
+        svc("source-hash", vip, 83, Protocol::Tcp, Scheduler::SourceHash, &v4),
+        svc("least-conn", vip, 84, Protocol::Tcp, Scheduler::LeastConn, &v4),
+        svc("dns", vip, 53, Protocol::Udp, Scheduler::Maglev, &v4),
+        svc("maglev-shared", vip, 85, Protocol::Tcp, Scheduler::Maglev, &v4),
         // IPv6: its own VIP and backends, its own flow table.
-        ServiceConfig::example(
-            "maglev6",
-            VIP6,
-            80,
-            BACKENDS6
-                .iter()
-                .map(|&address| BackendConfig {
-                    address: address.into(),
-                    port: backend_port("maglev6"),
-                    weight: 1,
-                    drain: false,
-                })
-                .collect(),
-        ),
+        svc("maglev6", vip6, 80, Protocol::Tcp, Scheduler::Maglev, &v6),
     ]
 }
 
@@ -419,46 +404,47 @@ pub(crate) fn items() -> Vec<Item> {
         reply: false,
         fill: 0,
     });
-    v.push(Item {
-        key: "tcp6_established",
-        label: "IPv6 TCP established flow (maglev)".into(),
-        path: "flow hit, NAT, cached next hop, REDIRECT",
+    // The IPv6 service's cases (Katran's figures are IPv4 ones: not
+    // compared).
+    let v6 = |key, label: &str, path, via, frame: Vec<u8>, reply| Item {
+        key,
+        label: label.into(),
+        path,
         prog: Prog::Lb,
-        via: Via::Harness(MODE_RESTORE),
-        frame: tcp6(CLIENT6, 40000, VIP6, 80, ACK).bytes(),
-        expect: Expect::Redirect,
-        service: Some("maglev6"),
-        // Katran's figure is its IPv4 one: not compared.
-        katran: None,
-        reply: false,
-        fill: 0,
-    });
-    v.push(Item {
-        key: "tcp6_reply",
-        label: "IPv6 TCP reply (maglev)".into(),
-        path: "endpoint, flow hit, NAT, cached next hop, REDIRECT",
-        prog: Prog::Lb,
-        via: Via::Harness(MODE_RESTORE),
-        frame: tcp6(CLIENT6, 40000, VIP6, 80, ACK).bytes(),
+        via,
+        frame,
         expect: Expect::Redirect,
         service: Some("maglev6"),
         katran: None,
-        reply: true,
+        reply,
         fill: 0,
-    });
-    v.push(Item {
-        key: "new_maglev6",
-        label: "IPv6 TCP new flow, maglev".into(),
-        path: "flow miss, VIP, pick, 1 insert, NAT, REDIRECT",
-        prog: Prog::Lb,
-        via: Via::Harness(MODE_NEW_TCP6),
-        frame: tcp6(NEW_FLOW_BASE6, 1, VIP6, 80, SYN).bytes(),
-        expect: Expect::Redirect,
-        service: Some("maglev6"),
-        katran: None,
-        reply: false,
-        fill: 0,
-    });
+    };
+    let est6 = tcp6(CLIENT6, 40000, VIP6, 80, ACK).bytes();
+    let hit = "flow hit, NAT, cached next hop, REDIRECT";
+    v.push(v6(
+        "tcp6_established",
+        "IPv6 TCP established flow (maglev)",
+        hit,
+        Via::Harness(MODE_RESTORE),
+        est6.clone(),
+        false,
+    ));
+    v.push(v6(
+        "tcp6_reply",
+        "IPv6 TCP reply (maglev)",
+        "endpoint, flow hit, NAT, cached next hop, REDIRECT",
+        Via::Harness(MODE_RESTORE),
+        est6,
+        true,
+    ));
+    v.push(v6(
+        "new_maglev6",
+        "IPv6 TCP new flow, maglev",
+        "flow miss, VIP, pick, 1 insert, NAT, REDIRECT",
+        Via::Harness(MODE_NEW_TCP6),
+        tcp6(NEW_FLOW_BASE6, 1, VIP6, 80, SYN).bytes(),
+        false,
+    ));
     v.push(Item {
         key: "ipv6",
         label: "IPv6 TCP, not a VIP".into(),

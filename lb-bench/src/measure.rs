@@ -27,7 +27,7 @@ use lb_common::{FLOW_ESTABLISHED, FLOW_REPLIED, FlowKey, FlowKey6};
 use lb_testkit::{Frame, Frame6};
 use lb_userspace::{
     config::{Config, XdpMode},
-    dataplane::{BENCH_OBJECT, Dataplane, delete_flow_keys, drain_flow_map},
+    dataplane::{BENCH_OBJECT, Dataplane, delete_flow_keys, drain_flow_map, words6},
 };
 
 use crate::{
@@ -933,12 +933,12 @@ impl Bench {
     fn forget_run6(&mut self, item: &Item, counters: std::ops::Range<u64>) -> anyhow::Result<()> {
         ensure!(item.fill == 0, "{}: an IPv6 new-flow case runs on an empty table", item.label);
         let f = Frame6::parse(&item.frame)?;
-        let src = words6(f.src);
+        let src = words6(&f.src);
         let base = u32::from_be(src[3]);
         let keys: Vec<FlowKey6> = counters
             .map(|n| FlowKey6 {
                 src_addr: [src[0], src[1], src[2], base.wrapping_add((n >> 16) as u32).to_be()],
-                dst_addr: words6(f.dst),
+                dst_addr: words6(&f.dst),
                 src_port: (n as u16).to_be(),
                 dst_port: f.dport.to_be(),
                 proto: lb_common::PROTO_TCP,
@@ -986,8 +986,8 @@ impl Bench {
         if is_ipv6(&item.frame) {
             let f = Frame6::parse(&item.frame)?;
             let key = FlowKey6 {
-                src_addr: words6(f.src),
-                dst_addr: words6(f.dst),
+                src_addr: words6(&f.src),
+                dst_addr: words6(&f.dst),
                 src_port: f.sport.to_be(),
                 dst_port: f.dport.to_be(),
                 proto: if f.proto == lb_testkit::Proto::Udp { lb_common::PROTO_UDP } else { lb_common::PROTO_TCP },
@@ -1008,13 +1008,6 @@ impl Bench {
         let flow = self.dp.flow(&key)?.ok_or_else(|| anyhow!("{}: no flow-table entry", item.label))?;
         Ok(flow.state)
     }
-}
-
-/// An IPv6 address as the datapath's keys hold it: four words in
-/// network byte order, as they lie in the packet.
-fn words6(a: std::net::Ipv6Addr) -> [u32; 4] {
-    let o = a.octets();
-    std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
 }
 
 /// An IPv6 case's output (`check_output`'s redirect check): the frame

@@ -117,18 +117,18 @@ pub(crate) fn find<K: SlotKey, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usiz
     if busy { NO_SLOT } else { free }
 }
 
-/// Copy a `T` (a whole number of 8-byte words, as every key and value
-/// of the tables is) word by word. A plain assignment of a struct this
-/// size becomes a call of `memmove`, a byte loop, which the verifier
-/// walks byte by byte on every path.
+/// Copy a `T` (a whole number of words `W`: u64 for every key and value
+/// of the tables, u32 for a 4-aligned `Service`) word by word. A plain
+/// assignment of a struct this size becomes a call of `memmove`, a byte
+/// loop, which the verifier walks byte by byte on every path.
 ///
 /// # Safety
-/// Both point at a valid `T`, 8-byte aligned.
+/// Both point at a valid `T` that do not overlap, aligned as `T` is.
 #[inline(always)]
-unsafe fn copy_words<T>(dst: *mut T, src: *const T) {
-    const { assert!(size_of::<T>().is_multiple_of(8)) };
-    let (d, s) = (dst.cast::<u64>(), src.cast::<u64>());
-    for i in 0..size_of::<T>() / 8 {
+pub(crate) unsafe fn copy_words<T, W: Copy>(dst: *mut T, src: *const T) {
+    const { assert!(size_of::<T>().is_multiple_of(size_of::<W>()) && align_of::<T>() >= align_of::<W>()) };
+    let (d, s) = (dst.cast::<W>(), src.cast::<W>());
+    for i in 0..size_of::<T>() / size_of::<W>() {
         // SAFETY: the caller's promise; i is within T's words. Volatile,
         // so that the compiler does not turn the loop back into a call.
         unsafe { d.add(i).write_volatile(s.add(i).read_volatile()) };
@@ -365,8 +365,8 @@ fn claim_and_write<K, V>(
             }
             return false;
         }
-        copy_words(&raw mut (*slot).key, key);
-        copy_words(&raw mut (*slot).value, value);
+        copy_words::<_, u64>(&raw mut (*slot).key, key);
+        copy_words::<_, u64>(&raw mut (*slot).value, value);
         atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*slot).claim, SLOT_READY - SLOT_BUSY);
     }
     true

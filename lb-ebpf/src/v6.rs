@@ -401,33 +401,16 @@ unsafe fn set_vip_key(k: *mut Keys6, addr: *const [u32; 4], port: u16, proto: u8
 fn find_service(pkt: &Packet6, k: *mut Keys6) -> bool {
     // SAFETY: this CPU's scratch slot (see try_lb); the packet's address
     // was bounds-checked by parse(); word by word (see `copy_addr6`,
-    // `copy_service`).
+    // `table::copy_words`).
     unsafe {
         set_vip_key(k, &raw const (*pkt.ip).daddr, pkt.dport, pkt.proto);
         match VIPS6.get_ptr(&(*k).vip) {
             Some(svc) => {
-                copy_service(&raw mut (*k).svc, svc);
+                // 32-bit words: `Service` is 4-aligned.
+                table::copy_words::<_, u32>(&raw mut (*k).svc, svc);
                 true
             }
             None => false,
-        }
-    }
-}
-
-/// Copy a service (a map value) into the scratch slot as 32-bit words:
-/// a plain copy of its 32 bytes compiles to a call of a `memmove`
-/// subprogram, a byte loop, on every new flow.
-///
-/// # Safety
-/// Both valid, aligned `Service`s that do not overlap.
-#[inline(always)]
-unsafe fn copy_service(dst: *mut Service, src: *const Service) {
-    const { assert!(size_of::<Service>().is_multiple_of(4)) };
-    let (d, s) = (dst.cast::<u32>(), src.cast::<u32>());
-    // SAFETY: the caller's promise; words within the 32 bytes.
-    unsafe {
-        for i in 0..size_of::<Service>() / 4 {
-            d.add(i).write_volatile(s.add(i).read_volatile());
         }
     }
 }
