@@ -3,11 +3,11 @@
 //!
 //! Method (run as root):
 //!
-//! - A private network namespace (`lbbench-<pid>`, deleted on exit, also on
-//!   panic) with a veth pair `gwa`/`gwb`, routes and static neighbours for
+//! - A private network namespace, the measuring thread's own (unnamed, so
+//!   it goes with the process however it ends), with a veth pair `gwa`/`gwb`, routes and static neighbours for
 //!   the client and three backends, so that `bpf_fib_lookup` succeeds and a
 //!   VIP packet takes the full path up to XDP_REDIRECT. The measuring thread
-//!   enters it and is pinned to one CPU.
+//!   is pinned to one CPU.
 //! - The datapath is loaded as lbd loads it (`Dataplane::load_unpinned`,
 //!   flow table for 4M connections) with one VIP port per scheduler.
 //! - With `repeat N` the kernel runs all N repeats on one buffer without
@@ -57,7 +57,10 @@ mod report;
 
 use std::{
     path::PathBuf,
-    sync::{Arc, atomic::AtomicBool},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use anyhow::{Context as _, ensure};
@@ -67,7 +70,7 @@ use serde_json::Value;
 use crate::{
     cases::{CONNTRACK_MAX, FILL, Prog, full, is_ipv6, items},
     measure::{Bench, Sample},
-    netns::{Netns, enter_netns, pin_thread},
+    netns::{pin_thread, private_netns},
     report::{HostInfo, read_trim, report},
 };
 
@@ -153,14 +156,27 @@ fn packet(args: PacketArgs) -> anyhow::Result<()> {
     ensure!((1..=1 << 25).contains(&args.repeat), "--repeat must be between 1 and 2^25");
     conntrack_max(&args)?;
     // The first SIGINT/SIGTERM asks the measuring thread to stop between
-    // runs (the namespace and the sysctl are then restored); a second one
-    // ends the process at once.
+    // runs; a second one ends the process at once (a run can take seconds
+    // inside the kernel), after putting back the sysctl this run changed.
+    // The namespace needs nothing: it is the measuring thread's own and
+    // goes with the process.
     let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register_conditional_default(sig, Arc::clone(&stop))
-            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&stop)))
-            .context("installing the signal handlers")?;
-    }
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])
+        .context("installing the signal handlers")?;
+    let flag = Arc::clone(&stop);
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        for (n, sig) in signals.forever().enumerate() {
+            if n == 0 {
+                flag.store(true, Ordering::Relaxed);
+                eprintln!("\nlb-bench: signal {sig}, stopping after this run (again to stop at once)");
+                continue;
+            }
+            if let Err(e) = lb_testkit::sysctl::restore_saved() {
+                eprintln!("lb-bench: restoring the sysctls this run changed: {e}");
+            }
+            std::process::exit(128 + sig);
+        }
+    })?;
     // Put back what a killed run left changed, then look.
     lb_testkit::sysctl::restore_saved().context("restoring sysctls a killed run left changed")?;
     let stats_before = read_trim(BPF_STATS_SYSCTL);
@@ -185,14 +201,11 @@ fn packet(args: PacketArgs) -> anyhow::Result<()> {
             host.bpf_stats_during
         );
     }
-    let ns = Netns::create().context("creating the network namespace")?;
-    let name = ns.name.clone();
     let a = args.clone();
     let worker = std::thread::Builder::new()
         .name("lb-bench".into())
-        .spawn(move || -> anyhow::Result<Value> { measure_all(&name, &a, &host, stop) })?;
+        .spawn(move || -> anyhow::Result<Value> { measure_all(&a, &host, stop) })?;
     let result = worker.join();
-    drop(ns);
     let report = match result {
         Ok(r) => r?,
         Err(p) => std::panic::resume_unwind(p),
@@ -205,9 +218,9 @@ fn packet(args: PacketArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The measuring thread: enters the namespace, pins itself, runs every round.
-fn measure_all(ns_name: &str, args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> anyhow::Result<Value> {
-    enter_netns(ns_name)?;
+/// The measuring thread: makes its namespace, pins itself, runs every round.
+fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> anyhow::Result<Value> {
+    private_netns().context("setting up the benchmark's network namespace")?;
     let cpu = pin_thread(args.cpu)?;
     let mut b = Bench::new(cpu, conntrack_max(args)?, stop)?;
     b.self_test()?;

@@ -1,19 +1,14 @@
-//! The benchmark's network namespace and the measuring thread's place in
-//! it: a veth pair, routes and static neighbours so that `bpf_fib_lookup`
-//! succeeds; the thread enters it and is pinned to one CPU. The `nix` crate
-//! makes the system calls (setns, if_nametoindex, sched_{get,set}affinity);
-//! `ip` and `sysctl` configure the namespace.
-use std::{path::Path, process::Command};
+//! The benchmark's network namespace, the measuring thread's own: a veth
+//! pair, routes and static neighbours so that `bpf_fib_lookup` succeeds;
+//! the thread is pinned to one CPU. The `nix` crate
+//! makes the system calls (unshare, if_nametoindex, sched_{get,set}affinity);
+//! `ip` and `sysctl`, started from the thread, configure the namespace.
+use std::process::Command;
 
 use anyhow::{Context as _, anyhow, ensure};
 use nix::sched::{CloneFlags, CpuSet};
 
 use crate::cases::{BACKENDS, BACKENDS6, CLIENT, CLIENT_MAC, CLIENT6, GW_A_MAC, GW_B_MAC, backend_mac, backend_mac6};
-
-/// The benchmark's network namespace; deleted on drop.
-pub(crate) struct Netns {
-    pub name: String,
-}
 
 fn sh(cmd: &str) -> anyhow::Result<()> {
     let args: Vec<&str> = cmd.split(' ').collect();
@@ -26,73 +21,47 @@ fn mac_str(m: [u8; 6]) -> String {
     m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
-impl Netns {
-    pub(crate) fn create() -> anyhow::Result<Self> {
-        // Namespaces left by an lb-bench that was killed (no destructor ran).
-        if let Ok(rd) = std::fs::read_dir("/run/netns") {
-            for e in rd.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                if let Some(pid) = name.strip_prefix("lbbench-")
-                    && !Path::new("/proc").join(pid).exists()
-                {
-                    let _ = Command::new("ip").args(["netns", "del", &name]).output();
-                }
-            }
-        }
-        let name = format!("lbbench-{}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        sh(&format!("ip netns add {name}"))?;
-        let ns = Self { name };
-        let n = &ns.name;
-        let mut cmds = vec![
-            format!(
-                "ip -n {n} link add name gwa address {} type veth peer name gwb address {}",
-                mac_str(GW_A_MAC),
-                mac_str(GW_B_MAC)
-            ),
-            format!("ip -n {n} link set lo up"),
-            format!("ip -n {n} link set dev gwa up"),
-            format!("ip -n {n} link set dev gwb up"),
-            format!("ip -n {n} addr add 10.10.0.1/16 dev gwa"),
-            format!("ip -n {n} addr add 10.20.0.1/24 dev gwb"),
-            format!("ip -n {n} neigh replace {CLIENT} lladdr {} dev gwa nud permanent", mac_str(CLIENT_MAC)),
-            format!("ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"),
-            // IPv6 (the FIB answers an IPv6 lookup only where forwarding
-            // is on); no duplicate address detection, so the addresses
-            // are usable at once.
-            format!("ip netns exec {n} sysctl -qw net.ipv6.conf.all.forwarding=1"),
-            format!("ip -n {n} -6 addr add fd00:a::1/64 dev gwa nodad"),
-            format!("ip -n {n} -6 addr add fd00:14::1/64 dev gwb nodad"),
-            format!("ip -n {n} -6 neigh replace {CLIENT6} lladdr {} dev gwa nud permanent", mac_str(CLIENT_MAC)),
-        ];
-        for b in BACKENDS {
-            cmds.push(format!("ip -n {n} neigh replace {b} lladdr {} dev gwb nud permanent", mac_str(backend_mac(b))));
-        }
-        for b in BACKENDS6 {
-            cmds.push(format!(
-                "ip -n {n} -6 neigh replace {b} lladdr {} dev gwb nud permanent",
-                mac_str(backend_mac6(b))
-            ));
-        }
-        for c in cmds {
-            sh(&c)?;
-        }
-        Ok(ns)
+/// Move the calling thread into a network namespace of its own and set
+/// it up. The namespace has no name (no mount under /run/netns): it lives
+/// as long as this thread, the threads it starts and their children, so
+/// it goes with the process however the process ends, SIGKILL included.
+/// Children started from this thread (`ip`, `sysctl`) inherit it, which
+/// is how they configure it.
+pub(crate) fn private_netns() -> anyhow::Result<()> {
+    nix::sched::unshare(CloneFlags::CLONE_NEWNET).context("unshare(CLONE_NEWNET)")?;
+    let mut cmds = vec![
+        format!(
+            "ip link add name gwa address {} type veth peer name gwb address {}",
+            mac_str(GW_A_MAC),
+            mac_str(GW_B_MAC)
+        ),
+        "ip link set lo up".to_owned(),
+        "ip link set dev gwa up".to_owned(),
+        "ip link set dev gwb up".to_owned(),
+        "ip addr add 10.10.0.1/16 dev gwa".to_owned(),
+        "ip addr add 10.20.0.1/24 dev gwb".to_owned(),
+        format!("ip neigh replace {CLIENT} lladdr {} dev gwa nud permanent", mac_str(CLIENT_MAC)),
+        // The namespace's own sysctls (a child's /proc/sys/net is its
+        // namespace's).
+        "sysctl -qw net.ipv4.ip_forward=1".to_owned(),
+        // IPv6 (the FIB answers an IPv6 lookup only where forwarding is
+        // on); no duplicate address detection, so the addresses are
+        // usable at once.
+        "sysctl -qw net.ipv6.conf.all.forwarding=1".to_owned(),
+        "ip -6 addr add fd00:a::1/64 dev gwa nodad".to_owned(),
+        "ip -6 addr add fd00:14::1/64 dev gwb nodad".to_owned(),
+        format!("ip -6 neigh replace {CLIENT6} lladdr {} dev gwa nud permanent", mac_str(CLIENT_MAC)),
+    ];
+    for b in BACKENDS {
+        cmds.push(format!("ip neigh replace {b} lladdr {} dev gwb nud permanent", mac_str(backend_mac(b))));
     }
-}
-
-/// Move the calling thread into namespace `name`.
-pub(crate) fn enter_netns(name: &str) -> anyhow::Result<()> {
-    let path = Path::new("/run/netns").join(name);
-    let file = std::fs::File::open(&path).with_context(|| format!("open {}", path.display()))?;
-    nix::sched::setns(file, CloneFlags::CLONE_NEWNET).context("setns")?;
+    for b in BACKENDS6 {
+        cmds.push(format!("ip -6 neigh replace {b} lladdr {} dev gwb nud permanent", mac_str(backend_mac6(b))));
+    }
+    for c in cmds {
+        sh(&c)?;
+    }
     Ok(())
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
-    }
 }
 
 pub(crate) fn ifindex(name: &str) -> anyhow::Result<u32> {

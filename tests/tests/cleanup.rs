@@ -1,10 +1,18 @@
 //! What a killed test, lab or benchmark leaves behind is removed by
 //! `cargo xtask lab down --all` (`Lab::down_all`): every lab's namespaces
 //! and processes, lb-bench's namespaces, pins under the lab bpffs (then the bpffs mount itself), and a
-//! sysctl a benchmark changed. Its own test binary: it removes every lab
+//! sysctl a benchmark changed; and that an interrupted or killed lb-bench
+//! leaves no namespace without it. Its own test binary: it removes every lab
 //! on the machine, so nothing else may run beside it. Needs root.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
-use std::process::Command;
+use std::{
+    io::{BufRead as _, BufReader},
+    os::unix::process::ExitStatusExt as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
 
 use lb_testkit::sysctl::{SAVED_DIR, Sysctl};
 use lb_tests::{
@@ -70,4 +78,152 @@ fn lab_down_all_removes_what_killed_runs_left() {
     // The forgotten lab's logs and config (a killed run's stay for
     // reading; this one's are the test's own).
     lb_tests::lab::remove_tmp_files(prefix);
+}
+
+/// The network namespace of process `pid`'s threads that is not this
+/// process's own: lb-bench's measuring thread makes one of its own.
+fn private_namespaces(pid: u32) -> Vec<PathBuf> {
+    let own = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let mut found: Vec<PathBuf> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.flatten().filter_map(|t| std::fs::read_link(t.path().join("ns/net")).ok()).collect())
+        .unwrap_or_default();
+    found.retain(|ns| *ns != own);
+    found.sort();
+    found.dedup();
+    found
+}
+
+/// Every task on the machine still in network namespace `ns`
+/// (`net:[inode]`).
+fn tasks_in(ns: &Path) -> Vec<String> {
+    let mut held = Vec::new();
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(tasks) = std::fs::read_dir(p.path().join("task")) else { continue };
+        for t in tasks.flatten() {
+            if std::fs::read_link(t.path().join("ns/net")).is_ok_and(|l| l == ns) {
+                held.push(t.path().display().to_string());
+            }
+        }
+    }
+    held
+}
+
+/// Start `lb-bench packet` on long runs; returns it once it measures,
+/// with its namespace and its stderr lines as they come.
+fn start_lb_bench() -> (Child, PathBuf, mpsc::Receiver<String>) {
+    let bin = LabSpec::default().bin_dir.join("lb-bench");
+    // 2^21 repeats a run, a fifth of a second or so: a signal usually
+    // lands in one (more would size the flow table for that many new
+    // flows, gigabytes).
+    let mut child = Command::new(&bin)
+        .args(["packet", "--rounds", "20", "--repeat", "2097152", "--fill", "0", "--only", "tcp_established"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+    let (tx, rx) = mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).split(b'\n').map_while(Result::ok) {
+            // The progress line ends in \r without \n; a line per \n.
+            let _ = tx.send(String::from_utf8_lossy(&line).into_owned());
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut seen = Vec::new();
+    while !seen.iter().any(|l: &String| l.starts_with("lb-bench packet:")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => seen.push(l),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("lb-bench did not start measuring in 120 s: {seen:?}");
+            }
+        }
+    }
+    let ns = private_namespaces(child.id());
+    assert_eq!(ns.len(), 1, "lb-bench's threads are in {ns:?} beside this process's namespace");
+    (child, ns[0].clone(), rx)
+}
+
+fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("lb-bench still running {within:?} after it was told to stop");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// What a user relies on when a benchmark is interrupted or killed: its
+/// namespace (veth pair, routes, neighbours), the sysctl it changed and
+/// no process are left, without `lab down`.
+fn assert_bench_left_nothing(ns: &Path, stats_before: &str) {
+    let held = tasks_in(ns);
+    assert!(held.is_empty(), "tasks still in lb-bench's namespace {}: {held:?}", ns.display());
+    let named: Vec<String> = namespaces().into_iter().filter(|n| n.starts_with("lbbench-")).collect();
+    assert!(named.is_empty(), "lb-bench left named namespaces: {named:?}");
+    assert_eq!(bpf_stats(), stats_before, "kernel.bpf_stats_enabled not as lb-bench found it");
+    let saved: Vec<_> =
+        std::fs::read_dir(SAVED_DIR).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    assert!(saved.is_empty(), "saved values left: {saved:?}");
+}
+
+#[test]
+fn lb_bench_stopped_by_a_second_signal_leaves_nothing() {
+    let _guard = serial();
+    lb_tests::require_root().expect("needs root");
+    let stats_before = bpf_stats();
+    let (mut child, ns, rx) = start_lb_bench();
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    // The first is taken as "stop after this run"; the second, sent once
+    // it says so, ends the run at once.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut lines = Vec::new();
+    while !lines.iter().any(|l: &String| l.contains("stopping after this run")) {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(l) => lines.push(l),
+            Err(e) => {
+                let _ = child.kill();
+                panic!("lb-bench did not acknowledge SIGINT ({e}): {lines:?}");
+            }
+        }
+    }
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+    let st = wait_exit(&mut child, Duration::from_secs(20));
+    let rest: Vec<String> = rx.try_iter().collect();
+    // Exit 130 (128 + SIGINT) from the second signal; or, when the run in
+    // progress ended between the two, the first signal's clean stop.
+    assert!(
+        st.code() == Some(130) || (st.code() == Some(1) && rest.iter().any(|l| l.contains("interrupted"))),
+        "lb-bench ended with {st} after two SIGINTs: {rest:?}"
+    );
+    assert_bench_left_nothing(&ns, &stats_before);
+}
+
+#[test]
+fn lb_bench_killed_leaves_no_namespace() {
+    let _guard = serial();
+    lb_tests::require_root().expect("needs root");
+    let stats_before = bpf_stats();
+    let (mut child, ns, _rx) = start_lb_bench();
+    child.kill().unwrap();
+    let st = wait_exit(&mut child, Duration::from_secs(20));
+    assert_eq!(st.signal(), Some(libc::SIGKILL));
+    // The sysctl is as it was only if lb-bench had nothing to change (a
+    // SIGKILLed run's change is put back by the next run or `lab down
+    // --all`, tested above); the namespace goes in any case.
+    if stats_before == "0" {
+        assert_bench_left_nothing(&ns, &stats_before);
+    } else {
+        let held = tasks_in(&ns);
+        assert!(held.is_empty(), "tasks still in lb-bench's namespace {}: {held:?}", ns.display());
+        lb_testkit::sysctl::restore_saved().unwrap();
+    }
 }

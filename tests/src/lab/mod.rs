@@ -468,7 +468,9 @@ impl Lab {
                 first_err.get_or_insert(e.context(format!("removing lab {prefix}")));
             }
         }
-        // lb-bench's private namespaces (`lbbench-<pid>`).
+        // lb-bench's named namespaces (`lbbench-<pid>`), which a killed
+        // lb-bench of an earlier version left; lb-bench's namespace now
+        // has no name and goes with the process.
         for ns in all_namespaces()?.into_iter().filter(|ns| ns.starts_with("lbbench-")) {
             if let Err(e) = remove_ns(&ns) {
                 first_err.get_or_insert(e.context(format!("removing namespace {ns}")));
