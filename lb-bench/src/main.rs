@@ -234,9 +234,9 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
     if args.fill > 0 {
         let twins: Vec<_> = items
             .iter()
-            // Not the IPv6 cases: the fill is of IPv4 flows (the harness
-            // makes fresh IPv4 5-tuples), which another table holds.
-            .filter(|i| (i.prog == Prog::Lb || i.prog.table_alone()) && !is_ipv6(&i.frame))
+            // The IPv6 cases too (their table is filled with IPv6 flows);
+            // the table-alone programs' keys are IPv4.
+            .filter(|i| i.prog == Prog::Lb || (i.prog.table_alone() && !is_ipv6(&i.frame)))
             .map(|i| full(i, args.fill))
             .collect();
         items.extend(twins);

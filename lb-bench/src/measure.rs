@@ -89,11 +89,12 @@ pub(crate) struct Bench {
     open_epoch: u32,
     /// What PROG_ARRAY slot 0 holds now.
     slot: Option<Prog>,
-    /// Per table (the datapath's, floor_table's, floor_lru's, floor_open's): `Some(n)`
-    /// while it holds the `n` flows of its last fill and at most a few
-    /// single flows since; `None` once a new-flow run added its repeats.
-    /// A case finding its table as it needs it skips the refill.
-    filled: [Option<u32>; 4],
+    /// Per table (the datapath's IPv4 table, floor_table's, floor_lru's,
+    /// floor_open's, the datapath's IPv6 table): `Some(n)` while it holds
+    /// the `n` flows of its last fill and at most a few single flows
+    /// since; `None` once a new-flow run added its repeats. A case finding
+    /// its table as it needs it skips the refill.
+    filled: [Option<u32>; 5],
     if_a: u32,
     cpu: usize,
     pub conntrack_max: u32,
@@ -172,7 +173,7 @@ impl Bench {
             open_fd,
             open_epoch: 0,
             slot: None,
-            filled: [None; 4],
+            filled: [None; 5],
             if_a: ifindex("gwa")?,
             cpu,
             conntrack_max,
@@ -339,16 +340,31 @@ impl Bench {
         Ok((new_flows, packets_in, packets_out))
     }
 
-    /// Put `n` new flows into the table (fresh 5-tuples to the maglev
-    /// service, made by the datapath itself through the harness).
+    /// Put `n` new flows into the IPv4 table (fresh 5-tuples to the
+    /// maglev service, made by the datapath itself through the harness).
     fn fill(&mut self, n: u32) -> anyhow::Result<()> {
-        // The maglev new-flow case: a fresh 5-tuple per repeat.
-        let item = items().into_iter().find(|i| i.key == "new_maglev").context("no new_maglev case")?;
-        let (nf0, _, _) = self.service_counters("maglev")?;
+        self.fill_by("new_maglev", "maglev", n)
+    }
+
+    /// Put `n` new flows into the IPv6 table, as [`Self::fill`] (the
+    /// maglev6 service).
+    fn fill6(&mut self, n: u32) -> anyhow::Result<()> {
+        self.fill_by("new_maglev6", "maglev6", n)
+    }
+
+    /// `n` repeats of the new-flow case `case` (a fresh 5-tuple per
+    /// repeat) to `service`, each checked to have made a new flow.
+    fn fill_by(&mut self, case: &str, service: &str, n: u32) -> anyhow::Result<()> {
+        let item = items().into_iter().find(|i| i.key == case).with_context(|| format!("no {case} case"))?;
+        let (nf0, _, _) = self.service_counters(service)?;
         let r = self.run(&item, n)?;
-        let (nf1, _, _) = self.service_counters("maglev")?;
-        ensure!(r.retval == XDP_REDIRECT, "filling the flow table: returned {}", r.retval);
-        ensure!(nf1 - nf0 == u64::from(n), "filling the flow table: {} new flows for {n} packets", nf1 - nf0);
+        let (nf1, _, _) = self.service_counters(service)?;
+        ensure!(r.retval == XDP_REDIRECT, "filling the flow table ({service}): returned {}", r.retval);
+        ensure!(
+            nf1 - nf0 == u64::from(n),
+            "filling the flow table ({service}): {} new flows for {n} packets",
+            nf1 - nf0
+        );
         Ok(())
     }
 
@@ -654,6 +670,7 @@ impl Bench {
             Prog::Lb => {
                 self.flush_flows()?;
                 self.filled[0] = None;
+                self.filled[4] = None;
             }
             Prog::Open => {
                 self.reset_table(Prog::Open, 0)?;
@@ -765,7 +782,9 @@ impl Bench {
         // Empty the case's table and fill it with `item.fill` flows, unless
         // it holds just that already (a case other than a new-flow one adds
         // at most a few flows: the table stays as filled).
+        let ipv6 = is_ipv6(&item.frame);
         let which = match item.prog {
+            Prog::Lb if ipv6 => Some(4),
             Prog::Lb => Some(0),
             Prog::Table => Some(1),
             Prog::Lru => Some(2),
@@ -775,8 +794,13 @@ impl Bench {
         if let Some(w) = which {
             if self.filled[w] != Some(item.fill) {
                 if item.prog == Prog::Lb {
+                    // Both families' tables (the other then holds none).
                     self.flush_flows()?;
-                    if item.fill > 0 {
+                    self.filled[0] = Some(0);
+                    self.filled[4] = Some(0);
+                    if item.fill > 0 && ipv6 {
+                        self.fill6(item.fill)?;
+                    } else if item.fill > 0 {
                         self.fill(item.fill)?;
                     }
                 } else {
@@ -929,9 +953,8 @@ impl Bench {
     }
 
     /// `forget_run` for an IPv6 new-flow case: the flows are taken out
-    /// of the IPv6 table, which no fill touches.
+    /// of the IPv6 table, which keeps its fill.
     fn forget_run6(&mut self, item: &Item, counters: std::ops::Range<u64>) -> anyhow::Result<()> {
-        ensure!(item.fill == 0, "{}: an IPv6 new-flow case runs on an empty table", item.label);
         let f = Frame6::parse(&item.frame)?;
         let src = words6(&f.src);
         let base = u32::from_be(src[3]);
@@ -952,8 +975,7 @@ impl Bench {
             item.label,
             keys.len()
         );
-        // The IPv4 table (and its fill) was not touched.
-        self.filled[0] = Some(item.fill);
+        self.filled[4] = Some(item.fill);
         Ok(())
     }
 
