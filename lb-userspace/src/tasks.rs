@@ -454,11 +454,14 @@ mod tests {
         Periods { supervise: p, slow_start: p, devices: p, sweep: p }
     }
 
+    /// A TCP probe every `interval_ms`, given a second to answer: the
+    /// probes' outcomes are the test's, not how fast a loaded machine
+    /// answers on loopback.
     fn tcp(interval_ms: u64) -> HealthConfig {
         HealthConfig {
             kind: ProbeKind::Tcp,
             interval: Duration::from_millis(interval_ms),
-            timeout: Duration::from_millis(interval_ms),
+            timeout: Duration::from_secs(1),
             ..HealthConfig::default()
         }
     }
@@ -477,10 +480,11 @@ mod tests {
     async fn probes_follow_the_targets() {
         let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let up_addr = up.local_addr().unwrap();
-        let closed = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap()
-        };
+        // Bound but not listening, for the whole test: connections are
+        // refused, and no other socket can take the port meanwhile.
+        let closed_socket = tokio::net::TcpSocket::new_v4().unwrap();
+        closed_socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let closed = closed_socket.local_addr().unwrap();
         let k = |port: u16| -> BackendKey { ("web".into(), IpAddr::V4(Ipv4Addr::LOCALHOST), port) };
         let state = Arc::new(Mutex::new(Fake {
             targets: vec![(k(1), up_addr, tcp(20)), (k(2), closed, tcp(20))],
@@ -529,6 +533,9 @@ mod tests {
         let state = Arc::new(Mutex::new(Fake { ramp_left: 3, ..Fake::default() }));
         let tasks = Tasks::start(&state, fast());
         wait_for(&state, "the ramp to end", |f| f.ramp_left == 0).await;
+        // The last reprogram comes a period after the ramp's end; then no
+        // more.
+        wait_for(&state, "three steps while ramping, one to land on the full weight", |f| f.reprograms >= 4).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let n = lock(&state).reprograms;
         tasks.stop().await;
@@ -541,14 +548,27 @@ mod tests {
         let tasks = Tasks::start(&state, fast());
         wait_for(&state, "repeated refreshes and sweeps despite errors", |f| f.refreshes >= 3 && f.sweeps >= 3).await;
         drop(tasks);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let (r, s) = {
+        // A run already handed to the blocking pool may still land: wait
+        // for 100 ms without a change (the loops ran every 20 ms), within
+        // 5 s, then make sure nothing more comes.
+        let counts = || {
             let f = lock(&state);
             (f.refreshes, f.sweeps)
         };
+        let mut last = counts();
+        let mut still = 0;
+        for _ in 0..500 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let now = counts();
+            still = if now == last { still + 1 } else { 0 };
+            last = now;
+            if still >= 10 {
+                break;
+            }
+        }
+        assert!(still >= 10, "refreshes and sweeps still running 5 s after the tasks were dropped: {last:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let f = lock(&state);
-        assert_eq!((f.refreshes, f.sweeps), (r, s), "dropping the tasks stops every loop");
+        assert_eq!(counts(), last, "dropping the tasks stops every loop");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
