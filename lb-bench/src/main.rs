@@ -69,7 +69,7 @@ use serde_json::Value;
 
 use crate::{
     cases::{CONNTRACK_MAX, FILL, Prog, full, is_ipv6, items},
-    measure::{Bench, Sample},
+    measure::{Bench, NoRoom, Sample},
     netns::{pin_thread, private_netns},
     report::{HostInfo, read_trim, report},
 };
@@ -249,10 +249,27 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
     );
     let warm = (args.repeat / 10).max(1000).min(args.repeat);
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); items.len()];
+    // Runs made again because a few new flows found no slot (`NoRoom`).
+    let mut reruns: Vec<Value> = Vec::new();
     for round in 0..=args.rounds {
         let repeat = if round == 0 { warm } else { args.repeat };
         for (i, item) in items.iter().enumerate() {
-            let s = b.measure(item, repeat).with_context(|| format!("round {round}, {}", item.label))?;
+            let s = match b.measure(item, repeat) {
+                Err(e) if e.downcast_ref::<NoRoom>().is_some() => {
+                    let no_room = e.downcast::<NoRoom>().expect("checked");
+                    eprintln!("\nround {round}: {no_room}; run again");
+                    reruns.push(serde_json::json!({
+                        "round": round,
+                        "key": item.key,
+                        "label": no_room.label,
+                        "dropped": no_room.dropped,
+                        "repeat": no_room.repeat,
+                    }));
+                    b.measure(item, repeat)
+                }
+                r => r,
+            }
+            .with_context(|| format!("round {round}, {}", item.label))?;
             if round > 0 {
                 samples[i].push(s);
             }
@@ -263,6 +280,7 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
     }
     eprintln!();
     let mut out = report(&items, &samples, args, cpu, host, b.conntrack_max);
+    out["reruns"] = Value::Array(reruns);
     // The least a new flow waits for on this machine: its slot, one random
     // load in memory the size of the IPv4 flow table.
     let bytes = lb_common::flow_slots(b.conntrack_max) as usize * size_of::<lb_common::FlowSlot>();

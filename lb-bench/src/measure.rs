@@ -102,6 +102,36 @@ pub(crate) struct Bench {
     stop: Arc<AtomicBool>,
 }
 
+/// A new-flow run of a service whose flows take two entries (its backend
+/// endpoints shared with another service's) in which a few flows found
+/// no free slot among the 32 of their probe sequence, and were dropped
+/// and counted (`flow_table`), as the datapath does for such flows: every
+/// other repeat took the measured path. A flow and its reply entry start
+/// their probes at the same slot, so such a table's entries come in
+/// pairs, whose runs grow faster; with the 1M-flow fill and a run's
+/// 500,000 pairs (a quarter of the slots taken), a simulation of the
+/// table put a flow past its 32 slots in about 1 run of 250. The run is
+/// not a sample of the path it times: the caller runs it again, once,
+/// and the report says so.
+#[derive(Debug)]
+pub(crate) struct NoRoom {
+    pub label: String,
+    pub dropped: u64,
+    pub repeat: u32,
+}
+
+impl std::fmt::Display for NoRoom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} of {} new flows found no free slot among their 32 and were dropped (counted flow_table)",
+            self.label, self.dropped, self.repeat
+        )
+    }
+}
+
+impl std::error::Error for NoRoom {}
+
 /// Slots of `floor_open`'s table for a flow table of `conntrack_max`
 /// connections: twice as many, rounded up to a power of two, so that a
 /// full table is at most half occupied (linear probing's probe sequences
@@ -856,14 +886,23 @@ impl Bench {
             item.label,
             i2 - i1
         );
-        self.check_output(item, &timed, repeat, c2.checked_sub(1))
-            .with_context(|| format!("{}: output of the timed run (last repeat)", item.label))?;
         let global1 = self.dp.counters()?;
         let mut moved: BTreeMap<&String, u64> =
             global1.iter().filter(|&(k, v)| global0.get(k) != Some(v)).map(|(k, v)| (k, v - global0[k])).collect();
         // A forwarded packet counts one XDP redirect; nothing else may move
         // (a drop, a kernel-path hand-over: not the path meant to be timed).
         let redirected = moved.remove(&"xdp_redirect".to_owned()).unwrap_or(0);
+        // Before the output's check: the last repeat may be the one dropped.
+        if let Some(dropped) = moved.get(&"flow_table".to_owned()).copied()
+            && matches!(item.expect, Expect::Redirect)
+            && moved.len() == 1
+            && redirected + dropped == u64::from(repeat)
+            && dropped <= u64::from(repeat / 1000).max(1)
+        {
+            return Err(NoRoom { label: item.label.clone(), dropped, repeat }.into());
+        }
+        self.check_output(item, &timed, repeat, c2.checked_sub(1))
+            .with_context(|| format!("{}: output of the timed run (last repeat)", item.label))?;
         if matches!(item.expect, Expect::Redirect) {
             ensure!(
                 redirected == u64::from(repeat),

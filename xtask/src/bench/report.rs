@@ -127,6 +127,26 @@ min-max beside.\n"
         }
         let _ = writeln!(md);
     }
+    if let Some(reruns) = p["reruns"].as_array().filter(|r| !r.is_empty()) {
+        let _ = writeln!(
+            md,
+            "Runs made again: in these, a few new flows of a service whose flows take two entries (its backend endpoints \
+shared) found no free slot among the 32 of their probe sequence, and were dropped and counted (`flow_table`), as the \
+datapath does for such flows. Such a run is not a sample of the path it times, so it was run once more (a flow and its \
+reply entry start at the same slot: such a table's runs of taken slots grow faster):\n"
+        );
+        for r in reruns {
+            let _ = writeln!(
+                md,
+                "- round {}, {}: {} of {} dropped",
+                r["round"],
+                r["label"].as_str().unwrap_or("?"),
+                r["dropped"],
+                r["repeat"]
+            );
+        }
+        let _ = writeln!(md);
+    }
     if let Some(lines) = p["flow_table_share"].as_array().filter(|l| !l.is_empty()) {
         let _ = writeln!(
             md,
