@@ -129,21 +129,27 @@ fn start_lb_bench() -> (Child, PathBuf, mpsc::Receiver<String>) {
             let _ = tx.send(String::from_utf8_lossy(&line).into_owned());
         }
     });
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut seen = Vec::new();
-    while !seen.iter().any(|l: &String| l.starts_with("lb-bench packet:")) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(l) => seen.push(l),
-            Err(_) => {
-                let _ = child.kill();
-                panic!("lb-bench did not start measuring in 120 s: {seen:?}");
-            }
-        }
-    }
+    wait_line(&rx, &mut child, "lb-bench packet:", Duration::from_secs(120));
     let ns = private_namespaces(child.id());
     assert_eq!(ns.len(), 1, "lb-bench's threads are in {ns:?} beside this process's namespace");
     (child, ns[0].clone(), rx)
+}
+
+/// Wait for a line of lb-bench's stderr starting with or containing
+/// `what`, within `within` (lb-bench is killed and the test fails
+/// otherwise).
+fn wait_line(rx: &mpsc::Receiver<String>, child: &mut Child, what: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    let mut seen = Vec::new();
+    while !seen.iter().any(|l: &String| l.contains(what)) {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(l) => seen.push(l),
+            Err(e) => {
+                let _ = child.kill();
+                panic!("no line with {what:?} from lb-bench within {within:?} ({e}): {seen:?}");
+            }
+        }
+    }
 }
 
 fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
@@ -184,17 +190,7 @@ fn lb_bench_stopped_by_a_second_signal_leaves_nothing() {
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
     // The first is taken as "stop after this run"; the second, sent once
     // it says so, ends the run at once.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut lines = Vec::new();
-    while !lines.iter().any(|l: &String| l.contains("stopping after this run")) {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(l) => lines.push(l),
-            Err(e) => {
-                let _ = child.kill();
-                panic!("lb-bench did not acknowledge SIGINT ({e}): {lines:?}");
-            }
-        }
-    }
+    wait_line(&rx, &mut child, "stopping after this run", Duration::from_secs(30));
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
     let st = wait_exit(&mut child, Duration::from_secs(20));
     let rest: Vec<String> = rx.try_iter().collect();
