@@ -4,8 +4,9 @@
 //! Method (run as root):
 //!
 //! - A private network namespace, the measuring thread's own (unnamed, so
-//!   it goes with the process however it ends), with a veth pair `gwa`/`gwb`, routes and static neighbours for
-//!   the client and three backends, so that `bpf_fib_lookup` succeeds and a
+//!   it goes with the process however it ends), with a veth pair
+//!   `gwa`/`gwb`, routes and static neighbours for the client and three
+//!   backends, so that `bpf_fib_lookup` succeeds and a
 //!   VIP packet takes the full path up to XDP_REDIRECT. The measuring thread
 //!   is pinned to one CPU.
 //! - The datapath is loaded as lbd loads it (`Dataplane::load_unpinned`,
