@@ -255,9 +255,8 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
     for round in 0..=args.rounds {
         let repeat = if round == 0 { warm } else { args.repeat };
         for (i, item) in items.iter().enumerate() {
-            let s = match b.measure(item, repeat) {
-                Err(e) if e.downcast_ref::<NoRoom>().is_some() => {
-                    let no_room = e.downcast::<NoRoom>().expect("checked");
+            let s = match b.measure(item, repeat).map_err(anyhow::Error::downcast::<NoRoom>) {
+                Err(Ok(no_room)) => {
                     eprintln!("\nround {round}: {no_room}; run again");
                     reruns.push(serde_json::json!({
                         "round": round,
@@ -268,7 +267,8 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
                     }));
                     b.measure(item, repeat)
                 }
-                r => r,
+                Err(Err(e)) => Err(e),
+                Ok(s) => Ok(s),
             }
             .with_context(|| format!("round {round}, {}", item.label))?;
             if round > 0 {

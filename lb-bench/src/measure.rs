@@ -89,11 +89,11 @@ pub(crate) struct Bench {
     open_epoch: u32,
     /// What PROG_ARRAY slot 0 holds now.
     slot: Option<Prog>,
-    /// Per table (the datapath's IPv4 table, floor_table's, floor_lru's,
-    /// floor_open's, the datapath's IPv6 table): `Some(n)` while it holds
-    /// the `n` flows of its last fill and at most a few single flows
-    /// since; `None` once a new-flow run added its repeats. A case finding
-    /// its table as it needs it skips the refill.
+    /// Per table (indexed by [`LB4`], [`TABLE`], [`LRU`], [`OPEN`],
+    /// [`LB6`]): `Some(n)` while it holds the `n` flows of its last fill
+    /// and at most a few single flows since; `None` once a new-flow run
+    /// added its repeats. A case finding its table as it needs it skips
+    /// the refill.
     filled: [Option<u32>; 5],
     if_a: u32,
     cpu: usize,
@@ -101,6 +101,15 @@ pub(crate) struct Bench {
     /// Set by SIGINT/SIGTERM: stop between runs, clean up (namespace, sysctl).
     stop: Arc<AtomicBool>,
 }
+
+/// The tables [`Bench::filled`] follows: the datapath's IPv4 flow table,
+/// `floor_table`'s, `floor_lru`'s, `floor_open`'s, the datapath's IPv6
+/// flow table.
+const LB4: usize = 0;
+const TABLE: usize = 1;
+const LRU: usize = 2;
+const OPEN: usize = 3;
+const LB6: usize = 4;
 
 /// A new-flow run of a service whose flows take two entries (its backend
 /// endpoints shared with another service's) in which a few flows found
@@ -113,24 +122,15 @@ pub(crate) struct Bench {
 /// table put a flow past its 32 slots in about 1 run of 250. The run is
 /// not a sample of the path it times: the caller runs it again, once,
 /// and the report says so.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{label}: {dropped} of {repeat} new flows found no free slot among their 32 and were dropped (counted flow_table)"
+)]
 pub(crate) struct NoRoom {
     pub label: String,
     pub dropped: u64,
     pub repeat: u32,
 }
-
-impl std::fmt::Display for NoRoom {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}: {} of {} new flows found no free slot among their 32 and were dropped (counted flow_table)",
-            self.label, self.dropped, self.repeat
-        )
-    }
-}
-
-impl std::error::Error for NoRoom {}
 
 /// Slots of `floor_open`'s table for a flow table of `conntrack_max`
 /// connections: twice as many, rounded up to a power of two, so that a
@@ -295,9 +295,13 @@ impl Bench {
         Ok(())
     }
 
-    /// Empty the flow table (in batches: see `Dataplane::flush_flows`).
+    /// Empty the datapath's flow tables, both families' (in batches: see
+    /// `Dataplane::flush_flows`), and mark them so.
     fn flush_flows(&mut self) -> anyhow::Result<u64> {
-        Ok(self.dp.flush_flows()?)
+        let n = self.dp.flush_flows()?;
+        self.filled[LB4] = Some(0);
+        self.filled[LB6] = Some(0);
+        Ok(n)
     }
 
     /// One BPF_PROG_TEST_RUN of `item` with `repeat` repeats.
@@ -697,14 +701,14 @@ impl Bench {
     /// marked so for the per-packet cases).
     fn empty_for(&mut self, item: &Item) -> anyhow::Result<()> {
         match item.prog {
+            // The two-CPU runs add IPv4 flows only.
             Prog::Lb => {
                 self.flush_flows()?;
-                self.filled[0] = None;
-                self.filled[4] = None;
+                self.filled[LB4] = None;
             }
             Prog::Open => {
                 self.reset_table(Prog::Open, 0)?;
-                self.filled[3] = None;
+                self.filled[OPEN] = None;
             }
             p => anyhow::bail!("no two-CPU run of {p:?}"),
         }
@@ -814,11 +818,11 @@ impl Bench {
         // at most a few flows: the table stays as filled).
         let ipv6 = is_ipv6(&item.frame);
         let which = match item.prog {
-            Prog::Lb if ipv6 => Some(4),
-            Prog::Lb => Some(0),
-            Prog::Table => Some(1),
-            Prog::Lru => Some(2),
-            Prog::Open => Some(3),
+            Prog::Lb if ipv6 => Some(LB6),
+            Prog::Lb => Some(LB4),
+            Prog::Table => Some(TABLE),
+            Prog::Lru => Some(LRU),
+            Prog::Open => Some(OPEN),
             Prog::FloorPass | Prog::FloorTx => None,
         };
         if let Some(w) = which {
@@ -826,8 +830,6 @@ impl Bench {
                 if item.prog == Prog::Lb {
                     // Both families' tables (the other then holds none).
                     self.flush_flows()?;
-                    self.filled[0] = Some(0);
-                    self.filled[4] = Some(0);
                     if item.fill > 0 && ipv6 {
                         self.fill6(item.fill)?;
                     } else if item.fill > 0 {
@@ -953,9 +955,9 @@ impl Bench {
             return if item.prog == Prog::Lb { self.forget_run6(item, counters) } else { Ok(()) };
         }
         let (fd, w) = match item.prog {
-            Prog::Lb if item.service != Some("maglev-shared") => (None, 0),
-            Prog::Table => (Some("FLOW_TABLE"), 1),
-            Prog::Lru => (Some("FLOW_LRU"), 2),
+            Prog::Lb if item.service != Some("maglev-shared") => (None, LB4),
+            Prog::Table => (Some("FLOW_TABLE"), TABLE),
+            Prog::Lru => (Some("FLOW_LRU"), LRU),
             _ => return Ok(()),
         };
         let f = Frame::parse(&item.frame)?;
@@ -1014,7 +1016,7 @@ impl Bench {
             item.label,
             keys.len()
         );
-        self.filled[4] = Some(item.fill);
+        self.filled[LB6] = Some(item.fill);
         Ok(())
     }
 
