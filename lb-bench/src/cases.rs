@@ -126,12 +126,17 @@ pub(crate) enum Prog {
     /// prototype of the datapath's flow table: the same probing and claim
     /// protocol, without its entry count and replace path).
     Open,
+    /// `floor_split`: `floor_open`'s table with its slots in arrays of 32
+    /// KB or less (which the kernel allocates in huge pages), found through
+    /// an array of maps.
+    Split,
 }
 
 impl Prog {
-    /// A table-alone program: `floor_table`, `floor_lru` or `floor_open`.
+    /// A table-alone program: `floor_table`, `floor_lru`, `floor_open` or
+    /// `floor_split`.
     pub(crate) fn table_alone(self) -> bool {
-        matches!(self, Self::Table | Self::Lru | Self::Open)
+        matches!(self, Self::Table | Self::Lru | Self::Open | Self::Split)
     }
 }
 
@@ -344,6 +349,12 @@ pub(crate) fn items() -> Vec<Item> {
         (Prog::Table, vec![hit("table_hit"), new("table_new")], "kernel hash alone", "kernel hash"),
         (Prog::Lru, vec![new("lru_new")], "LRU table alone", "kernel LRU hash"),
         (Prog::Open, vec![hit("open_hit"), new("open_new")], "open-addressing table alone", "array, open addressing,"),
+        (
+            Prog::Split,
+            vec![hit("split_hit"), new("split_new")],
+            "open-addressing table alone, in 32 KB arrays",
+            "arrays of 256 slots (array of maps), open addressing,",
+        ),
     ] {
         for (key, mode, frame, label, path) in cases {
             v.push(Item {

@@ -311,6 +311,19 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
         "random_load_huge_pages_median_ns": huge,
         "random_load_huge_pages_x_floor_tx": huge.map(|h| h / tx),
     });
+    let (arrays, in_vmalloc) = b.split_arrays;
+    println!(
+        "floor_split: {arrays} arrays of {} KB, {}",
+        (measure::SPLIT_SLOTS as usize * size_of::<measure::SplitSlot>()).div_ceil(1024),
+        if in_vmalloc == 0 {
+            "all allocated in the kernel's linear map (huge pages)".to_owned()
+        } else {
+            format!(
+                "{in_vmalloc} of them allocated with vmalloc after all (4 KB pages): its figures are not all huge pages"
+            )
+        }
+    );
+    out["split_arrays"] = serde_json::json!({ "arrays": arrays, "in_vmalloc": in_vmalloc });
     let wc = b.weight_changes(11)?;
     let mut ms = wc.ms.clone();
     ms.sort_by(f64::total_cmp);

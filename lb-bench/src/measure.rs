@@ -85,16 +85,22 @@ pub(crate) struct Bench {
     table_fd: ProgramFd,
     lru_fd: ProgramFd,
     open_fd: ProgramFd,
+    split_fd: ProgramFd,
     /// `floor_open`'s current epoch: a slot claimed in an older one is free.
     open_epoch: u32,
+    /// `floor_split`'s, the same.
+    split_epoch: u32,
+    /// `floor_split`'s inner arrays, and how many of them are in vmalloc's
+    /// 4 KB pages (0 when the kernel gave every one huge pages).
+    pub split_arrays: (u32, usize),
     /// What PROG_ARRAY slot 0 holds now.
     slot: Option<Prog>,
     /// Per table (indexed by [`LB4`], [`TABLE`], [`LRU`], [`OPEN`],
-    /// [`LB6`]): `Some(n)` while it holds the `n` flows of its last fill
+    /// [`LB6`], [`SPLIT`]): `Some(n)` while it holds the `n` flows of its last fill
     /// and at most a few single flows since; `None` once a new-flow run
     /// added its repeats. A case finding its table as it needs it skips
     /// the refill.
-    filled: [Option<u32>; 5],
+    filled: [Option<u32>; 6],
     if_a: u32,
     cpu: usize,
     pub conntrack_max: u32,
@@ -104,12 +110,18 @@ pub(crate) struct Bench {
 
 /// The tables [`Bench::filled`] follows: the datapath's IPv4 flow table,
 /// `floor_table`'s, `floor_lru`'s, `floor_open`'s, the datapath's IPv6
-/// flow table.
+/// flow table, `floor_split`'s.
 const LB4: usize = 0;
 const TABLE: usize = 1;
 const LRU: usize = 2;
 const OPEN: usize = 3;
 const LB6: usize = 4;
+const SPLIT: usize = 5;
+
+/// Slots in each of `floor_split`'s inner arrays (`SPLIT_SLOTS` in
+/// bench-floor), of 80 bytes each (`OpenSlot`).
+pub(crate) const SPLIT_SLOTS: u32 = 256;
+pub(crate) type SplitSlot = [u64; 10];
 
 /// A new-flow run of a service whose flows take two entries (its backend
 /// endpoints shared with another service's) in which a few flows found
@@ -139,6 +151,39 @@ pub(crate) struct NoRoom {
 /// 540 MB for the kernel hash of the same capacity).
 fn open_slots(conntrack_max: u32) -> u32 {
     conntrack_max.saturating_mul(2).next_power_of_two().max(2)
+}
+
+/// `floor_split`'s inner arrays, one per `SPLIT_SLOTS` slots, put in
+/// `FLOW_SPLIT` (which holds them from then on), a batch at a time.
+/// Returns how many there are and how many of them the kernel allocated
+/// with vmalloc (4 KB pages) after all: it falls back to vmalloc when
+/// kmalloc finds no free 32 KB.
+fn split_arrays(bench: &mut Ebpf) -> anyhow::Result<(u32, usize)> {
+    const BATCH: u32 = 512;
+    let outer = bench.map("FLOW_SPLIT").ok_or_else(|| anyhow!("FLOW_SPLIT"))?;
+    let aya::maps::Map::ArrayOfMaps(outer) = outer else { anyhow::bail!("FLOW_SPLIT is not an array of maps") };
+    let n = outer.info()?.max_entries();
+    let before = small_vmalloc_arrays()?;
+    for first in (0..n).step_by(BATCH as usize) {
+        let inner = (first..n.min(first + BATCH))
+            .map(|i| Array::<MapData, SplitSlot>::create(SPLIT_SLOTS, 0).with_context(|| format!("array {i}")))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let fds: Vec<_> = inner.iter().map(|a| aya::maps::IterableMap::map(a).fd().as_fd()).collect();
+        lb_userspace::dataplane::set_inner_maps(outer.fd().as_fd(), first, &fds)
+            .with_context(|| format!("putting arrays {first}.."))?;
+    }
+    Ok((n, small_vmalloc_arrays()?.saturating_sub(before)))
+}
+
+/// BPF arrays of 64 KB or less that the kernel allocated with vmalloc, by
+/// `/proc/vmallocinfo` (any process's).
+fn small_vmalloc_arrays() -> anyhow::Result<usize> {
+    let info = std::fs::read_to_string("/proc/vmallocinfo").context("reading /proc/vmallocinfo")?;
+    Ok(info
+        .lines()
+        .filter(|l| l.contains("array_map_alloc"))
+        .filter(|l| l.split_whitespace().nth(1).and_then(|b| b.parse::<u64>().ok()).is_some_and(|b| b <= 65536))
+        .count())
 }
 
 fn xdp<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a Xdp> {
@@ -179,9 +224,12 @@ impl Bench {
             .map_max_entries("FLOW_TABLE", conntrack_max)
             .map_max_entries("FLOW_LRU", conntrack_max)
             .map_max_entries("FLOW_OPEN", open_slots(conntrack_max))
+            .map_max_entries("FLOW_SPLIT", open_slots(conntrack_max).div_ceil(SPLIT_SLOTS))
             .load(BENCH_OBJECT)
             .context("loading the benchmark programs")?;
-        for name in ["floor_pass", "floor_tx", "floor_table", "floor_lru", "floor_open", "bench_harness"] {
+        let split_arrays = split_arrays(&mut bench).context("making floor_split's arrays")?;
+        for name in ["floor_pass", "floor_tx", "floor_table", "floor_lru", "floor_open", "floor_split", "bench_harness"]
+        {
             let p: &mut Xdp =
                 bench.program_mut(name).ok_or_else(|| anyhow!("program {name} missing from the object"))?.try_into()?;
             p.load().with_context(|| format!("loading {name}"))?;
@@ -192,6 +240,7 @@ impl Bench {
         let table_fd = xdp(&bench, "floor_table")?.fd()?.try_clone()?;
         let lru_fd = xdp(&bench, "floor_lru")?.fd()?.try_clone()?;
         let open_fd = xdp(&bench, "floor_open")?.fd()?.try_clone()?;
+        let split_fd = xdp(&bench, "floor_split")?.fd()?.try_clone()?;
         Ok(Self {
             dp,
             bench,
@@ -201,9 +250,12 @@ impl Bench {
             table_fd,
             lru_fd,
             open_fd,
+            split_fd,
             open_epoch: 0,
+            split_epoch: 0,
+            split_arrays,
             slot: None,
-            filled: [None; 5],
+            filled: [None; 6],
             if_a: ifindex("gwa")?,
             cpu,
             conntrack_max,
@@ -222,6 +274,7 @@ impl Bench {
             Prog::Table => &self.table_fd,
             Prog::Lru => &self.lru_fd,
             Prog::Open => &self.open_fd,
+            Prog::Split => &self.split_fd,
         };
         let mut arr = ProgramArray::try_from(self.bench.map_mut("PROG_ARRAY").ok_or_else(|| anyhow!("PROG_ARRAY"))?)?;
         arr.set(0, fd, 0)?;
@@ -266,15 +319,22 @@ impl Bench {
         let (name, fill_case) = match prog {
             Prog::Lru => ("FLOW_LRU", "lru_new"),
             Prog::Open => ("FLOW_OPEN", "open_new"),
+            Prog::Split => ("FLOW_SPLIT", "split_new"),
             _ => ("FLOW_TABLE", "table_new"),
         };
-        if prog == Prog::Open {
+        if matches!(prog, Prog::Open | Prog::Split) {
             // Epochs 1..=65535 (16 bits in a slot's claim word; 0 is a
             // never-used slot's).
-            self.open_epoch = self.open_epoch % 0xffff + 1;
+            let (epoch, conf) = if prog == Prog::Open {
+                (&mut self.open_epoch, "OPEN_CONF")
+            } else {
+                (&mut self.split_epoch, "SPLIT_CONF")
+            };
+            *epoch = *epoch % 0xffff + 1;
+            let epoch = *epoch;
             let mut conf: Array<&mut MapData, [u32; 2]> =
-                Array::try_from(self.bench.map_mut("OPEN_CONF").ok_or_else(|| anyhow!("OPEN_CONF"))?)?;
-            conf.set(0, [open_slots(self.conntrack_max) - 1, self.open_epoch], 0)?;
+                Array::try_from(self.bench.map_mut(conf).ok_or_else(|| anyhow!("{conf}"))?)?;
+            conf.set(0, [open_slots(self.conntrack_max) - 1, epoch], 0)?;
         } else {
             let map = self.bench.map(name).ok_or_else(|| anyhow!("{name}"))?;
             let fd = match map {
@@ -313,6 +373,7 @@ impl Bench {
                 Prog::Table => xdp(&self.bench, "floor_table")?,
                 Prog::Lru => xdp(&self.bench, "floor_lru")?,
                 Prog::Open => xdp(&self.bench, "floor_open")?,
+                Prog::Split => xdp(&self.bench, "floor_split")?,
                 Prog::Lb => self.dp.program(),
             },
             Via::Harness(mode) => {
@@ -823,6 +884,7 @@ impl Bench {
             Prog::Table => Some(TABLE),
             Prog::Lru => Some(LRU),
             Prog::Open => Some(OPEN),
+            Prog::Split => Some(SPLIT),
             Prog::FloorPass | Prog::FloorTx => None,
         };
         if let Some(w) = which {

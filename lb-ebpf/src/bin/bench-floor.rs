@@ -36,6 +36,14 @@
 //!   helper call (jhash, a bucket list) and their insert pops an element
 //!   from a free list, links it into a bucket and takes the bucket's lock,
 //!   touching three or more cache lines where this touches two.
+//! - `floor_split`: `floor_open`'s table with its slots in arrays of 256
+//!   (`FLOW_SPLIT`, an array of maps whose inner arrays lb-bench makes).
+//!   The kernel allocates a BPF array of up to 32 KB with kmalloc, in its
+//!   linear map, which it maps with huge pages (1 GB or 2 MB), and a larger
+//!   one with vmalloc, in 4 KB pages: a random slot of a table of hundreds
+//!   of megabytes in one array costs a page walk (two in a VM) besides the
+//!   cache miss. This measures what the datapath's table would save in
+//!   such arrays, at the cost of one more lookup (the outer array).
 #![no_std]
 #![no_main]
 // The store-buffer drain is an atomic add: core's atomic types have no RMW
@@ -53,8 +61,9 @@ use lb_ebpf::csum;
 
 use aya_ebpf::{
     bindings::xdp_action,
+    btf_maps::{self, ArrayOfMaps},
     helpers::generated::bpf_xdp_store_bytes,
-    macros::{map, xdp},
+    macros::{btf_map, map, xdp},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray},
     programs::XdpContext,
 };
@@ -162,6 +171,24 @@ static FLOW_OPEN: Array<OpenSlot> = Array::with_max_entries(1, 0);
 #[map]
 static OPEN_CONF: Array<[u32; 2]> = Array::with_max_entries(1, 0);
 
+/// Slots in each of `FLOW_SPLIT`'s arrays: 256 of 80 bytes, with the
+/// array's header well under the 32 KB up to which the kernel allocates a
+/// BPF array with kmalloc (so in its linear map, in huge pages) instead of
+/// vmalloc (4 KB pages).
+pub const SPLIT_SLOTS: usize = 256;
+/// log2 of [`SPLIT_SLOTS`].
+const SPLIT_SHIFT: u32 = 8;
+
+/// `floor_split`'s table: `FLOW_OPEN`'s slots, `SPLIT_SLOTS` to an inner
+/// array, the inner arrays made by lb-bench (as many as the slots need:
+/// the outer array's size is set at load).
+#[btf_map]
+static FLOW_SPLIT: ArrayOfMaps<btf_maps::Array<OpenSlot, SPLIT_SLOTS>, 1> = ArrayOfMaps::new();
+
+/// `FLOW_SPLIT`'s slot mask and epoch, as `OPEN_CONF`.
+#[map]
+static SPLIT_CONF: Array<[u32; 2]> = Array::with_max_entries(1, 0);
+
 /// Per-CPU count of `floor_table`'s and `floor_lru`'s inserts (lb-bench checks that a run
 /// inserted once per repeat, or never).
 #[map]
@@ -204,7 +231,12 @@ pub(crate) fn floor_lru(ctx: XdpContext) -> u32 {
 
 #[xdp]
 pub(crate) fn floor_open(ctx: XdpContext) -> u32 {
-    table_alone(&ctx, &OpenTable)
+    table_alone(&ctx, &OpenTable::<Flat>(core::marker::PhantomData))
+}
+
+#[xdp]
+pub(crate) fn floor_split(ctx: XdpContext) -> u32 {
+    table_alone(&ctx, &OpenTable::<Split>(core::marker::PhantomData))
 }
 
 /// What a table of flows costs alone: the 5-tuple read, a lookup, and an
@@ -290,8 +322,44 @@ macro_rules! flow_table {
 }
 flow_table!(HashMap<FlowKey, Flow>, LruHashMap<FlowKey, Flow>);
 
-/// `FLOW_OPEN` as a flow table.
-struct OpenTable;
+/// Where an open-addressing table keeps its slots.
+trait Slots {
+    /// Slot `i` (masked by the caller).
+    fn slot(i: u32) -> Option<*mut OpenSlot>;
+    /// The slot mask and the epoch.
+    fn conf() -> Option<[u32; 2]>;
+}
+
+/// One array (`FLOW_OPEN`).
+struct Flat;
+
+impl Slots for Flat {
+    #[inline(always)]
+    fn slot(i: u32) -> Option<*mut OpenSlot> {
+        FLOW_OPEN.get_ptr_mut(i)
+    }
+    #[inline(always)]
+    fn conf() -> Option<[u32; 2]> {
+        OPEN_CONF.get(0).copied()
+    }
+}
+
+/// Arrays of `SPLIT_SLOTS` slots each (`FLOW_SPLIT`).
+struct Split;
+
+impl Slots for Split {
+    #[inline(always)]
+    fn slot(i: u32) -> Option<*mut OpenSlot> {
+        FLOW_SPLIT.get_value_ptr_mut(i >> SPLIT_SHIFT, &(i & (SPLIT_SLOTS as u32 - 1)))
+    }
+    #[inline(always)]
+    fn conf() -> Option<[u32; 2]> {
+        SPLIT_CONF.get(0).copied()
+    }
+}
+
+/// An open-addressing flow table whose slots `S` keeps.
+struct OpenTable<S>(core::marker::PhantomData<S>);
 
 /// What a probe of `FLOW_OPEN` found.
 enum Probe {
@@ -302,7 +370,7 @@ enum Probe {
     Full,
 }
 
-impl OpenTable {
+impl<S: Slots> OpenTable<S> {
     /// A 64-bit mix of the key's two words (multiply, xor-shift). A real
     /// table would mix in a secret seed, so that clients cannot aim their
     /// 5-tuples at one probe sequence.
@@ -330,7 +398,7 @@ impl OpenTable {
     /// the slot mask.
     #[inline(always)]
     fn tag(key: &FlowKey) -> Option<(u64, u32)> {
-        let &[mask, epoch] = OPEN_CONF.get(0)?;
+        let [mask, epoch] = S::conf()?;
         Some(((Self::hash(key) & TAG_BITS) | (u64::from(epoch) << EPOCH_SHIFT & EPOCH_BITS), mask))
     }
 
@@ -339,7 +407,7 @@ impl OpenTable {
         let start = (tag >> 32) as u32;
         // Verifier: a bounded loop (PROBES slots).
         for j in 0..PROBES {
-            let Some(slot) = FLOW_OPEN.get_ptr_mut(start.wrapping_add(j) & mask) else { return Probe::Full };
+            let Some(slot) = S::slot(start.wrapping_add(j) & mask) else { return Probe::Full };
             // SAFETY: a valid map value; the claim word is read once
             // (volatile: other CPUs change it), the key only when the
             // claim says the entry is whole.
@@ -357,7 +425,7 @@ impl OpenTable {
     }
 }
 
-impl FlowTable for OpenTable {
+impl<S: Slots> FlowTable for OpenTable<S> {
     #[inline(always)]
     fn has(&self, key: &FlowKey) -> bool {
         Self::tag(key).is_some_and(|(tag, mask)| matches!(Self::probe(key, tag, mask), Probe::Found))

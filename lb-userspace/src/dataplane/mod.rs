@@ -72,6 +72,21 @@ pub fn delete_flow_keys(fd: std::os::fd::BorrowedFd<'_>, keys: &[FlowKey]) -> st
     Ok(batch::delete(fd, keys)?.iter().filter(|&&removed| removed).count() as u64)
 }
 
+/// Put the maps `inner` (their descriptors) in the array of maps `fd` from
+/// index `first` on, in one BPF_MAP_UPDATE_BATCH: each single update of an
+/// array of maps waits for an RCU grace period (about 9 ms here), a batch
+/// waits once. For lb-bench's own tables.
+pub fn set_inner_maps(
+    fd: std::os::fd::BorrowedFd<'_>,
+    first: u32,
+    inner: &[std::os::fd::BorrowedFd<'_>],
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let keys: Vec<u32> = (first..).take(inner.len()).collect();
+    let values: Vec<u32> = inner.iter().map(|f| f.as_raw_fd() as u32).collect();
+    batch::update(fd, &keys, &values)
+}
+
 /// The benchmark programs (floor_pass, floor_tx, floor_table, bench_harness), built by
 /// build.rs next to the XDP program, for `lb-bench` (its own crate). Only a
 /// binary that names it carries it: lbd and lbctl do not.

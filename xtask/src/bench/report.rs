@@ -180,6 +180,21 @@ arrays; timed from userspace on the measuring CPU, a pointer chase through every
                 }
             );
         }
+        if let Some(sp) = p.get("split_arrays") {
+            let vm = sp["in_vmalloc"].as_u64().unwrap_or(0);
+            let _ = writeln!(
+                md,
+                "- `the open-addressing table in 32 KB arrays` is the same program and table with its slots in {} arrays of 256 slots, found through an array of maps: the kernel allocates a BPF array of up to 32 KB with kmalloc, in its linear map's huge pages, and a larger one with vmalloc, in 4 KB pages. {}",
+                sp["arrays"],
+                if vm == 0 {
+                    "All of them were in the linear map in this run (`/proc/vmallocinfo`).".to_owned()
+                } else {
+                    format!(
+                        "{vm} of them were allocated with vmalloc after all in this run: its figures are not all huge pages."
+                    )
+                }
+            );
+        }
         let _ = writeln!(md);
     }
     if let Some(c) = p.get("control") {
