@@ -119,7 +119,8 @@ const LB6: usize = 4;
 const SPLIT: usize = 5;
 
 /// Slots in each of `floor_split`'s inner arrays (`SPLIT_SLOTS` in
-/// bench-floor), of 80 bytes each (`OpenSlot`).
+/// bench-floor), of 80 bytes each (`OpenSlot`; a size that differs makes
+/// the kernel refuse the arrays in `FLOW_SPLIT`, at start).
 pub(crate) const SPLIT_SLOTS: u32 = 256;
 pub(crate) type SplitSlot = [u64; 10];
 

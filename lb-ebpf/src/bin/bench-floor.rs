@@ -175,9 +175,11 @@ static OPEN_CONF: Array<[u32; 2]> = Array::with_max_entries(1, 0);
 /// array's header well under the 32 KB up to which the kernel allocates a
 /// BPF array with kmalloc (so in its linear map, in huge pages) instead of
 /// vmalloc (4 KB pages).
-pub const SPLIT_SLOTS: usize = 256;
-/// log2 of [`SPLIT_SLOTS`].
-const SPLIT_SHIFT: u32 = 8;
+const SPLIT_SLOTS: usize = 256;
+/// log2 of [`SPLIT_SLOTS`] (a power of two: a slot's array and place in it
+/// are a shift and a mask).
+const SPLIT_SHIFT: u32 = SPLIT_SLOTS.trailing_zeros();
+const _: () = assert!(SPLIT_SLOTS.is_power_of_two() && SPLIT_SLOTS * size_of::<OpenSlot>() <= 32 * 1024 - 1024);
 
 /// `floor_split`'s table: `FLOW_OPEN`'s slots, `SPLIT_SLOTS` to an inner
 /// array, the inner arrays made by lb-bench (as many as the slots need:
