@@ -347,8 +347,16 @@ pub mod counter {
 /// its client's side only, and reply entries' keys marked
 /// ([`KEY_REPLY`]), so that a flow's two entries sit side by side; 6:
 /// the selection tables' entries packed four to an element of `SELECT`
-/// ([`SelectWord`]).
-pub const LAYOUT_VERSION: u32 = 6;
+/// ([`SelectWord`]); 7: the flow tables' slots in arrays of 30 KB held
+/// by an array of maps ([`FLOW_ARRAY_ELEMENTS`]), their sizes in
+/// `FLOW_SEED` beside the seed ([`FLOW_SEED_SLOTS`]).
+pub const LAYOUT_VERSION: u32 = 7;
+
+/// Entries of `FLOW_SEED`: the slot hash's seed (0), and the slots of
+/// the IPv4 (1) and the IPv6 flow table (2), which an adopting lbd
+/// cannot read from the tables themselves (an array of maps' size is in
+/// arrays, and a small table's one array is partly used).
+pub const FLOW_SEED_SLOTS: u32 = 3;
 
 /// An element of the `SELECT` array: four selection-table entries
 /// (backend ids, which fit 16 bits: [`MAX_BACKENDS`]). Entry `i` of the
@@ -686,6 +694,35 @@ pub const SLOT_TAG: u64 = !0 << 32;
 /// (`counter::TABLE_FULL`: the flow is routed by consistent hash without
 /// an entry).
 pub const SLOT_PROBES: u32 = 32;
+
+/// Elements ([`FlowBucket`], [`SLOT_BUCKET`] slots each) in each array of
+/// the IPv4 flow table, and ([`FlowBucket6`]) of the IPv6 one. A flow
+/// table is an array of maps (`FLOW_SLOTS`, `FLOW_SLOTS6`) whose arrays
+/// hold this many elements: 30,720 bytes of either family's, which with
+/// the array's header stay under the 32 KB up to which the kernel
+/// allocates a BPF array with kmalloc, in its linear map (mapped with
+/// huge pages), instead of vmalloc, in 4 KB pages. A new flow's slot is a
+/// miss to memory either way; in one big vmalloc'd array it is also a TLB
+/// miss and a page walk (lb-bench's `floor_split` against `floor_open`:
+/// see the README). Slot `i` is slot `i % SLOT_BUCKET` of element `e = i /
+/// SLOT_BUCKET`, element `e % n` of array `e / n` (`n` this constant).
+pub const FLOW_ARRAY_ELEMENTS: u32 = 24;
+/// [`FLOW_ARRAY_ELEMENTS`] of the IPv6 flow table.
+pub const FLOW_ARRAY_ELEMENTS6: u32 = 16;
+/// The size (bytes) up to which the kernel allocates a BPF array with
+/// kmalloc (`PAGE_SIZE << PAGE_ALLOC_COSTLY_ORDER`); a flow table's
+/// arrays keep 1 KB under it for the array's header.
+pub const KMALLOC_ARRAY_MAX: usize = 32 * 1024;
+const _: () = assert!(
+    FLOW_ARRAY_ELEMENTS as usize * size_of::<FlowBucket>() <= KMALLOC_ARRAY_MAX - 1024
+        && FLOW_ARRAY_ELEMENTS6 as usize * size_of::<FlowBucket6>() <= KMALLOC_ARRAY_MAX - 1024
+);
+
+/// Arrays of a flow table of `slots` slots whose arrays hold `elements`
+/// elements each (the last one maybe in part).
+pub const fn flow_arrays(slots: u32, elements: u32) -> u32 {
+    (slots / SLOT_BUCKET).div_ceil(elements)
+}
 
 /// Slots of a flow table for `conntrack_max` flows: twice as many, to a
 /// power of two, at least one element's ([`SLOT_BUCKET`]) and at most 2^30

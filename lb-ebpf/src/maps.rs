@@ -7,11 +7,13 @@
 //! fail the build otherwise.
 use aya_ebpf::{
     bindings::BPF_F_MMAPABLE,
-    macros::map,
+    btf_maps::{self, ArrayOfMaps},
+    macros::{btf_map, map},
     maps::{Array, HashMap, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowBucket, FlowBucket6,
+    AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood,
+    Flow, Flow6, FlowBucket, FlowBucket6,
     MAX_BACKENDS, MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, Vip6Key, VipKey, counter,
 };
 
@@ -44,7 +46,9 @@ pub(crate) static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
 
 /// Connection table: wire 5-tuple -> what to rewrite, in slots of our own
 /// (`crate::table`; open addressing, two slots per `conntrack_max`, a
-/// power of two; `SLOT_BUCKET` slots per array element). One entry per flow, keyed by the client's 5-tuple
+/// power of two; `SLOT_BUCKET` slots per array element, the elements in
+/// arrays of `FLOW_ARRAY_ELEMENTS` that lbd makes and puts here: see
+/// `lb_common::FLOW_ARRAY_ELEMENTS` for why). One entry per flow, keyed by the client's 5-tuple
 /// (`DIR_FLOW`; see `lb_common::Flow` for the services that keep a reply
 /// entry too). Sized by userspace at load time.
 ///
@@ -56,8 +60,12 @@ pub(crate) static SEQ: Array<u64> = Array::with_max_entries(MAX_SERVICES, 0);
 /// idle, or half-open for `flood.half_open_timeout`). Per-CPU tables
 /// (Katran's array of maps) would lose a flow whose packets arrive on two
 /// CPUs, which a veth's senders and RSS-less NICs do.
-#[map]
-pub(crate) static FLOW_SLOTS: Array<FlowBucket> = Array::with_max_entries(1, 0);
+#[btf_map]
+pub(crate) static FLOW_SLOTS: FlowTable<FlowBucket, { FLOW_ARRAY_ELEMENTS as usize }> = ArrayOfMaps::new();
+
+/// A flow table: an array of maps (its size in arrays set by lbd at load)
+/// of arrays of `N` elements.
+pub(crate) type FlowTable<B, const N: usize> = ArrayOfMaps<btf_maps::Array<B, N>, 1>;
 
 /// Entries in each flow table (0: `FLOW_SLOTS`, 1: `FLOW_SLOTS6`), for
 /// `conntrack_max`: added to by the datapath's inserts and taken from by
@@ -203,9 +211,10 @@ pub(crate) static LAYOUT: Array<u32> = Array::with_max_entries(1, 0);
 
 /// The flow tables' hash seed (`FLOW_HASH_SEED`), written by lbd when it
 /// creates the tables, so that the next lbd that adopts them loads its
-/// program with the same one; never read by the datapath.
+/// program with the same one, and beside it the tables' sizes in slots
+/// (`lb_common::FLOW_SEED_SLOTS`); never read by the datapath.
 #[map]
-pub(crate) static FLOW_SEED: Array<u64> = Array::with_max_entries(1, 0);
+pub(crate) static FLOW_SEED: Array<u64> = Array::with_max_entries(lb_common::FLOW_SEED_SLOTS, 0);
 
 /// IPv6 (VIP, port, protocol) -> service (the `Service` value is the same
 /// as IPv4's: the selection tables are shared).
@@ -226,8 +235,8 @@ pub(crate) static BACKEND_ADDRS6: Array<[u32; 4]> = Array::with_max_entries(MAX_
 pub(crate) static ENDPOINTS6: HashMap<Vip6Key, Vip6Key> = HashMap::with_max_entries(MAX_ENDPOINTS, 0);
 
 /// IPv6 connection table (see `FLOW_SLOTS`), sized by userspace.
-#[map]
-pub(crate) static FLOW_SLOTS6: Array<FlowBucket6> = Array::with_max_entries(1, 0);
+#[btf_map]
+pub(crate) static FLOW_SLOTS6: FlowTable<FlowBucket6, { FLOW_ARRAY_ELEMENTS6 as usize }> = ArrayOfMaps::new();
 
 /// One IPv6 flow entry per CPU, where a new flow's entry is built.
 #[map]

@@ -395,7 +395,7 @@ fn add_counts(ctx: &XdpContext, count: u32) -> Option<()> {
 fn remove_unchanged<I: Item, const N: usize>(
     ctx: &XdpContext,
     count: u32,
-    slots: &Array<[Slot<I::Key, I::Value>; SLOT_BUCKET as usize]>,
+    slots: &impl table::SlotTable<I::Key, I::Value>,
     mask: u32,
 ) -> Option<()> {
     // Bounded for the verifier by the batch size; `count` may be less.

@@ -45,14 +45,13 @@ use core::{
     ptr::read_volatile,
 };
 
-use aya_ebpf::maps::Array;
 use lb_common::{
     Flow, Flow6, FlowKey, FlowKey6, SLOT_BUCKET, SLOT_BUSY, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG,
     SLOT_TOMB, Slot, SlotKey,
 };
 
 use crate::maps::{
-    FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_limit6, flow_mask, flow_mask6, flow_seed,
+    FlowTable, FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_limit6, flow_mask, flow_mask6, flow_seed,
 };
 
 /// Reads of a claim a writer holds (`SLOT_BUSY`) before an insert gives
@@ -60,13 +59,30 @@ use crate::maps::{
 /// of its own insert (XDP runs without preemption), tens of nanoseconds.
 const SPIN: u32 = 64;
 
-/// Slot `at` of `table`: slot `at % SLOT_BUCKET` of element
-/// `at / SLOT_BUCKET` (None past the end).
+/// A flow table's slots, by index.
+pub(crate) trait SlotTable<K, V> {
+    /// Slot `at` (None past the end, or where lbd has not put an array).
+    fn slot(&self, at: u32) -> Option<*mut Slot<K, V>>;
+}
+
+impl<K, V, const N: usize> SlotTable<K, V> for FlowTable<[Slot<K, V>; SLOT_BUCKET as usize], N> {
+    /// Slot `at % SLOT_BUCKET` of element `e = at / SLOT_BUCKET`, which is
+    /// element `e % N` of array `e / N` (`lb_common::FLOW_ARRAY_ELEMENTS`):
+    /// two lookups, both inlined by the verifier, of which the outer
+    /// array's (8 bytes an array) stays in cache.
+    #[inline(always)]
+    fn slot(&self, at: u32) -> Option<*mut Slot<K, V>> {
+        let element = at / SLOT_BUCKET;
+        let bucket = self.get_value_ptr_mut(element / N as u32, &(element % N as u32))?;
+        // SAFETY: the offset is below SLOT_BUCKET, inside the element.
+        Some(unsafe { bucket.cast::<Slot<K, V>>().add((at % SLOT_BUCKET) as usize) })
+    }
+}
+
+/// Slot `at` of `table` (None past the end).
 #[inline(always)]
-pub(crate) fn slot_at<K, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, at: u32) -> Option<*mut Slot<K, V>> {
-    let bucket = table.get_ptr_mut(at / SLOT_BUCKET)?;
-    // SAFETY: the offset is below SLOT_BUCKET, inside the element.
-    Some(unsafe { bucket.cast::<Slot<K, V>>().add((at % SLOT_BUCKET) as usize) })
+pub(crate) fn slot_at<K, V>(table: &impl SlotTable<K, V>, at: u32) -> Option<*mut Slot<K, V>> {
+    table.slot(at)
 }
 
 /// Where `key`'s entry is in `table` (`mask`: its size - 1), as
@@ -76,7 +92,7 @@ pub(crate) fn slot_at<K, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, a
 /// (all the key's slots taken) or another CPU was writing a slot with the
 /// key's tag (maybe this very key: the full insert waits for it).
 #[inline(always)]
-pub(crate) fn find<K: SlotKey, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, mask: u32, key: &K) -> u32 {
+pub(crate) fn find<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: &K) -> u32 {
     let h = key.slot_hash(flow_seed());
     let want = (h & SLOT_TAG) | SLOT_READY;
     let writer = (h & SLOT_TAG) | SLOT_BUSY;
@@ -202,7 +218,7 @@ pub(crate) enum Put {
 /// lookups (helper calls) costs a stack slot.
 #[inline(always)]
 pub(crate) fn put<K: SlotKey, V: Copy>(
-    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    table: &impl SlotTable<K, V>,
     mask: impl Fn() -> u32,
     count: Count,
     key: &K,
@@ -305,7 +321,7 @@ pub(crate) fn put<K: SlotKey, V: Copy>(
 /// The second entry is then never found, and goes when it is idle.
 #[inline(always)]
 fn put_at<K: SlotKey, V: Copy>(
-    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    table: &impl SlotTable<K, V>,
     mask: u32,
     count: Count,
     key: &K,
@@ -436,7 +452,7 @@ impl Seen {
 /// an empty slot, so none needs them). True when the entry was removed.
 #[inline(always)]
 pub(crate) fn remove_if<K: SlotKey, V>(
-    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    table: &impl SlotTable<K, V>,
     mask: u32,
     count: Count,
     at: u32,
@@ -513,12 +529,14 @@ pub(crate) fn flow(key: &FlowKey) -> Option<*mut Flow> {
 
 /// The IPv4 flow entry in slot `at`, a lookup's answer ([`lb_flow_slot`]):
 /// None for a miss.
-#[inline(always)]
+///
+/// A function of its own (a BPF-to-BPF call, a few instructions): a
+/// miss's answer is past the table's end, and the lookup answers None;
+/// a branch of the caller's own for each of the slot's two lookups (the
+/// array, the element), inlined into the balancer, made LLVM spill a
+/// value left undefined on one of the paths, which the verifier refuses.
+#[inline(never)]
 pub(crate) fn flow_at(at: u32) -> Option<*mut Flow> {
-    // A miss's answer is past the array's end: the lookup answers None.
-    // (One lookup, whatever the answer: with a branch of its own for a
-    // miss, LLVM spilled a value left undefined on one of the two paths,
-    // which the verifier refuses.)
     // SAFETY: only the field's address is taken.
     slot_at(&FLOW_SLOTS, at).map(|s| unsafe { &raw mut (*s).value })
 }
@@ -539,7 +557,7 @@ pub(crate) fn flow6(key: &FlowKey6) -> Option<*mut Flow6> {
 }
 
 /// The IPv6 flow entry in slot `at` (as [`flow_at`]).
-#[inline(always)]
+#[inline(never)]
 pub(crate) fn flow6_at(at: u32) -> Option<*mut Flow6> {
     // SAFETY: only the field's address is taken.
     slot_at(&FLOW_SLOTS6, at).map(|s| unsafe { &raw mut (*s).value })
@@ -602,7 +620,7 @@ pub(crate) extern "C" fn lb_packet_flow_slot6(key: *mut FlowKey6) -> u32 {
 /// reply entry's) when it comes marked, then, on a miss, unmarked; the
 /// key is left as it was found.
 #[inline(always)]
-fn reply_first<K: SlotKey, V>(table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>, mask: u32, key: &mut K) -> u32 {
+fn reply_first<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: &mut K) -> u32 {
     if key.is_reply() {
         let at = find(table, mask, key);
         if at < MISS {
@@ -639,7 +657,7 @@ pub(crate) extern "C" fn lb_take_back6(key: *const FlowKey6) -> u32 {
 /// [`lb_take_back`]'s work for either table.
 #[inline(always)]
 fn take_back<K: SlotKey, V>(
-    table: &Array<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    table: &impl SlotTable<K, V>,
     mask: u32,
     count: Count,
     key: &K,

@@ -73,16 +73,6 @@ impl<K: aya::Pod, V: aya::Pod> Walk<K, V> {
         self.done
     }
 
-    /// Whether the walk has read anything yet (or was skipped).
-    pub(super) fn started(&self) -> bool {
-        self.token.is_some() || self.done
-    }
-
-    /// End the walk before it starts (nothing to read).
-    pub(super) fn skip(&mut self) {
-        self.done = true;
-    }
-
     /// Call `f` with each (key, value) of the next chunk of the hash map
     /// `fd`, deleting the chunk as it is read when `delete` is set.
     /// Returns how many it read; the walk is done once the map has no more.

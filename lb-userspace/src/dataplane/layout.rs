@@ -72,6 +72,19 @@ pub(super) fn aside_with_flows(pin: &Path) -> Option<(u32, PathBuf)> {
 }
 
 /// The flow tables' hash seed pinned in `maps_dir` (layout 4 on).
+/// The slots of the pinned IPv4 and IPv6 flow tables, kept in `FLOW_SEED`
+/// beside the seed (layout 7 on: `lb_common::FLOW_SEED_SLOTS`).
+pub(super) fn pinned_slots(maps_dir: &Path) -> Result<(u32, u32), DataplaneError> {
+    let seed: Array<MapData, u64> = open(&maps_dir.join(names::FLOW_SEED), names::FLOW_SEED)?;
+    let get = |i: u32| -> Result<u32, DataplaneError> {
+        let v = seed.get(&i, 0).map_err(map_err(names::FLOW_SEED))?;
+        u32::try_from(v).map_err(|_| {
+            DataplaneError::Layout(format!("the pinned {} says a flow table has {v} slots", names::FLOW_SEED))
+        })
+    };
+    Ok((get(1)?, get(2)?))
+}
+
 pub(super) fn pinned_seed(maps_dir: &Path) -> Result<u64, DataplaneError> {
     let seed: Array<MapData, u64> = open(&maps_dir.join(names::FLOW_SEED), names::FLOW_SEED)?;
     seed.get(&0, 0).map_err(map_err(names::FLOW_SEED))

@@ -8,11 +8,11 @@ use aya::{
     maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowBucket, FlowBucket6, NextHop,
-    RateWindow, SELECT_LANES, SelectWord, Service, Vip6Key, VipKey, maps as names,
+    Backend, BackendStats, ClockCache, Conns, EndpointKey, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood, Flow, Flow6,
+    FlowBucket, FlowBucket6, NextHop, RateWindow, SELECT_LANES, SelectWord, Service, Vip6Key, VipKey, maps as names,
 };
 
-use super::DataplaneError;
+use super::{DataplaneError, flows::FlowTable};
 
 /// BPF_F_MMAPABLE (linux/bpf.h).
 const BPF_F_MMAPABLE: u32 = 1 << 10;
@@ -150,7 +150,7 @@ pub(super) struct Maps {
     /// The shared round-robin positions: advanced by the datapath, written
     /// by userspace only when a migration copies them.
     pub(super) seq: Array<MapData, u64>,
-    pub(super) flows: Array<MapData, FlowBucket>,
+    pub(super) flows: FlowTable<FlowBucket>,
     pub(super) backend_stats: PerCpuArray<MapData, BackendStats>,
     pub(super) counters: PerCpuArray<MapData, u64>,
     pub(super) conns: Array<MapData, Conns>,
@@ -173,7 +173,7 @@ pub(super) struct Maps {
     pub(super) vip_addrs6: HashMap<MapData, [u32; 4], u32>,
     pub(super) backend_addrs6: Array<MapData, [u32; 4]>,
     pub(super) endpoints6: HashMap<MapData, Vip6Key, Vip6Key>,
-    pub(super) flows6: Array<MapData, FlowBucket6>,
+    pub(super) flows6: FlowTable<FlowBucket6>,
     /// Per-CPU scratch of the IPv6 path (and of FIB lookups); held so
     /// that every map is taken and checked at load.
     pub(super) _scratch6: PerCpuArray<MapData, Flow6>,
@@ -189,7 +189,9 @@ pub(super) struct Maps {
 }
 
 impl Maps {
-    pub(super) fn take(ebpf: &mut Ebpf) -> Result<Self, DataplaneError> {
+    /// The maps out of `ebpf`, whose flow tables have `slots4` and `slots6`
+    /// slots.
+    pub(super) fn take(ebpf: &mut Ebpf, slots4: u32, slots6: u32) -> Result<Self, DataplaneError> {
         Ok(Self {
             vips: take(ebpf, names::VIPS)?,
             vip_addrs: take(ebpf, names::VIP_ADDRS)?,
@@ -197,7 +199,7 @@ impl Maps {
             backends: take(ebpf, names::BACKENDS)?,
             select: take(ebpf, names::SELECT)?,
             seq: take(ebpf, names::SEQ)?,
-            flows: take(ebpf, names::FLOWS)?,
+            flows: FlowTable::new(take(ebpf, names::FLOWS)?, FLOW_ARRAY_ELEMENTS, slots4),
             backend_stats: take(ebpf, names::BACKEND_STATS)?,
             counters: take(ebpf, names::COUNTERS)?,
             conns: take(ebpf, names::CONNS)?,
@@ -215,7 +217,7 @@ impl Maps {
             vip_addrs6: take(ebpf, names::VIP_ADDRS6)?,
             backend_addrs6: take(ebpf, names::BACKEND_ADDRS6)?,
             endpoints6: take(ebpf, names::ENDPOINTS6)?,
-            flows6: take(ebpf, names::FLOWS6)?,
+            flows6: FlowTable::new(take(ebpf, names::FLOWS6)?, FLOW_ARRAY_ELEMENTS6, slots6),
             _scratch6: take(ebpf, names::SCRATCH6)?,
             progs: take(ebpf, names::PROGS)?,
             _keys6: take_raw(ebpf, names::KEYS6)?,

@@ -15,7 +15,6 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     net::IpAddr,
-    os::fd::AsFd as _,
     path::{Path, PathBuf},
 };
 
@@ -26,10 +25,11 @@ use aya::{
     util::nr_cpus,
 };
 use lb_common::{
-    BACKEND_F_V6, BackendStats, Flood, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, FlowSlot, FlowSlot6,
+    BACKEND_F_V6, BackendStats, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood, Flow, Flow6, FlowBucket, FlowBucket6,
+    FlowKey, FlowKey6, FlowSlot, FlowSlot6,
     LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES, SLOT_READY,
     SLOT_STATE, SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, SweepItem6, TAIL_CALLS, counter,
-    flow_slots, maps as names, select_elements, select_slot,
+    flow_arrays, flow_slots, maps as names, select_elements, select_slot,
 };
 use tracing::{info, warn};
 
@@ -42,6 +42,7 @@ mod alloc;
 mod attach;
 mod batch;
 mod endpoints;
+mod flows;
 mod layout;
 mod maps;
 mod pin;
@@ -325,16 +326,17 @@ fn random_seed() -> Result<u64, DataplaneError> {
 type Found<K, V> = Option<(u32, Slot<K, V>)>;
 
 /// `key`'s slot in the flow table `table` and its contents, found as the
-/// datapath finds it (`lb-ebpf/src/table.rs`), a syscall per element read.
+/// datapath finds it (`lb-ebpf/src/table.rs`), a few syscalls per element
+/// read.
 fn find_slot<K: SlotKey + aya::Pod, V: aya::Pod>(
-    table: &aya::maps::Array<MapData, [Slot<K, V>; SLOT_BUCKET as usize]>,
+    table: &flows::FlowTable<[Slot<K, V>; SLOT_BUCKET as usize]>,
     seed: u64,
     key: &K,
 ) -> Result<Found<K, V>, MapError>
 where
     [Slot<K, V>; SLOT_BUCKET as usize]: aya::Pod,
 {
-    let mask = table.len() * SLOT_BUCKET - 1;
+    let mask = table.slots() - 1;
     let h = key.slot_hash(seed);
     let want = (h & SLOT_TAG) | SLOT_READY;
     let mut read: Option<(u32, [Slot<K, V>; SLOT_BUCKET as usize])> = None;
@@ -344,7 +346,7 @@ where
         let bucket = match read {
             Some((e, b)) if e == element => b,
             _ => {
-                let b = table.get(&element, 0)?;
+                let b = table.element(element)?;
                 read = Some((element, b));
                 b
             }
@@ -358,24 +360,6 @@ where
         }
     }
     Ok(None)
-}
-
-/// Empty the flow table `fd` of `len` elements of type `S`: every slot
-/// is written empty, in batches (a write of zeros; no read first).
-/// Returns the entries it held, as counted before.
-fn clear_slots<S: aya::Pod>(fd: std::os::fd::BorrowedFd<'_>, len: u32, held: u64) -> std::io::Result<u64> {
-    const CHUNK: u32 = 512;
-    // SAFETY: S is Pod (integers only): all zeros is a valid value, the
-    // empty slot.
-    let zeros = vec![unsafe { std::mem::zeroed::<S>() }; CHUNK as usize];
-    let mut at = 0;
-    while at < len {
-        let n = CHUNK.min(len - at);
-        let keys: Vec<u32> = (at..at + n).collect();
-        batch::update(fd, &keys, &zeros[..n as usize])?;
-        at += n;
-    }
-    Ok(held)
 }
 
 /// Bytes of kernel memory the flow tables (`conntrack_max`,
@@ -435,6 +419,9 @@ struct FlowTables {
     seed: u64,
     limit: u32,
     limit6: u32,
+    /// Each table's slots (kept beside the seed in `FLOW_SEED`).
+    slots4: u32,
+    slots6: u32,
 }
 
 impl Dataplane {
@@ -558,15 +545,16 @@ impl Dataplane {
         // built with their masks as constants.
         // An adopted table of another size than the config's is said
         // once, as a warning, here where its size is read.
-        let slots = |name: &'static str, what: &str, key: &str, configured: u32| -> Result<u32, DataplaneError> {
-            let pinned = maps_dir.as_ref().map(|d| d.join(name)).filter(|p| p.exists());
-            let Some(path) = pinned else { return Ok(flow_slots(configured)) };
-            let info = aya::maps::MapInfo::from_pin(&path).map_err(map_err(name))?;
-            let n = info.max_entries().saturating_mul(SLOT_BUCKET);
-            if !n.is_power_of_two() {
+        let pinned_slots = match &maps_dir {
+            Some(dir) if adopting && migrate_from.is_none() => Some(layout::pinned_slots(dir)?),
+            _ => None,
+        };
+        let slots = |pinned: Option<u32>, name: &'static str, what: &str, key: &str, configured: u32| {
+            let Some(n) = pinned else { return Ok(flow_slots(configured)) };
+            if !n.is_power_of_two() || n < SLOT_BUCKET {
                 return Err(DataplaneError::Layout(format!(
-                    "the pinned flow table {} has {n} slots, not a power of two; nothing was changed",
-                    path.display()
+                    "the pinned {what} ({name}) has {n} slots by {}, not a power of two; nothing was changed",
+                    names::FLOW_SEED
                 )));
             }
             if n != flow_slots(configured) {
@@ -579,8 +567,15 @@ impl Dataplane {
             }
             Ok(n)
         };
-        let slots4 = slots(names::FLOWS, "flow table", "conntrack_max", config.conntrack_max)?;
-        let slots6 = slots(names::FLOWS6, "IPv6 flow table", "conntrack_max_ipv6", config.conntrack_max_ipv6)?;
+        let slots4 =
+            slots(pinned_slots.map(|s| s.0), names::FLOWS, "flow table", "conntrack_max", config.conntrack_max)?;
+        let slots6 = slots(
+            pinned_slots.map(|s| s.1),
+            names::FLOWS6,
+            "IPv6 flow table",
+            "conntrack_max_ipv6",
+            config.conntrack_max_ipv6,
+        )?;
         let (mask4, mask6) = (slots4 - 1, slots6 - 1);
         // Entries each table may hold: the config's conntrack_max (and
         // conntrack_max_ipv6), or, for an adopted table of another size,
@@ -594,16 +589,29 @@ impl Dataplane {
             Some(dir) if adopting && migrate_from.is_none() => layout::pinned_seed(dir)?,
             _ => random_seed()?,
         };
-        let tables = FlowTables { seed, limit, limit6 };
+        let tables = FlowTables { seed, limit, limit6, slots4, slots6 };
         loader
             .override_global("FLOW_HASH_SEED", &seed, true)
-            .map_max_entries(names::FLOWS, slots4 / SLOT_BUCKET)
-            .map_max_entries(names::FLOWS6, slots6 / SLOT_BUCKET)
+            .map_max_entries(names::FLOWS, flow_arrays(slots4, FLOW_ARRAY_ELEMENTS))
+            .map_max_entries(names::FLOWS6, flow_arrays(slots6, FLOW_ARRAY_ELEMENTS6))
             .override_global("FLOW_SLOT_MASK", &mask4, true)
             .override_global("FLOW_SLOT_MASK6", &mask6, true)
             .override_global("FLOW_LIMIT", &limit, true)
             .override_global("FLOW_LIMIT6", &limit6, true);
-        let loaded = Self::load_program(loader).map_err(|e| memory_hint(e, config));
+        // New tables (a first start's, a migration's) get their arrays
+        // before anything else sees them; adopted ones have theirs (a
+        // layout is written only after).
+        let fresh = !adopting || migrate_from.is_some();
+        let loaded = Self::load_program(loader)
+            .and_then(|(mut ebpf, ncpus)| {
+                if fresh {
+                    flows::fill::<FlowBucket>(&mut ebpf, names::FLOWS, FLOW_ARRAY_ELEMENTS)
+                        .and_then(|()| flows::fill::<FlowBucket6>(&mut ebpf, names::FLOWS6, FLOW_ARRAY_ELEMENTS6))
+                        .map_err(|e| DataplaneError::Load(aya::EbpfError::MapError(e)))?;
+                }
+                Ok((ebpf, ncpus))
+            })
+            .map_err(|e| memory_hint(e, config));
         match (&migrate_from, &maps_dir) {
             (Some((from, aside)), Some(maps_dir)) => {
                 let dp = loaded.and_then(|(ebpf, ncpus)| {
@@ -667,7 +675,7 @@ impl Dataplane {
         migrate_from: Option<(u32, &Path)>,
         resume_from: Option<(u32, &Path)>,
     ) -> Result<Self, DataplaneError> {
-        let mut maps = Maps::take(&mut ebpf)?;
+        let mut maps = Maps::take(&mut ebpf, tables.slots4, tables.slots6)?;
         // The tail-called programs into their slots, before anything is
         // attached (an adopted program array gets this build's programs:
         // the old program calls them until its link is swapped, which the
@@ -734,7 +742,10 @@ impl Dataplane {
         // The seed before the version: a pinned LAYOUT of this version
         // always has its tables' seed beside it (an adopted one is written
         // again, unchanged).
-        dp.maps.flow_seed.set(0, flow_seed, 0).map_err(map_err(names::FLOW_SEED))?;
+        // With the tables' sizes, which the next lbd reads to adopt them.
+        for (i, v) in [flow_seed, u64::from(tables.slots4), u64::from(tables.slots6)].into_iter().enumerate() {
+            dp.maps.flow_seed.set(i as u32, v, 0).map_err(map_err(names::FLOW_SEED))?;
+        }
         // Written last: a migration that failed leaves no mark of this version.
         dp.maps.layout.set(0, LAYOUT_VERSION, 0).map_err(map_err(names::LAYOUT))?;
         dp.set_flood(&config.flood)?;
@@ -940,23 +951,21 @@ impl Dataplane {
     /// Returns the entries removed.
     pub fn flush_flows(&mut self) -> Result<u64, DataplaneError> {
         let (held4, held6) = self.flow_counts()?;
-        let v4 = clear_slots::<FlowBucket>(self.maps.flows.map().fd().as_fd(), self.maps.flows.len(), held4)
-            .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
-        let v6 = clear_slots::<FlowBucket6>(self.maps.flows6.map().fd().as_fd(), self.maps.flows6.len(), held6)
-            .map_err(|e| DataplaneError::Batch { map: names::FLOWS6, source: e })?;
+        self.maps.flows.clear().map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
+        self.maps.flows6.clear().map_err(|e| DataplaneError::Batch { map: names::FLOWS6, source: e })?;
         for family in 0..2 {
             self.maps.flow_count.set(family, 0, 0).map_err(map_err(names::FLOW_COUNT))?;
         }
-        Ok(v4 + v6)
+        Ok(held4 + held6)
     }
 
     /// The keys of every IPv4 flow-table entry (for benchmarks), read in
     /// batches.
     pub fn flow_keys(&self) -> Result<Vec<FlowKey>, DataplaneError> {
         let mut keys = Vec::new();
-        batch::for_each::<u32, FlowBucket>(self.maps.flows.map().fd().as_fd(), |_, b| {
-            keys.extend(b.iter().filter(|s| s.claim & SLOT_STATE == SLOT_READY).map(|s| s.key));
-        })
+        self.maps
+            .flows
+            .for_each(|_, b| keys.extend(b.iter().filter(|s| s.claim & SLOT_STATE == SLOT_READY).map(|s| s.key)))
         .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
         Ok(keys)
     }

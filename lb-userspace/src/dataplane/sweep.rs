@@ -1,19 +1,17 @@
 //! Expiring idle flows from the flow table (the datapath only sees FIN and
 //! RST), and the datapath's idle clock.
-use std::{collections::HashMap, os::fd::AsFd as _};
-
-use aya::maps::IterableMap as _;
+use std::collections::HashMap;
 
 use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
-    COPIED, COUNTS_BATCH, CountsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
+    COPIED, COUNTS_BATCH, CountsAdd, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
     Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED,
     INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH,
     SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6,
     flow_closed, maps as names,
 };
 
-use super::{Dataplane, DataplaneError, batch::Walk, map_err};
+use super::{Dataplane, DataplaneError, flows::FlowTable, map_err};
 
 /// One flow table's key and value types, seen the same way by the sweep.
 trait Table {
@@ -25,6 +23,8 @@ trait Table {
     type Item: aya::Pod + Copy;
     /// The map's name (errors).
     const NAME: &'static str;
+    /// Elements in each of its arrays.
+    const ARRAY_ELEMENTS: u32;
     /// `SweepHeader::family` of this table, and items per `lb_sweep` run.
     const FAMILY: u32;
     const BATCH: usize;
@@ -50,6 +50,7 @@ impl Table for V4 {
     type Bucket = FlowBucket;
     type Item = SweepItem;
     const NAME: &'static str = names::FLOWS;
+    const ARRAY_ELEMENTS: u32 = FLOW_ARRAY_ELEMENTS;
     const FAMILY: u32 = 4;
     const BATCH: usize = SWEEP_BATCH as usize;
     fn item(k: &FlowKey, slot: u32, state: u64, last_seen: u64) -> SweepItem {
@@ -83,6 +84,7 @@ impl Table for V6 {
     type Bucket = FlowBucket6;
     type Item = SweepItem6;
     const NAME: &'static str = names::FLOWS6;
+    const ARRAY_ELEMENTS: u32 = FLOW_ARRAY_ELEMENTS6;
     const FAMILY: u32 = 6;
     const BATCH: usize = SWEEP_BATCH6 as usize;
     fn item(k: &FlowKey6, slot: u32, state: u64, last_seen: u64) -> SweepItem6 {
@@ -191,8 +193,8 @@ fn judge(dir: u8, proto: u8, state: u64, last_seen: u64, service: u32, l: &Limit
 /// expired flows counted into `expired_by`, the rest into `report`.
 /// `remover` is `lb_sweep`.
 fn sweep_chunk<T: Table>(
-    fd: std::os::fd::BorrowedFd<'_>,
-    walk: &mut Walk<u32, T::Bucket>,
+    table: &FlowTable<T::Bucket>,
+    walk: &mut TableWalk,
     remover: &Xdp,
     l: &Limits,
     report: &mut SweepReport,
@@ -207,7 +209,7 @@ fn sweep_chunk<T: Table>(
     // `lb_sweep`'s: in the kernel, each entry goes only if its state bits
     // and last packet are still those judged here (see `lb-ebpf/src/sweep.rs`).
     let mut doomed: Vec<Doomed<T::K>> = Vec::new();
-    let read = walk.next(fd, false, |&element, b| {
+    let mut read_one = |element: u32, b: &T::Bucket| {
         for i in 0..SLOT_BUCKET as usize {
             let (claim, k, f) = T::parts(b, i);
             if claim & SLOT_STATE != SLOT_READY {
@@ -230,8 +232,17 @@ fn sweep_chunk<T: Table>(
             let reply = (dir == DIR_FORWARD).then(|| T::reply_key(k, f));
             doomed.push(Doomed { key: *k, slot, reply, expired_from, half_open, state, last_seen });
         }
-    });
-    read.map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
+    };
+    // Whole arrays, until a part's worth of elements is read.
+    let mut read = 0;
+    while !walk.done && read < PART_ELEMENTS {
+        table
+            .read_array(walk.next, &mut read_one)
+            .map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
+        read += T::ARRAY_ELEMENTS;
+        walk.next += 1;
+        walk.done = walk.next >= table.arrays();
+    }
     let mut replies = Vec::new();
     let mut removed_here = 0;
     let items: Vec<T::Item> = doomed.iter().map(|d| T::item(&d.key, d.slot, d.state, d.last_seen)).collect();
@@ -262,8 +273,29 @@ fn sweep_chunk<T: Table>(
     Ok(())
 }
 
-/// Array elements a sweep reads per part: 8,192 slots.
-const PART_ELEMENTS: usize = 8192 / SLOT_BUCKET as usize;
+/// Array elements a sweep reads per part: about 8,192 slots (whole
+/// arrays).
+const PART_ELEMENTS: u32 = 8192 / SLOT_BUCKET;
+
+/// Where a sweep's walk of one flow table is: the next array to read.
+#[derive(Default)]
+struct TableWalk {
+    next: u32,
+    done: bool,
+}
+
+impl TableWalk {
+    fn started(&self) -> bool {
+        self.next > 0 || self.done
+    }
+    fn done(&self) -> bool {
+        self.done
+    }
+    /// End the walk before it starts (nothing to read).
+    fn skip(&mut self) {
+        self.done = true;
+    }
+}
 
 /// `lb_sweep`'s answer to a request it carried out (XDP_PASS, linux/bpf.h).
 const XDP_PASS: u32 = 2;
@@ -483,8 +515,8 @@ impl Dataplane {
                 half_open: u64::from(self.flood.half_open_timeout),
                 udp_by_service,
             },
-            v4: Walk::with_chunk(PART_ELEMENTS),
-            v6: Walk::with_chunk(PART_ELEMENTS),
+            v4: TableWalk::default(),
+            v6: TableWalk::default(),
             report: SweepReport::default(),
             expired_by: HashMap::new(),
             started: std::time::Instant::now(),
@@ -510,9 +542,9 @@ impl Dataplane {
             v6.skip();
         }
         if !v4.done() {
-            sweep_chunk::<V4>(self.maps.flows.map().fd().as_fd(), v4, remover, limits, report, expired_by)?;
+            sweep_chunk::<V4>(&self.maps.flows, v4, remover, limits, report, expired_by)?;
         } else if !v6.done() {
-            sweep_chunk::<V6>(self.maps.flows6.map().fd().as_fd(), v6, remover, limits, report, expired_by)?;
+            sweep_chunk::<V6>(&self.maps.flows6, v6, remover, limits, report, expired_by)?;
         }
         // Counted at once, part by part: a sweep may be left half done
         // (lbd stopping or restarting between parts), and the flows it
@@ -535,8 +567,8 @@ impl Dataplane {
 /// table's walk is, and what it did so far.
 pub struct SweepRun {
     limits: Limits,
-    v4: Walk<u32, FlowBucket>,
-    v6: Walk<u32, FlowBucket6>,
+    v4: TableWalk,
+    v6: TableWalk,
     report: SweepReport,
     expired_by: HashMap<u32, u64>,
     started: std::time::Instant,

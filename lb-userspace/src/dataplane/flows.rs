@@ -1,0 +1,127 @@
+//! The flow tables as userspace sees them: an array of maps (`FLOW_SLOTS`,
+//! `FLOW_SLOTS6`) whose arrays of `lb_common::FLOW_ARRAY_ELEMENTS`
+//! elements lbd makes when it creates a table (the kernel allocates each
+//! in its linear map: see there). Userspace reads them by element index,
+//! an array at a time; the datapath's inserts and removals, and the
+//! sweeper's, go through `lb_sweep` in the kernel.
+use std::os::fd::AsFd as _;
+
+use aya::{
+    Ebpf,
+    maps::{Array, ArrayOfMaps, MapData, MapError},
+};
+use lb_common::{SLOT_BUCKET, flow_arrays};
+
+use super::batch;
+
+/// Arrays put into the outer array per BPF_MAP_UPDATE_BATCH: each update
+/// of an array of maps waits for an RCU grace period (about 9 ms on the
+/// development VM), a batch once.
+const FILL_BATCH: u32 = 512;
+
+/// One flow table: its outer array, and its geometry.
+pub(super) struct FlowTable<B: aya::Pod> {
+    outer: ArrayOfMaps<MapData, Array<MapData, B>>,
+    /// Elements in each array.
+    per: u32,
+    /// The table's slots (a power of two; the last array may be used in
+    /// part).
+    slots: u32,
+}
+
+impl<B: aya::Pod> FlowTable<B> {
+    pub(super) fn new(outer: ArrayOfMaps<MapData, Array<MapData, B>>, per: u32, slots: u32) -> Self {
+        Self { outer, per, slots }
+    }
+
+    /// The table's slots.
+    pub(super) fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Elements in use (`slots / SLOT_BUCKET`).
+    pub(super) fn elements(&self) -> u32 {
+        self.slots / SLOT_BUCKET
+    }
+
+    /// Arrays in the table.
+    pub(super) fn arrays(&self) -> u32 {
+        flow_arrays(self.slots, self.per)
+    }
+
+    /// Array `i` (a descriptor of its own, closed on drop).
+    fn array(&self, i: u32) -> Result<Array<MapData, B>, MapError> {
+        self.outer.get(&i, 0)
+    }
+
+    /// Element `e` (one array looked up, one element read).
+    pub(super) fn element(&self, e: u32) -> Result<B, MapError> {
+        self.array(e / self.per)?.get(&(e % self.per), 0)
+    }
+
+    /// Call `f` with (element index, element) for each element in use of
+    /// array `i`, read in one batch.
+    pub(super) fn read_array(&self, i: u32, mut f: impl FnMut(u32, &B)) -> Result<(), std::io::Error> {
+        let array = self.array(i).map_err(std::io::Error::other)?;
+        let first = i * self.per;
+        let n = self.per.min(self.elements().saturating_sub(first));
+        let mut walk = batch::Walk::<u32, B>::with_chunk(self.per as usize);
+        while !walk.done() {
+            walk.next(aya::maps::IterableMap::map(&array).fd().as_fd(), false, |&e, b| {
+                if e < n {
+                    f(first + e, b);
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Call `f` with every element in use, an array at a time.
+    pub(super) fn for_each(&self, mut f: impl FnMut(u32, &B)) -> Result<(), std::io::Error> {
+        for i in 0..self.arrays() {
+            self.read_array(i, &mut f)?;
+        }
+        Ok(())
+    }
+
+    /// Write every element in use empty (zeros), an array at a time.
+    pub(super) fn clear(&self) -> Result<(), std::io::Error> {
+        // SAFETY: B is Pod (integers only): all zeros is a valid value,
+        // the empty element.
+        let zeros = vec![unsafe { std::mem::zeroed::<B>() }; self.per as usize];
+        for i in 0..self.arrays() {
+            let array = self.array(i).map_err(std::io::Error::other)?;
+            let n = self.per.min(self.elements() - i * self.per);
+            let keys: Vec<u32> = (0..n).collect();
+            batch::update(aya::maps::IterableMap::map(&array).fd().as_fd(), &keys, &zeros[..n as usize])?;
+        }
+        Ok(())
+    }
+}
+
+/// Make the arrays of the flow table `name` in `ebpf` (just created by
+/// the loader, empty), `per` elements of `B` each, and put them in it, a
+/// batch at a time. The outer array holds them from then on. An error is
+/// the loader's kind for a map it could not create, under the table's
+/// name (the caller says what takes the memory).
+pub(super) fn fill<B: aya::Pod>(ebpf: &mut Ebpf, name: &'static str, per: u32) -> Result<(), MapError> {
+    let outer = ebpf.map(name).ok_or_else(|| MapError::InvalidName { name: name.to_owned() })?;
+    let aya::maps::Map::ArrayOfMaps(outer) = outer else {
+        return Err(MapError::InvalidName { name: name.to_owned() });
+    };
+    let n = outer.info()?.max_entries();
+    for first in (0..n).step_by(FILL_BATCH as usize) {
+        let arrays = (first..n.min(first + FILL_BATCH))
+            .map(|_| {
+                Array::<MapData, B>::create(per, 0).map_err(|e| match e {
+                    MapError::CreateError { io_error, .. } => MapError::CreateError { name: name.to_owned(), io_error },
+                    e => e,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let fds: Vec<_> = arrays.iter().map(|a| aya::maps::IterableMap::map(a).fd().as_fd()).collect();
+        super::set_inner_maps(outer.fd().as_fd(), first, &fds)
+            .map_err(|io_error| MapError::SyscallError(aya::sys::SyscallError { call: "bpf_map_update_batch", io_error }))?;
+    }
+    Ok(())
+}
