@@ -345,20 +345,31 @@ pub fn pinned_seed(maps: &Path) -> u64 {
     pinned_value(maps, "FLOW_SEED")
 }
 
-/// The one value (4 or 8 bytes) of the array map `name` pinned in `maps`.
+/// The first value (4 or 8 bytes) of the array map `name` pinned in `maps`.
 fn pinned_value(maps: &Path, name: &str) -> u64 {
+    pinned_words(maps, name)[0]
+}
+
+/// Every value (4 or 8 bytes each) of the array map `name` pinned in
+/// `maps`, in index order.
+pub fn pinned_words(maps: &Path, name: &str) -> Vec<u64> {
     let out =
         Command::new("bpftool").args(["-j", "map", "dump", "pinned"]).arg(maps.join(name)).output().expect("bpftool");
     assert!(out.status.success(), "bpftool map dump {name}: {}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
-    // A number when the map has BTF, else its bytes as hex strings.
-    let value = &v[0]["value"];
+    let entries = v.as_array().unwrap_or_else(|| panic!("{name} dump: {v}"));
+    entries.iter().map(|e| word(name, &e["value"])).collect()
+}
+
+/// One value of a bpftool dump: a number when the map has BTF, else its
+/// bytes as hex strings.
+fn word(name: &str, value: &serde_json::Value) -> u64 {
     if let Some(n) = value.as_u64() {
         return n;
     }
     let mut bytes: Vec<u8> = value
         .as_array()
-        .unwrap_or_else(|| panic!("{name} dump: {v}"))
+        .unwrap_or_else(|| panic!("{name} dump: {value}"))
         .iter()
         .map(|b| u8::from_str_radix(b.as_str().expect("hex byte").trim_start_matches("0x"), 16).expect("hex byte"))
         .collect();

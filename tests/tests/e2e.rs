@@ -425,7 +425,7 @@ fn flow_tables_without_the_memory_fail_the_start_clearly_and_leave_nothing() {
         stderr.lines().rev().find(|l| l.starts_with("lbd: ")).unwrap_or_else(|| panic!("no error line:\n{stderr}"));
     for want in [
         "creating BPF map FLOW_SLOTS",
-        "The flow tables take about 419 MB (conntrack_max: 1048576, conntrack_max_ipv6: 1048576)",
+        "The flow tables take about 447 MB (conntrack_max: 1048576, conntrack_max_ipv6: 1048576)",
         "lower them, or give the machine (or lbd's memory cgroup) more memory",
         "Cannot allocate memory",
     ] {

@@ -54,6 +54,12 @@ fn v5_lbd(lab: &Lab) -> PathBuf {
     release_lbd(lab, "LB_UPGRADE_FROM_V5_LBD", "upgrade-from-v5", "the layout-5 release's")
 }
 
+/// The layout-6 release's lbd (each flow table one array): where `cargo
+/// xtask test` built it.
+fn v6_lbd(lab: &Lab) -> PathBuf {
+    release_lbd(lab, "LB_UPGRADE_FROM_V6_LBD", "upgrade-from-v6", "the layout-6 release's")
+}
+
 /// An older release's lbd, which `cargo xtask test` builds into
 /// target/`dir` and names in the environment variable `var`.
 fn release_lbd(lab: &Lab, var: &str, dir: &str, what: &str) -> PathBuf {
@@ -430,6 +436,66 @@ fn an_upgrade_from_unpacked_selection_tables_keeps_every_flow_and_picks_from_the
     let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
     let left = wait_for(40, || entries().filter(|&n| n == 0));
     assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+    let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// From layout 6 (each flow table one array, in vmalloc's 4 KB pages) to
+/// this build's (arrays of 30 KB held by an array of maps), under load,
+/// with the long-lived connections on a service whose backends another
+/// service owns (each flow has a reply entry): nothing fails or changes
+/// backend, every flow is copied into the new tables, the pinned tables
+/// are arrays of maps holding as many arrays as their slots need, and
+/// `FLOW_SEED` keeps their sizes beside the seed. A restart adopts them,
+/// keeping the flows; once every connection has closed, the table
+/// empties.
+#[test]
+fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let mut services = web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]);
+    services.push_str("  - name: alt\n    vip: 10.10.0.100\n    port: 81\n    scheduler: maglev\n    backends:\n");
+    for n in 1..=3 {
+        services.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: 1 }}\n", 10 + n));
+    }
+    let Staged { lab, mut lbd, bin, exe, maps, .. } = start_release_with("lbt-upgrade6", v6_lbd, &services);
+    assert_eq!(pinned_layout(&maps), 6, "not the layout-6 release");
+    let show = |name: &str| -> serde_json::Value {
+        let out = Command::new("bpftool").args(["-j", "map", "show", "pinned"]).arg(maps.join(name)).output().unwrap();
+        assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    assert_eq!(show("FLOW_SLOTS")["type"], "array", "not layout 6's flow table");
+    lab.reset_backend_counts().unwrap();
+    let old_program = lbd.program_id().unwrap();
+
+    upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:81");
+    migrated(&lab, &lbd, &maps, 6);
+    // The lab config's conntrack_max: the default, 1,048,576 flows in
+    // 2,097,152 slots of each family.
+    let slots = u64::from(lb_common::flow_slots(1 << 20));
+    for (name, per) in [("FLOW_SLOTS", lb_common::FLOW_ARRAY_ELEMENTS), ("FLOW_SLOTS6", lb_common::FLOW_ARRAY_ELEMENTS6)] {
+        let m = show(name);
+        assert_eq!(m["type"], "array_of_maps", "{name}: {m}");
+        let arrays = (slots / u64::from(lb_common::SLOT_BUCKET)).div_ceil(u64::from(per));
+        assert_eq!(m["max_entries"].as_u64(), Some(arrays), "{name}: {m}");
+    }
+    let sizes = lb_tests::lbd::pinned_words(&maps, "FLOW_SEED");
+    assert_eq!(sizes.len(), 3, "FLOW_SEED: {sizes:?}");
+    assert_ne!(sizes[0], 0, "the migrated tables lost their seed");
+    assert_eq!(&sizes[1..], &[slots, slots], "FLOW_SEED's table sizes");
+    // A restart adopts the new tables with what they hold.
+    let before = lbd.status().unwrap()["flood"]["flow_entries"].as_u64();
+    lbd.restart().unwrap();
+    assert!(lbd.log_text().contains("adopted the pinned datapath"), "{}", lbd.log_text());
+    let after = lbd.status().unwrap()["flood"]["flow_entries"].as_u64();
+    assert!(before.is_some() && after >= before.map(|n| n / 2), "flow entries {before:?} before the restart, {after:?} after");
+    let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
+    let left = wait_for(40, || entries().filter(|&n| n == 0));
+    assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
+    let r = lab.client(&["conns", "--target", "10.10.0.100:81", "--count", "100"]).unwrap();
+    assert_eq!(r["failed"], 0, "{r}");
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
     let _ = std::fs::remove_dir_all(&bin);

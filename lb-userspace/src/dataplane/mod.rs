@@ -26,7 +26,7 @@ use aya::{
 };
 use lb_common::{
     BACKEND_F_V6, BackendStats, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood, Flow, Flow6, FlowBucket, FlowBucket6,
-    FlowKey, FlowKey6, FlowSlot, FlowSlot6,
+    FlowKey, FlowKey6,
     LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES, SLOT_READY,
     SLOT_STATE, SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, SweepItem6, TAIL_CALLS, counter,
     flow_arrays, flow_slots, maps as names, select_elements, select_slot,
@@ -274,14 +274,14 @@ pub struct Dataplane {
     _pin_lock: Option<std::os::fd::OwnedFd>,
 }
 
-/// Kernel memory per flow-table slot (IPv4 and IPv6: the tables have
-/// `flow_slots(conntrack_max)` and `flow_slots(conntrack_max_ipv6)` of
-/// them, allocated in full) and per selection-table entry: the slots'
-/// sizes (an array's values, back to back), and the selection table as
-/// `bpftool map` reported it on kernel 6.18 (2,101,248 bytes for
-/// 1,048,576 entries, four to an 8-byte element).
-const FLOW_BYTES: u64 = size_of::<FlowSlot>() as u64;
-const FLOW_BYTES6: u64 = size_of::<FlowSlot6>() as u64;
+/// Kernel memory per array of a flow table (IPv4 and IPv6: the tables
+/// have `flow_arrays` of their slots' arrays, allocated in full): 30 KB
+/// of elements and the array's header, which kmalloc (or vmalloc, should
+/// kmalloc find no free 32 KB) hands out as 32 KB; and per
+/// selection-table entry, the selection table as `bpftool map` reported
+/// it on kernel 6.18 (2,101,248 bytes for 1,048,576 entries, four to an
+/// 8-byte element).
+const FLOW_ARRAY_BYTES: u64 = lb_common::KMALLOC_ARRAY_MAX as u64;
 const SELECT_BYTES: u64 = 2;
 
 /// The entries the selection tables may take in SELECT: the config's
@@ -366,8 +366,9 @@ where
 /// `conntrack_max_ipv6`) and the selection tables (`table_capacity`)
 /// take, allocated in full at load.
 pub fn table_memory(config: &Config) -> (u64, u64) {
-    let flows = u64::from(flow_slots(config.conntrack_max)) * FLOW_BYTES
-        + u64::from(flow_slots(config.conntrack_max_ipv6)) * FLOW_BYTES6;
+    let arrays = u64::from(flow_arrays(flow_slots(config.conntrack_max), FLOW_ARRAY_ELEMENTS))
+        + u64::from(flow_arrays(flow_slots(config.conntrack_max_ipv6), FLOW_ARRAY_ELEMENTS6));
+    let flows = arrays * FLOW_ARRAY_BYTES;
     (flows, u64::from(config.table_capacity) * SELECT_BYTES)
 }
 
@@ -1083,20 +1084,22 @@ mod tests {
 
     #[test]
     fn tables_taking_over_half_the_memory_are_warned_about() {
-        // The defaults: 1,048,576 flows (2,097,152 slots of 80 + 120
-        // bytes) and 4,194,304 selection entries.
+        // The defaults: 1,048,576 flows (2,097,152 slots of each family:
+        // 5,462 arrays of 384 IPv4 slots, 8,192 of 256 IPv6 ones, 32 KB
+        // each) and 4,194,304 selection entries.
         let c = config(1 << 20);
-        assert_eq!(table_memory(&c), ((1 << 21) * 200, (1 << 22) * 2));
+        assert_eq!(table_memory(&c), ((5462 + 8192) * 32768, (1 << 22) * 2));
         // One more flow doubles the slots.
-        assert_eq!(table_memory(&config((1 << 20) + 1)).0, (1 << 22) * 200);
+        assert_eq!(table_memory(&config((1 << 20) + 1)).0, (10923 + 16384) * 32768);
         let gib = 1 << 30;
         assert_eq!(memory_warning(&c, 24 * gib), None);
-        // 64M flows on the 24 GiB machine the README speaks of: 26.9 GB.
+        // 64M flows on the 24 GiB machine the README speaks of: 28.6 GB
+        // (and 8.4 MB of selection tables).
         let w = memory_warning(&config(1 << 26), 24 * gib).expect("a warning");
-        assert!(w.contains("conntrack_max: 67108864") && w.contains("about 26851 MB") && w.contains("104%"), "{w}");
+        assert!(w.contains("conntrack_max: 67108864") && w.contains("about 28641 MB") && w.contains("111%"), "{w}");
         assert!(memory_warning(&c, gib / 2).is_some());
-        // An IPv4-only gateway's small IPv6 table: 2,048 slots of 120 bytes.
+        // An IPv4-only gateway's small IPv6 table: 2,048 slots, 8 arrays.
         let v4_only = Config { conntrack_max_ipv6: 1024, ..c.clone() };
-        assert_eq!(table_memory(&v4_only).0, (1 << 21) * 80 + 2048 * 120);
+        assert_eq!(table_memory(&v4_only).0, (5462 + 8) * 32768);
     }
 }
