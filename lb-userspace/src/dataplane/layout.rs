@@ -6,7 +6,7 @@
 //! existed have no such map and are version 1. lbd reads the version before
 //! it opens any other pinned map, and then:
 //! - the same version: adopts the maps as they are;
-//! - an older version it knows (1 to 5): migrates. The old maps are
+//! - an older version it knows (1 to 6): migrates. The old maps are
 //!   moved aside (`maps` -> `maps-v1`: a rename on bpffs, which reserves
 //!   names with a dot; the running program keeps using them), fresh maps
 //!   of this layout are created and pinned, and what the old ones hold is
@@ -18,7 +18,10 @@
 //!   with reply entries' keys marked: so every entry moves; layout 6
 //!   packs the selection tables' entries four to an element of SELECT,
 //!   which the program reads another way, so its flows are copied as
-//!   layout 5's into a fresh table). The services' tables are rebuilt by the
+//!   layout 5's into a fresh table; layout 7 keeps the flow tables' slots
+//!   in arrays of 30 KB held by an array of maps, and their sizes in
+//!   `FLOW_SEED`, so layout 6's flows are copied the same way, out of its
+//!   one big array). The services' tables are rebuilt by the
 //!   first `apply`, before anything is attached. Attaching then swaps the
 //!   program in on its pinned links (one atomic link update per
 //!   interface), and [`Dataplane::finish_migration`] copies the flows the
@@ -285,7 +288,7 @@ fn old_flow_maps(from: u32, dir: &Path) -> Result<(MapData, Option<MapData>), Da
 
 /// Every entry (key and value) of the layout-`from` flow table `old`, read
 /// in batches: a kernel hash's (layouts 1 and 2), or the whole entries of
-/// a table of slots whose elements are `B` (layouts 3 to 5; an entry being
+/// a table of slots whose elements are `B` (layouts 3 to 6; an entry being
 /// written as it is read is left out, the copy after the program swap
 /// takes it). A reply entry's key (its value's direction, `dir`, is
 /// `DIR_REPLY`) was the backend's bare 5-tuple before layout 5: it comes
