@@ -348,7 +348,12 @@ pub(crate) fn items() -> Vec<Item> {
     for (prog, cases, what, kind) in [
         (Prog::Table, vec![hit("table_hit"), new("table_new")], "kernel hash alone", "kernel hash"),
         (Prog::Lru, vec![new("lru_new")], "LRU table alone", "kernel LRU hash"),
-        (Prog::Open, vec![hit("open_hit"), new("open_new")], "open-addressing table alone", "array, open addressing,"),
+        (
+            Prog::Open,
+            vec![hit("open_hit"), new("open_new")],
+            "open-addressing table alone, one array (layout 6's)",
+            "one array, open addressing,",
+        ),
         (
             Prog::Split,
             vec![hit("split_hit"), new("split_new")],

@@ -353,7 +353,7 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
     // on a machine with more than one.
     let mut scaling = Vec::new();
     if b.has_another_cpu() {
-        for key in ["new_maglev", "open_new"] {
+        for key in ["new_maglev", "split_new"] {
             let sc = b.new_flows_on_two_cpus(key, args.rounds.max(3) as usize, args.repeat)?;
             let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
             let one = report::median(&sc.one);

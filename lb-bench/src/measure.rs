@@ -684,8 +684,8 @@ impl Bench {
     /// rounds: what the datapath's shared cache lines cost when CPUs open
     /// flows together (the flow table's entry count, `FLOW_COUNT`, and the
     /// backends' connection counts, `CONNS`, are one atomic word each for
-    /// every CPU), beside the open-addressing table alone (no shared word:
-    /// what the memory itself costs two CPUs). Each round runs `repeat`
+    /// every CPU), beside the datapath's kind of table alone (`split_new`;
+    /// no shared word: what the memory itself costs two CPUs). Each round runs `repeat`
     /// new flows of `key` on this CPU alone, then on this CPU and another
     /// at once (started together, each its own fresh 5-tuples), on an
     /// emptied table; every run is checked (each repeat a new flow that

@@ -240,18 +240,19 @@ pub(crate) fn report(
 
 /// What a flow table alone costs of the datapath's established and new
 /// flows, each with the same number of flows in the table: the
-/// open-addressing array (`floor_open`, the datapath's kind of table), and
-/// beside it the kernel hash the datapath used up to layout 2
-/// (`floor_table`), an LRU hash (Katran's kind) and the open-addressing
-/// table in small arrays (`floor_split`, huge pages).
+/// open-addressing table in 32 KB arrays (`floor_split`, the datapath's
+/// kind of table since layout 7), and beside it the kernel hash the
+/// datapath used up to layout 2 (`floor_table`), an LRU hash (Katran's
+/// kind) and the same open-addressing table in one big array
+/// (`floor_open`, layouts 3 to 6).
 fn table_shares(medians: &[(&str, f64)], tx_med: f64) -> Vec<String> {
     let get = |k: &str| medians.iter().find(|(key, _)| *key == k).map(|&(_, v)| v);
     let mut out = Vec::new();
     for suffix in ["", "_full"] {
         let flows = if suffix.is_empty() { "empty table" } else { "full table" };
         for (case, alone, kernel, what) in [
-            ("tcp_established", "open_hit", "table_hit", "a lookup hit"),
-            ("new_maglev", "open_new", "table_new", "a lookup miss and an insert"),
+            ("tcp_established", "split_hit", "table_hit", "a lookup hit"),
+            ("new_maglev", "split_new", "table_new", "a lookup miss and an insert"),
         ] {
             let (Some(ours), Some(t)) = (get(&format!("{case}{suffix}")), get(&format!("{alone}{suffix}"))) else {
                 continue;
@@ -261,7 +262,7 @@ fn table_shares(medians: &[(&str, f64)], tx_med: f64) -> Vec<String> {
                 None => String::new(),
             };
             out.push(format!(
-                "{case} ({flows}): {ours:.1} ns, of which an open-addressing table alone ({what}) {t:.1} ns = {:.0}%; \
+                "{case} ({flows}): {ours:.1} ns, of which the open-addressing table in 32 KB arrays alone ({what}) {t:.1} ns = {:.0}%; \
 the rest {:.1} ns{before}",
                 100.0 * t / ours,
                 ours - t
@@ -277,15 +278,15 @@ the rest {:.1} ns{before}",
                 new / tx_med
             ));
         }
-        // The same open-addressing table with its slots in arrays of 32 KB
-        // or less: the kernel allocates those with kmalloc, in its linear
-        // map's huge pages, where a big BPF array gets vmalloc's 4 KB
+        // The same open-addressing table in one big array, as up to layout
+        // 6: the kernel allocates that with vmalloc, in 4 KB pages, where
+        // arrays of 32 KB or less get kmalloc, in its linear map's huge
         // pages. What a new flow's random slot saves in page walks.
         for (flat, split, what) in [("open_new", "split_new", "a new entry"), ("open_hit", "split_hit", "a hit")] {
             if let (Some(f), Some(s)) = (get(&format!("{flat}{suffix}")), get(&format!("{split}{suffix}"))) {
                 out.push(format!(
-                    "the open-addressing table in 32 KB arrays ({flows}; huge pages, through an array of maps): {what} {s:.1} ns = {:.1}x floor_tx, {:.2}x the one-array table's {f:.1} ns",
-                    s / tx_med,
+                    "the same table in one array (layout 6's; 4 KB pages, no array of maps) ({flows}): {what} {f:.1} ns = {:.1}x floor_tx; in 32 KB arrays {s:.1} ns, {:.2}x that",
+                    f / tx_med,
                     s / f
                 ));
             }

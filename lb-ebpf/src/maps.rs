@@ -12,9 +12,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood,
-    Flow, Flow6, FlowBucket, FlowBucket6,
-    MAX_BACKENDS, MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop, RateWindow, Service, Vip6Key, VipKey, counter,
+    AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6,
+    Flood, Flow, Flow6, FlowBucket, FlowBucket6, MAX_BACKENDS, MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop,
+    RateWindow, Service, Vip6Key, VipKey, counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.

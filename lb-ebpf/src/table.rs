@@ -51,7 +51,8 @@ use lb_common::{
 };
 
 use crate::maps::{
-    FlowTable, FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, SCRATCH, SCRATCH6, flow_limit, flow_limit6, flow_mask, flow_mask6, flow_seed,
+    FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, FlowTable, SCRATCH, SCRATCH6, flow_limit, flow_limit6, flow_mask, flow_mask6,
+    flow_seed,
 };
 
 /// Reads of a claim a writer holds (`SLOT_BUSY`) before an insert gives
@@ -528,17 +529,24 @@ pub(crate) fn flow(key: &FlowKey) -> Option<*mut Flow> {
 }
 
 /// The IPv4 flow entry in slot `at`, a lookup's answer ([`lb_flow_slot`]):
-/// None for a miss.
-///
-/// A function of its own (a BPF-to-BPF call, a few instructions): a
-/// miss's answer is past the table's end, and the lookup answers None;
-/// a branch of the caller's own for each of the slot's two lookups (the
-/// array, the element), inlined into the balancer, made LLVM spill a
-/// value left undefined on one of the paths, which the verifier refuses.
-#[inline(never)]
+/// None for a miss (its answer is past the table's end).
+#[inline(always)]
 pub(crate) fn flow_at(at: u32) -> Option<*mut Flow> {
+    let p = flow_in(at);
+    if p.is_null() { None } else { Some(p) }
+}
+
+/// [`flow_at`]'s lookups, in a function of its own (a BPF-to-BPF call, a
+/// few instructions) that answers a pointer, null for none, in a
+/// register: a branch of the caller's own for each of the slot's two
+/// lookups (the array, the element), inlined into the balancer, made LLVM
+/// spill a value left undefined on one of the paths, which the verifier
+/// refuses, or made the verifier walk more than its million
+/// instructions; an `Option` answered is a 16-byte value in memory.
+#[inline(never)]
+fn flow_in(at: u32) -> *mut Flow {
     // SAFETY: only the field's address is taken.
-    slot_at(&FLOW_SLOTS, at).map(|s| unsafe { &raw mut (*s).value })
+    slot_at(&FLOW_SLOTS, at).map_or(core::ptr::null_mut(), |s| unsafe { &raw mut (*s).value })
 }
 
 /// Insert or replace the IPv4 flow entry of `key` with this CPU's scratch
@@ -557,10 +565,17 @@ pub(crate) fn flow6(key: &FlowKey6) -> Option<*mut Flow6> {
 }
 
 /// The IPv6 flow entry in slot `at` (as [`flow_at`]).
-#[inline(never)]
+#[inline(always)]
 pub(crate) fn flow6_at(at: u32) -> Option<*mut Flow6> {
+    let p = flow6_in(at);
+    if p.is_null() { None } else { Some(p) }
+}
+
+/// [`flow6_at`]'s lookups (as [`flow_in`]).
+#[inline(never)]
+fn flow6_in(at: u32) -> *mut Flow6 {
     // SAFETY: only the field's address is taken.
-    slot_at(&FLOW_SLOTS6, at).map(|s| unsafe { &raw mut (*s).value })
+    slot_at(&FLOW_SLOTS6, at).map_or(core::ptr::null_mut(), |s| unsafe { &raw mut (*s).value })
 }
 
 /// Insert or replace the IPv6 flow entry of `key` with this CPU's scratch
@@ -656,12 +671,7 @@ pub(crate) extern "C" fn lb_take_back6(key: *const FlowKey6) -> u32 {
 
 /// [`lb_take_back`]'s work for either table.
 #[inline(always)]
-fn take_back<K: SlotKey, V>(
-    table: &impl SlotTable<K, V>,
-    mask: u32,
-    count: Count,
-    key: &K,
-) -> u32 {
+fn take_back<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, count: Count, key: &K) -> u32 {
     let at = find(table, mask, key);
     if at >= MISS {
         return 0;

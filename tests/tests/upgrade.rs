@@ -475,7 +475,9 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     // The lab config's conntrack_max: the default, 1,048,576 flows in
     // 2,097,152 slots of each family.
     let slots = u64::from(lb_common::flow_slots(1 << 20));
-    for (name, per) in [("FLOW_SLOTS", lb_common::FLOW_ARRAY_ELEMENTS), ("FLOW_SLOTS6", lb_common::FLOW_ARRAY_ELEMENTS6)] {
+    for (name, per) in
+        [("FLOW_SLOTS", lb_common::FLOW_ARRAY_ELEMENTS), ("FLOW_SLOTS6", lb_common::FLOW_ARRAY_ELEMENTS6)]
+    {
         let m = show(name);
         assert_eq!(m["type"], "array_of_maps", "{name}: {m}");
         let arrays = (slots / u64::from(lb_common::SLOT_BUCKET)).div_ceil(u64::from(per));
@@ -490,7 +492,10 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     lbd.restart().unwrap();
     assert!(lbd.log_text().contains("adopted the pinned datapath"), "{}", lbd.log_text());
     let after = lbd.status().unwrap()["flood"]["flow_entries"].as_u64();
-    assert!(before.is_some() && after >= before.map(|n| n / 2), "flow entries {before:?} before the restart, {after:?} after");
+    assert!(
+        before.is_some() && after >= before.map(|n| n / 2),
+        "flow entries {before:?} before the restart, {after:?} after"
+    );
     let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
     let left = wait_for(40, || entries().filter(|&n| n == 0));
     assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());

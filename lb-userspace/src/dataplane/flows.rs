@@ -120,8 +120,9 @@ pub(super) fn fill<B: aya::Pod>(ebpf: &mut Ebpf, name: &'static str, per: u32) -
             })
             .collect::<Result<Vec<_>, _>>()?;
         let fds: Vec<_> = arrays.iter().map(|a| aya::maps::IterableMap::map(a).fd().as_fd()).collect();
-        super::set_inner_maps(outer.fd().as_fd(), first, &fds)
-            .map_err(|io_error| MapError::SyscallError(aya::sys::SyscallError { call: "bpf_map_update_batch", io_error }))?;
+        super::set_inner_maps(outer.fd().as_fd(), first, &fds).map_err(|io_error| {
+            MapError::SyscallError(aya::sys::SyscallError { call: "bpf_map_update_batch", io_error })
+        })?;
     }
     Ok(())
 }

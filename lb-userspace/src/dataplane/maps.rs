@@ -8,8 +8,9 @@ use aya::{
     maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    Backend, BackendStats, ClockCache, Conns, EndpointKey, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood, Flow, Flow6,
-    FlowBucket, FlowBucket6, NextHop, RateWindow, SELECT_LANES, SelectWord, Service, Vip6Key, VipKey, maps as names,
+    Backend, BackendStats, ClockCache, Conns, EndpointKey, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood, Flow,
+    Flow6, FlowBucket, FlowBucket6, NextHop, RateWindow, SELECT_LANES, SelectWord, Service, Vip6Key, VipKey,
+    maps as names,
 };
 
 use super::{DataplaneError, flows::FlowTable};

@@ -26,10 +26,9 @@ use aya::{
 };
 use lb_common::{
     BACKEND_F_V6, BackendStats, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood, Flow, Flow6, FlowBucket, FlowBucket6,
-    FlowKey, FlowKey6,
-    LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES, SLOT_READY,
-    SLOT_STATE, SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, SweepItem6, TAIL_CALLS, counter,
-    flow_arrays, flow_slots, maps as names, select_elements, select_slot,
+    FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES,
+    SLOT_READY, SLOT_STATE, SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, SweepItem6, TAIL_CALLS,
+    counter, flow_arrays, flow_slots, maps as names, select_elements, select_slot,
 };
 use tracing::{info, warn};
 
@@ -967,7 +966,7 @@ impl Dataplane {
         self.maps
             .flows
             .for_each(|_, b| keys.extend(b.iter().filter(|s| s.claim & SLOT_STATE == SLOT_READY).map(|s| s.key)))
-        .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
+            .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
         Ok(keys)
     }
 

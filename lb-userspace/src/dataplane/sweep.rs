@@ -4,11 +4,11 @@ use std::collections::HashMap;
 
 use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
-    COPIED, COUNTS_BATCH, CountsAdd, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
-    Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED,
-    INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH,
-    SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6,
-    flow_closed, maps as names,
+    COPIED, COUNTS_BATCH, CountsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6,
+    FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6,
+    INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERT_REPLACED, INSERTED, InsertItem, InsertItem6,
+    PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS,
+    SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed, maps as names,
 };
 
 use super::{Dataplane, DataplaneError, flows::FlowTable, map_err};
@@ -236,9 +236,7 @@ fn sweep_chunk<T: Table>(
     // Whole arrays, until a part's worth of elements is read.
     let mut read = 0;
     while !walk.done && read < PART_ELEMENTS {
-        table
-            .read_array(walk.next, &mut read_one)
-            .map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
+        table.read_array(walk.next, &mut read_one).map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
         read += T::ARRAY_ELEMENTS;
         walk.next += 1;
         walk.done = walk.next >= table.arrays();

@@ -150,10 +150,12 @@ reply entry start at the same slot: such a table's runs of taken slots grow fast
     if let Some(lines) = p["flow_table_share"].as_array().filter(|l| !l.is_empty()) {
         let _ = writeln!(
             md,
-            "Where the time goes, measured in this run: `open-addressing table alone` is a program that reads the packet's \
-5-tuple, looks it up in an array of slots of our own with the flow table's key, value and size (the datapath's kind of flow \
-table, without its entry count), inserts it when missing, and returns XDP_PASS; `kernel hash alone` does the same on a kernel \
-hash, the datapath's flow table up to layout 2. Beside our cases with as many flows in their tables:\n"
+            "Where the time goes, measured in this run: `the open-addressing table in 32 KB arrays alone` is a program that reads \
+the packet's 5-tuple, looks it up in slots of our own with the flow table's key, value and size, kept in arrays of 32 KB or less \
+found through an array of maps (the datapath's kind of flow table since layout 7, without its entry count), inserts it when \
+missing, and returns XDP_PASS; `kernel hash alone` does the same on a kernel hash, the datapath's flow table up to layout 2, \
+and `the same table in one array` on one big array, as the datapath's up to layout 6. Beside our cases with as many flows in \
+their tables:\n"
         );
         for l in lines {
             let _ = writeln!(md, "- {}", l.as_str().unwrap_or(""));
@@ -184,7 +186,7 @@ arrays; timed from userspace on the measuring CPU, a pointer chase through every
             let vm = sp["in_vmalloc"].as_u64().unwrap_or(0);
             let _ = writeln!(
                 md,
-                "- `the open-addressing table in 32 KB arrays` is the same program and table with its slots in {} arrays of 256 slots, found through an array of maps: the kernel allocates a BPF array of up to 32 KB with kmalloc, in its linear map's huge pages, and a larger one with vmalloc, in 4 KB pages. {}",
+                "- `the open-addressing table in 32 KB arrays` keeps its slots in {} arrays of 256 slots: the kernel allocates a BPF array of up to 32 KB with kmalloc, in its linear map's huge pages, and a larger one with vmalloc, in 4 KB pages. {}",
                 sp["arrays"],
                 if vm == 0 {
                     "All of them were in the linear map in this run (`/proc/vmallocinfo`).".to_owned()
@@ -219,7 +221,7 @@ left by XDP redirect as a new flow counted on one of the service's backends: {wh
     if let Some(two) = p["two_cpus"].as_array().filter(|t| !t.is_empty()) {
         let _ = writeln!(
             md,
-            "New flows on two CPUs at once (each CPU its own fresh 5-tuples, started together, on an emptied table; every run checked: each repeat a new flow with its entry, or an insert), against one CPU alone in the same rounds. The datapath's entry count and each backend's connection count are one shared word for every CPU; the open-addressing table alone has none, so the two lines together say what sharing costs beyond the memory:\n"
+            "New flows on two CPUs at once (each CPU its own fresh 5-tuples, started together, on an emptied table; every run checked: each repeat a new flow with its entry, or an insert), against one CPU alone in the same rounds. The datapath's entry count and each backend's connection count are one shared word for every CPU; the open-addressing table in 32 KB arrays alone has none, so the two lines together say what sharing costs beyond the memory:\n"
         );
         for t in two {
             let _ = writeln!(
