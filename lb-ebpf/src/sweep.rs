@@ -11,7 +11,7 @@
 //!
 //! Run by lbd through BPF_PROG_TEST_RUN, never attached: the "frame" is
 //! the request, and the program marks in it what it removed.
-use aya_ebpf::{bindings::xdp_action, macros::xdp, maps::Array, programs::XdpContext};
+use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use core::intrinsics::{AtomicOrdering, atomic_or, atomic_xadd};
 use core::{
     mem::size_of,
@@ -20,8 +20,8 @@ use core::{
 use lb_common::{
     COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_REOPENED, Flow, Flow6, FlowKey, FlowKey6, INSERT_BATCH,
     INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, MERGED_BITS,
-    SLOT_BUCKET, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, Slot, SlotKey, SweepHeader,
-    SweepItem, SweepItem6, flow_closed,
+    SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SlotKey, SweepHeader, SweepItem, SweepItem6,
+    flow_closed,
 };
 
 use crate::{
