@@ -364,11 +364,7 @@ fn an_upgrade_from_unseeded_flow_slots_keeps_every_flow_under_a_drawn_seed() {
 fn an_upgrade_from_whole_tuple_slots_keeps_every_flow_and_its_reply_entry() {
     let _serial = serial();
     lb_tests::require_root().expect("needs root");
-    let mut services = web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]);
-    services.push_str("  - name: alt\n    vip: 10.10.0.100\n    port: 81\n    scheduler: rr\n    backends:\n");
-    for n in 1..=3 {
-        services.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: 1 }}\n", 10 + n));
-    }
+    let services = web_and_alt("rr");
     let Staged { lab, mut lbd, bin, exe, maps, .. } = start_release_with("lbt-upgrade4", v4_lbd, &services);
     assert_eq!(pinned_layout(&maps), 4, "not the layout-4 release");
     lab.reset_backend_counts().unwrap();
@@ -402,18 +398,11 @@ fn an_upgrade_from_whole_tuple_slots_keeps_every_flow_and_its_reply_entry() {
 fn an_upgrade_from_unpacked_selection_tables_keeps_every_flow_and_picks_from_the_packed_ones() {
     let _serial = serial();
     lb_tests::require_root().expect("needs root");
-    let mut services = web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]);
-    services.push_str("  - name: alt\n    vip: 10.10.0.100\n    port: 81\n    scheduler: maglev\n    backends:\n");
-    for n in 1..=3 {
-        services.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: 1 }}\n", 10 + n));
-    }
+    let services = web_and_alt("maglev");
     let Staged { lab, mut lbd, bin, exe, maps, .. } = start_release_with("lbt-upgrade5", v5_lbd, &services);
     assert_eq!(pinned_layout(&maps), 5, "not the layout-5 release");
     let select = |maps: &Path| {
-        let out =
-            Command::new("bpftool").args(["-j", "map", "show", "pinned"]).arg(maps.join("SELECT")).output().unwrap();
-        assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = map_info(maps, "SELECT");
         (v["bytes_value"].as_u64(), v["max_entries"].as_u64())
     };
     // The lab config's table_capacity: the default, 4,194,304 entries.
@@ -454,18 +443,10 @@ fn an_upgrade_from_unpacked_selection_tables_keeps_every_flow_and_picks_from_the
 fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     let _serial = serial();
     lb_tests::require_root().expect("needs root");
-    let mut services = web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]);
-    services.push_str("  - name: alt\n    vip: 10.10.0.100\n    port: 81\n    scheduler: maglev\n    backends:\n");
-    for n in 1..=3 {
-        services.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: 1 }}\n", 10 + n));
-    }
+    let services = web_and_alt("maglev");
     let Staged { lab, mut lbd, bin, exe, maps, .. } = start_release_with("lbt-upgrade6", v6_lbd, &services);
     assert_eq!(pinned_layout(&maps), 6, "not the layout-6 release");
-    let show = |name: &str| -> serde_json::Value {
-        let out = Command::new("bpftool").args(["-j", "map", "show", "pinned"]).arg(maps.join(name)).output().unwrap();
-        assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
+    let show = |name: &str| map_info(&maps, name);
     assert_eq!(show("FLOW_SLOTS")["type"], "array", "not layout 6's flow table");
     lab.reset_backend_counts().unwrap();
     let old_program = lbd.program_id().unwrap();
@@ -487,15 +468,36 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     assert_eq!(sizes.len(), 3, "FLOW_SEED: {sizes:?}");
     assert_ne!(sizes[0], 0, "the migrated tables lost their seed");
     assert_eq!(&sizes[1..], &[slots, slots], "FLOW_SEED's table sizes");
-    // A restart adopts the new tables with what they hold.
-    let before = lbd.status().unwrap()["flood"]["flow_entries"].as_u64();
-    lbd.restart().unwrap();
-    assert!(lbd.log_text().contains("adopted the pinned datapath"), "{}", lbd.log_text());
-    let after = lbd.status().unwrap()["flood"]["flow_entries"].as_u64();
-    assert!(
-        before.is_some() && after >= before.map(|n| n / 2),
-        "flow entries {before:?} before the restart, {after:?} after"
-    );
+    // A restart adopts the new tables with what they hold: round-robin
+    // connections kept open across it stay on their backends (a lost
+    // entry would send their next packets to the next backend in turn).
+    let said = |lbd: &Lbd, what: &str| lbd.log_text().matches(what).count();
+    let (adopted, migrations) = (said(&lbd, "adopted the pinned datapath"), said(&lbd, "migrating the pinned"));
+    let r = std::thread::scope(|scope| {
+        let long = scope.spawn(|| {
+            lab.client(&[
+                "longlived",
+                "--target",
+                "10.10.0.100:80",
+                "--connections",
+                "10",
+                "--rounds",
+                "100",
+                "--interval-ms",
+                "50",
+                "--sources-range",
+                "10.10.1.1-10.10.1.10",
+            ])
+            .unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(1000));
+        lbd.restart().unwrap();
+        long.join().unwrap()
+    });
+    assert_eq!(said(&lbd, "adopted the pinned datapath"), adopted + 1, "{}", lbd.log_text());
+    assert_eq!(said(&lbd, "migrating the pinned"), migrations, "migrated again: {}", lbd.log_text());
+    assert_eq!(r["failed"], 0, "{r}");
+    assert_eq!(r["switched"], 0, "a connection changed backend across the restart: {r}");
     let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
     let left = wait_for(40, || entries().filter(|&n| n == 0));
     assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
@@ -504,6 +506,27 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
     let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// The lab's `web` service (round robin over three backends) and `alt`
+/// (port 81, `scheduler`) over the same three backends' addresses on
+/// port 8080: each `alt` flow has a reply entry.
+fn web_and_alt(scheduler: &str) -> String {
+    let mut services = web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]);
+    services.push_str(&format!(
+        "  - name: alt\n    vip: 10.10.0.100\n    port: 81\n    scheduler: {scheduler}\n    backends:\n"
+    ));
+    for n in 1..=3 {
+        services.push_str(&format!("      - {{ address: 10.20.0.{}, port: 8080, weight: 1 }}\n", 10 + n));
+    }
+    services
+}
+
+/// `bpftool map show` of the map `name` pinned in `maps`.
+fn map_info(maps: &Path, name: &str) -> serde_json::Value {
+    let out = Command::new("bpftool").args(["-j", "map", "show", "pinned"]).arg(maps.join(name)).output().unwrap();
+    assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// After an upgrade from layout `from`: lbd says it migrated, the pinned
