@@ -373,16 +373,7 @@ fn an_upgrade_from_whole_tuple_slots_keeps_every_flow_and_its_reply_entry() {
     upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:81");
     migrated(&lab, &lbd, &maps, 4);
     assert_ne!(pinned_seed(&maps), 0, "the migrated tables lost their seed");
-    // Every connection is closed: its entries go after the closed-flow
-    // linger (10 s) at the next sweep (every 5 s).
-    let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
-    let left = wait_for(40, || entries().filter(|&n| n == 0));
-    assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
-    let r = lab.client(&["conns", "--target", "10.10.0.100:81", "--count", "100"]).unwrap();
-    assert_eq!(r["failed"], 0, "{r}");
-    assert!(lbd.stop().unwrap().success());
-    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
-    let _ = std::fs::remove_dir_all(&bin);
+    emptied_then_stopped(&lab, &mut lbd, &bin);
 }
 
 /// From layout 5 (a selection-table entry per 8-byte element of SELECT)
@@ -498,6 +489,14 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     assert_eq!(said(&lbd, "migrating the pinned"), migrations, "migrated again: {}", lbd.log_text());
     assert_eq!(r["failed"], 0, "{r}");
     assert_eq!(r["switched"], 0, "a connection changed backend across the restart: {r}");
+    emptied_then_stopped(&lab, &mut lbd, &bin);
+}
+
+/// Once every connection has closed, the table empties (its entries go
+/// after the closed-flow linger, 10 s, at the next sweep, every 5 s);
+/// `alt` still serves; a SIGTERM stops lbd and leaves no pins; the staged
+/// binaries in `bin` go.
+fn emptied_then_stopped(lab: &Lab, lbd: &mut Lbd, bin: &Path) {
     let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
     let left = wait_for(40, || entries().filter(|&n| n == 0));
     assert_eq!(left, Some(0), "entries left after every connection closed: {:?}", entries());
@@ -505,7 +504,7 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     assert_eq!(r["failed"], 0, "{r}");
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
-    let _ = std::fs::remove_dir_all(&bin);
+    let _ = std::fs::remove_dir_all(bin);
 }
 
 /// The lab's `web` service (round robin over three backends) and `alt`
