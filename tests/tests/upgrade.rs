@@ -444,9 +444,9 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
 
     upgrade_under_load(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:81");
     migrated(&lab, &lbd, &maps, 6);
-    // The lab config's conntrack_max: the default, 1,048,576 flows in
-    // 2,097,152 slots of each family.
-    let slots = u64::from(lb_common::flow_slots(1 << 20));
+    // The lab config's conntrack_max (`write_config`): 262,144 flows in
+    // 524,288 slots of each family.
+    let slots = u64::from(lb_common::flow_slots(262_144));
     for (name, per) in
         [("FLOW_SLOTS", lb_common::FLOW_ARRAY_ELEMENTS), ("FLOW_SLOTS6", lb_common::FLOW_ARRAY_ELEMENTS6)]
     {
