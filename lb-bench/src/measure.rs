@@ -772,6 +772,10 @@ impl Bench {
                 self.reset_table(Prog::Open, 0)?;
                 self.filled[OPEN] = None;
             }
+            Prog::Split => {
+                self.reset_table(Prog::Split, 0)?;
+                self.filled[SPLIT] = None;
+            }
             p => anyhow::bail!("no two-CPU run of {p:?}"),
         }
         Ok(())
