@@ -155,24 +155,14 @@ fn open_slots(conntrack_max: u32) -> u32 {
 }
 
 /// `floor_split`'s inner arrays, one per `SPLIT_SLOTS` slots, put in
-/// `FLOW_SPLIT` (which holds them from then on), a batch at a time.
+/// `FLOW_SPLIT` (which holds them from then on) as lbd fills its flow
+/// tables.
 /// Returns how many there are and how many of them the kernel allocated
 /// with vmalloc (4 KB pages) after all: it falls back to vmalloc when
 /// kmalloc finds no free 32 KB.
 fn split_arrays(bench: &mut Ebpf) -> anyhow::Result<(u32, usize)> {
-    const BATCH: u32 = 512;
-    let outer = bench.map("FLOW_SPLIT").ok_or_else(|| anyhow!("FLOW_SPLIT"))?;
-    let aya::maps::Map::ArrayOfMaps(outer) = outer else { anyhow::bail!("FLOW_SPLIT is not an array of maps") };
-    let n = outer.info()?.max_entries();
     let before = small_vmalloc_arrays()?;
-    for first in (0..n).step_by(BATCH as usize) {
-        let inner = (first..n.min(first + BATCH))
-            .map(|i| Array::<MapData, SplitSlot>::create(SPLIT_SLOTS, 0).with_context(|| format!("array {i}")))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let fds: Vec<_> = inner.iter().map(|a| aya::maps::IterableMap::map(a).fd().as_fd()).collect();
-        lb_userspace::dataplane::set_inner_maps(outer.fd().as_fd(), first, &fds)
-            .with_context(|| format!("putting arrays {first}.."))?;
-    }
+    let n = lb_userspace::dataplane::fill_arrays::<SplitSlot>(bench, "FLOW_SPLIT", SPLIT_SLOTS)?;
     Ok((n, small_vmalloc_arrays()?.saturating_sub(before)))
 }
 

@@ -61,22 +61,7 @@ fn a_syn_flood_at_twice_the_table_per_second_spares_live_and_new_connections() {
     let lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
 
     let (live, fresh, flood) = std::thread::scope(|scope| {
-        let live = scope.spawn(|| {
-            lab.client(&[
-                "longlived",
-                "--target",
-                "10.10.0.100:80",
-                "--connections",
-                "50",
-                "--rounds",
-                "12",
-                "--interval-ms",
-                "2000",
-                "--sources-range",
-                "10.10.1.1-10.10.1.50",
-            ])
-            .expect("longlived")
-        });
+        let live = scope.spawn(|| lab.longlived("10.10.0.100:80", 50, 12, 2000, &[]).expect("longlived"));
         // The live connections are open before the flood starts.
         std::thread::sleep(Duration::from_millis(1500));
         let fresh = scope.spawn(|| {

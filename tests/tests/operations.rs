@@ -148,22 +148,7 @@ fn lbctl_changes_the_pool_under_load_and_changes_survive_a_restart() {
     let s = setup("lbt-o-ctl", 4, &web("", &[(1, 1), (2, 1), (3, 1)]));
     let (lab, lbd) = (&s.lab, &s.lbd);
     std::thread::scope(|scope| {
-        let long = scope.spawn(|| {
-            lab.client(&[
-                "longlived",
-                "--target",
-                "10.10.0.100:80",
-                "--connections",
-                "50",
-                "--rounds",
-                "80",
-                "--interval-ms",
-                "40",
-                "--sources-range",
-                "10.10.1.1-10.10.1.50",
-            ])
-            .unwrap()
-        });
+        let long = scope.spawn(|| lab.longlived("10.10.0.100:80", 50, 80, 40, &[]).unwrap());
         std::thread::sleep(Duration::from_millis(600));
         for args in [
             vec!["backend", "weight", "web", "10.20.0.11:8080", "3"],

@@ -57,22 +57,7 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
             ])
             .unwrap()
         });
-        let long = scope.spawn(|| {
-            lab.client(&[
-                "longlived",
-                "--target",
-                "10.10.0.100:80",
-                "--connections",
-                "20",
-                "--rounds",
-                "160",
-                "--interval-ms",
-                "50",
-                "--sources-range",
-                "10.10.1.1-10.10.1.20",
-            ])
-            .unwrap()
-        });
+        let long = scope.spawn(|| lab.longlived("10.10.0.100:80", 20, 160, 50, &[]).unwrap());
         std::thread::sleep(Duration::from_millis(1000));
 
         // 1. Crash: the pinned datapath keeps forwarding without lbd.

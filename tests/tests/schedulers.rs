@@ -235,22 +235,7 @@ fn live_changes_never_move_an_established_connection() {
     let s = setup("lbt-s-live", 4, &web("maglev", &[(1, 1), (2, 1), (3, 1)]));
     let lab = &s.lab;
     std::thread::scope(|scope| {
-        let long = scope.spawn(|| {
-            lab.client(&[
-                "longlived",
-                "--target",
-                "10.10.0.100:80",
-                "--connections",
-                "50",
-                "--rounds",
-                "100",
-                "--interval-ms",
-                "40",
-                "--sources-range",
-                "10.10.1.1-10.10.1.50",
-            ])
-            .unwrap()
-        });
+        let long = scope.spawn(|| lab.longlived("10.10.0.100:80", 50, 100, 40, &[]).unwrap());
         std::thread::sleep(Duration::from_millis(700));
         s.reconfigure(&web("maglev", &[(1, 5), (2, 1), (3, 2)]));
         std::thread::sleep(Duration::from_millis(500));
@@ -287,22 +272,7 @@ fn draining_a_backend_lets_its_connections_finish_and_sends_it_nothing_new() {
     let s = setup("lbt-s-drain", 3, &web("rr", &[(1, 1), (2, 1), (3, 1)]));
     let lab = &s.lab;
     std::thread::scope(|scope| {
-        let long = scope.spawn(|| {
-            lab.client(&[
-                "longlived",
-                "--target",
-                "10.10.0.100:80",
-                "--connections",
-                "60",
-                "--rounds",
-                "60",
-                "--interval-ms",
-                "50",
-                "--sources-range",
-                "10.10.1.1-10.10.1.60",
-            ])
-            .unwrap()
-        });
+        let long = scope.spawn(|| lab.longlived("10.10.0.100:80", 60, 60, 50, &[]).unwrap());
         std::thread::sleep(Duration::from_millis(800));
         s.reconfigure(&web("rr", &[(1, 0), (2, 1), (3, 1)]));
         let before = lab.backend_counts().unwrap()[0].connections;

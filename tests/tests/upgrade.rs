@@ -465,22 +465,7 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     let said = |lbd: &Lbd, what: &str| lbd.log_text().matches(what).count();
     let (adopted, migrations) = (said(&lbd, "adopted the pinned datapath"), said(&lbd, "migrating the pinned"));
     let r = std::thread::scope(|scope| {
-        let long = scope.spawn(|| {
-            lab.client(&[
-                "longlived",
-                "--target",
-                "10.10.0.100:80",
-                "--connections",
-                "10",
-                "--rounds",
-                "100",
-                "--interval-ms",
-                "50",
-                "--sources-range",
-                "10.10.1.1-10.10.1.10",
-            ])
-            .unwrap()
-        });
+        let long = scope.spawn(|| lab.longlived("10.10.0.100:80", 10, 100, 50, &[]).unwrap());
         std::thread::sleep(Duration::from_millis(1000));
         lbd.restart().unwrap();
         long.join().unwrap()
@@ -589,24 +574,7 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
             ])
             .unwrap()
         });
-        let long = scope.spawn(|| {
-            lab.client(&[
-                "longlived",
-                "--target",
-                long_target,
-                "--connections",
-                "20",
-                "--rounds",
-                "40",
-                "--interval-ms",
-                "50",
-                "--stop-file",
-                stop_arg,
-                "--sources-range",
-                "10.10.1.1-10.10.1.20",
-            ])
-            .unwrap()
-        });
+        let long = scope.spawn(|| lab.longlived(long_target, 20, 40, 50, &["--stop-file", stop_arg]).unwrap());
         std::thread::sleep(Duration::from_millis(2000));
         // The new build replaces the old one on disk; the graceful restart
         // runs it, it migrates the maps and swaps its program in.

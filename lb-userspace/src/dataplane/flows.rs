@@ -10,28 +10,56 @@ use aya::{
     Ebpf,
     maps::{Array, ArrayOfMaps, MapData, MapError},
 };
-use lb_common::{SLOT_BUCKET, flow_arrays};
+use lb_common::{
+    FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, FlowBucket, FlowBucket6, SLOT_BUCKET, flow_arrays, maps as names,
+};
 
 use super::batch;
+
+/// An element of a flow table (`SLOT_BUCKET` slots of one family), with
+/// the map that holds that family's table and how many elements go in
+/// each of its arrays: stated once here for the loader, the maps and the
+/// sweeper.
+pub(super) trait Buckets: aya::Pod + Copy {
+    /// The table's outer array (an array of maps).
+    const NAME: &'static str;
+    /// Elements in each of its arrays.
+    const PER: u32;
+}
+
+impl Buckets for FlowBucket {
+    const NAME: &'static str = names::FLOWS;
+    const PER: u32 = FLOW_ARRAY_ELEMENTS;
+}
+
+impl Buckets for FlowBucket6 {
+    const NAME: &'static str = names::FLOWS6;
+    const PER: u32 = FLOW_ARRAY_ELEMENTS6;
+}
 
 /// Arrays put into the outer array per BPF_MAP_UPDATE_BATCH: each update
 /// of an array of maps waits for an RCU grace period (about 9 ms on the
 /// development VM), a batch once.
 const FILL_BATCH: u32 = 512;
 
-/// One flow table: its outer array, and its geometry.
-pub(super) struct FlowTable<B: aya::Pod> {
+/// One flow table: its outer array, and its size.
+pub(super) struct FlowTable<B: Buckets> {
     outer: ArrayOfMaps<MapData, Array<MapData, B>>,
-    /// Elements in each array.
-    per: u32,
     /// The table's slots (a power of two; the last array may be used in
     /// part).
     slots: u32,
 }
 
-impl<B: aya::Pod> FlowTable<B> {
-    pub(super) fn new(outer: ArrayOfMaps<MapData, Array<MapData, B>>, per: u32, slots: u32) -> Self {
-        Self { outer, per, slots }
+impl<B: Buckets> FlowTable<B> {
+    const PER: u32 = B::PER;
+
+    pub(super) fn new(outer: ArrayOfMaps<MapData, Array<MapData, B>>, slots: u32) -> Self {
+        Self { outer, slots }
+    }
+
+    /// The arrays a table of `slots` slots takes (the outer array's size).
+    pub(super) fn arrays_for(slots: u32) -> u32 {
+        flow_arrays(slots, Self::PER)
     }
 
     /// The table's slots.
@@ -46,7 +74,7 @@ impl<B: aya::Pod> FlowTable<B> {
 
     /// Arrays in the table.
     pub(super) fn arrays(&self) -> u32 {
-        flow_arrays(self.slots, self.per)
+        Self::arrays_for(self.slots)
     }
 
     /// Array `i` (a descriptor of its own, closed on drop).
@@ -56,16 +84,16 @@ impl<B: aya::Pod> FlowTable<B> {
 
     /// Element `e` (one array looked up, one element read).
     pub(super) fn element(&self, e: u32) -> Result<B, MapError> {
-        self.array(e / self.per)?.get(&(e % self.per), 0)
+        self.array(e / Self::PER)?.get(&(e % Self::PER), 0)
     }
 
     /// Call `f` with (element index, element) for each element in use of
-    /// array `i`, read in one batch.
-    pub(super) fn read_array(&self, i: u32, mut f: impl FnMut(u32, &B)) -> Result<(), std::io::Error> {
+    /// array `i`, read in one batch. Returns how many elements that was.
+    pub(super) fn read_array(&self, i: u32, mut f: impl FnMut(u32, &B)) -> Result<u32, std::io::Error> {
         let array = self.array(i).map_err(std::io::Error::other)?;
-        let first = i * self.per;
-        let n = self.per.min(self.elements().saturating_sub(first));
-        let mut walk = batch::Walk::<u32, B>::with_chunk(self.per as usize);
+        let first = i * Self::PER;
+        let n = Self::PER.min(self.elements().saturating_sub(first));
+        let mut walk = batch::Walk::<u32, B>::with_chunk(Self::PER as usize);
         while !walk.done() {
             walk.next(aya::maps::IterableMap::map(&array).fd().as_fd(), false, |&e, b| {
                 if e < n {
@@ -73,7 +101,7 @@ impl<B: aya::Pod> FlowTable<B> {
                 }
             })?;
         }
-        Ok(())
+        Ok(n)
     }
 
     /// Call `f` with every element in use, an array at a time.
@@ -88,23 +116,31 @@ impl<B: aya::Pod> FlowTable<B> {
     pub(super) fn clear(&self) -> Result<(), std::io::Error> {
         // SAFETY: B is Pod (integers only): all zeros is a valid value,
         // the empty element.
-        let zeros = vec![unsafe { std::mem::zeroed::<B>() }; self.per as usize];
+        let zeros = vec![unsafe { std::mem::zeroed::<B>() }; Self::PER as usize];
         for i in 0..self.arrays() {
             let array = self.array(i).map_err(std::io::Error::other)?;
-            let n = self.per.min(self.elements() - i * self.per);
+            let n = Self::PER.min(self.elements() - i * Self::PER);
             let keys: Vec<u32> = (0..n).collect();
             batch::update(aya::maps::IterableMap::map(&array).fd().as_fd(), &keys, &zeros[..n as usize])?;
         }
         Ok(())
     }
+
+    /// Make the arrays of this family's table in `ebpf` (just created by
+    /// the loader, empty) and put them in it (`fill_arrays`).
+    pub(super) fn fill(ebpf: &mut Ebpf) -> Result<(), MapError> {
+        fill_arrays::<B>(ebpf, B::NAME, B::PER).map(drop)
+    }
 }
 
-/// Make the arrays of the flow table `name` in `ebpf` (just created by
+/// Make the arrays of the array of maps `name` in `ebpf` (just created by
 /// the loader, empty), `per` elements of `B` each, and put them in it, a
-/// batch at a time. The outer array holds them from then on. An error is
-/// the loader's kind for a map it could not create, under the table's
-/// name (the caller says what takes the memory).
-pub(super) fn fill<B: aya::Pod>(ebpf: &mut Ebpf, name: &'static str, per: u32) -> Result<(), MapError> {
+/// batch at a time. The outer array holds them from then on. Returns how
+/// many arrays that was. An error is the loader's kind for a map it could
+/// not create, under the outer array's name (the caller says what takes
+/// the memory). Public for lb-bench, whose table alone is made the same
+/// way.
+pub fn fill_arrays<B: aya::Pod>(ebpf: &mut Ebpf, name: &str, per: u32) -> Result<u32, MapError> {
     let outer = ebpf.map(name).ok_or_else(|| MapError::InvalidName { name: name.to_owned() })?;
     let aya::maps::Map::ArrayOfMaps(outer) = outer else {
         return Err(MapError::InvalidName { name: name.to_owned() });
@@ -124,5 +160,5 @@ pub(super) fn fill<B: aya::Pod>(ebpf: &mut Ebpf, name: &'static str, per: u32) -
             MapError::SyscallError(aya::sys::SyscallError { call: "bpf_map_update_batch", io_error })
         })?;
     }
-    Ok(())
+    Ok(n)
 }

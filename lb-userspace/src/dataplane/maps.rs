@@ -8,12 +8,14 @@ use aya::{
     maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray, ProgramArray},
 };
 use lb_common::{
-    Backend, BackendStats, ClockCache, Conns, EndpointKey, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood, Flow,
-    Flow6, FlowBucket, FlowBucket6, NextHop, RateWindow, SELECT_LANES, SelectWord, Service, Vip6Key, VipKey,
-    maps as names,
+    Backend, BackendStats, ClockCache, Conns, EndpointKey, Flood, Flow, Flow6, FlowBucket, FlowBucket6, NextHop,
+    RateWindow, SELECT_LANES, SelectWord, Service, Vip6Key, VipKey, maps as names,
 };
 
-use super::{DataplaneError, flows::FlowTable};
+use super::{
+    DataplaneError,
+    flows::{Buckets, FlowTable},
+};
 
 /// BPF_F_MMAPABLE (linux/bpf.h).
 const BPF_F_MMAPABLE: u32 = 1 << 10;
@@ -189,6 +191,13 @@ pub(super) struct Maps {
     pub(super) flow_count: Array<MapData, u64>,
 }
 
+impl<B: Buckets> FlowTable<B> {
+    /// The table of `slots` slots out of `ebpf`.
+    fn take(ebpf: &mut Ebpf, slots: u32) -> Result<Self, DataplaneError> {
+        Ok(Self::new(take(ebpf, B::NAME)?, slots))
+    }
+}
+
 impl Maps {
     /// The maps out of `ebpf`, whose flow tables have `slots4` and `slots6`
     /// slots.
@@ -200,7 +209,7 @@ impl Maps {
             backends: take(ebpf, names::BACKENDS)?,
             select: take(ebpf, names::SELECT)?,
             seq: take(ebpf, names::SEQ)?,
-            flows: FlowTable::new(take(ebpf, names::FLOWS)?, FLOW_ARRAY_ELEMENTS, slots4),
+            flows: FlowTable::take(ebpf, slots4)?,
             backend_stats: take(ebpf, names::BACKEND_STATS)?,
             counters: take(ebpf, names::COUNTERS)?,
             conns: take(ebpf, names::CONNS)?,
@@ -218,7 +227,7 @@ impl Maps {
             vip_addrs6: take(ebpf, names::VIP_ADDRS6)?,
             backend_addrs6: take(ebpf, names::BACKEND_ADDRS6)?,
             endpoints6: take(ebpf, names::ENDPOINTS6)?,
-            flows6: FlowTable::new(take(ebpf, names::FLOWS6)?, FLOW_ARRAY_ELEMENTS6, slots6),
+            flows6: FlowTable::take(ebpf, slots6)?,
             _scratch6: take(ebpf, names::SCRATCH6)?,
             progs: take(ebpf, names::PROGS)?,
             _keys6: take_raw(ebpf, names::KEYS6)?,

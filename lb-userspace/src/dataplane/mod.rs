@@ -25,10 +25,10 @@ use aya::{
     util::nr_cpus,
 };
 use lb_common::{
-    BACKEND_F_V6, BackendStats, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, Flood, Flow, Flow6, FlowBucket, FlowBucket6,
-    FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES,
-    SLOT_READY, SLOT_STATE, SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, SweepItem6, TAIL_CALLS,
-    counter, flow_arrays, flow_slots, maps as names, select_elements, select_slot,
+    BACKEND_F_V6, BackendStats, Flood, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, LAYOUT_VERSION,
+    MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG,
+    SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, SweepItem6, TAIL_CALLS, counter, flow_slots, maps as names,
+    select_elements, select_slot,
 };
 use tracing::{info, warn};
 
@@ -52,6 +52,8 @@ mod sys;
 use alloc::{Ids, Regions};
 use attach::Attached;
 pub use endpoints::words6;
+pub use flows::fill_arrays;
+use flows::{Buckets, FlowTable};
 use maps::{Maps, SelectMemory, map_err};
 pub use sweep::{CLOSED_LINGER, DSR_FIN_TIMEOUT, Inserted, SweepReport, SweepRun, monotonic_coarse_secs};
 
@@ -328,12 +330,12 @@ type Found<K, V> = Option<(u32, Slot<K, V>)>;
 /// datapath finds it (`lb-ebpf/src/table.rs`), a few syscalls per element
 /// read.
 fn find_slot<K: SlotKey + aya::Pod, V: aya::Pod>(
-    table: &flows::FlowTable<[Slot<K, V>; SLOT_BUCKET as usize]>,
+    table: &FlowTable<[Slot<K, V>; SLOT_BUCKET as usize]>,
     seed: u64,
     key: &K,
 ) -> Result<Found<K, V>, MapError>
 where
-    [Slot<K, V>; SLOT_BUCKET as usize]: aya::Pod,
+    [Slot<K, V>; SLOT_BUCKET as usize]: Buckets,
 {
     let mask = table.slots() - 1;
     let h = key.slot_hash(seed);
@@ -365,8 +367,8 @@ where
 /// `conntrack_max_ipv6`) and the selection tables (`table_capacity`)
 /// take, allocated in full at load.
 pub fn table_memory(config: &Config) -> (u64, u64) {
-    let arrays = u64::from(flow_arrays(flow_slots(config.conntrack_max), FLOW_ARRAY_ELEMENTS))
-        + u64::from(flow_arrays(flow_slots(config.conntrack_max_ipv6), FLOW_ARRAY_ELEMENTS6));
+    let arrays = u64::from(FlowTable::<FlowBucket>::arrays_for(flow_slots(config.conntrack_max)))
+        + u64::from(FlowTable::<FlowBucket6>::arrays_for(flow_slots(config.conntrack_max_ipv6)));
     let flows = arrays * FLOW_ARRAY_BYTES;
     (flows, u64::from(config.table_capacity) * SELECT_BYTES)
 }
@@ -592,8 +594,8 @@ impl Dataplane {
         let tables = FlowTables { seed, limit, limit6, slots4, slots6 };
         loader
             .override_global("FLOW_HASH_SEED", &seed, true)
-            .map_max_entries(names::FLOWS, flow_arrays(slots4, FLOW_ARRAY_ELEMENTS))
-            .map_max_entries(names::FLOWS6, flow_arrays(slots6, FLOW_ARRAY_ELEMENTS6))
+            .map_max_entries(FlowBucket::NAME, FlowTable::<FlowBucket>::arrays_for(slots4))
+            .map_max_entries(FlowBucket6::NAME, FlowTable::<FlowBucket6>::arrays_for(slots6))
             .override_global("FLOW_SLOT_MASK", &mask4, true)
             .override_global("FLOW_SLOT_MASK6", &mask6, true)
             .override_global("FLOW_LIMIT", &limit, true)
@@ -605,8 +607,8 @@ impl Dataplane {
         let loaded = Self::load_program(loader)
             .and_then(|(mut ebpf, ncpus)| {
                 if fresh {
-                    flows::fill::<FlowBucket>(&mut ebpf, names::FLOWS, FLOW_ARRAY_ELEMENTS)
-                        .and_then(|()| flows::fill::<FlowBucket6>(&mut ebpf, names::FLOWS6, FLOW_ARRAY_ELEMENTS6))
+                    FlowTable::<FlowBucket>::fill(&mut ebpf)
+                        .and_then(|()| FlowTable::<FlowBucket6>::fill(&mut ebpf))
                         .map_err(|e| DataplaneError::Load(aya::EbpfError::MapError(e)))?;
                 }
                 Ok((ebpf, ncpus))

@@ -4,27 +4,27 @@ use std::collections::HashMap;
 
 use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
-    COPIED, COUNTS_BATCH, CountsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6,
-    FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6,
-    INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERT_REPLACED, INSERTED, InsertItem, InsertItem6,
-    PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS,
-    SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6, flow_closed, maps as names,
+    COPIED, COUNTS_BATCH, CountsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
+    Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED,
+    INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH,
+    SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6,
+    flow_closed, maps as names,
 };
 
-use super::{Dataplane, DataplaneError, flows::FlowTable, map_err};
+use super::{
+    Dataplane, DataplaneError,
+    flows::{Buckets, FlowTable},
+    map_err,
+};
 
 /// One flow table's key and value types, seen the same way by the sweep.
 trait Table {
     type K: aya::Pod + Copy;
     type V: aya::Pod + Copy;
     /// An element of the table's array: `SLOT_BUCKET` slots.
-    type Bucket: aya::Pod + Copy;
+    type Bucket: Buckets;
     /// What `lb_sweep` is handed per flow (`lb_common::SweepItem`).
     type Item: aya::Pod + Copy;
-    /// The map's name (errors).
-    const NAME: &'static str;
-    /// Elements in each of its arrays.
-    const ARRAY_ELEMENTS: u32;
     /// `SweepHeader::family` of this table, and items per `lb_sweep` run.
     const FAMILY: u32;
     const BATCH: usize;
@@ -49,8 +49,6 @@ impl Table for V4 {
     type V = Flow;
     type Bucket = FlowBucket;
     type Item = SweepItem;
-    const NAME: &'static str = names::FLOWS;
-    const ARRAY_ELEMENTS: u32 = FLOW_ARRAY_ELEMENTS;
     const FAMILY: u32 = 4;
     const BATCH: usize = SWEEP_BATCH as usize;
     fn item(k: &FlowKey, slot: u32, state: u64, last_seen: u64) -> SweepItem {
@@ -83,8 +81,6 @@ impl Table for V6 {
     type V = Flow6;
     type Bucket = FlowBucket6;
     type Item = SweepItem6;
-    const NAME: &'static str = names::FLOWS6;
-    const ARRAY_ELEMENTS: u32 = FLOW_ARRAY_ELEMENTS6;
     const FAMILY: u32 = 6;
     const BATCH: usize = SWEEP_BATCH6 as usize;
     fn item(k: &FlowKey6, slot: u32, state: u64, last_seen: u64) -> SweepItem6 {
@@ -236,8 +232,9 @@ fn sweep_chunk<T: Table>(
     // Whole arrays, until a part's worth of elements is read.
     let mut read = 0;
     while !walk.done && read < PART_ELEMENTS {
-        table.read_array(walk.next, &mut read_one).map_err(|e| DataplaneError::Batch { map: T::NAME, source: e })?;
-        read += T::ARRAY_ELEMENTS;
+        read += table
+            .read_array(walk.next, &mut read_one)
+            .map_err(|e| DataplaneError::Batch { map: T::Bucket::NAME, source: e })?;
         walk.next += 1;
         walk.done = walk.next >= table.arrays();
     }
@@ -301,7 +298,7 @@ const XDP_PASS: u32 = 2;
 /// `lb_sweep` over `items`, in runs of `T::BATCH`: the items as the
 /// program left them, each marked if its entry was removed.
 fn remove_unchanged<T: Table>(remover: &Xdp, items: &[T::Item]) -> Result<Vec<T::Item>, DataplaneError> {
-    request(remover, T::NAME, T::FAMILY, T::BATCH, items)
+    request(remover, T::Bucket::NAME, T::FAMILY, T::BATCH, items)
 }
 
 /// `lb_sweep` over `items` (of the request `family`), in runs of `batch`:

@@ -636,6 +636,25 @@ impl Lab {
         self.client_from(&self.spec.bin_dir.join("lab-client"), args)
     }
 
+    /// `lab-client longlived`: `connections` keep-alive connections to
+    /// `target`, one from each of the first `connections` client sources
+    /// (10.10.1.1 on), `rounds` requests each, `interval_ms` apart; `extra`
+    /// adds arguments (a `--stop-file`).
+    pub fn longlived(
+        &self,
+        target: &str,
+        connections: u32,
+        rounds: u32,
+        interval_ms: u32,
+        extra: &[&str],
+    ) -> anyhow::Result<serde_json::Value> {
+        anyhow::ensure!((1..=250).contains(&connections), "{connections} connections: the sources are 10.10.1.1-250");
+        let (connections, rounds, interval) = (connections.to_string(), rounds.to_string(), interval_ms.to_string());
+        let sources = format!("10.10.1.1-10.10.1.{connections}");
+        let args = ["longlived", "--target", target, "--connections", &connections, "--rounds", &rounds];
+        self.client(&[&args[..], &["--interval-ms", &interval, "--sources-range", &sources], extra].concat())
+    }
+
     /// [`Self::client`] with the `lab-client` binary `exe` (the benchmark
     /// runs an optimised one).
     pub fn client_from(&self, exe: &Path, args: &[&str]) -> anyhow::Result<serde_json::Value> {
