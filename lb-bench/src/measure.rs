@@ -162,7 +162,7 @@ fn open_slots(conntrack_max: u32) -> u32 {
 /// kmalloc finds no free 32 KB.
 fn split_arrays(bench: &mut Ebpf) -> anyhow::Result<(u32, usize)> {
     let before = small_vmalloc_arrays()?;
-    let n = lb_userspace::dataplane::fill_arrays::<SplitSlot>(bench, "FLOW_SPLIT", SPLIT_SLOTS)?;
+    let n = lb_userspace::dataplane::fill_arrays::<SplitSlot>(bench, "FLOW_SPLIT", "FLOW_SPLIT_ARR", SPLIT_SLOTS)?;
     Ok((n, small_vmalloc_arrays()?.saturating_sub(before)))
 }
 

@@ -361,6 +361,23 @@ pub fn pinned_words(maps: &Path, name: &str) -> Vec<u64> {
     entries.iter().map(|e| word(name, &e["value"])).collect()
 }
 
+/// The name of each array the pinned array of maps `name` holds (by
+/// `bpftool map show`), in the order of its entries; entries without one
+/// are not listed.
+pub fn pinned_inner_names(maps: &Path, name: &str) -> Vec<String> {
+    let ids = pinned_words(maps, name);
+    let out = Command::new("bpftool").args(["-j", "map", "show"]).output().expect("bpftool");
+    assert!(out.status.success(), "bpftool map show: {}", String::from_utf8_lossy(&out.stderr));
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
+    let names: std::collections::HashMap<u64, &str> = all
+        .as_array()
+        .expect("bpftool map show: a list")
+        .iter()
+        .filter_map(|m| Some((m["id"].as_u64()?, m["name"].as_str().unwrap_or(""))))
+        .collect();
+    ids.iter().map(|id| names.get(id).map_or_else(|| format!("(no map {id})"), |n| (*n).to_owned())).collect()
+}
+
 /// One value of a bpftool dump: a number when the map has BTF, else its
 /// bytes as hex strings.
 fn word(name: &str, value: &serde_json::Value) -> u64 {

@@ -275,6 +275,18 @@ fn a_killed_first_start_and_a_resized_restart_go_by_the_maps_pinned() {
     assert_eq!(lbd.total_new_flows(), 300);
     assert_eq!(lab.connections_served().unwrap(), 300);
     assert_eq!(lbd.status().unwrap()["flood"]["flow_capacity"], 262_144);
+    // Its flow tables hold every array their slots need, each named for
+    // its table (`bpftool map` lists them so).
+    let slots = lb_common::flow_slots(262_144);
+    for (table, per, array) in [
+        ("FLOW_SLOTS", lb_common::FLOW_ARRAY_ELEMENTS, lb_userspace::dataplane::FLOW_ARRAY_NAME),
+        ("FLOW_SLOTS6", lb_common::FLOW_ARRAY_ELEMENTS6, lb_userspace::dataplane::FLOW_ARRAY_NAME6),
+    ] {
+        let names = lb_tests::lbd::pinned_inner_names(&maps, table);
+        assert_eq!(names.len(), lb_common::flow_arrays(slots, per) as usize, "{table}: arrays held");
+        let other: Vec<_> = names.iter().filter(|n| *n != array).take(3).collect();
+        assert!(other.is_empty(), "{table}: arrays not named {array}: {other:?}");
+    }
 
     // A restart with a larger flow table and selection array in the
     // config adopts the maps as they are: what lbd reports and limits by

@@ -23,19 +23,28 @@ use super::batch;
 pub(super) trait Buckets: aya::Pod + Copy {
     /// The table's outer array (an array of maps).
     const NAME: &'static str;
+    /// The name each of its arrays gets (`bpftool map` shows it).
+    const ARRAY_NAME: &'static str;
     /// Elements in each of its arrays.
     const PER: u32;
 }
 
 impl Buckets for FlowBucket {
     const NAME: &'static str = names::FLOWS;
+    const ARRAY_NAME: &'static str = FLOW_ARRAY_NAME;
     const PER: u32 = FLOW_ARRAY_ELEMENTS;
 }
 
 impl Buckets for FlowBucket6 {
     const NAME: &'static str = names::FLOWS6;
+    const ARRAY_NAME: &'static str = FLOW_ARRAY_NAME6;
     const PER: u32 = FLOW_ARRAY_ELEMENTS6;
 }
+
+/// The names of the flow tables' arrays (the kernel keeps 15 bytes of a
+/// map's name).
+pub const FLOW_ARRAY_NAME: &str = "FLOW_SLOTS_ARR";
+pub const FLOW_ARRAY_NAME6: &str = "FLOW_SLOTS6_ARR";
 
 /// Arrays put into the outer array per BPF_MAP_UPDATE_BATCH: each update
 /// of an array of maps waits for an RCU grace period (about 9 ms on the
@@ -129,18 +138,18 @@ impl<B: Buckets> FlowTable<B> {
     /// Make the arrays of this family's table in `ebpf` (just created by
     /// the loader, empty) and put them in it (`fill_arrays`).
     pub(super) fn fill(ebpf: &mut Ebpf) -> Result<(), MapError> {
-        fill_arrays::<B>(ebpf, B::NAME, B::PER).map(drop)
+        fill_arrays::<B>(ebpf, B::NAME, B::ARRAY_NAME, B::PER).map(drop)
     }
 }
 
 /// Make the arrays of the array of maps `name` in `ebpf` (just created by
-/// the loader, empty), `per` elements of `B` each, and put them in it, a
-/// batch at a time. The outer array holds them from then on. Returns how
+/// the loader, empty), `per` elements of `B` each, named `array_name`,
+/// and put them in it, a batch at a time. The outer array holds them from then on. Returns how
 /// many arrays that was. An error is the loader's kind for a map it could
 /// not create, under the outer array's name (the caller says what takes
 /// the memory). Public for lb-bench, whose table alone is made the same
 /// way.
-pub fn fill_arrays<B: aya::Pod>(ebpf: &mut Ebpf, name: &str, per: u32) -> Result<u32, MapError> {
+pub fn fill_arrays<B: aya::Pod>(ebpf: &mut Ebpf, name: &str, array_name: &str, per: u32) -> Result<u32, MapError> {
     let outer = ebpf.map(name).ok_or_else(|| MapError::InvalidName { name: name.to_owned() })?;
     let aya::maps::Map::ArrayOfMaps(outer) = outer else {
         return Err(MapError::InvalidName { name: name.to_owned() });
@@ -149,7 +158,7 @@ pub fn fill_arrays<B: aya::Pod>(ebpf: &mut Ebpf, name: &str, per: u32) -> Result
     for first in (0..n).step_by(FILL_BATCH as usize) {
         let arrays = (first..n.min(first + FILL_BATCH))
             .map(|_| {
-                Array::<MapData, B>::create(per, 0).map_err(|e| match e {
+                named_array::<B>(array_name, per).map_err(|e| match e {
                     MapError::CreateError { io_error, .. } => MapError::CreateError { name: name.to_owned(), io_error },
                     e => e,
                 })
@@ -161,4 +170,19 @@ pub fn fill_arrays<B: aya::Pod>(ebpf: &mut Ebpf, name: &str, per: u32) -> Result
         })?;
     }
     Ok(n)
+}
+
+/// A new BPF array of `per` elements of `B` named `name`: aya's
+/// `Array::create` names every array it makes `standalone_array`, which
+/// would list a table's thousands of arrays in `bpftool map` under a name
+/// that says nothing of whose they are.
+fn named_array<B: aya::Pod>(name: &str, per: u32) -> Result<Array<MapData, B>, MapError> {
+    let def = aya_obj::Map::new_from_params(
+        aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_ARRAY as u32,
+        size_of::<u32>() as u32,
+        size_of::<B>() as u32,
+        per,
+        0,
+    );
+    Array::try_from(aya::maps::Map::Array(MapData::create(def, name, None)?))
 }
