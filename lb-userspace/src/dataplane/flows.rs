@@ -14,7 +14,7 @@ use lb_common::{
     FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, FlowBucket, FlowBucket6, SLOT_BUCKET, flow_arrays, maps as names,
 };
 
-use super::batch;
+use super::{DataplaneError, batch, map_err};
 
 /// An element of a flow table (`SLOT_BUCKET` slots of one family), with
 /// the map that holds that family's table and how many elements go in
@@ -60,15 +60,13 @@ pub(super) struct FlowTable<B: Buckets> {
 }
 
 impl<B: Buckets> FlowTable<B> {
-    const PER: u32 = B::PER;
-
     pub(super) fn new(outer: ArrayOfMaps<MapData, Array<MapData, B>>, slots: u32) -> Self {
         Self { outer, slots }
     }
 
     /// The arrays a table of `slots` slots takes (the outer array's size).
     pub(super) fn arrays_for(slots: u32) -> u32 {
-        flow_arrays(slots, Self::PER)
+        flow_arrays(slots, B::PER)
     }
 
     /// The table's slots.
@@ -92,29 +90,30 @@ impl<B: Buckets> FlowTable<B> {
     }
 
     /// Element `e` (one array looked up, one element read).
-    pub(super) fn element(&self, e: u32) -> Result<B, MapError> {
-        self.array(e / Self::PER)?.get(&(e % Self::PER), 0)
+    pub(super) fn element(&self, e: u32) -> Result<B, DataplaneError> {
+        self.array(e / B::PER).and_then(|a| a.get(&(e % B::PER), 0)).map_err(map_err(B::NAME))
     }
 
     /// Call `f` with (element index, element) for each element in use of
     /// array `i`, read in one batch. Returns how many elements that was.
-    pub(super) fn read_array(&self, i: u32, mut f: impl FnMut(u32, &B)) -> Result<u32, std::io::Error> {
-        let array = self.array(i).map_err(std::io::Error::other)?;
-        let first = i * Self::PER;
-        let n = Self::PER.min(self.elements().saturating_sub(first));
-        let mut walk = batch::Walk::<u32, B>::with_chunk(Self::PER as usize);
+    pub(super) fn read_array(&self, i: u32, mut f: impl FnMut(u32, &B)) -> Result<u32, DataplaneError> {
+        let array = self.array(i).map_err(map_err(B::NAME))?;
+        let first = i * B::PER;
+        let n = B::PER.min(self.elements().saturating_sub(first));
+        let mut walk = batch::Walk::<u32, B>::with_chunk(B::PER as usize);
         while !walk.done() {
             walk.next(aya::maps::IterableMap::map(&array).fd().as_fd(), false, |&e, b| {
                 if e < n {
                     f(first + e, b);
                 }
-            })?;
+            })
+            .map_err(|source| DataplaneError::Batch { map: B::NAME, source })?;
         }
         Ok(n)
     }
 
     /// Call `f` with every element in use, an array at a time.
-    pub(super) fn for_each(&self, mut f: impl FnMut(u32, &B)) -> Result<(), std::io::Error> {
+    pub(super) fn for_each(&self, mut f: impl FnMut(u32, &B)) -> Result<(), DataplaneError> {
         for i in 0..self.arrays() {
             self.read_array(i, &mut f)?;
         }
@@ -122,15 +121,16 @@ impl<B: Buckets> FlowTable<B> {
     }
 
     /// Write every element in use empty (zeros), an array at a time.
-    pub(super) fn clear(&self) -> Result<(), std::io::Error> {
+    pub(super) fn clear(&self) -> Result<(), DataplaneError> {
         // SAFETY: B is Pod (integers only): all zeros is a valid value,
         // the empty element.
-        let zeros = vec![unsafe { std::mem::zeroed::<B>() }; Self::PER as usize];
+        let zeros = vec![unsafe { std::mem::zeroed::<B>() }; B::PER as usize];
         for i in 0..self.arrays() {
-            let array = self.array(i).map_err(std::io::Error::other)?;
-            let n = Self::PER.min(self.elements() - i * Self::PER);
+            let array = self.array(i).map_err(map_err(B::NAME))?;
+            let n = B::PER.min(self.elements() - i * B::PER);
             let keys: Vec<u32> = (0..n).collect();
-            batch::update(aya::maps::IterableMap::map(&array).fd().as_fd(), &keys, &zeros[..n as usize])?;
+            batch::update(aya::maps::IterableMap::map(&array).fd().as_fd(), &keys, &zeros[..n as usize])
+                .map_err(|source| DataplaneError::Batch { map: B::NAME, source })?;
         }
         Ok(())
     }
@@ -144,8 +144,8 @@ impl<B: Buckets> FlowTable<B> {
 
 /// Make the arrays of the array of maps `name` in `ebpf` (just created by
 /// the loader, empty), `per` elements of `B` each, named `array_name`,
-/// and put them in it, a batch at a time. The outer array holds them from then on. Returns how
-/// many arrays that was. An error is the loader's kind for a map it could
+/// and put them in it, a batch at a time. The outer array holds them
+/// from then on. Returns how many arrays that was. An error is the loader's kind for a map it could
 /// not create, under the outer array's name (the caller says what takes
 /// the memory). Public for lb-bench, whose table alone is made the same
 /// way.

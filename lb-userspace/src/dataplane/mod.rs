@@ -333,7 +333,7 @@ fn find_slot<K: SlotKey + aya::Pod, V: aya::Pod>(
     table: &FlowTable<[Slot<K, V>; SLOT_BUCKET as usize]>,
     seed: u64,
     key: &K,
-) -> Result<Found<K, V>, MapError>
+) -> Result<Found<K, V>, DataplaneError>
 where
     [Slot<K, V>; SLOT_BUCKET as usize]: Buckets,
 {
@@ -953,8 +953,8 @@ impl Dataplane {
     /// Returns the entries removed.
     pub fn flush_flows(&mut self) -> Result<u64, DataplaneError> {
         let (held4, held6) = self.flow_counts()?;
-        self.maps.flows.clear().map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
-        self.maps.flows6.clear().map_err(|e| DataplaneError::Batch { map: names::FLOWS6, source: e })?;
+        self.maps.flows.clear()?;
+        self.maps.flows6.clear()?;
         for family in 0..2 {
             self.maps.flow_count.set(family, 0, 0).map_err(map_err(names::FLOW_COUNT))?;
         }
@@ -967,8 +967,7 @@ impl Dataplane {
         let mut keys = Vec::new();
         self.maps
             .flows
-            .for_each(|_, b| keys.extend(b.iter().filter(|s| s.claim & SLOT_STATE == SLOT_READY).map(|s| s.key)))
-            .map_err(|e| DataplaneError::Batch { map: names::FLOWS, source: e })?;
+            .for_each(|_, b| keys.extend(b.iter().filter(|s| s.claim & SLOT_STATE == SLOT_READY).map(|s| s.key)))?;
         Ok(keys)
     }
 
@@ -1000,14 +999,12 @@ impl Dataplane {
 
     /// The IPv4 flow-table entry of `key` (as on the wire), if there is one.
     pub fn flow(&self, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
-        find_slot(&self.maps.flows, self.flow_seed, key).map(|f| f.map(|(_, s)| s.value)).map_err(map_err(names::FLOWS))
+        find_slot(&self.maps.flows, self.flow_seed, key).map(|f| f.map(|(_, s)| s.value))
     }
 
     /// The IPv6 flow-table entry of `key` (as on the wire), if there is one.
     pub fn flow6(&self, key: &FlowKey6) -> Result<Option<Flow6>, DataplaneError> {
-        find_slot(&self.maps.flows6, self.flow_seed, key)
-            .map(|f| f.map(|(_, s)| s.value))
-            .map_err(map_err(names::FLOWS6))
+        find_slot(&self.maps.flows6, self.flow_seed, key).map(|f| f.map(|(_, s)| s.value))
     }
 
     /// Entries in the IPv4 and the IPv6 flow table, as the datapath counts
@@ -1025,12 +1022,12 @@ impl Dataplane {
 
     /// The slot of `key`'s IPv4 entry, if it has one (tests).
     pub fn flow_slot(&self, key: &FlowKey) -> Result<Option<u32>, DataplaneError> {
-        find_slot(&self.maps.flows, self.flow_seed, key).map(|f| f.map(|(at, _)| at)).map_err(map_err(names::FLOWS))
+        find_slot(&self.maps.flows, self.flow_seed, key).map(|f| f.map(|(at, _)| at))
     }
 
     /// The slot of `key`'s IPv6 entry, if it has one (tests).
     pub fn flow_slot6(&self, key: &FlowKey6) -> Result<Option<u32>, DataplaneError> {
-        find_slot(&self.maps.flows6, self.flow_seed, key).map(|f| f.map(|(at, _)| at)).map_err(map_err(names::FLOWS6))
+        find_slot(&self.maps.flows6, self.flow_seed, key).map(|f| f.map(|(at, _)| at))
     }
 
     /// Active flows of a backend: opened - closed - expired.

@@ -232,9 +232,7 @@ fn sweep_chunk<T: Table>(
     // Whole arrays, until a part's worth of elements is read.
     let mut read = 0;
     while !walk.done && read < PART_ELEMENTS {
-        read += table
-            .read_array(walk.next, &mut read_one)
-            .map_err(|e| DataplaneError::Batch { map: T::Bucket::NAME, source: e })?;
+        read += table.read_array(walk.next, &mut read_one)?;
         walk.next += 1;
         walk.done = walk.next >= table.arrays();
     }

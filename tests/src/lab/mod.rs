@@ -648,7 +648,12 @@ impl Lab {
         interval_ms: u32,
         extra: &[&str],
     ) -> anyhow::Result<serde_json::Value> {
-        anyhow::ensure!((1..=250).contains(&connections), "{connections} connections: the sources are 10.10.1.1-250");
+        // The lab's first sources are 10.10.1.1 to 10.10.1.254 (`client_source_addrs`).
+        let sources = self.spec.client_sources.min(254);
+        anyhow::ensure!(
+            (1..=sources).contains(&(connections as usize)),
+            "{connections} connections: the lab's sources in 10.10.1.0/24 are 10.10.1.1-{sources}"
+        );
         let (connections, rounds, interval) = (connections.to_string(), rounds.to_string(), interval_ms.to_string());
         let sources = format!("10.10.1.1-10.10.1.{connections}");
         let args = ["longlived", "--target", target, "--connections", &connections, "--rounds", &rounds];
