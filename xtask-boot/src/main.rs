@@ -6,7 +6,7 @@
 //! cannot compile until they are installed. This crate has no such
 //! dependency: it installs the two when missing, then replaces itself with
 //! `cargo run --package xtask` and the same arguments (exec, so signals and
-//! the exit status are xtask's own).
+//! the exit status are xtask's own). `setup` it does itself, whole.
 use std::{os::unix::process::CommandExt as _, process::Command};
 
 // The library's dependencies: the binary uses them only through it.
@@ -17,6 +17,16 @@ use serde_json as _;
 
 fn main() {
     let args: Vec<_> = std::env::args_os().skip(1).collect();
+    // `setup` is the whole set-up, done here: through `xtask` it would
+    // need the workspace to compile first, so a checkout that does not
+    // (an unfinished edit) would stop it before the Debian packages.
+    if args.len() == 1 && args[0] == "setup" {
+        if let Err(e) = xtask_boot::setup() {
+            eprintln!("xtask setup: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if !xtask_boot::toolchain_complete()
         && let Err(e) = xtask_boot::toolchain()
     {
