@@ -161,20 +161,11 @@ fn open_slots(conntrack_max: u32) -> u32 {
 /// with vmalloc (4 KB pages) after all: it falls back to vmalloc when
 /// kmalloc finds no free 32 KB.
 fn split_arrays(bench: &mut Ebpf) -> anyhow::Result<(u32, usize)> {
-    let before = small_vmalloc_arrays()?;
+    let in_vmalloc =
+        || lb_userspace::dataplane::small_vmalloc_arrays().ok_or_else(|| anyhow!("reading /proc/vmallocinfo"));
+    let before = in_vmalloc()?;
     let n = lb_userspace::dataplane::fill_arrays::<SplitSlot>(bench, "FLOW_SPLIT", "FLOW_SPLIT_ARR", SPLIT_SLOTS)?;
-    Ok((n, small_vmalloc_arrays()?.saturating_sub(before)))
-}
-
-/// BPF arrays of 64 KB or less that the kernel allocated with vmalloc, by
-/// `/proc/vmallocinfo` (any process's).
-fn small_vmalloc_arrays() -> anyhow::Result<usize> {
-    let info = std::fs::read_to_string("/proc/vmallocinfo").context("reading /proc/vmallocinfo")?;
-    Ok(info
-        .lines()
-        .filter(|l| l.contains("array_map_alloc"))
-        .filter(|l| l.split_whitespace().nth(1).and_then(|b| b.parse::<u64>().ok()).is_some_and(|b| b <= 65536))
-        .count())
+    Ok((n, in_vmalloc()?.saturating_sub(before)))
 }
 
 fn xdp<'a>(ebpf: &'a Ebpf, name: &str) -> anyhow::Result<&'a Xdp> {

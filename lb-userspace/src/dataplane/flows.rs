@@ -14,6 +14,8 @@ use lb_common::{
     FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6, FlowBucket, FlowBucket6, SLOT_BUCKET, flow_arrays, maps as names,
 };
 
+use tracing::warn;
+
 use super::{DataplaneError, batch, map_err};
 
 /// An element of a flow table (`SLOT_BUCKET` slots of one family), with
@@ -136,9 +138,24 @@ impl<B: Buckets> FlowTable<B> {
     }
 
     /// Make the arrays of this family's table in `ebpf` (just created by
-    /// the loader, empty) and put them in it (`fill_arrays`).
+    /// the loader, empty) and put them in it (`fill_arrays`). Warns when
+    /// some of them fell back to vmalloc: the table works the same, but a
+    /// new flow's slot in them also costs a page walk.
     pub(super) fn fill(ebpf: &mut Ebpf) -> Result<(), MapError> {
-        fill_arrays::<B>(ebpf, B::NAME, B::ARRAY_NAME, B::PER).map(drop)
+        let before = small_vmalloc_arrays();
+        let n = fill_arrays::<B>(ebpf, B::NAME, B::ARRAY_NAME, B::PER)?;
+        if let (Some(before), Some(after)) = (before, small_vmalloc_arrays())
+            && after > before
+        {
+            warn!(
+                map = B::NAME,
+                arrays = n,
+                in_vmalloc = after - before,
+                "about {} of the flow table's {n} arrays are in vmalloc'd memory (4 KB pages), not the kernel's linear map: the kernel found no free 32 KB blocks (fragmented memory). Flows work the same; a new flow whose slot is in one costs more (a TLB miss and a page walk). A fresh start once memory is less fragmented (or after a reboot) allocates them again",
+                after - before
+            );
+        }
+        Ok(())
     }
 }
 
@@ -185,4 +202,43 @@ fn named_array<B: aya::Pod>(name: &str, per: u32) -> Result<Array<MapData, B>, M
         0,
     );
     Array::try_from(aya::maps::Map::Array(MapData::create(def, name, None)?))
+}
+
+/// BPF arrays of 64 KB or less that the kernel allocated with vmalloc (in
+/// 4 KB pages) rather than kmalloc, any process's, by `/proc/vmallocinfo`
+/// (None when it cannot be read: it is root's). The kernel allocates an
+/// array of up to 32 KB with kmalloc, and falls back to vmalloc when it
+/// finds no free block that size. Counted before and after making a
+/// table's arrays, the difference is about how many of them fell back
+/// (another process's arrays made meanwhile count too).
+pub fn small_vmalloc_arrays() -> Option<usize> {
+    std::fs::read_to_string("/proc/vmallocinfo").ok().map(|info| count_small_vmalloc_arrays(&info))
+}
+
+/// [`small_vmalloc_arrays`] of `/proc/vmallocinfo`'s text: lines of an
+/// area made by `array_map_alloc` whose size (second field, bytes, with
+/// the guard page) is at most 64 KB.
+fn count_small_vmalloc_arrays(info: &str) -> usize {
+    info.lines()
+        .filter(|l| l.contains("array_map_alloc"))
+        .filter(|l| l.split_whitespace().nth(1).and_then(|b| b.parse::<u64>().ok()).is_some_and(|b| b <= 65536))
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count_small_vmalloc_arrays;
+
+    #[test]
+    fn only_small_bpf_arrays_in_vmalloc_are_counted() {
+        let info = "\
+0xffffc90000000000-0xffffc90000009000   36864 bpf_map_area_alloc+0x3c/0x60 pages=8 vmalloc N0=8
+0xffffc90000009000-0xffffc90000012000   36864 array_map_alloc+0x9b/0x2a0 pages=8 vmalloc N0=8
+0xffffc90000012000-0xffffc90000015000   12288 array_map_alloc+0x9b/0x2a0 pages=2 vmalloc N0=2
+0xffffc90000100000-0xffffc90004101000 67112960 array_map_alloc+0x9b/0x2a0 pages=16384 vmalloc vpages N0=16384
+0xffffc90004101000-0xffffc90004104000   12288 load_module+0x1e1/0x2010 pages=2 vmalloc N0=2
+";
+        assert_eq!(count_small_vmalloc_arrays(info), 2);
+        assert_eq!(count_small_vmalloc_arrays(""), 0);
+    }
 }

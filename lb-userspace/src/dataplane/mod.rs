@@ -53,7 +53,7 @@ use alloc::{Ids, Regions};
 use attach::Attached;
 pub use endpoints::words6;
 use flows::{Buckets, FlowTable};
-pub use flows::{FLOW_ARRAY_NAME, FLOW_ARRAY_NAME6, fill_arrays};
+pub use flows::{FLOW_ARRAY_NAME, FLOW_ARRAY_NAME6, fill_arrays, small_vmalloc_arrays};
 use maps::{Maps, SelectMemory, map_err};
 pub use sweep::{CLOSED_LINGER, DSR_FIN_TIMEOUT, Inserted, SweepReport, SweepRun, monotonic_coarse_secs};
 
