@@ -2,6 +2,7 @@
 //! paced rate, through a raw socket (the kernel adds nothing: the IPv4
 //! header is ours, built by `lb-testkit`'s etherparse frames).
 use std::{
+    io::IoSlice,
     net::{Ipv4Addr, SocketAddrV4},
     os::fd::AsRawFd as _,
     time::{Duration, Instant},
@@ -11,7 +12,10 @@ use lb_testkit::{
     Frame,
     frame::{ETH_LEN, tcp::SYN},
 };
-use nix::sys::socket::{AddressFamily, MsgFlags, SockFlag, SockProtocol, SockType, SockaddrIn, sendto, socket};
+use nix::sys::socket::{
+    AddressFamily, ControlMessage, MsgFlags, MultiHeaders, SockFlag, SockProtocol, SockType, SockaddrIn, sendmmsg,
+    socket,
+};
 use serde::Serialize;
 
 #[derive(Debug, Serialize)]
@@ -34,6 +38,12 @@ pub fn source(base: Ipv4Addr, host_bits: u32, i: u64) -> (Ipv4Addr, u16) {
     (Ipv4Addr::from(u32::from(base) | host), port)
 }
 
+/// SYNs per `sendmmsg` call at most. One `sendto` per SYN cost the
+/// sender enough that a CPU-bound process beside the lab held it to 29,262
+/// SYNs/s against the 32,768 a test asked for; a batch pays the system
+/// call's entry and exit once.
+const BATCH: usize = 64;
+
 /// Send SYNs to `target` at `rate` per second for `duration`, from
 /// sources in `base`/(32 - `host_bits`). The pace is kept per millisecond:
 /// a late millisecond is made up in the next.
@@ -47,7 +57,8 @@ pub fn syn_flood(
     anyhow::ensure!((1..=24).contains(&host_bits), "host_bits must be 1-24");
     // IPPROTO_RAW: we write the IPv4 header (IP_HDRINCL is implied).
     let fd = socket(AddressFamily::Inet, SockType::Raw, SockFlag::empty(), SockProtocol::Raw)?;
-    let dst = SockaddrIn::from(target);
+    let addrs = [Some(SockaddrIn::from(target)); BATCH];
+    let mut headers = MultiHeaders::<SockaddrIn>::preallocate(BATCH, None);
     let start = Instant::now();
     let (mut sent, mut send_errors) = (0u64, 0u64);
     loop {
@@ -57,10 +68,27 @@ pub fn syn_flood(
         }
         let due = (rate as f64 * elapsed.as_secs_f64()) as u64;
         while sent + send_errors < due {
-            let (src, sport) = source(base, host_bits, sent + send_errors);
-            let frame = Frame::tcp(src, sport, *target.ip(), target.port(), SYN).bytes();
-            match sendto(fd.as_raw_fd(), &frame[ETH_LEN..], &dst, MsgFlags::empty()) {
-                Ok(_) => sent += 1,
+            let first = sent + send_errors;
+            let n = (due - first).min(BATCH as u64) as usize;
+            let frames: Vec<Vec<u8>> = (0..n as u64)
+                .map(|k| {
+                    let (src, sport) = source(base, host_bits, first + k);
+                    Frame::tcp(src, sport, *target.ip(), target.port(), SYN).bytes()
+                })
+                .collect();
+            let slices: Vec<[IoSlice<'_>; 1]> = frames.iter().map(|f| [IoSlice::new(&f[ETH_LEN..])]).collect();
+            let no_cmsgs: [ControlMessage<'_>; 0] = [];
+            // Sent: the first `k` of the batch; when fewer than all, the
+            // next one failed (counted, and its source skipped, as one
+            // `sendto` that failed was).
+            match sendmmsg(fd.as_raw_fd(), &mut headers, &slices, &addrs[..n], no_cmsgs, MsgFlags::empty()) {
+                Ok(done) => {
+                    let k = done.count();
+                    sent += k as u64;
+                    if k < n {
+                        send_errors += 1;
+                    }
+                }
                 Err(_) => send_errors += 1,
             }
         }
