@@ -412,6 +412,27 @@ fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
     }
 }
 
+/// Load (verify) `prog`, again when the kernel answers EAGAIN, up to five
+/// times in all (libbpf does the same). The verifier gives up with EAGAIN
+/// when a signal is pending for the loading thread (a child's SIGCHLD, a
+/// SIGHUP meant for lbd's handler), which says nothing of the program: a
+/// test binary whose other threads ran commands failed a load that way
+/// beside a CPU-bound process, where verifying takes longer.
+fn load_xdp(prog: &mut Xdp) -> Result<(), ProgramError> {
+    const ATTEMPTS: u32 = 5;
+    let mut attempt = 1;
+    loop {
+        match prog.load() {
+            Err(ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && attempt < ATTEMPTS =>
+            {
+                attempt += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
 /// What the program was loaded with for its flow tables: the slot hash's
 /// seed (`FLOW_HASH_SEED`) and each table's entry limit (`FLOW_LIMIT`,
 /// the `conntrack_max` in force, and `FLOW_LIMIT6`, the
@@ -647,16 +668,16 @@ impl Dataplane {
     fn load_program(mut loader: EbpfLoader<'_>) -> Result<(Ebpf, usize), DataplaneError> {
         let mut ebpf = loader.load(EBPF_OBJECT)?;
         let prog: &mut Xdp = ebpf.program_mut(PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
-        prog.load()?;
+        load_xdp(prog)?;
         // The programs it tail-calls; their slots are written once the
         // maps are taken (`set_tail_calls`).
         for (_, name) in TAIL_CALLS {
             let prog: &mut Xdp = ebpf.program_mut(name).ok_or(ProgramError::NotLoaded)?.try_into()?;
-            prog.load()?;
+            load_xdp(prog)?;
         }
         // The sweeper's remover, run by `sweep`, never attached.
         let prog: &mut Xdp = ebpf.program_mut(SWEEP_PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
-        prog.load()?;
+        load_xdp(prog)?;
         let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
         Ok((ebpf, ncpus))
     }
