@@ -140,11 +140,13 @@ impl<B: Buckets> FlowTable<B> {
     /// Make the arrays of this family's table in `ebpf` (just created by
     /// the loader, empty) and put them in it (`fill_arrays`). Warns when
     /// some of them fell back to vmalloc: the table works the same, but a
-    /// new flow's slot in them also costs a page walk.
-    pub(super) fn fill(ebpf: &mut Ebpf) -> Result<(), MapError> {
-        let before = small_vmalloc_arrays();
+    /// new flow's slot in them also costs a page walk. `before` is
+    /// [`small_vmalloc_arrays`] read just before; returns it read after,
+    /// which is the next table's `before` (one read fewer).
+    pub(super) fn fill(ebpf: &mut Ebpf, before: Option<usize>) -> Result<Option<usize>, MapError> {
         let n = fill_arrays::<B>(ebpf, B::NAME, B::ARRAY_NAME, B::PER)?;
-        if let (Some(before), Some(after)) = (before, small_vmalloc_arrays())
+        let after = small_vmalloc_arrays();
+        if let (Some(before), Some(after)) = (before, after)
             && after > before
         {
             warn!(
@@ -155,7 +157,7 @@ impl<B: Buckets> FlowTable<B> {
                 after - before
             );
         }
-        Ok(())
+        Ok(after)
     }
 }
 

@@ -628,8 +628,8 @@ impl Dataplane {
         let loaded = Self::load_program(loader)
             .and_then(|(mut ebpf, ncpus)| {
                 if fresh {
-                    FlowTable::<FlowBucket>::fill(&mut ebpf)
-                        .and_then(|()| FlowTable::<FlowBucket6>::fill(&mut ebpf))
+                    FlowTable::<FlowBucket>::fill(&mut ebpf, small_vmalloc_arrays())
+                        .and_then(|after| FlowTable::<FlowBucket6>::fill(&mut ebpf, after))
                         .map_err(|e| DataplaneError::Load(aya::EbpfError::MapError(e)))?;
                 }
                 Ok((ebpf, ncpus))
