@@ -412,14 +412,17 @@ fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
     }
 }
 
-/// Load (verify) `prog`, again when the kernel answers EAGAIN, up to five
-/// times in all (libbpf does the same). The verifier gives up with EAGAIN
-/// when a signal is pending for the loading thread (a child's SIGCHLD, a
-/// SIGHUP meant for lbd's handler), which says nothing of the program: a
-/// test binary whose other threads ran commands failed a load that way
-/// beside a CPU-bound process, where verifying takes longer.
-fn load_xdp(prog: &mut Xdp) -> Result<(), ProgramError> {
+/// Load (verify) the program `name` of `ebpf`, again when the kernel
+/// answers EAGAIN, up to five times in all (libbpf does the same). The
+/// verifier gives up with EAGAIN when a signal is pending for the loading
+/// thread (a child's SIGCHLD, a SIGHUP meant for lbd's handler), which
+/// says nothing of the program: a test binary whose other threads ran
+/// commands failed a load that way beside a CPU-bound process, where
+/// verifying takes longer. (aya 0.14's load does not retry; the retry
+/// belongs there, and lives here until aya can be upgraded.)
+fn load_xdp(ebpf: &mut Ebpf, name: &str) -> Result<(), DataplaneError> {
     const ATTEMPTS: u32 = 5;
+    let prog: &mut Xdp = ebpf.program_mut(name).ok_or(ProgramError::NotLoaded)?.try_into()?;
     let mut attempt = 1;
     loop {
         match prog.load() {
@@ -428,7 +431,7 @@ fn load_xdp(prog: &mut Xdp) -> Result<(), ProgramError> {
             {
                 attempt += 1;
             }
-            done => return done,
+            done => return Ok(done?),
         }
     }
 }
@@ -667,17 +670,14 @@ impl Dataplane {
 
     fn load_program(mut loader: EbpfLoader<'_>) -> Result<(Ebpf, usize), DataplaneError> {
         let mut ebpf = loader.load(EBPF_OBJECT)?;
-        let prog: &mut Xdp = ebpf.program_mut(PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
-        load_xdp(prog)?;
-        // The programs it tail-calls; their slots are written once the
-        // maps are taken (`set_tail_calls`).
+        // The balancer; the programs it tail-calls, whose slots are written
+        // once the maps are taken (`set_tail_calls`); the sweeper's
+        // remover, run by `sweep`, never attached.
+        load_xdp(&mut ebpf, PROGRAM)?;
         for (_, name) in TAIL_CALLS {
-            let prog: &mut Xdp = ebpf.program_mut(name).ok_or(ProgramError::NotLoaded)?.try_into()?;
-            load_xdp(prog)?;
+            load_xdp(&mut ebpf, name)?;
         }
-        // The sweeper's remover, run by `sweep`, never attached.
-        let prog: &mut Xdp = ebpf.program_mut(SWEEP_PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
-        load_xdp(prog)?;
+        load_xdp(&mut ebpf, SWEEP_PROGRAM)?;
         let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
         Ok((ebpf, ncpus))
     }
