@@ -266,8 +266,9 @@ pub mod counter {
     /// the VIP the endpoint names, without per-flow state.
     pub const STATELESS_REPLY: u32 = 11;
     /// TCP packet other than a SYN without a flow entry, or on a closed
-    /// one, dropped while a migration copies the old datapath's last flows
-    /// (`Flood::hold_until`); its sender retransmits.
+    /// one, or a SYN on a half-open one, dropped while a migration copies
+    /// the old datapath's last flows (`Flood::hold_until`); its sender
+    /// retransmits.
     pub const HELD: u32 = 12;
     /// Packet too big for its egress device's MTU: never redirected (a
     /// redirected frame above the MTU is dropped silently). With DF set
@@ -395,7 +396,11 @@ pub struct Flood {
     /// backend: lbd is copying an older datapath's last flows (a
     /// migration), and the sender's retransmission will find its entry
     /// (a closed copy's may be replaced by a later connection the old
-    /// program made on the tuple: see [`InsertItem::copied`]).
+    /// program made on the tuple: see [`InsertItem::copied`]). So is a
+    /// SYN on an entry whose handshake has not completed: a copy taken
+    /// half-open may be of a connection the old program saw close since,
+    /// and the SYN a later one on the tuple, which the late copy's close
+    /// tells apart from a retransmission.
     /// 0: never.
     pub hold_until: u32,
 }

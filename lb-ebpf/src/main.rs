@@ -183,6 +183,7 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
         To::Backend(nat) => forward::<L2>(ctx, &pkt, nat, now),
         To::Dsr(nat) => dsr::<L2>(ctx, &pkt, nat, now),
         To::Client(nat, entry) => reply::<L2>(ctx, &pkt, nat, Hop::Flow(entry), now),
+        To::Held => xdp_action::XDP_DROP,
     })
 }
 
@@ -247,6 +248,9 @@ enum To {
     /// next-hop cache serves the reply (the flow's entry or its reply
     /// entry).
     Client(Nat, *mut Flow),
+    /// Dropped while a migration copies the old datapath's last flows
+    /// (`held`).
+    Held,
 }
 
 /// A packet that matched a flow-table entry by its own 5-tuple. None when
@@ -279,6 +283,9 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     }
     if down || (flow_closed(state) && (is_syn(pkt) || (pkt.proto == PROTO_TCP && holding(now)))) {
         return None;
+    }
+    if is_syn(pkt) && holds_syn(state, now) {
+        return Some(To::Held);
     }
     if is_syn(pkt) && state & FLOW_ESTABLISHED != 0 {
         reopen(state_of(flow), nat.backend_id);
@@ -446,10 +453,30 @@ pub(crate) fn reopen(state: *mut u64, backend_id: u32) {
 /// retransmission (`new_flow`), and so does one on a closed entry: it may
 /// be a later connection's that the old program scheduled on the reused
 /// tuple, which the late copy puts in the entry's place, and whose close
-/// would be lost on the closed copy (its FIN bits already set there).
+/// would be lost on the closed copy (its FIN bits already set there);
+/// and so does a SYN on a half-open entry (`holds_syn`).
 #[inline(always)]
 pub(crate) fn holding(now: u64) -> bool {
     FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until) > now)
+}
+
+/// Whether a SYN on an entry with `state` (not closed) is dropped and
+/// counted (`counter::HELD`): one whose handshake has not completed, while
+/// a migration copies the old datapath's last flows (`holding`). Outside
+/// a migration it is the entry's own connection's retransmission. Now the
+/// entry may be a copy that the old program saw complete and close since,
+/// the client reusing the tuple: taken as a retransmission, the new
+/// connection would go uncounted (and the late copy would close the entry
+/// under it). The SYN's retransmission, a second later, finds the entry
+/// the late copy left: still half-open (a retransmission, forwarded) or
+/// closed (a new connection, scheduled and counted).
+#[inline(always)]
+pub(crate) fn holds_syn(state: u64, now: u64) -> bool {
+    let held = state & FLOW_ESTABLISHED == 0 && holding(now);
+    if held {
+        stats::count(counter::HELD);
+    }
+    held
 }
 
 /// Set `bit` in a flow entry's state, once (atomic OR: other CPUs write it too).

@@ -1530,6 +1530,61 @@ fn a_migrations_hold_keeps_packets_on_a_closed_entry_for_their_retransmission() 
     });
 }
 
+/// While a migration copies the old datapath's last flows, a SYN on an
+/// entry whose handshake has not completed waits for its retransmission
+/// too (`held`). The entry may be a copy taken half-open of a connection
+/// the old program then saw complete and close, and the SYN a later
+/// connection on the reused tuple: taken as the copy's retransmission, it
+/// went uncounted (lbd's new flows one under the backends' connections),
+/// and the late copy's close bits landed on the live connection. Its
+/// retransmission after the late copy finds the closed entry and is
+/// scheduled and counted as new; a copy the late copy leaves half-open
+/// takes the SYN as its own retransmission, not counted, as ever.
+#[test]
+fn a_migrations_hold_keeps_a_syn_on_a_half_open_copy_for_its_retransmission() {
+    use lb_common::{FLOW_ESTABLISHED as EST, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED};
+    const CLOSED: u64 = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND;
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        let entry = |fx: &Fixture, p: u16| fx.dp.flow(&key4(p)).unwrap().expect("an entry");
+        // 47,000 and 47,001: the client's SYN and the backend's answer,
+        // not the client's ACK: half-open when the first copy takes them.
+        for p in [47_000, 47_001] {
+            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, SYN).bytes()), BACKEND);
+            assert_eq!(fx.run(&from_backend(BACKEND, 8080, p, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        }
+        let copies: std::collections::HashMap<u16, lb_common::Flow> =
+            [47_000, 47_001].into_iter().map(|p| (p, entry(&fx, p))).collect();
+        assert_eq!(copies[&47_000].state, FLOW_REPLIED);
+        // The swap: a SYN on either tuple waits.
+        fx.dp.hold_for(10).unwrap();
+        let (held, new_flows) = (fx.counter("held"), fx.new_flows("web", BACKEND));
+        for p in [47_000, 47_001] {
+            assert_eq!(fx.run(&tcp(CLIENT, p, VIP, 80, SYN).bytes(), fx.if_a).0, XDP_DROP, "{p}'s SYN");
+        }
+        assert_eq!(fx.counter("held"), held + 2);
+        assert_eq!(fx.new_flows("web", BACKEND), new_flows, "a held SYN is counted nowhere");
+        assert_eq!(entry(&fx, 47_000), copies[&47_000], "a held SYN changes nothing");
+        // The late copy: the old program saw 47,000 complete and close
+        // (and counted it), 47,001 not change.
+        let later = |p: u16, state: u64| lb_common::Flow { state, last_seen: copies[&p].last_seen + 1, ..copies[&p] };
+        let old = vec![(key4(47_000), later(47_000, FLOW_REPLIED | EST | CLOSED)), (key4(47_001), copies[&47_001])];
+        let copied = copies.iter().map(|(&p, f)| (key4(p), f.state)).collect();
+        let done = fx.dp.merge_flows(&old, &copied).unwrap();
+        assert_eq!((done.merged, done.existed), (1, 1), "{done:?}");
+        fx.dp.hold_for(0).unwrap();
+        // The retransmissions: 47,000's is a new connection on the closed
+        // tuple, scheduled and counted; 47,001's is its half-open
+        // connection's own, forwarded and not counted again.
+        assert_eq!(fx.forward(&tcp(CLIENT, 47_000, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(fx.new_flows("web", BACKEND), new_flows + 1, "the later connection on 47,000");
+        assert_eq!(entry(&fx, 47_000).state & (EST | CLOSED), 0, "47,000's entry is the later connection's");
+        assert_eq!(fx.forward(&tcp(CLIENT, 47_001, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(fx.new_flows("web", BACKEND), new_flows + 1, "47,001's SYN is its retransmission");
+        assert_eq!(fx.counter("held"), held + 2);
+    });
+}
+
 /// The global-counter map an older lbd pinned has fewer counters than this
 /// build counts (it adds them as the datapath learns new cases): the next
 /// start replaces it with a map of the right size and carries every count

@@ -867,8 +867,10 @@ fn a_late_copy_brings_what_the_old_program_saw_into_an_ipv6_flows_copy() {
 
 /// As for IPv4 (`datapath.rs`): while a migration holds, a TCP packet
 /// other than a SYN on a closed IPv6 entry is dropped for its
-/// retransmission (`held`); a SYN is scheduled, and once the hold ends
-/// the closed flow's late packets pass again.
+/// retransmission (`held`), and so is a SYN on a half-open one (it may be
+/// a later connection on a copy's reused tuple); a SYN on the closed
+/// tuple is scheduled, and once the hold ends the closed flow's late
+/// packets, and the half-open flow's SYN, pass again.
 #[test]
 fn a_migrations_hold_keeps_packets_on_a_closed_ipv6_entry_for_their_retransmission() {
     in_netns(|| {
@@ -893,10 +895,18 @@ fn a_migrations_hold_keeps_packets_on_a_closed_ipv6_entry_for_their_retransmissi
         assert_eq!(run(&fx, 41_200, FIN | ACK), XDP_DROP);
         assert_eq!(fx.counter("held"), held + 2);
         assert_eq!(run(&fx, 41_202, ACK | PSH), XDP_REDIRECT, "an open flow's packet is not held");
+        assert_eq!(run(&fx, 41_202, SYN), XDP_REDIRECT, "a SYN on an established flow is not held");
+        let new_flows = fx.new_flows("web6", BACKEND6);
         assert_eq!(run(&fx, 41_201, SYN), XDP_REDIRECT, "a SYN on the closed tuple is scheduled");
+        assert_eq!(fx.new_flows("web6", BACKEND6), new_flows + 1);
         assert_eq!(fx.counter("held"), held + 2);
+        // 41,201's entry is half-open now: a SYN on it waits.
+        assert_eq!(run(&fx, 41_201, SYN), XDP_DROP, "a SYN on a half-open entry");
+        assert_eq!(fx.counter("held"), held + 3);
         fx.dp.hold_for(0).unwrap();
         assert_eq!(run(&fx, 41_200, ACK), XDP_REDIRECT);
-        assert_eq!(fx.counter("held"), held + 2);
+        assert_eq!(run(&fx, 41_201, SYN), XDP_REDIRECT, "the half-open flow's SYN, after the hold");
+        assert_eq!(fx.new_flows("web6", BACKEND6), new_flows + 1, "a retransmitted SYN is not a new flow");
+        assert_eq!(fx.counter("held"), held + 3);
     });
 }
