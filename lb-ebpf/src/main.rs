@@ -149,6 +149,9 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
         // packet's own, unmarked.
         hint = table::lb_packet_flow_slot(&raw mut key, u32::from(from_backend));
         if let Some(flow) = table::flow_at(hint) {
+            if is_syn(&pkt) && syn_held(state_of(flow), now) {
+                return Ok(xdp_action::XDP_DROP);
+            }
             to = known_flow(&pkt, flow, now);
         }
     }
@@ -183,7 +186,6 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
         To::Backend(nat) => forward::<L2>(ctx, &pkt, nat, now),
         To::Dsr(nat) => dsr::<L2>(ctx, &pkt, nat, now),
         To::Client(nat, entry) => reply::<L2>(ctx, &pkt, nat, Hop::Flow(entry), now),
-        To::Held => xdp_action::XDP_DROP,
     })
 }
 
@@ -248,9 +250,6 @@ enum To {
     /// next-hop cache serves the reply (the flow's entry or its reply
     /// entry).
     Client(Nat, *mut Flow),
-    /// Dropped while a migration copies the old datapath's last flows
-    /// (`held`).
-    Held,
 }
 
 /// A packet that matched a flow-table entry by its own 5-tuple. None when
@@ -283,9 +282,6 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     }
     if down || (flow_closed(state) && (is_syn(pkt) || (pkt.proto == PROTO_TCP && holding(now)))) {
         return None;
-    }
-    if is_syn(pkt) && holds_syn(state, now) {
-        return Some(To::Held);
     }
     if is_syn(pkt) && state & FLOW_ESTABLISHED != 0 {
         reopen(state_of(flow), nat.backend_id);
@@ -454,15 +450,17 @@ pub(crate) fn reopen(state: *mut u64, backend_id: u32) {
 /// be a later connection's that the old program scheduled on the reused
 /// tuple, which the late copy puts in the entry's place, and whose close
 /// would be lost on the closed copy (its FIN bits already set there);
-/// and so does a SYN on a half-open entry (`holds_syn`).
+/// and so does a SYN on a half-open entry (`syn_held`).
 #[inline(always)]
 pub(crate) fn holding(now: u64) -> bool {
     FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until) > now)
 }
 
-/// Whether a SYN on an entry with `state` (not closed) is dropped and
-/// counted (`counter::HELD`): one whose handshake has not completed, while
-/// a migration copies the old datapath's last flows (`holding`). Outside
+/// Whether a SYN on the flow entry whose state word is `state` is dropped
+/// and counted (`counter::HELD`), before anything else is decided for it
+/// (both families): one whose handshake has not completed (neither
+/// established nor closed: a SYN opens a closed entry anew), while a
+/// migration copies the old datapath's last flows (`holding`). Outside
 /// a migration it is the entry's own connection's retransmission. Now the
 /// entry may be a copy that the old program saw complete and close since,
 /// the client reusing the tuple: taken as a retransmission, the new
@@ -471,8 +469,10 @@ pub(crate) fn holding(now: u64) -> bool {
 /// the late copy left: still half-open (a retransmission, forwarded) or
 /// closed (a new connection, scheduled and counted).
 #[inline(always)]
-pub(crate) fn holds_syn(state: u64, now: u64) -> bool {
-    let held = state & FLOW_ESTABLISHED == 0 && holding(now);
+pub(crate) fn syn_held(state: *const u64, now: u64) -> bool {
+    // SAFETY: a valid, aligned u64 inside a map value (see `known_flow`).
+    let state = unsafe { core::ptr::read_volatile(state) };
+    let held = state & FLOW_ESTABLISHED == 0 && !flow_closed(state) && holding(now);
     if held {
         stats::count(counter::HELD);
     }

@@ -32,11 +32,11 @@ use crate::{
         FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, cached_hop, can_redirect,
         classify_segment, generic_ingress, may_cache, segment_sum, set_macs, store_hop,
     },
-    holding, holds_syn,
+    holding,
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     no_backend, now_secs, opening_state,
     parse::{ETH_HLEN, ETH_P_IPV6, EthHdr, ICMP6_TOO_BIG, IP6_HLEN, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
-    rate_ok, reopen, select, set_state, stats, syn_only, table, track_close,
+    rate_ok, reopen, select, set_state, stats, syn_held, syn_only, table, track_close,
 };
 
 const AF_INET6: u8 = 10;
@@ -351,10 +351,7 @@ fn try_lb(ctx: &XdpContext) -> u32 {
         // SAFETY: as above.
         unsafe { (*k).hint = at };
         if let Some(flow) = table::flow6_at(at) {
-            // Decided before `known_flow`, as its hold on a closed entry
-            // is (the stack): a new `To` for it made LLVM spill a register
-            // left undefined, which the verifier refuses.
-            if pkt.is_syn() && syn_held(flow, now) {
+            if pkt.is_syn() && syn_held(state_of(flow), now) {
                 return xdp_action::XDP_DROP;
             }
             to = known_flow(&pkt, flow, k, now);
@@ -532,15 +529,6 @@ fn state_of(flow: *mut Flow6) -> *mut u64 {
 fn dir_of(flow: *mut Flow6) -> *mut u8 {
     // SAFETY: only the field's address is taken.
     unsafe { &raw mut (*flow).dir }
-}
-
-/// Whether a SYN on the entry `flow` is held (`holds_syn`): not on a
-/// closed entry, which a SYN opens anew.
-#[inline(always)]
-fn syn_held(flow: *mut Flow6, now: u64) -> bool {
-    // SAFETY: a valid, aligned u64 inside a map value (see main.rs).
-    let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
-    !flow_closed(state) && holds_syn(state, now)
 }
 
 /// A packet that matched a flow-table entry by its own 5-tuple (see
