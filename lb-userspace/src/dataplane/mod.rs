@@ -44,6 +44,7 @@ mod endpoints;
 mod flows;
 mod layout;
 mod maps;
+mod memcg;
 mod pin;
 mod program;
 mod sweep;
@@ -102,20 +103,15 @@ pub enum DataplaneError {
     #[error("loading the XDP program into the kernel: {0}")]
     Load(#[from] aya::EbpfError),
     #[error(
-        "creating BPF map {map}: the kernel could not allocate it. The flow tables take about {flows_mb} MB \
-         (conntrack_max: {conntrack_max}, conntrack_max_ipv6: {conntrack_max_ipv6}) and the selection tables about {select_mb} MB (table_capacity: \
-         {table_capacity}), all allocated at start: lower them, or give the machine (or lbd's memory cgroup) \
-         more memory: {source}"
+        "creating BPF map {map}: the kernel could not allocate it. {tables}: lower them, or give the machine (or lbd's memory cgroup) more memory: {source}"
     )]
-    Memory {
-        map: String,
-        conntrack_max: u32,
-        conntrack_max_ipv6: u32,
-        flows_mb: u64,
-        table_capacity: u32,
-        select_mb: u64,
-        source: std::io::Error,
-    },
+    Memory { map: String, tables: TableMemory, source: std::io::Error },
+    #[error(
+        "{tables}, more than lbd's memory cgroup {} leaves: about {} MB free of its {} MB limit ({}). Lower them, \
+         or raise the cgroup's limit; nothing was created",
+        cgroup.cgroup, cgroup.free / 1_000_000, cgroup.limit / 1_000_000, cgroup.file
+    )]
+    Cgroup { tables: TableMemory, cgroup: memcg::Limit },
     #[error("XDP program: {0}")]
     Program(#[from] ProgramError),
     #[error("BPF map {map}: {source}")]
@@ -391,22 +387,64 @@ pub fn memory_warning(config: &Config, mem_total: u64) -> Option<String> {
     })
 }
 
+/// What the tables of a config take, said in an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableMemory {
+    conntrack_max: u32,
+    conntrack_max_ipv6: u32,
+    table_capacity: u32,
+    /// Bytes of the flow tables and of the selection tables.
+    flows: u64,
+    select: u64,
+}
+
+impl TableMemory {
+    fn of(config: &Config) -> Self {
+        let (flows, select) = table_memory(config);
+        Self {
+            conntrack_max: config.conntrack_max,
+            conntrack_max_ipv6: config.conntrack_max_ipv6,
+            table_capacity: config.table_capacity,
+            flows,
+            select,
+        }
+    }
+}
+
+impl std::fmt::Display for TableMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "The flow tables take about {} MB (conntrack_max: {}, conntrack_max_ipv6: {}) and the selection tables \
+             about {} MB (table_capacity: {}), all allocated at start",
+            self.flows / 1_000_000,
+            self.conntrack_max,
+            self.conntrack_max_ipv6,
+            self.select / 1_000_000,
+            self.table_capacity
+        )
+    }
+}
+
+/// New tables that cannot fit the memory lbd's memory cgroup leaves
+/// (see [`memcg`]), found before any is created.
+fn cgroup_room(config: &Config) -> Result<(), DataplaneError> {
+    let tables = TableMemory::of(config);
+    let info = rustix::system::sysinfo();
+    let ram = info.totalram * u64::from(info.mem_unit);
+    match memcg::tightest(ram) {
+        Some(cgroup) if tables.flows + tables.select > cgroup.free => Err(DataplaneError::Cgroup { tables, cgroup }),
+        _ => Ok(()),
+    }
+}
+
 /// A map the kernel had no memory for, said with what takes the memory.
 fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
     match e {
         DataplaneError::Load(aya::EbpfError::MapError(MapError::CreateError { name, io_error }))
             if io_error.raw_os_error() == Some(libc::ENOMEM) =>
         {
-            let (flows, select) = table_memory(config);
-            DataplaneError::Memory {
-                map: name,
-                conntrack_max: config.conntrack_max,
-                conntrack_max_ipv6: config.conntrack_max_ipv6,
-                flows_mb: flows / 1_000_000,
-                table_capacity: config.table_capacity,
-                select_mb: select / 1_000_000,
-                source: io_error,
-            }
+            DataplaneError::Memory { map: name, tables: TableMemory::of(config), source: io_error }
         }
         e => e,
     }
@@ -628,7 +666,9 @@ impl Dataplane {
         // before anything else sees them; adopted ones have theirs (a
         // layout is written only after).
         let fresh = !adopting || migrate_from.is_some();
-        let loaded = Self::load_program(loader)
+        let room = if fresh { cgroup_room(config) } else { Ok(()) };
+        let loaded = room
+            .and_then(|()| Self::load_program(loader))
             .and_then(|(mut ebpf, ncpus)| {
                 if fresh {
                     FlowTable::<FlowBucket>::fill(&mut ebpf, small_vmalloc_arrays())
@@ -1120,5 +1160,43 @@ mod tests {
         // An IPv4-only gateway's small IPv6 table: 2,048 slots, 8 arrays.
         let v4_only = Config { conntrack_max_ipv6: 1024, ..c.clone() };
         assert_eq!(table_memory(&v4_only).0, (5462 + 8) * 32768);
+    }
+
+    #[test]
+    fn a_map_the_kernel_has_no_memory_for_is_said_with_the_tables_sizes() {
+        let c = config(1 << 20);
+        let enomem = |name: &str| {
+            DataplaneError::Load(aya::EbpfError::MapError(MapError::CreateError {
+                name: name.into(),
+                io_error: std::io::Error::from_raw_os_error(libc::ENOMEM),
+            }))
+        };
+        let e = memory_hint(enomem("FLOW_SLOTS_ARR"), &c).to_string();
+        for want in [
+            "creating BPF map FLOW_SLOTS_ARR: the kernel could not allocate it.",
+            "The flow tables take about 447 MB (conntrack_max: 1048576, conntrack_max_ipv6: 1048576)",
+            "the selection tables about 8 MB (table_capacity: 4194304)",
+            "lower them, or give the machine (or lbd's memory cgroup) more memory",
+            "Cannot allocate memory",
+        ] {
+            assert!(e.contains(want), "{want:?} not in {e:?}");
+        }
+        // Other errors pass through as they were.
+        let other = DataplaneError::Load(aya::EbpfError::MapError(MapError::CreateError {
+            name: "FLOW_SLOTS_ARR".into(),
+            io_error: std::io::Error::from_raw_os_error(libc::EPERM),
+        }));
+        assert!(matches!(memory_hint(other, &c), DataplaneError::Load(_)));
+        // Tables over a cgroup's room: said before anything is created.
+        let cgroup = memcg::Limit { cgroup: "/lbd".into(), file: "memory.max", limit: 120 << 20, free: 100 << 20 };
+        let e = DataplaneError::Cgroup { tables: TableMemory::of(&c), cgroup }.to_string();
+        assert!(
+            e.starts_with("The flow tables take about 447 MB")
+                && e.contains(
+                    "more than lbd's memory cgroup /lbd leaves: about 104 MB free of its 125 MB limit (memory.max)"
+                )
+                && e.ends_with("nothing was created"),
+            "{e}"
+        );
     }
 }
