@@ -130,14 +130,6 @@ async fn serve(
     sigint: &mut tokio::signal::unix::Signal,
 ) -> anyhow::Result<Exit> {
     let adopting = Dataplane::pinned_at(&cfg.pin_path);
-    if !adopting {
-        // The machine's memory (sysinfo(2), as /proc/meminfo's MemTotal).
-        let info = rustix::system::sysinfo();
-        let total = info.totalram * u64::from(info.mem_unit);
-        if let Some(w) = lb_userspace::dataplane::memory_warning(cfg, total) {
-            warn!("{w}");
-        }
-    }
     let mut dp = Dataplane::load(cfg).context("loading the datapath")?;
     let logger = match aya_log::EbpfLogger::init(dp.ebpf_mut()) {
         // SAFETY: the logger owns its ring-buffer fd and moves into the

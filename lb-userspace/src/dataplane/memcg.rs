@@ -58,23 +58,19 @@ pub(super) fn tightest(ram: u64) -> Option<Limit> {
     let groups = me.cgroups().ok()?.0;
     let mounts = me.mountinfo().map(|m| m.0).unwrap_or_default();
     // cgroup v1's memory hierarchy when the process is in one (a hybrid
-    // machine has a v2 hierarchy too, without the memory controller).
-    let (files, path, controllers, visible) = match groups.iter().find(|g| g.controllers.iter().any(|c| c == "memory"))
-    {
-        Some(g) => (
-            V1,
-            &g.pathname,
-            Some(&g.controllers),
-            mounts.iter().find(|m| m.fs_type == "cgroup" && m.super_options.contains_key("memory")),
-        ),
-        None => (
-            V2,
-            &groups.iter().find(|g| g.hierarchy == 0)?.pathname,
-            None,
-            mounts.iter().find(|m| m.fs_type == "cgroup2"),
-        ),
+    // machine has a v2 hierarchy too, without the memory controller),
+    // else v2's. A hierarchy without the controller has no limit files,
+    // which `limit_of` takes as no limit.
+    let v1 = groups.iter().find(|g| g.controllers.iter().any(|c| c == "memory"));
+    let (files, group) = match v1 {
+        Some(g) => (V1, g),
+        None => (V2, groups.iter().find(|g| g.hierarchy == 0)?),
     };
-    let path = Path::new(path);
+    let path = Path::new(&group.pathname);
+    let visible = mounts.iter().find(|m| match v1 {
+        Some(_) => m.fs_type == "cgroup" && m.super_options.contains_key("memory"),
+        None => m.fs_type == "cgroup2",
+    });
     if let Some(m) = visible {
         // The mount shows the hierarchy from `root` down; the process's
         // path is the whole one.
@@ -85,32 +81,21 @@ pub(super) fn tightest(ram: u64) -> Option<Limit> {
     // /sys, without /sys/fs/cgroup): a mount of our own, detached (never
     // in any directory, gone when its descriptor closes), read through
     // /proc/self/fd.
-    let fd = detached(controllers.map(Vec::as_slice)).ok()?;
-    let at = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
-    if controllers.is_none()
-        && !std::fs::read_to_string(at.join("cgroup.controllers"))
-            .is_ok_and(|c| c.split_whitespace().any(|c| c == "memory"))
-    {
-        return None;
-    }
-    tightest_under(&at, path, files, ram)
+    let fd = detached(v1.map(|g| g.controllers.as_slice())).ok()?;
+    tightest_under(Path::new(&format!("/proc/self/fd/{}", fd.as_raw_fd())), path, files, ram)
 }
 
 /// A detached, read-only mount of cgroup v1's hierarchy with
 /// `controllers`, or (None) of cgroup v2's. Needs CAP_SYS_ADMIN.
 fn detached(controllers: Option<&[String]>) -> std::io::Result<OwnedFd> {
     use rustix::mount::{
-        FsMountFlags, FsOpenFlags, MountAttrFlags, fsconfig_create, fsconfig_set_flag, fsconfig_set_string, fsmount,
-        fsopen,
+        FsMountFlags, FsOpenFlags, MountAttrFlags, fsconfig_create, fsconfig_set_flag, fsmount, fsopen,
     };
     let fs = fsopen(if controllers.is_some() { "cgroup" } else { "cgroup2" }, FsOpenFlags::FSOPEN_CLOEXEC)?;
+    // A v1 mount names every controller its hierarchy has, or the kernel
+    // refuses it.
     for c in controllers.unwrap_or_default() {
-        // A v1 mount names every controller its hierarchy has (and a
-        // named hierarchy, `name=...`), or the kernel refuses it.
-        match c.split_once('=') {
-            Some((k, v)) => fsconfig_set_string(&fs, k, v)?,
-            None => fsconfig_set_flag(&fs, c.as_str())?,
-        }
+        fsconfig_set_flag(&fs, c.as_str())?;
     }
     fsconfig_create(&fs)?;
     let attrs = MountAttrFlags::MOUNT_ATTR_RDONLY

@@ -369,19 +369,15 @@ pub fn table_memory(config: &Config) -> (u64, u64) {
     (flows, u64::from(config.table_capacity) * SELECT_BYTES)
 }
 
-/// A warning when the tables would take more than half of `mem_total`
-/// bytes of memory (a fresh datapath allocates them in full at load).
-pub fn memory_warning(config: &Config, mem_total: u64) -> Option<String> {
-    let (flows, select) = table_memory(config);
-    (flows + select > mem_total / 2).then(|| {
+/// A warning when `tables` would take more than half of `mem_total`
+/// bytes of memory (new tables are allocated in full at load).
+fn memory_warning(tables: &TableMemory, mem_total: u64) -> Option<String> {
+    let all = tables.flows + tables.select;
+    (all > mem_total / 2).then(|| {
         format!(
-            "the flow tables (conntrack_max: {}, conntrack_max_ipv6: {}) and selection tables (table_capacity: {}) \
-             take about {} MB of kernel memory, allocated at start: {}% of this machine's {} MB",
-            config.conntrack_max,
-            config.conntrack_max_ipv6,
-            config.table_capacity,
-            (flows + select) / 1_000_000,
-            (flows + select) * 100 / mem_total,
+            "{tables}: about {} MB of kernel memory in all, {}% of this machine's {} MB",
+            all / 1_000_000,
+            all * 100 / mem_total,
             mem_total / 1_000_000
         )
     })
@@ -426,12 +422,18 @@ impl std::fmt::Display for TableMemory {
     }
 }
 
-/// New tables that cannot fit the memory lbd's memory cgroup leaves
-/// (see [`memcg`]), found before any is created.
-fn cgroup_room(config: &Config) -> Result<(), DataplaneError> {
+/// The memory new tables will take, weighed once before any is created:
+/// a warning when they take more than half of the machine's memory, and
+/// an error when they do not fit what lbd's memory cgroup leaves (see
+/// [`memcg`]).
+fn check_room(config: &Config) -> Result<(), DataplaneError> {
     let tables = TableMemory::of(config);
+    // The machine's memory (sysinfo(2), as /proc/meminfo's MemTotal).
     let info = rustix::system::sysinfo();
     let ram = info.totalram * u64::from(info.mem_unit);
+    if let Some(w) = memory_warning(&tables, ram) {
+        warn!("{w}");
+    }
     match memcg::tightest(ram) {
         Some(cgroup) if tables.flows + tables.select > cgroup.free => Err(DataplaneError::Cgroup { tables, cgroup }),
         _ => Ok(()),
@@ -666,7 +668,7 @@ impl Dataplane {
         // before anything else sees them; adopted ones have theirs (a
         // layout is written only after).
         let fresh = !adopting || migrate_from.is_some();
-        let room = if fresh { cgroup_room(config) } else { Ok(()) };
+        let room = if fresh { check_room(config) } else { Ok(()) };
         let loaded = room
             .and_then(|()| Self::load_program(loader))
             .and_then(|(mut ebpf, ncpus)| {
@@ -1151,12 +1153,12 @@ mod tests {
         // One more flow doubles the slots.
         assert_eq!(table_memory(&config((1 << 20) + 1)).0, (10923 + 16384) * 32768);
         let gib = 1 << 30;
-        assert_eq!(memory_warning(&c, 24 * gib), None);
+        assert_eq!(memory_warning(&TableMemory::of(&c), 24 * gib), None);
         // 64M flows on the 24 GiB machine the README speaks of: 28.6 GB
         // (and 8.4 MB of selection tables).
-        let w = memory_warning(&config(1 << 26), 24 * gib).expect("a warning");
+        let w = memory_warning(&TableMemory::of(&config(1 << 26)), 24 * gib).expect("a warning");
         assert!(w.contains("conntrack_max: 67108864") && w.contains("about 28641 MB") && w.contains("111%"), "{w}");
-        assert!(memory_warning(&c, gib / 2).is_some());
+        assert!(memory_warning(&TableMemory::of(&c), gib / 2).is_some());
         // An IPv4-only gateway's small IPv6 table: 2,048 slots, 8 arrays.
         let v4_only = Config { conntrack_max_ipv6: 1024, ..c.clone() };
         assert_eq!(table_memory(&v4_only).0, (5462 + 8) * 32768);
