@@ -156,6 +156,10 @@ pub(crate) enum Expect {
     Pass,
     /// XDP_TX with the MAC addresses swapped.
     Tx,
+    /// A one-arm gateway's forwarding: the frame arrives on the device it
+    /// leaves by (gwb for a client's packet, gwa for a reply), is
+    /// rewritten as a redirected one is, and goes back out by XDP_TX.
+    SentBack,
 }
 
 impl Expect {
@@ -164,7 +168,7 @@ impl Expect {
         match self {
             Self::Redirect => XDP_REDIRECT,
             Self::Pass => XDP_PASS,
-            Self::Tx => XDP_TX,
+            Self::Tx | Self::SentBack => XDP_TX,
         }
     }
 }
@@ -317,6 +321,19 @@ pub(crate) fn items() -> Vec<Item> {
             via: Via::Harness(MODE_RESTORE),
             frame: est.clone(),
             expect: Expect::Redirect,
+            service: Some("maglev"),
+            katran: Some(katran::ESTABLISHED_X),
+            reply: false,
+            fill: 0,
+        },
+        Item {
+            key: "tcp_established_one_arm",
+            label: "TCP established flow, one arm (maglev)".into(),
+            path: "flow hit, NAT, cached next hop, back out of its ingress by XDP_TX",
+            prog: Prog::Lb,
+            via: Via::Harness(MODE_RESTORE),
+            frame: tcp(CLIENT, 40001, VIP, 80, ACK).bytes(),
+            expect: Expect::SentBack,
             service: Some("maglev"),
             katran: Some(katran::ESTABLISHED_X),
             reply: false,
@@ -556,6 +573,6 @@ pub(crate) fn new_flow_case(item: &Item) -> bool {
 pub(crate) fn answered_first(item: &Item) -> bool {
     matches!(
         item.key.strip_suffix("_full").unwrap_or(item.key),
-        "tcp_established" | "udp_established" | "tcp6_established"
+        "tcp_established" | "tcp_established_one_arm" | "udp_established" | "tcp6_established"
     )
 }

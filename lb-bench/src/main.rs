@@ -108,7 +108,7 @@ pub struct PacketArgs {
     pub keep_bpf_stats: bool,
     /// Measure only these cases (comma-separated keys, e.g.
     /// `tcp_established,non_vip`); the floors, the flow table alone and the
-    /// harness are always measured. Keys: tcp_established, tcp_reply, new_maglev, new_wrr, new_rr,
+    /// harness are always measured. Keys: tcp_established, tcp_established_one_arm, tcp_reply, new_maglev, new_wrr, new_rr,
     /// new_source_hash, new_least_conn, new_shared, udp_established, tcp6_established, tcp6_reply,
     /// new_maglev6, ipv6, non_vip.
     #[arg(long, value_delimiter = ',')]

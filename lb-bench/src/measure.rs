@@ -102,6 +102,8 @@ pub(crate) struct Bench {
     /// the refill.
     filled: [Option<u32>; 6],
     if_a: u32,
+    /// The backends' side, where a one-arm case's client packets arrive.
+    if_b: u32,
     cpu: usize,
     pub conntrack_max: u32,
     /// Set by SIGINT/SIGTERM: stop between runs, clean up (namespace, sysctl).
@@ -196,9 +198,12 @@ impl Bench {
         };
         let mut dp = Dataplane::load_unpinned(&cfg).context("loading the datapath")?;
         dp.apply_admin(&cfg.services).context("programming the services")?;
-        // Both veths take native redirects (what lbd writes for a gateway
-        // whose veth peers have GRO on), so the measured path is the fast one.
-        let xmit = lb_common::NETDEV_F_XMIT_GENERIC | lb_common::NETDEV_F_XMIT_NATIVE;
+        // Both devices take native redirects (what lbd writes for a gateway
+        // whose veth peers have GRO on), so the measured path is the fast
+        // one; and XDP_TX (what lbd writes for a NIC's driver, or generic
+        // mode), so that the one-arm case times the path a one-arm gateway
+        // takes there (packets that arrive on a device they leave by).
+        let xmit = lb_common::NETDEV_F_XMIT_GENERIC | lb_common::NETDEV_F_XMIT_NATIVE | lb_common::NETDEV_F_TX;
         dp.write_netdevs(&[(ifindex("gwa")?, xmit), (ifindex("gwb")?, xmit)].into_iter().collect())
             .context("describing the devices")?;
         // The table-alone programs' tables have the datapath's flow-table size.
@@ -239,6 +244,7 @@ impl Bench {
             slot: None,
             filled: [None; 6],
             if_a: ifindex("gwa")?,
+            if_b: ifindex("gwb")?,
             cpu,
             conntrack_max,
             stop,
@@ -364,7 +370,7 @@ impl Bench {
                 xdp(&self.bench, "bench_harness")?
             }
         };
-        let ctx = xdp_ctx(item.frame.len(), self.if_a);
+        let ctx = xdp_ctx(item.frame.len(), self.ingress(item));
         let mut out = vec![0u8; item.frame.len() + 256];
         ensure!(!self.stop.load(Ordering::Relaxed), "interrupted");
         let stateless_before = self.stateless_count()?;
@@ -391,6 +397,14 @@ impl Bench {
         let stateless = self.stateless_count()? - stateless_before;
         ensure!(stateless == 0, "{}: {stateless} flows routed without an entry", item.key);
         Ok(RunOut { retval: res.return_value, out, sample })
+    }
+
+    /// The device `item`'s frame arrives on: a client's packet on the
+    /// client side (gwa), a backend's reply on the backends' side (gwb);
+    /// for a one-arm case (`Expect::SentBack`) each on the side it leaves
+    /// by, the other way round.
+    fn ingress(&self, item: &Item) -> u32 {
+        if item.reply == (item.expect == Expect::SentBack) { self.if_a } else { self.if_b }
     }
 
     /// Flows the datapath routed without an entry so far (`table_full`,
@@ -544,11 +558,13 @@ impl Bench {
                 }
                 ensure!(r.out == want, "{what}: MACs not swapped\n out {:02x?}", r.out);
             }
-            Expect::Redirect => {
+            Expect::Redirect | Expect::SentBack => {
+                let want = item.expect.retval();
                 ensure!(
-                    r.retval == XDP_REDIRECT,
-                    "{what}: returned {} instead of XDP_REDIRECT (4): the measured path is not the forwarding path",
-                    r.retval
+                    r.retval == want,
+                    "{what}: returned {} instead of {want} ({}): the measured path is not the forwarding path",
+                    r.retval,
+                    if want == XDP_TX { "XDP_TX" } else { "XDP_REDIRECT" }
                 );
                 if is_ipv6(&seen) {
                     return check_redirect6(item, &seen, &r.out);
@@ -942,6 +958,14 @@ impl Bench {
         // A forwarded packet counts one XDP redirect; nothing else may move
         // (a drop, a kernel-path hand-over: not the path meant to be timed).
         let redirected = moved.remove(&"xdp_redirect".to_owned()).unwrap_or(0);
+        // Of those, the ones sent back out of their ingress by XDP_TX.
+        let sent_back = moved.remove(&"xdp_tx".to_owned()).unwrap_or(0);
+        let want_back = if item.expect == Expect::SentBack { u64::from(repeat) } else { 0 };
+        ensure!(
+            sent_back == want_back,
+            "{}: {sent_back} packets sent back out by XDP_TX in {repeat} repeats, expected {want_back}",
+            item.label
+        );
         // Before the output's check: the last repeat may be the one dropped.
         if let Some(dropped) = moved.get(&"flow_table".to_owned()).copied()
             && matches!(item.expect, Expect::Redirect)
@@ -953,7 +977,7 @@ impl Bench {
         }
         self.check_output(item, &timed, repeat, c2.checked_sub(1))
             .with_context(|| format!("{}: output of the timed run (last repeat)", item.label))?;
-        if matches!(item.expect, Expect::Redirect) {
+        if matches!(item.expect, Expect::Redirect | Expect::SentBack) {
             ensure!(
                 redirected == u64::from(repeat),
                 "{}: {redirected} XDP redirects counted for {repeat} repeats (other counters that moved: {moved:?})",
@@ -1073,7 +1097,7 @@ impl Bench {
     fn answer(&mut self, item: &Item) -> anyhow::Result<()> {
         let reply = self.reply_to(item)?;
         let r = self.run(&reply, 1)?;
-        ensure!(r.retval == XDP_REDIRECT, "{}: the flow's reply returned {}", item.label, r.retval);
+        ensure!(r.retval == item.expect.retval(), "{}: the flow's reply returned {}", item.label, r.retval);
         ensure!(self.flow_state(item)? & FLOW_REPLIED != 0, "{}: the reply was not seen", item.label);
         Ok(())
     }
@@ -1081,8 +1105,9 @@ impl Bench {
     /// Run `item`'s forward packet once (checked: it makes the flow), and
     /// return the case of its reply, from the backend the packet went to.
     fn reply_to(&mut self, item: &Item) -> anyhow::Result<Item> {
-        let fwd = self.run(item, 1)?;
-        ensure!(fwd.retval == XDP_REDIRECT, "{}: the forward packet returned {}", item.label, fwd.retval);
+        // (A reply case's own frame is the forward one, sent as a client's.)
+        let fwd = self.run(&Item { reply: false, ..item.clone() }, 1)?;
+        ensure!(fwd.retval == item.expect.retval(), "{}: the forward packet returned {}", item.label, fwd.retval);
         let service = item.service.unwrap_or_default();
         let frame = if is_ipv6(&item.frame) {
             reply_frame6(&Frame6::parse(&item.frame)?, Frame6::parse(&fwd.out)?.dst, service)

@@ -59,7 +59,9 @@ pub(crate) fn report(
     let target = |key: &str| -> Option<(f64, String)> {
         // The full-table variant has the same target.
         match key.strip_suffix("_full").unwrap_or(key) {
-            "tcp_established" | "tcp6_established" => Some((3.0 * tx_med, "3x floor_tx".to_owned())),
+            "tcp_established" | "tcp_established_one_arm" | "tcp6_established" => {
+                Some((3.0 * tx_med, "3x floor_tx".to_owned()))
+            }
             k if k.starts_with("new_") => Some((14.0 * tx_med, "14x floor_tx".to_owned())),
             // Not a VIP, in either family.
             "non_vip" | "ipv6" => Some((pass_med + 5.0, "floor_pass + 5 ns".to_owned())),

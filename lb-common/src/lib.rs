@@ -105,6 +105,18 @@ pub const NETDEV_F_XMIT_GENERIC: u32 = 2;
 /// NDO_XMIT in its XDP features (for a veth: the peer has an XDP program or
 /// GRO on). A bridge, for one, never has it.
 pub const NETDEV_F_XMIT_NATIVE: u32 = 4;
+/// `XDP_TX` out of this device, in the mode the program runs in on it,
+/// reaches the other end: generic mode on any device, native mode on any
+/// but a veth. A veth's native `XDP_TX` wakes its peer only when the peer
+/// runs an XDP program of its own, which lbd cannot see from its network
+/// namespace; GRO at the peer, which makes redirects into the veth work,
+/// leaves `XDP_TX` frames waiting. A packet whose egress is its ingress
+/// goes back out by `XDP_TX` where this is set, by redirect otherwise.
+pub const NETDEV_F_TX: u32 = 8;
+/// Set in a cached next hop's egress ifindex (`NextHop::ifindex`,
+/// `Flow::nh_ifindex`): the egress has [`NETDEV_F_TX`]. Kernel ifindexes
+/// are positive `int`s: bit 31 is free.
+pub const HOP_TX: u32 = 1 << 31;
 
 /// [`Flow::dir`]: client -> VIP, rewritten to the backend.
 pub const DIR_FORWARD: u8 = 0;
@@ -243,7 +255,9 @@ pub mod counter {
     /// Packet to a VIP with TTL <= 1, passed unmodified so the kernel answers
     /// with ICMP time exceeded.
     pub const TTL_EXPIRED: u32 = 5;
-    /// Rewritten packet that left by XDP redirect (the fast path).
+    /// Rewritten packet that left by XDP (the fast path): redirected to its
+    /// egress device, or sent back out the device it came in on
+    /// (`XDP_TX`, also counted in [`XDP_TX`]).
     pub const XDP_REDIRECT: u32 = 6;
     /// Rewritten packet handed to the kernel's forwarding path because its
     /// egress device cannot transmit frames redirected from the mode the
@@ -302,8 +316,12 @@ pub mod counter {
     /// not a reply of that flow, so dropped rather than passed on to the
     /// client with the backend's own address as its source.
     pub const STALE_BACKEND: u32 = 19;
+    /// Of the packets counted in [`XDP_REDIRECT`], those whose egress is
+    /// the device they came in on (a one-arm gateway): sent back out by
+    /// `XDP_TX`, without the redirect helper's call.
+    pub const XDP_TX: u32 = 20;
     /// Number of counters.
-    pub const COUNT: u32 = 20;
+    pub const COUNT: u32 = 21;
 
     /// Names used by userspace (metrics labels, `lbctl status`).
     pub const NAMES: [&str; COUNT as usize] = [
@@ -327,6 +345,7 @@ pub mod counter {
         "icmp_to_backend",
         "vlan",
         "stale_backend",
+        "xdp_tx",
     ];
 
     /// Counters that count a rewritten packet handed to the kernel's

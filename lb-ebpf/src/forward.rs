@@ -18,7 +18,8 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use lb_common::{
-    Flow, Flow6, NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE, NETDEV_MTU_SHIFT, PROTO_UDP, counter,
+    Flow, Flow6, HOP_TX, NETDEV_F_GENERIC, NETDEV_F_TX, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE, NETDEV_MTU_SHIFT,
+    PROTO_UDP, counter,
 };
 
 use lb_ebpf::csum;
@@ -286,7 +287,8 @@ fn netdev(ifindex: u32) -> u32 {
 /// to be as wide as any.
 #[inline(always)]
 pub(crate) fn may_cache(ctx: &XdpContext, egress: u32) -> bool {
-    let out = netdev(egress) >> NETDEV_MTU_SHIFT;
+    // (An egress `tx_mark` marked is the device without its mark.)
+    let out = netdev(egress & !HOP_TX) >> NETDEV_MTU_SHIFT;
     out == 0 || out >= netdev(ctx.ingress_ifindex() as u32) >> NETDEV_MTU_SHIFT
 }
 
@@ -426,6 +428,7 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
         if !can_redirect(ctx, nh.0) {
             return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
         }
+        nh.0 = tx_mark(ctx, nh.0);
         if may_cache(ctx, nh.0) {
             store_hop(ctx, hop, nh, now, generation);
         }
@@ -443,7 +446,40 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
         (*ip).check = csum::replace2((*ip).check, old.to_be(), new.to_be());
     }
     set_macs(pkt.eth(), smac, dmac);
+    leave(ctx, ifindex)
+}
+
+/// The egress `ifindex` of a next hop just looked up, marked `HOP_TX`
+/// when it is this packet's ingress and `XDP_TX` out of it works
+/// (`NETDEV_F_TX`): decided here, off the cached path, and cached with
+/// the hop.
+#[inline(always)]
+pub(crate) fn tx_mark(ctx: &XdpContext, ifindex: u32) -> u32 {
+    if ifindex == ctx.ingress_ifindex() as u32 && netdev(ifindex) & NETDEV_F_TX != 0 {
+        ifindex | HOP_TX
+    } else {
+        ifindex
+    }
+}
+
+/// Send the finished frame out of the next hop's egress `hop_if` (marked
+/// by [`tx_mark`]), which `can_redirect` judged able to take it: back out
+/// of the device it came in on by `XDP_TX` where that works (a one-arm
+/// gateway, Katran's setup: no helper call, and a NIC sends it from the
+/// queue it came in on), by redirect otherwise. The mark is checked
+/// against this packet's ingress: a flow entry's cached hop serves
+/// replies whichever device they arrive on. Counted in `xdp_redirect`
+/// either way, so that `xdp_redirect`, `fib_fallback` and
+/// `kernel_egress` still add up to the forwarded packets, and `XDP_TX`
+/// also in `xdp_tx`.
+#[inline(always)]
+pub(crate) fn leave(ctx: &XdpContext, hop_if: u32) -> u32 {
     stats::count(counter::XDP_REDIRECT);
+    let ifindex = hop_if & !HOP_TX;
+    if hop_if & HOP_TX != 0 && ifindex == ctx.ingress_ifindex() as u32 {
+        stats::count(counter::XDP_TX);
+        return xdp_action::XDP_TX;
+    }
     // SAFETY: plain helper call.
     unsafe { bpf_redirect(ifindex, 0) as u32 }
 }
@@ -508,7 +544,6 @@ pub(crate) struct Oversize {
 // no room for this path's locals.
 #[inline(never)]
 pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: u64) -> u32 {
-    finish_for_dsr(ctx, pkt);
     let now = now as u32;
     let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
     let hop = Hop::Backend { id, addr };
@@ -536,15 +571,14 @@ pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: 
             stats::count(counter::DSR_OFF_LINK);
             return xdp_action::XDP_DROP;
         }
+        nh.0 = tx_mark(ctx, nh.0);
         if may_cache(ctx, nh.0) {
             store_hop(ctx, hop, nh, now, generation);
         }
         nh
     };
     set_macs(pkt.eth(), smac, dmac);
-    stats::count(counter::XDP_REDIRECT);
-    // SAFETY: plain helper call.
-    unsafe { bpf_redirect(ifindex, 0) as u32 }
+    leave(ctx, ifindex)
 }
 
 /// A DSR packet leaves unchanged but for its MACs, and by native XDP
@@ -555,7 +589,7 @@ pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: 
 // Its own frame: its branches would otherwise double the verifier's walk
 // of everything after it.
 #[inline(never)]
-fn finish_for_dsr(ctx: &XdpContext, pkt: &Packet) {
+pub(crate) fn finish_for_dsr(ctx: &XdpContext, pkt: &Packet) {
     if generic_ingress(ctx) {
         return;
     }

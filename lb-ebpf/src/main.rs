@@ -743,6 +743,7 @@ fn dsr<const L2: usize>(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u
         return xdp_action::XDP_DROP;
     }
     stats::packet_in(nat.backend_id, pkt.len);
+    forward::finish_for_dsr(ctx, pkt);
     forward::send_dsr(ctx, pkt, nat.backend_id, nat.addr, now)
 }
 

@@ -15,7 +15,7 @@ use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{BPF_FIB_LKUP_RET_NOT_FWDED, bpf_fib_lookup as FibParams, xdp_action},
-    helpers::generated::{bpf_fib_lookup, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
+    helpers::generated::{bpf_fib_lookup, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
     macros::xdp,
     programs::XdpContext,
 };
@@ -30,7 +30,7 @@ use crate::{
     backend_down,
     forward::{
         FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, cached_hop, can_redirect,
-        classify_segment, generic_ingress, may_cache, segment_sum, set_macs, store_hop,
+        classify_segment, generic_ingress, leave, may_cache, segment_sum, set_macs, store_hop, tx_mark,
     },
     holding,
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
@@ -1001,7 +1001,7 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
     } else {
         // SAFETY: bounds-checked by parse().
         let dst = unsafe { (*pkt.ip).daddr };
-        let (rc, nh) = fib(ctx, pkt, &dst, false);
+        let (rc, mut nh) = fib(ctx, pkt, &dst, false);
         match rc {
             FIB_OK => {}
             FIB_TOO_BIG => return too_big_rewritten(ctx, pkt, rw, way, nh.0),
@@ -1010,6 +1010,7 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
         if !can_redirect(ctx, nh.0) {
             return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
         }
+        nh.0 = tx_mark(ctx, nh.0);
         if may_cache(ctx, nh.0) {
             store_hop(ctx, hop, nh, now, generation);
         }
@@ -1023,9 +1024,7 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
     // SAFETY: bounds-checked by parse().
     unsafe { (*pkt.ip).hop_limit -= 1 };
     copy_macs(hop, pkt.eth);
-    stats::count(counter::XDP_REDIRECT);
-    // SAFETY: plain helper call.
-    unsafe { bpf_redirect(ifindex, 0) as u32 }
+    leave(ctx, ifindex)
 }
 
 /// Write the MACs of the next hop `hop` names into the frame: from its
@@ -1090,7 +1089,7 @@ fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
     let (ifindex, smac, dmac) = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
         nh
     } else {
-        let (rc, nh) = fib(ctx, pkt, &nat.addr, true);
+        let (rc, mut nh) = fib(ctx, pkt, &nat.addr, true);
         match rc {
             FIB_OK => {}
             FIB_TOO_BIG => {
@@ -1110,6 +1109,7 @@ fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
             stats::count(counter::DSR_OFF_LINK);
             return xdp_action::XDP_DROP;
         }
+        nh.0 = tx_mark(ctx, nh.0);
         if may_cache(ctx, nh.0) {
             store_hop(ctx, hop, nh, now, generation);
         }
@@ -1117,9 +1117,7 @@ fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
     };
     finish_for_dsr(ctx, pkt);
     set_macs(pkt.eth, smac, dmac);
-    stats::count(counter::XDP_REDIRECT);
-    // SAFETY: plain helper call.
-    unsafe { bpf_redirect(ifindex, 0) as u32 }
+    leave(ctx, ifindex)
 }
 
 /// A DSR packet leaves unchanged but for its MACs: an unfinished L4

@@ -24,6 +24,7 @@ pub const SERIES: &[&str] = &[
     "lb_dropped_packets_total",
     "lb_kernel_fallback_packets_total",
     "lb_xdp_redirect_packets_total",
+    "lb_xdp_tx_packets_total",
     "lb_partial_checksum_packets_total",
     "lb_interface_xdp_mode",
     "lb_forwarding_path",
@@ -137,6 +138,11 @@ impl Samples {
 }
 
 /// Every series of a snapshot, in the order they are exposed.
+/// The help texts of the XDP-forwarding counters (the test's rebuilt
+/// registry registers the same).
+const REDIRECT_HELP: &str = "Rewritten packets that left by XDP: redirected to their egress, or sent back out of the interface they came in on (counted again in lb_xdp_tx_packets_total)";
+const TX_HELP: &str = "Of the packets in lb_xdp_redirect_packets_total, those sent back out of the interface they came in on by XDP_TX (a one-arm gateway)";
+
 fn families(snap: &Snapshot) -> Vec<Samples> {
     use MetricType::{Counter, Gauge};
     let status = &snap.status;
@@ -194,8 +200,8 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         "Packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL, too big for the egress, VLAN-tagged)",
         Counter,
     );
-    let mut redirected =
-        Samples::new("lb_xdp_redirect_packets", "Rewritten packets that left by XDP redirect", Counter);
+    let mut redirected = Samples::new("lb_xdp_redirect_packets", REDIRECT_HELP, Counter);
+    let mut sent_back = Samples::new("lb_xdp_tx_packets", TX_HELP, Counter);
     let mut partial = Samples::new(
         "lb_partial_checksum_packets",
         "Packets whose TCP/UDP checksum arrived unfinished (local senders behind a veth)",
@@ -213,10 +219,11 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         "ICMP errors about balanced flows, translated and sent on: to_client (about a forwarded packet), to_backend (about a reply)",
         Counter,
     );
-    let (mut redirects, mut partials) = (0, 0);
+    let (mut redirects, mut txs, mut partials) = (0, 0, 0);
     for (reason, &v) in &status.counters {
         match reason.as_str() {
             "xdp_redirect" => redirects = v,
+            "xdp_tx" => txs = v,
             "csum_partial" => partials = v,
             "flood_rate" | "table_full" | "stateless_reply" => {
                 stateless.push(labels(&[("reason", reason)]), Value::Counter(v));
@@ -231,6 +238,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         }
     }
     redirected.push(Labels::new(), Value::Counter(redirects));
+    sent_back.push(Labels::new(), Value::Counter(txs));
     partial.push(Labels::new(), Value::Counter(partials));
     let mut modes = Samples::new(
         "lb_interface_xdp_mode",
@@ -288,6 +296,7 @@ fn families(snap: &Snapshot) -> Vec<Samples> {
         dropped,
         fallback,
         redirected,
+        sent_back,
         partial,
         stateless,
         icmp,
@@ -630,6 +639,7 @@ mod tests {
             }],
             counters: BTreeMap::from([
                 ("xdp_redirect".to_owned(), 40),
+                ("xdp_tx".to_owned(), 15),
                 ("kernel_egress".to_owned(), 2),
                 ("fib_fallback".to_owned(), 0),
                 ("no_backend".to_owned(), 5),
@@ -731,6 +741,7 @@ mod tests {
         let dropped = Family::<Labels, Counter>::default();
         let fallback = Family::<Labels, Counter>::default();
         let redirected = Counter::<u64>::default();
+        let sent_back = Counter::<u64>::default();
         let partial = Counter::<u64>::default();
         let stateless = Family::<Labels, Counter>::default();
         let icmp = Family::<Labels, Counter>::default();
@@ -738,6 +749,9 @@ mod tests {
             match reason.as_str() {
                 "xdp_redirect" => {
                     redirected.inc_by(*v);
+                }
+                "xdp_tx" => {
+                    sent_back.inc_by(*v);
                 }
                 "flood_rate" | "table_full" | "stateless_reply" => {
                     stateless.get_or_create(&labels(&[("reason", reason)])).inc_by(*v);
@@ -802,7 +816,8 @@ mod tests {
             "Packets handed to the kernel's own forwarding, by reason (unresolved next hop, an egress that cannot take XDP redirects, expiring TTL, too big for the egress, VLAN-tagged)",
             fallback,
         );
-        reg.register("lb_xdp_redirect_packets", "Rewritten packets that left by XDP redirect", redirected);
+        reg.register("lb_xdp_redirect_packets", REDIRECT_HELP, redirected);
+        reg.register("lb_xdp_tx_packets", TX_HELP, sent_back);
         reg.register(
             "lb_partial_checksum_packets",
             "Packets whose TCP/UDP checksum arrived unfinished (local senders behind a veth)",
@@ -894,6 +909,7 @@ mod tests {
         let text = scrape(empty());
         for line in [
             "lb_xdp_redirect_packets_total 0",
+            "lb_xdp_tx_packets_total 0",
             "lb_partial_checksum_packets_total 0",
             "lb_flow_table_entries{family=\"ipv4\"} 0",
             "lb_flow_table_entries{family=\"ipv6\"} 0",
@@ -919,6 +935,7 @@ mod tests {
             "lb_dropped_packets_total{reason=\"no_backend\"} 5",
             "lb_kernel_fallback_packets_total{reason=\"kernel_egress\"} 2",
             "lb_xdp_redirect_packets_total 40",
+            "lb_xdp_tx_packets_total 15",
             "lb_partial_checksum_packets_total 1",
             "lb_flow_table_entries{family=\"ipv4\"} 20",
             "lb_flow_table_entries{family=\"ipv6\"} 4",

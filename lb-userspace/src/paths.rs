@@ -22,7 +22,7 @@
 //! path for a reason it could have avoided at attach time.
 use std::collections::BTreeMap;
 
-use lb_common::{NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE};
+use lb_common::{NETDEV_F_GENERIC, NETDEV_F_TX, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE};
 use serde::{Deserialize, Serialize};
 
 use crate::{config::XdpMode, netdev::Link};
@@ -181,6 +181,9 @@ pub fn netdev_flags(links: &[Link], modes: &BTreeMap<String, Mode>) -> BTreeMap<
             if l.up && l.is_ethernet() && l.native_xmit() {
                 f |= NETDEV_F_XMIT_NATIVE;
             }
+            if tx_works(l, modes.get(&l.name)) {
+                f |= NETDEV_F_TX;
+            }
             // The MTU above the flags: a next hop into a device narrower
             // than the packet's ingress is not cached (see the datapath's
             // `forward::may_cache`).
@@ -188,6 +191,22 @@ pub fn netdev_flags(links: &[Link], modes: &BTreeMap<String, Mode>) -> BTreeMap<
             (l.ifindex, f)
         })
         .collect()
+}
+
+/// Whether `XDP_TX` back out of `l`, for the program attached to it in
+/// `mode` (None: not attached, where no packet arrives), reaches the
+/// other end (`NETDEV_F_TX`): in generic mode on any device, natively
+/// on any but a veth. A veth's native `XDP_TX` wakes its peer only when
+/// the peer runs an XDP program of its own, which a veth whose peer is in
+/// another namespace does not show here; GRO at the peer (enough for
+/// redirects) leaves `XDP_TX` frames unsent. There, packets back out of
+/// their ingress go by redirect, which works as for any other egress.
+pub fn tx_works(l: &Link, mode: Option<&Mode>) -> bool {
+    match mode {
+        Some(Mode::Generic) => true,
+        Some(Mode::Native) => l.kind.as_deref() != Some("veth"),
+        None => false,
+    }
 }
 
 /// One row of the path report: packets arriving on `ingress` (program in
@@ -214,14 +233,24 @@ pub fn report(links: &[Link], modes: &BTreeMap<String, Mode>) -> Vec<PathReport>
             let (path, reason) = match by_name.get(egress) {
                 None => (Path::Kernel, "device not found".to_owned()),
                 // The datapath's test, on the flags it is given.
-                Some(e) if flags[&e.ifindex] & mode.xmit_flag() != 0 => (
-                    Path::XdpRedirect,
-                    match mode {
+                Some(e) if flags[&e.ifindex] & mode.xmit_flag() != 0 => {
+                    let why = match mode {
                         Mode::Generic => "generic XDP redirects into any Ethernet device",
                         Mode::Native => "the device transmits native XDP redirects",
-                    }
-                    .to_owned(),
-                ),
+                    };
+                    // Back out of their ingress: by XDP_TX where it works
+                    // (the datapath's `forward::tx_mark`).
+                    let why = if egress != ingress {
+                        why.to_owned()
+                    } else if flags[&e.ifindex] & NETDEV_F_TX != 0 {
+                        format!("{why}; sent back out of the interface it came in on, by XDP_TX")
+                    } else {
+                        format!(
+                            "{why}; sent back out of the interface it came in on by redirect, not XDP_TX (a veth's native XDP_TX reaches its peer only when the peer runs XDP)"
+                        )
+                    };
+                    (Path::XdpRedirect, why)
+                }
                 Some(e) => (Path::Kernel, why_no_native_xmit(e)),
             };
             rows.push(PathReport { ingress: ingress.clone(), mode, egress: egress.to_owned(), path, reason });
@@ -287,8 +316,10 @@ mod tests {
         let flags = netdev_flags(&links, &modes);
         // Each device's MTU rides above its flags.
         let mtu = 1500 << lb_common::NETDEV_MTU_SHIFT;
+        // eth0: a native veth, whose XDP_TX may not reach its peer; br0:
+        // generic, where XDP_TX always works.
         assert_eq!(flags[&2], NETDEV_F_XMIT_GENERIC | NETDEV_F_XMIT_NATIVE | mtu);
-        assert_eq!(flags[&4], NETDEV_F_GENERIC | NETDEV_F_XMIT_GENERIC | mtu);
+        assert_eq!(flags[&4], NETDEV_F_GENERIC | NETDEV_F_XMIT_GENERIC | NETDEV_F_TX | mtu);
         assert_eq!(flags[&6], mtu);
         let rows = report(&links, &modes);
         let path = |i: &str, e: &str| rows.iter().find(|r| r.ingress == i && r.egress == e).unwrap().path;
@@ -300,6 +331,19 @@ mod tests {
         let rows = report(&links, &one);
         assert_eq!(rows.len(), 1);
         assert_eq!((rows[0].egress.as_str(), rows[0].path), ("br0", Path::XdpRedirect));
+        assert!(rows[0].reason.ends_with("by XDP_TX"), "{}", rows[0].reason);
+        assert!(report(&links, &modes).iter().all(|r| !r.reason.contains("XDP_TX")), "two-armed: no XDP_TX");
+        // A native veth back out of itself: by redirect.
+        let one: BTreeMap<String, Mode> = [("eth0".to_owned(), Mode::Native)].into();
+        let rows = report(&links, &one);
+        assert_eq!((rows[0].egress.as_str(), rows[0].path), ("eth0", Path::XdpRedirect));
+        assert!(rows[0].reason.contains("by redirect, not XDP_TX"), "{}", rows[0].reason);
+        // A native device of another kind, and an unattached one.
+        let nic = link(7, "enp1s0", None, Some(VETH_XMIT));
+        assert!(tx_works(&nic, Some(&Mode::Native)));
+        let veth = link(8, "veth8", Some("veth"), Some(VETH_XMIT));
+        assert!(tx_works(&veth, Some(&Mode::Generic)) && !tx_works(&veth, Some(&Mode::Native)));
+        assert!(!tx_works(&nic, None));
         assert_eq!(egresses_of("a", &["a".into(), "b".into(), "c".into()]), vec!["b", "c"]);
     }
 }

@@ -7,7 +7,7 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use etherparse::{Icmpv4Type, Icmpv6Type, Ipv4Header, PacketBuilder, icmpv4::DestUnreachableHeader};
-use lb_common::{NETDEV_F_GENERIC, NETDEV_MTU_SHIFT};
+use lb_common::{NETDEV_F_GENERIC, NETDEV_F_TX, NETDEV_F_XMIT_GENERIC, NETDEV_MTU_SHIFT};
 use lb_testkit::{
     Frame, Frame6, L4Checksum,
     frame::{
@@ -908,5 +908,93 @@ fn a_migrations_hold_keeps_packets_on_a_closed_ipv6_entry_for_their_retransmissi
         assert_eq!(run(&fx, 41_201, SYN), XDP_REDIRECT, "the half-open flow's SYN, after the hold");
         assert_eq!(fx.new_flows("web6", BACKEND6), new_flows + 1, "a retransmitted SYN is not a new flow");
         assert_eq!(fx.counter("held"), held + 3);
+    });
+}
+
+// ---------------------------------------------------------------- one arm
+
+/// A one-arm gateway (Katran's setup): a packet whose egress is the very
+/// device it came in on goes back out by XDP_TX where lbd says that works
+/// (`NETDEV_F_TX`: generic mode, or a native device other than a veth),
+/// rewritten exactly as a redirected one, and counts in `xdp_redirect`
+/// (the forwarded-by-XDP total) and in `xdp_tx`. Both families, NAT both
+/// ways and DSR. Any other egress is still a redirect, also from a cached
+/// hop marked for XDP_TX; a native veth (no `NETDEV_F_TX`) sends it back
+/// by redirect; an egress that takes no redirect from the ingress's mode
+/// gets the kernel path.
+#[test]
+fn a_packet_whose_egress_is_its_ingress_goes_back_out_by_xdp_tx() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![
+            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
+            dsr(service("dsr", 81, Protocol::Tcp, &[(BACKEND, 81)])),
+            dsr(service6("dsr6", 81, Protocol::Tcp, &[(BACKEND6, 81)])),
+        ]);
+        // Both devices native, each able to send XDP_TX (a NIC's driver).
+        fx.netdevs(0, XMIT_ALL | NETDEV_F_TX, 0, XMIT_ALL | NETDEV_F_TX);
+        let sent = |fx: &Fixture| (fx.counter("xdp_redirect"), fx.counter("xdp_tx"));
+        let to_backend =
+            |p: &Frame| Frame { dst: BACKEND, dport: 8080, ttl: 63, dmac: BACKEND_MAC, smac: GW_B_MAC, ..p.clone() };
+        // The client's SYN arrives on gwb, the backends' side: it leaves
+        // through gwb again.
+        let syn = tcp(CLIENT, 40100, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_b), (XDP_TX, to_backend(&syn).bytes()));
+        assert_eq!(sent(&fx), (1, 1));
+        assert_eq!(fx.new_flows("web", BACKEND), 1);
+        // The backend's answer arrives on gwa, the clients' side.
+        let synack = Frame { dmac: GW_A_MAC, smac: BACKEND_MAC, ..tcp(BACKEND, 8080, CLIENT, 40100, SYN | ACK) };
+        let back = |p: &Frame| Frame { src: VIP, sport: 80, ttl: 63, dmac: CLIENT_MAC, smac: GW_A_MAC, ..p.clone() };
+        assert_eq!(fx.run(&synack.bytes(), fx.if_a), (XDP_TX, back(&synack).bytes()));
+        assert_checksums_valid(&back(&synack).bytes());
+        assert_eq!(sent(&fx), (2, 2));
+        // The next reply arrives on gwb: the flow's cached hop, marked for
+        // XDP_TX out of gwa, is a redirect into gwa from there.
+        let data = Frame { tcp_flags: ACK, ..synack.clone() };
+        assert_eq!(fx.run(&data.bytes(), fx.if_b), (XDP_REDIRECT, back(&data).bytes()));
+        assert_eq!(sent(&fx), (3, 2));
+        // The flow's next packet on gwa: another egress, a redirect (the
+        // backend's next hop, cached for gwb, is not taken for gwa).
+        let ack = Frame { tcp_flags: ACK, ..syn.clone() };
+        assert_eq!(fx.run(&ack.bytes(), fx.if_a), (XDP_REDIRECT, to_backend(&ack).bytes()));
+        assert_eq!(sent(&fx), (4, 2));
+        // On gwb again, twice: looked up, then from the cache.
+        for _ in 0..2 {
+            assert_eq!(fx.run(&ack.bytes(), fx.if_b), (XDP_TX, to_backend(&ack).bytes()));
+        }
+        assert_eq!(sent(&fx), (6, 4));
+        assert_eq!(fx.new_flows("web", BACKEND), 1, "one connection throughout");
+
+        // IPv6, NAT and DSR of both families.
+        let syn6 = tcp6(CLIENT6, 40100, VIP6, 80, SYN);
+        assert_eq!(fx.run(&syn6.bytes(), fx.if_b), (XDP_TX, to_backend6(&syn6).bytes()));
+        let dsr4 = tcp(CLIENT, 40100, VIP, 81, SYN);
+        let (action, out) = fx.run(&dsr4.bytes(), fx.if_b);
+        assert_eq!((action, out), (XDP_TX, Frame { dmac: BACKEND_MAC, smac: GW_B_MAC, ..dsr4 }.bytes()));
+        let dsr6 = tcp6(CLIENT6, 40100, VIP6, 81, SYN);
+        let (action, out) = fx.run(&dsr6.bytes(), fx.if_b);
+        assert_eq!((action, out), (XDP_TX, Frame6 { dmac: BACKEND_MAC, smac: GW_B_MAC, ..dsr6 }.bytes()));
+        assert_eq!(sent(&fx), (9, 7));
+        let flows = (fx.new_flows("web6", BACKEND6), fx.new_flows("dsr", BACKEND), fx.new_flows("dsr6", BACKEND6));
+        assert_eq!(flows, (1, 1, 1));
+
+        // Native veths (what lbd describes for them: no NETDEV_F_TX): back
+        // out of gwb by redirect, in both families.
+        fx.netdevs(0, XMIT_ALL, 0, XMIT_ALL);
+        assert_eq!(fx.run(&ack.bytes(), fx.if_b), (XDP_REDIRECT, to_backend(&ack).bytes()));
+        let ack6 = Frame6 { tcp_flags: ACK, ..syn6 };
+        assert_eq!(fx.run(&ack6.bytes(), fx.if_b), (XDP_REDIRECT, to_backend6(&ack6).bytes()));
+        assert_eq!(sent(&fx), (11, 7));
+        // gwb takes no native redirect: the kernel path, XDP_TX or not.
+        fx.netdevs(0, XMIT_ALL, 0, NETDEV_F_XMIT_GENERIC | NETDEV_F_TX);
+        let (action, out) = fx.run(&ack.bytes(), fx.if_b);
+        assert_eq!((action, out), (XDP_PASS, Frame { dst: BACKEND, dport: 8080, ..ack.clone() }.bytes()));
+        assert_eq!(sent(&fx), (11, 7));
+        assert_eq!(fx.counter("kernel_egress"), 1);
+        // Generic mode on gwb (XDP_TX always works there): XDP_TX again.
+        fx.netdevs(0, XMIT_ALL, NETDEV_F_GENERIC, NETDEV_F_XMIT_GENERIC | NETDEV_F_TX);
+        assert_eq!(fx.run(&ack.bytes(), fx.if_b), (XDP_TX, to_backend(&ack).bytes()));
+        assert_eq!(sent(&fx), (12, 8));
+        assert_eq!(fx.counter("fib_fallback"), 0);
     });
 }

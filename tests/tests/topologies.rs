@@ -231,6 +231,11 @@ fn run_topology(t: Topology) {
     for k in ["malformed", "no_backend", "flow_table", "fragment", "ttl_expired"] {
         assert_eq!(c[k], 0, "{}: counter {k} = {}: {c:?}", t.name(), c[k]);
     }
+    // A one-arm gateway sends every packet it forwards by XDP back out of
+    // the interface it came in on, by XDP_TX; a gateway with two sides
+    // none (clients and backends are each behind one of them).
+    let sent_back = if ifaces.len() == 1 { c["xdp_redirect"] } else { 0 };
+    assert_eq!(c["xdp_tx"], sent_back, "{}: packets sent back out by XDP_TX: {c:?}", t.name());
     let all_redirect = status["paths"].as_array().unwrap().iter().all(|p| p["path"] == "xdp_redirect");
     let share = redirect as f64 / forwarded as f64;
     // The neighbours are known now: a second round shows the steady state.
@@ -244,11 +249,12 @@ fn run_topology(t: Topology) {
     let forwarded2 = total2 - forwarded;
     let steady = (redirect2 - redirect) as f64 / forwarded2 as f64;
     println!(
-        "topology {:<15} modes {:?}: {forwarded} packets, {:.2}% by XDP redirect ({:.2}% of the next {forwarded2} after warm-up), {} kernel_egress, {} fib_fallback, {} unfinished checksums",
+        "topology {:<15} modes {:?}: {forwarded} packets, {:.2}% by XDP redirect ({:.2}% of the next {forwarded2} after warm-up; {} of all by XDP_TX), {} kernel_egress, {} fib_fallback, {} unfinished checksums",
         t.name(),
         expected_modes(t),
         share * 100.0,
         steady * 100.0,
+        c["xdp_tx"],
         c["kernel_egress"],
         c["fib_fallback"],
         c["csum_partial"]
@@ -439,4 +445,83 @@ fn a_gateway_with_a_second_uplink_balances_from_both() {
     assert_eq!(redirect + kernel, forwarded, "{:?}", counters(&status));
     assert!(redirect as f64 >= 0.95 * forwarded as f64, "{redirect} of {forwarded} by XDP redirect");
     println!("two uplinks: 1,000 connections, {forwarded} packets, {redirect} by XDP redirect");
+}
+
+/// A one-arm gateway whose one veth takes native redirects (GRO on at its
+/// peer, the switch's `p0`; the client's and backends' offloads at kernel
+/// defaults, so their checksums arrive unfinished): `auto` attaches
+/// natively, and lbd reports the path back out of `eth0` as a redirect,
+/// not XDP_TX: a veth's native XDP_TX reaches its peer only when the peer
+/// runs an XDP program (GRO is not enough: such frames wait unsent, and
+/// every connection timed out in this test when the datapath sent them).
+/// Every packet forwarded by XDP is redirected, its unfinished checksum
+/// finished first, with none failed and the counters exact.
+#[test]
+fn a_native_one_arm_veth_gateway_sends_back_by_redirect() {
+    let _guard = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    let prefix = "lbt-onearm";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), backends: 3, topology: Topology::OneArm, ..LabSpec::default() })
+        .expect("lab up");
+    let out = lab.cmd("sw", "ethtool").args(["-K", "p0", "gro", "on"]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let sock = socket_for(prefix);
+    let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), SERVICES).unwrap();
+    let lbd = Lbd::start(&lab, &config, &sock).unwrap();
+    assert_eq!(xdp_mode_in_use(&lab, "eth0").unwrap().as_deref(), Some("native"), "log:\n{}", lbd.log_text());
+    let status = lbd.status().unwrap();
+    let paths = status["paths"].as_array().unwrap();
+    assert_eq!(paths.len(), 1, "{status}");
+    assert_eq!((paths[0]["egress"].as_str(), paths[0]["path"].as_str()), (Some("eth0"), Some("xdp_redirect")));
+    let reason = paths[0]["reason"].as_str().unwrap();
+    assert!(reason.contains("native") && reason.contains("by redirect, not XDP_TX"), "{reason}");
+    lab.reset_backend_counts().unwrap();
+
+    let r = lab
+        .client(&[
+            "conns",
+            "--target",
+            "10.10.0.100:80",
+            "--count",
+            "1000",
+            "--concurrency",
+            "10",
+            "--sources-range",
+            "10.10.1.1-10.10.1.250",
+        ])
+        .unwrap();
+    assert_eq!((u(&r, "ok"), u(&r, "failed")), (1000, 0), "{r}");
+    let udp = lab
+        .client(&[
+            "udp",
+            "--target",
+            "10.10.0.101:53",
+            "--count",
+            "20",
+            "--per-socket",
+            "5",
+            "--sources-range",
+            "10.10.1.1-10.10.1.250",
+        ])
+        .unwrap();
+    assert_eq!((u(&udp, "ok"), u(&udp, "failed"), u(&udp, "flows_switched")), (100, 0, 0), "{udp}");
+
+    let status = lbd.status().unwrap();
+    let counts = lab.backend_counts().unwrap();
+    for (i, addr) in lab.backend_addrs().iter().enumerate() {
+        let ours = Lbd::new_flows(&status, "web", &addr.to_string()).unwrap();
+        assert_eq!(ours, counts[i].connections, "lbd counted {ours} new flows for {addr}, the backend {counts:?}");
+    }
+    let c = counters(&status);
+    let (redirect, kernel, forwarded) = path_counts(&status);
+    assert_eq!(redirect + kernel, forwarded, "{c:?}");
+    assert_eq!((c["xdp_tx"], c["kernel_egress"]), (0, 0), "{c:?}");
+    // Only first packets towards not-yet-resolved neighbours (250 client
+    // addresses, 3 backends) go by the kernel.
+    assert!(redirect as f64 >= 0.9 * forwarded as f64, "{redirect} of {forwarded} by XDP: {c:?}");
+    assert!(c["csum_partial"] > 0, "the client's and backends' unfinished checksums: {c:?}");
+    println!(
+        "native one-arm veth: 1,000 connections and 20 UDP flows, {forwarded} packets, {redirect} by XDP redirect back out of eth0, {} by the kernel (fib_fallback), {} unfinished checksums finished",
+        c["fib_fallback"], c["csum_partial"]
+    );
 }

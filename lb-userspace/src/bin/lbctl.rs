@@ -165,9 +165,15 @@ fn render(s: &Status) -> String {
         lb_common::counter::KERNEL_PATH.iter().map(|&i| count(lb_common::counter::NAMES[i as usize])).sum();
     let total = count("xdp_redirect") + kernel;
     if total > 0 {
+        // XDP_TX (a one-arm gateway's packets back out of their ingress)
+        // is part of the XDP share.
+        let tx = match count("xdp_tx") {
+            0 => String::new(),
+            n => format!(" ({n} of them back out of their interface by XDP_TX)"),
+        };
         let _ = writeln!(
             out,
-            "forwarded packets: {} by XDP redirect ({:.1}%), {} through the kernel",
+            "forwarded packets: {} by XDP redirect ({:.1}%){tx}, {} through the kernel",
             count("xdp_redirect"),
             100.0 * count("xdp_redirect") as f64 / total as f64,
             kernel
