@@ -484,7 +484,8 @@ pub struct NextHop {
     /// Destination the hop was looked up for (network order): a backend
     /// id reused for another address never sees the old hop.
     pub addr: u32,
-    /// Egress device; 0 = nothing cached.
+    /// Egress device, marked [`HOP_TX`] where packets go back out of it
+    /// by `XDP_TX`; 0 = nothing cached.
     pub ifindex: u32,
     pub ingress: u32,
     pub time: u32,
@@ -593,9 +594,10 @@ pub struct Flow {
     pub last_seen: u64,
     /// Next-hop cache of the replies (`DIR_FLOW`, `DIR_REPLY`; forward
     /// packets use their backend's, `NEXT_HOPS`): egress ifindex (0 =
-    /// none), when it was looked up (coarse seconds, truncated), and the
-    /// MACs. A FIB lookup costs about as much as the rest of the path, so
-    /// it is done at most about once a second per flow.
+    /// none; marked [`HOP_TX`] as `NextHop::ifindex` is), when it was
+    /// looked up (coarse seconds, truncated), and the MACs. A FIB lookup
+    /// costs about as much as the rest of the path, so it is done at most
+    /// about once a second per flow.
     pub nh_ifindex: u32,
     pub nh_time: u32,
     pub nh_smac: [u8; 6],

@@ -743,6 +743,8 @@ fn dsr<const L2: usize>(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u
         return xdp_action::XDP_DROP;
     }
     stats::packet_in(nat.backend_id, pkt.len);
+    // Here rather than first thing in `send_dsr`, whose frame, with the
+    // calls below it, is exactly at the verifier's 512-byte stack limit.
     forward::finish_for_dsr(ctx, pkt);
     forward::send_dsr(ctx, pkt, nat.backend_id, nat.addr, now)
 }
