@@ -476,6 +476,8 @@ impl Lab {
                 first_err.get_or_insert(e.context(format!("removing namespace {ns}")));
             }
         }
+        // The datapath fixtures' namespaces of killed test processes.
+        crate::fixture::remove_stale_netns();
         // Pins of any lab's lbd: each lab pins under BPFFS/<prefix> (the
         // files beside them, maps.debug and progs.debug, are bpffs's own).
         if let Ok(dir) = std::fs::read_dir(BPFFS) {
