@@ -68,12 +68,15 @@ impl Default for Netns {
     }
 }
 
+/// Fixture namespaces are named `<NETNS_PREFIX><pid>-<n>`.
+pub const NETNS_PREFIX: &str = "lbt-dp-";
+
 impl Netns {
     pub fn new() -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
         static SWEPT: std::sync::Once = std::sync::Once::new();
-        SWEPT.call_once(remove_stale_netns);
-        let name = format!("lbt-dp-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        SWEPT.call_once(|| crate::lab::remove_stale_fixture_netns(NETNS_PREFIX));
+        let name = format!("{NETNS_PREFIX}{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
         sh(&["ip", "netns", "add", &name]);
         let ns = Self { name };
@@ -118,23 +121,6 @@ impl Netns {
         })
         .join()
         .unwrap_or_else(|p| std::panic::resume_unwind(p))
-    }
-}
-
-/// Delete the fixture namespaces (`lbt-dp-<pid>-<n>`) of test processes
-/// that are gone: a test binary killed mid-run (Ctrl-C, a timeout) never
-/// ran its `Drop`s. Called by the first fixture of every test process and
-/// by `cargo xtask lab down --all`; a live process's are left alone.
-pub fn remove_stale_netns() {
-    let Ok(dir) = std::fs::read_dir("/run/netns") else { return };
-    for entry in dir.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix("lbt-dp-").and_then(|r| r.split_once('-')).map(|(pid, _)| pid) else {
-            continue;
-        };
-        if pid.bytes().all(|b| b.is_ascii_digit()) && !PathBuf::from("/proc").join(pid).exists() {
-            let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        }
     }
 }
 
