@@ -275,21 +275,42 @@ fn netdev(ifindex: u32) -> u32 {
     unsafe { NETDEVS.get(&ifindex) }.copied().unwrap_or(0)
 }
 
-/// Whether a next hop through `egress` may be cached for packets arriving
-/// on this packet's ingress device: only when the egress MTU is at least
-/// the ingress one, so that no packet that arrives can be too big for it.
-/// A hop through a narrower egress is looked up in the FIB for every
-/// packet, and the FIB compares each packet's length with the route's MTU
-/// (`FIB_TOO_BIG`). That costs the flows that cross into a smaller MTU a
-/// lookup per packet, and every other packet nothing: a per-packet length
-/// check on the cached path costs the verifier a second exploration of
-/// everything after it. A device lbd has not described (MTU 0) is taken
-/// to be as wide as any.
+/// The slow path's verdict on the egress of a next hop the FIB just gave
+/// (`nh.0`): false when a frame received on this packet's ingress device
+/// cannot leave through it by XDP redirect (native XDP needs a device that
+/// transmits redirected frames, NDO_XMIT; generic XDP any Ethernet device
+/// that is up). Otherwise true, with the egress marked `HOP_TX` when it is
+/// this packet's ingress and `XDP_TX` out of it works (`NETDEV_F_TX`), and
+/// the hop cached in `hop` when it may be. Each device's flags are read
+/// once. (The hop is changed in place: a hop returned by value costs the
+/// callers' frames stack they do not have.)
+///
+/// The hop is cached only when the egress MTU is at least the ingress one,
+/// so that no packet that arrives can be too big for it. A hop through a
+/// narrower egress is looked up in the FIB for every packet, and the FIB
+/// compares each packet's length with the route's MTU (`FIB_TOO_BIG`).
+/// That costs the flows that cross into a smaller MTU a lookup per packet,
+/// and every other packet nothing: a per-packet length check on the cached
+/// path costs the verifier a second exploration of everything after it. A
+/// device lbd has not described (MTU 0) is taken to be as wide as any.
 #[inline(always)]
-pub(crate) fn may_cache(ctx: &XdpContext, egress: u32) -> bool {
-    // (An egress `tx_mark` marked is the device without its mark.)
-    let out = netdev(egress & !HOP_TX) >> NETDEV_MTU_SHIFT;
-    out == 0 || out >= netdev(ctx.ingress_ifindex() as u32) >> NETDEV_MTU_SHIFT
+pub(crate) fn adopt_hop(ctx: &XdpContext, hop: Hop, nh: &mut NextHopAddr, now: u32, generation: u32) -> bool {
+    let ingress = ctx.ingress_ifindex() as u32;
+    let in_flags = netdev(ingress);
+    let one_arm = nh.0 == ingress;
+    let out_flags = if one_arm { in_flags } else { netdev(nh.0) };
+    let need = if in_flags & NETDEV_F_GENERIC != 0 { NETDEV_F_XMIT_GENERIC } else { NETDEV_F_XMIT_NATIVE };
+    if out_flags & need == 0 {
+        return false;
+    }
+    if one_arm && out_flags & NETDEV_F_TX != 0 {
+        nh.0 |= HOP_TX;
+    }
+    let out_mtu = out_flags >> NETDEV_MTU_SHIFT;
+    if out_mtu == 0 || out_mtu >= in_flags >> NETDEV_MTU_SHIFT {
+        store_hop(ctx, hop, *nh, now, generation);
+    }
+    true
 }
 
 /// Does the program run in generic mode on the packet's ingress device?
@@ -425,12 +446,8 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
             FIB_TOO_BIG => return too_big_rewritten(ctx, pkt, &Oversize { rw, cs, way, mtu: nh.0 }),
             _ => return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK),
         }
-        if !can_redirect(ctx, nh.0) {
+        if !adopt_hop(ctx, hop, &mut nh, now, generation) {
             return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
-        }
-        nh.0 = tx_mark(ctx, nh.0);
-        if may_cache(ctx, nh.0) {
-            store_hop(ctx, hop, nh, now, generation);
         }
         nh
     };
@@ -449,21 +466,8 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
     leave(ctx, ifindex)
 }
 
-/// The egress `ifindex` of a next hop just looked up, marked `HOP_TX`
-/// when it is this packet's ingress and `XDP_TX` out of it works
-/// (`NETDEV_F_TX`): decided here, off the cached path, and cached with
-/// the hop.
-#[inline(always)]
-pub(crate) fn tx_mark(ctx: &XdpContext, ifindex: u32) -> u32 {
-    if ifindex == ctx.ingress_ifindex() as u32 && netdev(ifindex) & NETDEV_F_TX != 0 {
-        ifindex | HOP_TX
-    } else {
-        ifindex
-    }
-}
-
 /// Send the finished frame out of the next hop's egress `hop_if` (marked
-/// by [`tx_mark`]), which `can_redirect` judged able to take it: back out
+/// by [`adopt_hop`]), which it judged able to take it: back out
 /// of the device it came in on by `XDP_TX` where that works (a one-arm
 /// gateway, Katran's setup: no helper call, and a NIC sends it from the
 /// queue it came in on), by redirect otherwise. The mark is checked
@@ -567,13 +571,9 @@ pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: 
                 return xdp_action::XDP_DROP;
             }
         }
-        if !can_redirect(ctx, nh.0) {
+        if !adopt_hop(ctx, hop, &mut nh, now, generation) {
             stats::count(counter::DSR_OFF_LINK);
             return xdp_action::XDP_DROP;
-        }
-        nh.0 = tx_mark(ctx, nh.0);
-        if may_cache(ctx, nh.0) {
-            store_hop(ctx, hop, nh, now, generation);
         }
         nh
     };

@@ -29,8 +29,8 @@ use lb_ebpf::csum;
 use crate::{
     backend_down,
     forward::{
-        FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, cached_hop, can_redirect,
-        classify_segment, generic_ingress, leave, may_cache, segment_sum, set_macs, store_hop, tx_mark,
+        FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, adopt_hop, cached_hop,
+        classify_segment, generic_ingress, leave, segment_sum, set_macs,
     },
     holding,
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
@@ -1007,12 +1007,8 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
             FIB_TOO_BIG => return too_big_rewritten(ctx, pkt, rw, way, nh.0),
             _ => return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK),
         }
-        if !can_redirect(ctx, nh.0) {
+        if !adopt_hop(ctx, hop, &mut nh, now, generation) {
             return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
-        }
-        nh.0 = tx_mark(ctx, nh.0);
-        if may_cache(ctx, nh.0) {
-            store_hop(ctx, hop, nh, now, generation);
         }
         nh.0
     };
@@ -1105,13 +1101,9 @@ fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
                 return xdp_action::XDP_DROP;
             }
         }
-        if !can_redirect(ctx, nh.0) {
+        if !adopt_hop(ctx, hop, &mut nh, now, generation) {
             stats::count(counter::DSR_OFF_LINK);
             return xdp_action::XDP_DROP;
-        }
-        nh.0 = tx_mark(ctx, nh.0);
-        if may_cache(ctx, nh.0) {
-            store_hop(ctx, hop, nh, now, generation);
         }
         nh
     };

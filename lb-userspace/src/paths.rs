@@ -186,7 +186,7 @@ pub fn netdev_flags(links: &[Link], modes: &BTreeMap<String, Mode>) -> BTreeMap<
             }
             // The MTU above the flags: a next hop into a device narrower
             // than the packet's ingress is not cached (see the datapath's
-            // `forward::may_cache`).
+            // `forward::adopt_hop`).
             f |= l.mtu.min(0xffff) << lb_common::NETDEV_MTU_SHIFT;
             (l.ifindex, f)
         })
@@ -239,7 +239,7 @@ pub fn report(links: &[Link], modes: &BTreeMap<String, Mode>) -> Vec<PathReport>
                         Mode::Native => "the device transmits native XDP redirects",
                     };
                     // Back out of their ingress: by XDP_TX where it works
-                    // (the datapath's `forward::tx_mark`).
+                    // (the datapath's `forward::adopt_hop`).
                     let why = if egress != ingress {
                         why.to_owned()
                     } else if flags[&e.ifindex] & NETDEV_F_TX != 0 {
