@@ -57,20 +57,7 @@ fn a_thousand_new_connections_are_balanced_and_counted_exactly() {
     for iface in ["eth0", "eth1"] {
         assert_eq!(xdp_mode_in_use(&s.lab, iface).unwrap().as_deref(), Some("native"), "{iface}");
     }
-    let r = s
-        .lab
-        .client(&[
-            "conns",
-            "--target",
-            "10.10.0.100:80",
-            "--count",
-            "1000",
-            "--concurrency",
-            "10",
-            "--sources-range",
-            "10.10.1.1-10.10.1.250",
-        ])
-        .unwrap();
+    let r = s.lab.conns("10.10.0.100:80", 1000, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
     assert_eq!(u(&r, "failed"), 0, "failed requests: {r}");
     assert_eq!(u(&r, "ok"), 1000);
     let status = s.lbd.status().unwrap();

@@ -169,20 +169,7 @@ fn ipv6_http_and_udp_are_balanced_exactly_beside_ipv4() {
     // 1. 1,000 IPv6 HTTP connections from 100 source addresses while 500
     // IPv4 ones go to the IPv4 service of the same lbd.
     let (r6, r4) = std::thread::scope(|scope| {
-        let t6 = scope.spawn(|| {
-            lab.client(&[
-                "conns",
-                "--target",
-                &target6,
-                "--count",
-                "1000",
-                "--concurrency",
-                "10",
-                "--sources",
-                &sources6,
-            ])
-            .unwrap()
-        });
+        let t6 = scope.spawn(|| lab.conns(&target6, 1000, 10, &["--sources", &sources6]).unwrap());
         let t4 = scope.spawn(|| {
             lab.client(&[
                 "conns",

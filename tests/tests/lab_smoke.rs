@@ -38,19 +38,8 @@ fn lab_direct_backend_connectivity() {
     assert_eq!(lab.client_sources().len(), 250);
 
     // Short-lived connections from 50 source addresses to be1.
-    let v = lab
-        .client(&[
-            "conns",
-            "--target",
-            "10.20.0.11:8080",
-            "--count",
-            "200",
-            "--concurrency",
-            "10",
-            "--sources-range",
-            "10.10.1.1-10.10.1.50",
-        ])
-        .expect("lab-client conns");
+    let v =
+        lab.conns("10.20.0.11:8080", 200, 10, &["--sources-range", "10.10.1.1-10.10.1.50"]).expect("lab-client conns");
     assert_eq!(u(&v, "ok"), 200, "{v}");
     assert_eq!(u(&v, "failed"), 0, "{v}");
     assert_eq!(v["per_backend"]["be1"].as_u64(), Some(200), "{v}");

@@ -27,21 +27,7 @@ trait Measure {
 
 impl Measure for Running {
     fn conns(&self, count: u32, concurrency: u32, sources: &str) -> serde_json::Value {
-        let (c, k) = (count.to_string(), concurrency.to_string());
-        let r = self
-            .lab
-            .client(&[
-                "conns",
-                "--target",
-                "10.10.0.100:80",
-                "--count",
-                &c,
-                "--concurrency",
-                &k,
-                "--sources-range",
-                sources,
-            ])
-            .unwrap();
+        let r = self.lab.conns("10.10.0.100:80", count, concurrency, &["--sources-range", sources]).unwrap();
         assert_eq!(r["failed"], 0, "failed requests: {r}");
         assert_eq!(r["ok"], u64::from(count));
         r

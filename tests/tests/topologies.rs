@@ -139,19 +139,7 @@ fn run_topology(t: Topology) {
                 "10.10.1.231-10.10.1.250",
             ])
         });
-        let conns = lab
-            .client(&[
-                "conns",
-                "--target",
-                "10.10.0.100:80",
-                "--count",
-                "2000",
-                "--concurrency",
-                "10",
-                "--sources-range",
-                "10.10.1.1-10.10.1.250",
-            ])
-            .unwrap();
+        let conns = lab.conns("10.10.0.100:80", 2000, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
         assert_eq!(u(&conns, "failed"), 0, "{}: failed connections: {conns}", t.name());
         assert_eq!(u(&conns, "ok"), 2000, "{}: {conns}", t.name());
         long.join().unwrap()
@@ -161,21 +149,8 @@ fn run_topology(t: Topology) {
 
     // UDP through the second service: 50 flows of 5 datagrams, each flow
     // answered by one backend throughout.
-    let udp = lab
-        .client(&[
-            "udp",
-            "--target",
-            "10.10.0.101:53",
-            "--count",
-            "50",
-            "--per-socket",
-            "5",
-            "--concurrency",
-            "5",
-            "--sources-range",
-            "10.10.1.1-10.10.1.250",
-        ])
-        .unwrap();
+    let udp =
+        lab.udp("10.10.0.101:53", 50, 5, &["--concurrency", "5", "--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
     assert_eq!(u(&udp, "failed"), 0, "{}: UDP failures: {udp}", t.name());
     assert_eq!(u(&udp, "ok"), 250, "{}: {udp}", t.name());
     assert_eq!(u(&udp, "flows_switched"), 0, "{}: a UDP flow changed backend: {udp}", t.name());
@@ -188,19 +163,7 @@ fn run_topology(t: Topology) {
     assert!(up.is_some(), "{}: IPv6 backends not up", t.name());
     let sources6: Vec<String> = lab.client_sources6().iter().take(20).map(ToString::to_string).collect();
     let target6 = format!("[{VIP6}]:80");
-    let r6 = lab
-        .client(&[
-            "conns",
-            "--target",
-            &target6,
-            "--count",
-            "300",
-            "--concurrency",
-            "10",
-            "--sources",
-            &sources6.join(","),
-        ])
-        .unwrap();
+    let r6 = lab.conns(&target6, 300, 10, &["--sources", &sources6.join(",")]).unwrap();
     assert_eq!(u(&r6, "failed"), 0, "{}: IPv6 failures: {r6}", t.name());
     assert_eq!(u(&r6, "ok"), 300, "{}: {r6}", t.name());
 
@@ -406,19 +369,7 @@ fn a_gateway_with_a_second_uplink_balances_from_both() {
     lab.reset_backend_counts().unwrap();
 
     let by = |sources: &[&str]| {
-        let r = lab
-            .client(&[
-                "conns",
-                "--target",
-                "10.10.0.100:80",
-                "--count",
-                "500",
-                "--concurrency",
-                "5",
-                "--sources",
-                &sources.join(","),
-            ])
-            .unwrap();
+        let r = lab.conns("10.10.0.100:80", 500, 5, &["--sources", &sources.join(",")]).unwrap();
         assert_eq!((u(&r, "ok"), u(&r, "failed")), (500, 0), "from {sources:?}: {r}");
     };
     let link = |iface: &str| lab.link_bytes("gw", iface).unwrap();
@@ -477,33 +428,9 @@ fn a_native_one_arm_veth_gateway_sends_back_by_redirect() {
     assert!(reason.contains("native") && reason.contains("by redirect, not XDP_TX"), "{reason}");
     lab.reset_backend_counts().unwrap();
 
-    let r = lab
-        .client(&[
-            "conns",
-            "--target",
-            "10.10.0.100:80",
-            "--count",
-            "1000",
-            "--concurrency",
-            "10",
-            "--sources-range",
-            "10.10.1.1-10.10.1.250",
-        ])
-        .unwrap();
+    let r = lab.conns("10.10.0.100:80", 1000, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
     assert_eq!((u(&r, "ok"), u(&r, "failed")), (1000, 0), "{r}");
-    let udp = lab
-        .client(&[
-            "udp",
-            "--target",
-            "10.10.0.101:53",
-            "--count",
-            "20",
-            "--per-socket",
-            "5",
-            "--sources-range",
-            "10.10.1.1-10.10.1.250",
-        ])
-        .unwrap();
+    let udp = lab.udp("10.10.0.101:53", 20, 5, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
     assert_eq!((u(&udp, "ok"), u(&udp, "failed"), u(&udp, "flows_switched")), (100, 0, 0), "{udp}");
 
     let status = lbd.status().unwrap();

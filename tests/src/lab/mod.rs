@@ -638,6 +638,29 @@ impl Lab {
         self.client_from(&self.spec.bin_dir.join("lab-client"), args)
     }
 
+    /// `lab-client conns`: `count` HTTP connections to `target`, one
+    /// request each, `concurrency` at a time; `extra` adds arguments (the
+    /// sources: `--sources-range a-b` or `--sources a,b`).
+    pub fn conns(
+        &self,
+        target: &str,
+        count: u32,
+        concurrency: u32,
+        extra: &[&str],
+    ) -> anyhow::Result<serde_json::Value> {
+        let (count, concurrency) = (count.to_string(), concurrency.to_string());
+        let args = ["conns", "--target", target, "--count", &count, "--concurrency", &concurrency];
+        self.client(&[&args[..], extra].concat())
+    }
+
+    /// `lab-client udp`: `count` UDP flows to `target`, `per_socket`
+    /// datagrams each; `extra` adds arguments (sources, concurrency).
+    pub fn udp(&self, target: &str, count: u32, per_socket: u32, extra: &[&str]) -> anyhow::Result<serde_json::Value> {
+        let (count, per_socket) = (count.to_string(), per_socket.to_string());
+        let args = ["udp", "--target", target, "--count", &count, "--per-socket", &per_socket];
+        self.client(&[&args[..], extra].concat())
+    }
+
     /// `lab-client longlived`: `connections` keep-alive connections to
     /// `target`, one from each of the first `connections` client sources
     /// (10.10.1.1 on), `rounds` requests each, `interval_ms` apart; `extra`
