@@ -1,8 +1,9 @@
 //! What a killed test, lab or benchmark leaves behind is removed by
 //! `cargo xtask lab down --all` (`Lab::down_all`): every lab's namespaces
 //! and processes, lb-bench's namespaces, pins under the lab bpffs (then the bpffs mount itself), and a
-//! sysctl a benchmark changed; and that an interrupted or killed lb-bench
-//! leaves no namespace without it. Its own test binary: it removes every lab
+//! sysctl a benchmark changed; that an interrupted or killed lb-bench
+//! leaves no namespace without it; and that labs coming up at once mount
+//! one bpf filesystem. Its own test binary: it removes every lab
 //! on the machine, so nothing else may run beside it. Needs root.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::{
@@ -26,6 +27,13 @@ fn namespaces() -> Vec<String> {
     String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.split_whitespace().next()).map(String::from).collect()
 }
 
+/// How many filesystems are mounted on [`BPFFS`] (stacked ones each
+/// count).
+fn bpffs_mounts() -> usize {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    info.lines().filter(|l| l.split(' ').nth(4) == Some(BPFFS)).count()
+}
+
 fn bpf_stats() -> String {
     std::fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").unwrap().trim().to_owned()
 }
@@ -34,6 +42,11 @@ fn bpf_stats() -> String {
 fn lab_down_all_removes_what_killed_runs_left() {
     let _guard = serial();
     lb_tests::require_root().expect("needs root");
+    // A second bpf filesystem stacked on the labs' one, as two labs that
+    // came up at once could mount before `ensure_bpffs` took a lock.
+    lb_tests::lab::ensure_bpffs().unwrap();
+    assert!(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]).status().unwrap().success());
+    assert!(bpffs_mounts() >= 2, "no stacked mount on {BPFFS}");
     // A lab with a running lbd (pins, processes), left behind as a SIGKILL
     // would leave it: nothing is torn down.
     let prefix = "lbt-killed";
@@ -67,6 +80,7 @@ fn lab_down_all_removes_what_killed_runs_left() {
     assert!(in_bpffs.is_empty(), "pin directories left in {BPFFS}: {in_bpffs:?}");
     // Nothing pinned any more: the labs' bpf filesystem is unmounted.
     assert!(!lb_tests::lab::bpffs_mounted(), "{BPFFS} still mounted");
+    assert_eq!(bpffs_mounts(), 0, "bpf filesystems left on {BPFFS}");
     assert_eq!(bpf_stats(), before, "kernel.bpf_stats_enabled not restored");
     let saved: Vec<_> =
         std::fs::read_dir(SAVED_DIR).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
@@ -78,6 +92,31 @@ fn lab_down_all_removes_what_killed_runs_left() {
     // The forgotten lab's logs and config (a killed run's stay for
     // reading; this one's are the test's own).
     lb_tests::lab::remove_tmp_files(prefix);
+}
+
+/// Labs that come up at once (a test binary's tests run in parallel
+/// threads) mount one bpf filesystem between them, not one each: a
+/// second one stacked on the first would hide the first's pins and
+/// outlive a release.
+#[test]
+fn labs_coming_up_at_once_mount_one_bpffs() {
+    let _guard = serial();
+    lb_tests::require_root().expect("needs root");
+    lb_tests::lab::release_bpffs().unwrap();
+    assert_eq!(bpffs_mounts(), 0, "a bpf filesystem on {BPFFS} with pins in it (another lab running?)");
+    let start = std::sync::Barrier::new(8);
+    std::thread::scope(|sc| {
+        for _ in 0..8 {
+            sc.spawn(|| {
+                start.wait();
+                lb_tests::lab::ensure_bpffs().unwrap();
+            });
+        }
+    });
+    let mounted = bpffs_mounts();
+    assert!(lb_tests::lab::release_bpffs().unwrap());
+    assert_eq!(mounted, 1, "8 labs coming up at once mounted {mounted} bpf filesystems on {BPFFS}");
+    assert_eq!(bpffs_mounts(), 0, "release left a bpf filesystem on {BPFFS}");
 }
 
 /// The network namespace of process `pid`'s threads that is not this

@@ -296,6 +296,10 @@ fn default_bin_dir() -> PathBuf {
 /// remounts /sys but not /run), so that pins outlive one lbd process.
 pub const BPFFS: &str = "/run/lbd/bpf";
 
+/// Most bpf filesystems [`release_bpffs`] unmounts from [`BPFFS`] in one
+/// call (a bound; one is what the labs mount).
+const MAX_STACKED: usize = 8;
+
 /// Whether a bpf filesystem is mounted on [`BPFFS`].
 pub fn bpffs_mounted() -> bool {
     Command::new("stat")
@@ -307,10 +311,24 @@ pub fn bpffs_mounted() -> bool {
 /// Mount bpffs on [`BPFFS`] unless it is mounted already.
 pub fn ensure_bpffs() -> anyhow::Result<()> {
     std::fs::create_dir_all(BPFFS).with_context(|| format!("creating {BPFFS}"))?;
+    let _lock = bpffs_lock()?;
     if bpffs_mounted() {
         return Ok(());
     }
     run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS])).map(drop)
+}
+
+/// An exclusive lock on [`BPFFS`]'s parent directory, held while a bpffs
+/// is looked for and mounted or unmounted there. Without it two labs
+/// coming up at once (the tests of one binary run in parallel threads; a
+/// demo or benchmark may run beside them) both find nothing mounted and
+/// both mount: two bpf filesystems stacked on one directory, the lower
+/// one's pins hidden, and a release that unmounts one leaves the other.
+fn bpffs_lock() -> anyhow::Result<nix::fcntl::Flock<File>> {
+    let parent = Path::new(BPFFS).parent().expect("BPFFS has a parent");
+    let dir = File::open(parent).with_context(|| format!("opening {}", parent.display()))?;
+    nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| anyhow::anyhow!("locking {}: {e}", parent.display()))
 }
 
 /// Unmount the labs' bpf filesystem ([`BPFFS`]) once nothing is pinned in
@@ -321,16 +339,24 @@ pub fn ensure_bpffs() -> anyhow::Result<()> {
 pub fn release_bpffs() -> anyhow::Result<bool> {
     let own = |n: &OsStr| n == "maps.debug" || n == "progs.debug";
     let mut unmounted = false;
-    if bpffs_mounted() {
-        let pinned = std::fs::read_dir(BPFFS)
-            .with_context(|| format!("reading {BPFFS}"))?
-            .flatten()
-            .any(|e| !own(&e.file_name()));
-        if pinned {
-            return Ok(false);
+    {
+        let _lock = if Path::new(BPFFS).exists() { Some(bpffs_lock()?) } else { None };
+        // Each mount stacked there (an earlier version's labs could stack
+        // two when they came up at once), down to the directory itself.
+        for _ in 0..MAX_STACKED {
+            if !bpffs_mounted() {
+                break;
+            }
+            let pinned = std::fs::read_dir(BPFFS)
+                .with_context(|| format!("reading {BPFFS}"))?
+                .flatten()
+                .any(|e| !own(&e.file_name()));
+            if pinned {
+                return Ok(unmounted);
+            }
+            run(Command::new("umount").arg(BPFFS))?;
+            unmounted = true;
         }
-        run(Command::new("umount").arg(BPFFS))?;
-        unmounted = true;
     }
     // Empty directories only (remove_dir refuses any other).
     for dir in [BPFFS, lb_testkit::sysctl::SAVED_DIR, "/run/lbd"] {
