@@ -275,6 +275,7 @@ mod tests {
             mtu: 1500,
             xdp_features: features,
             xdp_progs: Vec::new(),
+            xdp_generic_prog: None,
         }
     }
 

@@ -7,7 +7,7 @@ use std::{path::PathBuf, time::Duration};
 
 use lb_tests::{
     harness::{Running, config_dir, serial, socket_for},
-    lab::{Lab, LabSpec},
+    lab::{Lab, LabSpec, Topology},
     lbd::{
         Lbd, kill_once_pinned, pinned_layout, wait_for, write_config, write_config_with, xdp_mode_in_use,
         xdp_program_in_use,
@@ -127,6 +127,49 @@ fn kill_restart_and_upgrade_under_load_lose_nothing() {
     assert!(status.success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
     let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// An lbd that adopts links attached in generic mode (a lab of default
+/// veths, whose peers take no native redirects) says they are generic, as
+/// the kernel does, and forwards by XDP redirect on every path, after a
+/// kill and after a graceful restart. (The mode of an adopted link was once
+/// read from a file beside its pin, which bpffs never let lbd write: every
+/// adopted link was taken as native, its veth egresses as unable to take a
+/// native redirect, and all traffic went through the kernel.)
+#[test]
+fn a_restarted_lbd_keeps_generic_links_generic_and_their_xdp_paths() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-regen";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), topology: Topology::Default, ..LabSpec::default() }).unwrap();
+    let sock = socket_for(prefix);
+    let config = write_config(&config_dir(prefix), "lbd", &sock, WEB).unwrap();
+    let mut lbd = Lbd::start(&lab, &config, &sock).unwrap();
+    let generic = |lbd: &Lbd, when: &str| {
+        let status = lbd.status().unwrap();
+        for iface in lab.gw_interfaces() {
+            assert_eq!(xdp_mode_in_use(&lab, &iface).unwrap().as_deref(), Some("generic"), "{when}: {iface}");
+            let reported = status["interfaces"].as_array().unwrap().iter().find(|a| a["interface"] == iface.as_str());
+            assert_eq!(reported.map(|a| a["mode"].clone()), Some("generic".into()), "{when}: {}", status["interfaces"]);
+        }
+        let paths = status["paths"].as_array().unwrap();
+        assert!(!paths.is_empty() && paths.iter().all(|p| p["path"] == "xdp_redirect"), "{when}: {}", status["paths"]);
+        let r = lab.conns("10.10.0.100:80", 200, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
+        assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(200), Some(0)), "{when}: {r}");
+        let c = &lbd.status().unwrap()["counters"];
+        assert_eq!(c["kernel_egress"], 0, "{when}: packets sent through the kernel: {c}");
+        println!("{when}: generic on {:?}, {c}", lab.gw_interfaces());
+    };
+    generic(&lbd, "first start");
+    let first = lbd.program_id().unwrap();
+    lbd.kill().unwrap();
+    lbd = Lbd::start(&lab, &config, &sock).unwrap();
+    assert_ne!(lbd.program_id().unwrap(), first, "the restarted lbd did not swap in its program");
+    generic(&lbd, "after a kill");
+    lbd.restart().unwrap();
+    generic(&lbd, "after a graceful restart");
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
 }
 
 /// A restart whose configuration cannot be attached everywhere (here a

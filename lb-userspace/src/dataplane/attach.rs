@@ -140,7 +140,7 @@ impl Dataplane {
                 paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
             let (mut mode, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
             // A pinned link is adopted in the mode it has: plan with that one.
-            let saved = saved_mode(links_dir.as_deref(), iface);
+            let saved = saved_mode(links_dir.as_deref(), iface, find(iface)?);
             if let Some((m, _)) = saved {
                 mode = m;
             }
@@ -239,7 +239,10 @@ impl Dataplane {
             let xdp = XdpLink::try_from(pinned).map_err(link_err)?;
             let id = prog.attach_to_link(xdp)?;
             let fd = FdLink::try_from(prog.take_link(id)?).map_err(link_err)?;
-            let (mode, reason) = saved_mode(links_dir, iface).unwrap_or((Mode::Native, String::new()));
+            // `mode` is the link's own, as the kernel said it when `attach`
+            // planned (`saved_mode`); the file beside the pin may hold why.
+            let reason = std::fs::read_to_string(mode_path(path)).unwrap_or_default();
+            let reason = reason.lines().nth(1).unwrap_or_default().to_owned();
             info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
             return Ok(Attached {
                 attachment: Attachment { interface: iface.to_owned(), mode, reason, missing: false },

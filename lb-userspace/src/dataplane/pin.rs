@@ -1,6 +1,6 @@
 //! Where the datapath lives between lbd processes: the bpf filesystem
-//! (checked, and mounted at the standard place when missing) and the XDP
-//! links' pin files with the mode each was attached in, and the lock
+//! (checked, and mounted at the standard place when missing), the XDP
+//! links' pins and the mode each runs in (the kernel's word), and the lock
 //! that keeps a second lbd off a pinned datapath. `statfs`, `mount`,
 //! `open` and `flock` come from rustix.
 use std::{os::fd::OwnedFd, path::Path};
@@ -12,21 +12,37 @@ use rustix::{
 };
 use tracing::info;
 
+use aya::programs::links::{FdLink, PinnedLink};
+
 use super::DataplaneError;
-use crate::paths::Mode;
+use crate::{netdev, paths::Mode};
 
 /// The mode (and the reason it was chosen) of the XDP link pinned for
 /// `iface` under `links_dir`, when there is one: a pinned link is adopted in
-/// the mode it has. Its `.mode` file says which (an older lbd wrote only the
-/// mode, and only native links).
-pub(super) fn saved_mode(links_dir: Option<&Path>, iface: &str) -> Option<(Mode, String)> {
+/// the mode it has. The kernel says which: the link's program is the
+/// device's (`dev`'s) generic-mode program or not. The `.mode` file beside
+/// the pin is read only when the kernel cannot say (a pin directory that is
+/// not a bpf filesystem): bpffs takes no regular files, so on it the file
+/// was never written, and every adopted link used to be taken as native.
+pub(super) fn saved_mode(links_dir: Option<&Path>, iface: &str, dev: &netdev::Link) -> Option<(Mode, String)> {
     let link = links_dir?.join(iface);
     if !link.exists() {
         return None;
     }
     let saved = std::fs::read_to_string(mode_path(&link)).unwrap_or_default();
-    let mode = Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native);
-    Some((mode, saved.lines().nth(1).unwrap_or_default().to_owned()))
+    let reason = saved.lines().nth(1).unwrap_or_default().to_owned();
+    let prog = PinnedLink::from_pin(&link).ok().and_then(|p| FdLink::from(p).info().ok()).map(|i| i.program_id());
+    let mode = match prog {
+        Some(id) if dev.xdp_progs.contains(&id) => {
+            if dev.xdp_generic_prog == Some(id) {
+                Mode::Generic
+            } else {
+                Mode::Native
+            }
+        }
+        _ => Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native),
+    };
+    Some((mode, reason))
 }
 
 /// The file beside a pinned link that records the mode it was attached in:

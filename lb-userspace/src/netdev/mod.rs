@@ -59,6 +59,8 @@ pub struct Link {
     pub xdp_features: Option<u64>,
     /// Ids of the XDP programs attached to the device (IFLA_XDP), any mode.
     pub xdp_progs: Vec<u32>,
+    /// The id of the program attached in generic (skb) mode, if any.
+    pub xdp_generic_prog: Option<u32>,
 }
 
 impl Link {
@@ -142,6 +144,7 @@ fn parse_link(body: &[u8]) -> Option<Link> {
     let mut master = None;
     let mut mtu = 0;
     let mut xdp_progs = Vec::new();
+    let (mut xdp_attached, mut xdp_one, mut xdp_skb) = (0, None, None);
     for (t, v) in attributes(&body[IFINFOMSG_LEN..])? {
         match t {
             IFLA_IFNAME => name = Some(c_string(v)),
@@ -156,6 +159,12 @@ fn parse_link(body: &[u8]) -> Option<Link> {
             }
             IFLA_XDP => {
                 for (xt, xv) in attributes(v)? {
+                    match xt {
+                        IFLA_XDP_ATTACHED => xdp_attached = *xv.first()?,
+                        IFLA_XDP_PROG_ID => xdp_one = Some(u32_of(xv)?),
+                        IFLA_XDP_SKB_PROG_ID => xdp_skb = Some(u32_of(xv)?),
+                        _ => {}
+                    }
                     if IFLA_XDP_PROG_IDS.contains(&xt) {
                         let id = u32_of(xv)?;
                         if !xdp_progs.contains(&id) {
@@ -177,6 +186,9 @@ fn parse_link(body: &[u8]) -> Option<Link> {
         mtu,
         xdp_features: None,
         xdp_progs,
+        // With one program the kernel names it in IFLA_XDP_PROG_ID and says
+        // its mode in IFLA_XDP_ATTACHED; with several, one id per mode.
+        xdp_generic_prog: xdp_skb.or(xdp_one.filter(|_| xdp_attached == XDP_ATTACHED_SKB)),
     })
 }
 

@@ -41,6 +41,13 @@ pub(super) const IFLA_XDP: u16 = 43;
 /// IFLA_XDP_PROG_ID (the one program) through IFLA_XDP_HW_PROG_ID: one
 /// id per mode in use (drv 5, skb 6, hw 7 when several are).
 pub(super) const IFLA_XDP_PROG_IDS: std::ops::RangeInclusive<u16> = 4..=7;
+/// IFLA_XDP_ATTACHED (a u8: XDP_ATTACHED_*), IFLA_XDP_PROG_ID and
+/// IFLA_XDP_SKB_PROG_ID.
+pub(super) const IFLA_XDP_ATTACHED: u16 = 2;
+pub(super) const IFLA_XDP_PROG_ID: u16 = 4;
+pub(super) const IFLA_XDP_SKB_PROG_ID: u16 = 6;
+/// The one program is attached in generic (skb) mode.
+pub(super) const XDP_ATTACHED_SKB: u8 = 2;
 pub(super) const RTEXT_FILTER_SKIP_STATS: u32 = 1 << 3;
 pub(super) const IFF_UP: u32 = 1;
 // <linux/genetlink.h>

@@ -40,8 +40,19 @@ fn link_attributes_parse_with_padding_and_nesting() {
             mtu: 0,
             xdp_features: None,
             xdp_progs: vec![41, 42],
+            xdp_generic_prog: Some(42),
         }
     );
+    // One program: its mode is IFLA_XDP_ATTACHED's (2, skb: generic).
+    for (attached, generic) in [(2u8, Some(43)), (1, None)] {
+        let mut one = ifinfo(1, 8, IFF_UP);
+        one.extend(attr(IFLA_IFNAME, b"eth1\0"));
+        let mut xdp = attr(2, &[attached]);
+        xdp.extend(attr(4, &43u32.to_ne_bytes()));
+        one.extend(attr(IFLA_XDP | 0x8000, &xdp));
+        let l = parse_link(&one).unwrap();
+        assert_eq!((l.xdp_progs.clone(), l.xdp_generic_prog), (vec![43], generic), "attached {attached}");
+    }
     // A physical NIC: no linkinfo, no master, down.
     let mut nic = ifinfo(1, 2, 0);
     nic.extend(attr(IFLA_IFNAME, b"eth0\0"));
@@ -97,6 +108,7 @@ fn genl_answers_parse() {
         mtu: 1500,
         xdp_features: Some(f),
         xdp_progs: Vec::new(),
+        xdp_generic_prog: None,
     };
     assert!(l.native_xdp() && l.native_xmit());
     let l = Link { xdp_features: Some(XDP_ACT_BASIC | XDP_ACT_REDIRECT), ..l };
