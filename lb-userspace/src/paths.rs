@@ -43,14 +43,6 @@ impl Mode {
         }
     }
 
-    pub fn parse(s: &str) -> Option<Self> {
-        match s.trim() {
-            "native" => Some(Self::Native),
-            "generic" => Some(Self::Generic),
-            _ => None,
-        }
-    }
-
     /// The `NETDEV_F_XMIT_*` flag an egress needs for a redirect from a
     /// program running in this mode (what the datapath tests).
     pub fn xmit_flag(self) -> u32 {

@@ -15,10 +15,7 @@ use aya::programs::{
 use lb_common::maps as names;
 use tracing::{info, warn};
 
-use super::{
-    Attachment, Dataplane, DataplaneError, PROGRAM, map_err,
-    pin::{mode_path, saved_mode},
-};
+use super::{Attachment, Dataplane, DataplaneError, PROGRAM, map_err, pin::pinned_mode};
 use crate::{
     config::XdpMode,
     netdev,
@@ -76,8 +73,8 @@ fn restore_previous(iface: &str, path: &Path, previous: Option<&OwnedFd>) -> boo
     }
 }
 
-/// Detach the link pinned at `path` for `iface` and remove its pin and
-/// mode file. Detached now (see `sys`), not whenever the kernel drops the
+/// Detach the link pinned at `path` for `iface` and remove its pin.
+/// Detached now (see `sys`), not whenever the kernel drops the
 /// link's last reference after the pin goes.
 fn unpin_link(iface: &str, path: &Path) {
     if let Err(e) = super::sys::detach_pinned(path) {
@@ -86,7 +83,6 @@ fn unpin_link(iface: &str, path: &Path) {
     if let Err(e) = std::fs::remove_file(path) {
         warn!(interface = %iface, error = %e, "unpinning the XDP link");
     }
-    let _ = std::fs::remove_file(mode_path(path));
 }
 
 impl Dataplane {
@@ -140,8 +136,8 @@ impl Dataplane {
                 paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
             let (mut mode, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
             // A pinned link is adopted in the mode it has: plan with that one.
-            let saved = saved_mode(links_dir.as_deref(), iface, find(iface)?);
-            if let Some((m, _)) = saved {
+            let pinned = pinned_mode(links_dir.as_deref(), iface, find(iface)?);
+            if let Some(m) = pinned {
                 mode = m;
             }
             if requested == XdpMode::Native {
@@ -149,7 +145,7 @@ impl Dataplane {
                     warn!(interface = %iface, "xdp_mode native: {c}");
                 }
             }
-            plan.push((iface.clone(), mode, reason, saved.is_some()));
+            plan.push((iface.clone(), mode, reason, pinned.is_some()));
         }
         // New attachments first (a stable sort keeps the configured order
         // within each kind).
@@ -240,9 +236,9 @@ impl Dataplane {
             let id = prog.attach_to_link(xdp)?;
             let fd = FdLink::try_from(prog.take_link(id)?).map_err(link_err)?;
             // `mode` is the link's own, as the kernel said it when `attach`
-            // planned (`saved_mode`); the file beside the pin may hold why.
-            let reason = std::fs::read_to_string(mode_path(path)).unwrap_or_default();
-            let reason = reason.lines().nth(1).unwrap_or_default().to_owned();
+            // planned (`pinned_mode`); why it was chosen went with the lbd
+            // that attached it.
+            let reason = String::new();
             info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
             return Ok(Attached {
                 attachment: Attachment { interface: iface.to_owned(), mode, reason, missing: false },
@@ -280,7 +276,6 @@ impl Dataplane {
         let pinned = fd
             .pin(&path)
             .map_err(|e| DataplaneError::Pin { path: path.clone(), source: std::io::Error::other(e.to_string()) })?;
-        let _ = std::fs::write(mode_path(&path), format!("{}\n{reason}\n", mode.name()));
         Ok(Attached {
             attachment,
             link: AttachedLink::Pinned { fd: FdLink::from(pinned), path, adopted: false, previous: None },

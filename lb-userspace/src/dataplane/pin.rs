@@ -17,41 +17,20 @@ use aya::programs::links::{FdLink, PinnedLink};
 use super::DataplaneError;
 use crate::{netdev, paths::Mode};
 
-/// The mode (and the reason it was chosen) of the XDP link pinned for
-/// `iface` under `links_dir`, when there is one: a pinned link is adopted in
-/// the mode it has. The kernel says which: the link's program is the
-/// device's (`dev`'s) generic-mode program or not. The `.mode` file beside
-/// the pin is read only when the kernel cannot say (a pin directory that is
-/// not a bpf filesystem): bpffs takes no regular files, so on it the file
-/// was never written, and every adopted link used to be taken as native.
-pub(super) fn saved_mode(links_dir: Option<&Path>, iface: &str, dev: &netdev::Link) -> Option<(Mode, String)> {
+/// The mode of the XDP link pinned for `iface` under `links_dir`, when
+/// there is one: a pinned link is adopted in the mode it has, and the
+/// kernel says which: the link's program is the device's (`dev`'s)
+/// generic-mode program or not. (Native when the kernel does not name the
+/// link's program on the device at all. A file beside the pin cannot keep
+/// the mode: bpffs takes no regular files.)
+pub(super) fn pinned_mode(links_dir: Option<&Path>, iface: &str, dev: &netdev::Link) -> Option<Mode> {
     let link = links_dir?.join(iface);
     if !link.exists() {
         return None;
     }
-    let saved = std::fs::read_to_string(mode_path(&link)).unwrap_or_default();
-    let reason = saved.lines().nth(1).unwrap_or_default().to_owned();
     let prog = PinnedLink::from_pin(&link).ok().and_then(|p| FdLink::from(p).info().ok()).map(|i| i.program_id());
-    let mode = match prog {
-        Some(id) if dev.xdp_progs.contains(&id) => {
-            if dev.xdp_generic_prog == Some(id) {
-                Mode::Generic
-            } else {
-                Mode::Native
-            }
-        }
-        _ => Mode::parse(saved.lines().next().unwrap_or("")).unwrap_or(Mode::Native),
-    };
-    Some((mode, reason))
-}
-
-/// The file beside a pinned link that records the mode it was attached in:
-/// the link's name with ".mode" appended (not an extension replaced: a
-/// VLAN device's name, `eth0.100`, has a dot of its own).
-pub(super) fn mode_path(link: &Path) -> std::path::PathBuf {
-    let mut name = link.as_os_str().to_owned();
-    name.push(".mode");
-    name.into()
+    let generic = prog.is_some_and(|id| dev.xdp_progs.contains(&id) && dev.xdp_generic_prog == Some(id));
+    Some(if generic { Mode::Generic } else { Mode::Native })
 }
 
 /// bpffs magic number (statfs f_type).
@@ -108,20 +87,5 @@ pub(super) fn lock(pin: &Path) -> Result<OwnedFd, DataplaneError> {
         Ok(()) => Ok(dir),
         Err(Errno::WOULDBLOCK) => Err(DataplaneError::InUse(pin.to_path_buf())),
         Err(e) => Err(err(e.into())),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::path::Path;
-
-    use super::mode_path;
-
-    #[test]
-    fn each_interface_has_a_mode_file_of_its_own() {
-        let links = Path::new("/sys/fs/bpf/lbd/links");
-        assert_eq!(mode_path(&links.join("eth0")), links.join("eth0.mode"));
-        // A VLAN device beside its parent: two files, not one.
-        assert_eq!(mode_path(&links.join("eth0.100")), links.join("eth0.100.mode"));
     }
 }
