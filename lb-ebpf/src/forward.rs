@@ -299,8 +299,7 @@ pub(crate) fn adopt_hop(ctx: &XdpContext, hop: Hop, nh: &mut NextHopAddr, now: u
     let in_flags = netdev(ingress);
     let one_arm = nh.0 == ingress;
     let out_flags = if one_arm { in_flags } else { netdev(nh.0) };
-    let need = if in_flags & NETDEV_F_GENERIC != 0 { NETDEV_F_XMIT_GENERIC } else { NETDEV_F_XMIT_NATIVE };
-    if out_flags & need == 0 {
+    if !xmits(in_flags, out_flags) {
         return false;
     }
     if one_arm && out_flags & NETDEV_F_TX != 0 {
@@ -324,8 +323,16 @@ pub(crate) fn generic_ingress(ctx: &XdpContext) -> bool {
 /// redirected frames (NDO_XMIT); generic XDP any Ethernet device that is up.
 #[inline(always)]
 pub(crate) fn can_redirect(ctx: &XdpContext, egress: u32) -> bool {
-    let need = if generic_ingress(ctx) { NETDEV_F_XMIT_GENERIC } else { NETDEV_F_XMIT_NATIVE };
-    netdev(egress) & need != 0
+    xmits(netdev(ctx.ingress_ifindex() as u32), netdev(egress))
+}
+
+/// Whether a device with flags `out_flags` transmits frames redirected by
+/// the program on a device with flags `in_flags`: the XMIT flag of the
+/// ingress's mode.
+#[inline(always)]
+fn xmits(in_flags: u32, out_flags: u32) -> bool {
+    let need = if in_flags & NETDEV_F_GENERIC != 0 { NETDEV_F_XMIT_GENERIC } else { NETDEV_F_XMIT_NATIVE };
+    out_flags & need != 0
 }
 
 /// Where a packet's next hop is cached.

@@ -75,7 +75,7 @@ impl Netns {
     pub fn new() -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
         static SWEPT: std::sync::Once = std::sync::Once::new();
-        SWEPT.call_once(|| crate::lab::remove_stale_fixture_netns(NETNS_PREFIX));
+        SWEPT.call_once(crate::lab::remove_stale_fixture_netns);
         let name = format!("{NETNS_PREFIX}{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
         sh(&["ip", "netns", "add", &name]);

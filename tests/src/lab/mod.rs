@@ -503,7 +503,7 @@ impl Lab {
             }
         }
         // The datapath fixtures' namespaces of killed test processes.
-        remove_stale_fixture_netns(crate::fixture::NETNS_PREFIX);
+        remove_stale_fixture_netns();
         // Pins of any lab's lbd: each lab pins under BPFFS/<prefix> (the
         // files beside them, maps.debug and progs.debug, are bpffs's own).
         if let Ok(dir) = std::fs::read_dir(BPFFS) {
@@ -1307,16 +1307,19 @@ pub fn remove_tmp_files(prefix: &str) {
     }
 }
 
-/// Delete the namespaces `<prefix><pid>-<n>` whose process `pid` is gone:
-/// the datapath fixtures' (`fixture::Netns`) of a test binary killed
+/// Delete the datapath fixtures' namespaces (`fixture::Netns`,
+/// `<NETNS_PREFIX><pid>-<n>`) whose process `pid` is gone: a test binary killed
 /// mid-run (Ctrl-C, a timeout), which never ran their `Drop`s. Called by
 /// the first fixture of every test process and by `cargo xtask lab down
 /// --all`; a live process's namespaces are left alone. Errors are ignored:
 /// a namespace that cannot go now is tried again next time.
-pub fn remove_stale_fixture_netns(prefix: &str) {
+pub fn remove_stale_fixture_netns() {
     let Ok(namespaces) = all_namespaces() else { return };
     for ns in namespaces {
-        let pid = ns.strip_prefix(prefix).and_then(|r| r.split_once('-')).and_then(|(pid, _)| pid.parse::<i32>().ok());
+        let pid = ns
+            .strip_prefix(crate::fixture::NETNS_PREFIX)
+            .and_then(|r| r.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<i32>().ok());
         if pid.is_some_and(pid_gone) {
             let _ = remove_ns(&ns);
         }
