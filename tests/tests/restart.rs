@@ -3,7 +3,11 @@
 //! zero failed requests, counters continue, the flow table is kept.
 //! Needs root.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::PathBuf,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
 use lb_tests::{
     harness::{Running, config_dir, serial, socket_for},
@@ -168,6 +172,173 @@ fn a_restarted_lbd_keeps_generic_links_generic_and_their_xdp_paths() {
     generic(&lbd, "after a kill");
     lbd.restart().unwrap();
     generic(&lbd, "after a graceful restart");
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+}
+
+/// `xdp_mode` changed takes effect when lbd starts again, as a reload that
+/// changes it says: a graceful restart with `native` in a lab of default
+/// veths replaces the generic links by native ones (the kernel and the
+/// status say native, every path is the kernel's, and packets take it: no
+/// native redirect reaches these veths), and a kill and start with `auto`
+/// again puts generic links back (every path, and every packet, by XDP
+/// redirect). New connections run throughout; those that meet a switch's
+/// moment without XDP can fail, and are counted and printed. Counters go on.
+#[test]
+fn a_restart_applies_a_changed_xdp_mode() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-xmode";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), topology: Topology::Default, ..LabSpec::default() }).unwrap();
+    let sock = socket_for(prefix);
+    let dir = config_dir(prefix);
+    let ifaces = lab.gw_interfaces();
+    let with_mode = |mode: &str| {
+        write_config_with(&dir, "lbd", &sock, &ifaces, &format!("conntrack_max: 262144\nxdp_mode: {mode}\n"), WEB)
+            .unwrap()
+    };
+    let config = with_mode("auto");
+    let mut lbd = Lbd::start(&lab, &config, &sock).unwrap();
+    // The mode on every interface (kernel and status) and every path are
+    // `mode` and `path`, and for a second under load every forwarded
+    // packet takes that path.
+    let check = |lbd: &Lbd, mode: &str, path: &str, when: &str| {
+        let status = lbd.status().unwrap();
+        for iface in &ifaces {
+            assert_eq!(xdp_mode_in_use(&lab, iface).unwrap().as_deref(), Some(mode), "{when}: {iface}");
+            let reported = status["interfaces"].as_array().unwrap().iter().find(|a| a["interface"] == iface.as_str());
+            assert_eq!(reported.map(|a| a["mode"].clone()), Some(mode.into()), "{when}: {}", status["interfaces"]);
+        }
+        let paths = status["paths"].as_array().unwrap();
+        assert!(!paths.is_empty() && paths.iter().all(|p| p["path"] == path), "{when}: {}", status["paths"]);
+        // (Packets to a neighbour not yet resolved take the kernel path in
+        // either mode, as fib_fallback: not counted here.)
+        let taken = || {
+            let c = &lbd.status().unwrap()["counters"];
+            (c["xdp_redirect"].as_u64().unwrap(), c["kernel_egress"].as_u64().unwrap())
+        };
+        let before = taken();
+        std::thread::sleep(Duration::from_millis(1000));
+        let after = taken();
+        let (redirected, kernel) = (after.0 - before.0, after.1 - before.1);
+        println!("{when}: in 1 s, {redirected} packets by XDP redirect, {kernel} by the kernel");
+        if path == "kernel" {
+            assert!(kernel > 0 && redirected == 0, "{when}: {redirected} redirected, {kernel} by the kernel");
+        } else {
+            assert!(redirected > 0 && kernel == 0, "{when}: {redirected} redirected, {kernel} by the kernel");
+        }
+    };
+    let stop = AtomicBool::new(false);
+    let (ok, failed) = std::thread::scope(|scope| {
+        let load = scope.spawn(|| {
+            let (mut ok, mut failed) = (0, 0);
+            while !stop.load(Ordering::Relaxed) {
+                let r = lab.conns("10.10.0.100:80", 200, 4, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
+                ok += r["ok"].as_u64().unwrap();
+                failed += r["failed"].as_u64().unwrap();
+            }
+            (ok, failed)
+        });
+        // The load stops when this closure ends, panicking or not.
+        let stop_load = StopOnDrop(&stop);
+        check(&lbd, "generic", "xdp_redirect", "first start");
+        // A reload cannot change it, and says a restart does.
+        with_mode("native");
+        let refused = lbd.lbctl(&["reload"]).expect_err("a reload changed xdp_mode").to_string();
+        assert!(refused.contains("xdp_mode") && refused.contains("restart lbd"), "{refused}");
+        lbd.restart().unwrap();
+        check(&lbd, "native", "kernel", "after a graceful restart with xdp_mode: native");
+        with_mode("auto");
+        lbd.kill().unwrap();
+        lbd = Lbd::start(&lab, &config, &sock).unwrap();
+        check(&lbd, "generic", "xdp_redirect", "after a kill and start with xdp_mode: auto");
+        drop(stop_load);
+        load.join().unwrap()
+    });
+    println!("new connections through two mode changes: {ok} passed, {failed} failed");
+    assert!(ok > 1000, "{ok} passed, {failed} failed");
+    // Each switch logged its moment without XDP, once per interface (the
+    // log holds every start's lines).
+    let log = lbd.log_text();
+    for to in ["native", "generic"] {
+        let switched =
+            log.lines().filter(|l| l.contains("XDP mode changed") && l.contains(&format!("to=\"{to}\""))).count();
+        assert_eq!(switched, ifaces.len(), "switches to {to}: {log}");
+    }
+    // Counters went on through both (a connection that met a switch may
+    // count at one end only): at least every connection that passed, and
+    // from here on in step with the backends.
+    let (flows, served) = (lbd.total_new_flows(), lab.connections_served().unwrap());
+    assert!(flows >= ok, "lbd counted {flows} new flows, {ok} connections passed");
+    let r = lab.conns("10.10.0.100:80", 300, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{r}");
+    let counted = wait_for(5, || Some(lbd.total_new_flows() - flows).filter(|&n| n == 300));
+    assert_eq!(counted, Some(300), "new flows counted for 300 connections: {}", lbd.total_new_flows() - flows);
+    assert_eq!(lab.connections_served().unwrap() - served, 300);
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+}
+
+/// Sets its flag when dropped (a load loop's stop, also on a panic).
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A start whose changed `xdp_mode` one interface refuses (native on a
+/// bridge) fails naming it, and puts back what ran: the interface whose
+/// mode it had already switched gets the previous program in its previous
+/// mode again, and the datapath balances as before.
+#[test]
+fn a_mode_change_that_cannot_attach_puts_back_what_ran() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-xmodef";
+    let lab =
+        Lab::up(LabSpec { prefix: prefix.into(), topology: Topology::BridgeBackend, ..LabSpec::default() }).unwrap();
+    let sock = socket_for(prefix);
+    let dir = config_dir(prefix);
+    let ifaces = lab.gw_interfaces();
+    assert_eq!(ifaces, ["eth0", "br0"]);
+    let with_mode = |mode: &str| {
+        write_config_with(&dir, "lbd", &sock, &ifaces, &format!("conntrack_max: 262144\nxdp_mode: {mode}\n"), WEB)
+            .unwrap()
+    };
+    let config = with_mode("auto");
+    let mut lbd = Lbd::start(&lab, &config, &sock).unwrap();
+    let modes = || ifaces.iter().map(|i| xdp_mode_in_use(&lab, i).unwrap()).collect::<Vec<_>>();
+    let programs = || ifaces.iter().map(|i| xdp_program_in_use(&lab, i)).collect::<Vec<_>>();
+    assert_eq!(modes(), [Some("generic".to_owned()), Some("generic".to_owned())]);
+    let running = programs();
+    lbd.kill().unwrap();
+
+    with_mode("native");
+    let err = Lbd::start(&lab, &config, &sock).err().expect("lbd started with native XDP on a bridge");
+    let log = format!("{err:#}");
+    let text = log.lines().rev().find(|l| l.starts_with("lbd: ")).unwrap_or_else(|| panic!("no error line: {log}"));
+    assert!(text.contains("br0") && text.contains("native"), "the error does not name the interface and mode: {text}");
+    // eth0 was switched before br0 refused, and switched back.
+    assert!(log.contains("XDP mode changed") && log.contains("interface=eth0"), "eth0 was not switched: {log}");
+    assert!(log.contains("the program the interface ran before is back on it"), "{log}");
+    assert_eq!(modes(), [Some("generic".to_owned()), Some("generic".to_owned())], "modes after the failed start");
+    assert_eq!(programs(), running, "the failed start left other programs than the running one: {log}");
+    for i in &ifaces {
+        assert!(lab.pin_dir().join("links").join(i).exists(), "{i}'s link is not pinned after the failed start");
+    }
+    let r = lab.conns("10.10.0.100:80", 300, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{r}");
+
+    // The old configuration adopts the datapath as it was.
+    with_mode("auto");
+    let mut lbd = Lbd::start(&lab, &config, &sock).unwrap();
+    assert_eq!(modes(), [Some("generic".to_owned()), Some("generic".to_owned())]);
+    // (The log holds every start's lines: the failed one switched eth0.)
+    assert_eq!(lbd.log_text().matches("XDP mode changed").count(), 1, "{}", lbd.log_text());
+    let r = lab.conns("10.10.0.100:80", 300, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{r}");
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
 }

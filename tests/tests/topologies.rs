@@ -86,22 +86,12 @@ fn run_topology(t: Topology) {
         .unwrap_or_else(|e| panic!("{}: lab up: {e:#}", t.name()));
     let sock = socket_for(prefix);
     let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), &services(&lab)).unwrap();
-    let lbd = Lbd::start(&lab, &config, &sock).unwrap_or_else(|e| panic!("{}: lbd start: {e:#}", t.name()));
+    let mut lbd = Lbd::start(&lab, &config, &sock).unwrap_or_else(|e| panic!("{}: lbd start: {e:#}", t.name()));
     let status = lbd.status().unwrap();
 
     // The mode in use, as the kernel reports it, is what auto must pick
     // and what lbd says it uses.
-    for (iface, mode) in expected_modes(t) {
-        let kernel = xdp_mode_in_use(&lab, iface).unwrap();
-        assert_eq!(kernel.as_deref(), Some(mode), "{}: XDP mode on {iface}; lbd log:\n{}", t.name(), lbd.log_text());
-        let reported = status["interfaces"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|a| a["interface"] == iface)
-            .unwrap_or_else(|| panic!("{}: {iface} not in status {status}", t.name()));
-        assert_eq!(reported["mode"], mode, "{}: lbd reports {reported}", t.name());
-    }
+    check_modes(t, &lab, &lbd, "first start");
     // lbd reports a path for every ingress and each egress it forwards
     // to (the other interfaces; itself on a one-arm gateway), and logged
     // each one.
@@ -243,8 +233,62 @@ fn run_topology(t: Topology) {
         // native eth0 finishes them before redirecting.
         assert!(c["csum_partial"] > 0, "{c:?}");
     }
+
+    // A crash and a restart change nothing an operator sees: the new lbd
+    // adopts the pinned links in the modes the kernel runs them in, takes
+    // the same paths, and forwards as before, by the same path.
+    let first = lbd.program_id().unwrap();
+    lbd.kill().unwrap();
+    let lbd = Lbd::start(&lab, &config, &sock).unwrap_or_else(|e| panic!("{}: lbd restart: {e:#}", t.name()));
+    assert_ne!(lbd.program_id(), Some(first), "{}: the restarted lbd did not swap in its program", t.name());
+    check_modes(t, &lab, &lbd, "after a kill and restart");
+    let restarted = lbd.status().unwrap();
+    assert_eq!(restarted["paths"], later["paths"], "{}: paths after a kill and restart", t.name());
+    let r = lab.conns("10.10.0.100:80", 500, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
+    assert_eq!((u(&r, "ok"), u(&r, "failed")), (500, 0), "{}: after a kill and restart: {r}", t.name());
+    let c3 = counters(&lbd.status().unwrap());
+    let (redirect3, _, total3) = path_counts(&lbd.status().unwrap());
+    let (redirected, forwarded3) = (redirect3 - redirect2, total3 - total2);
+    assert!(forwarded3 >= 500 * 4, "{}: {forwarded3} packets forwarded after the restart: {c3:?}", t.name());
+    if all_redirect {
+        assert_eq!(c3["kernel_egress"], 0, "{}: packets through the kernel after a restart: {c3:?}", t.name());
+        assert!(
+            redirected as f64 >= 0.99 * forwarded3 as f64,
+            "{}: {redirected} of {forwarded3} packets by XDP redirect after a restart: {c3:?}",
+            t.name()
+        );
+    } else {
+        assert!(c3["kernel_egress"] > c2["kernel_egress"], "{}: kernel path unused after a restart: {c3:?}", t.name());
+    }
+    println!(
+        "topology {:<15} after a kill and restart: {redirected} of {forwarded3} packets by XDP redirect",
+        t.name()
+    );
     drop(lbd);
     drop(lab);
+}
+
+/// The XDP mode on each interface, as the kernel reports it and as lbd
+/// reports it, is the one `auto` must pick on `t`.
+fn check_modes(t: Topology, lab: &Lab, lbd: &Lbd, when: &str) {
+    let status = lbd.status().unwrap();
+    for (iface, mode) in expected_modes(t) {
+        let kernel = xdp_mode_in_use(lab, iface).unwrap();
+        assert_eq!(
+            kernel.as_deref(),
+            Some(mode),
+            "{}, {when}: XDP mode on {iface}; lbd log:\n{}",
+            t.name(),
+            lbd.log_text()
+        );
+        let reported = status["interfaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["interface"] == iface)
+            .unwrap_or_else(|| panic!("{}, {when}: {iface} not in status {status}", t.name()));
+        assert_eq!(reported["mode"], mode, "{}, {when}: lbd reports {reported}", t.name());
+    }
 }
 
 #[test]

@@ -27,7 +27,10 @@ pub(super) enum AttachedLink {
     /// previous lbd, and this one swapped its program in; `previous` holds
     /// the program it had, until the whole attach succeeded (to put it
     /// back if it does not).
-    Pinned { fd: FdLink, path: PathBuf, adopted: bool, previous: Option<OwnedFd> },
+    /// `switched`: this lbd replaced a pinned link that ran `previous` in
+    /// another mode on device `ifindex`, to be made again if the attach
+    /// fails.
+    Pinned { fd: FdLink, path: PathBuf, adopted: bool, previous: Option<OwnedFd>, switched: Option<(Mode, u32)> },
     /// Owned by the program object (unpinned data planes, for tests).
     Owned(XdpLinkId),
     /// None: the interface was replaced and attaching to the new device
@@ -73,6 +76,74 @@ fn restore_previous(iface: &str, path: &Path, previous: Option<&OwnedFd>) -> boo
     }
 }
 
+/// How [`Dataplane::attach`] brings an interface to the mode `xdp_mode`
+/// gives it, in the order the steps are taken.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// No pinned link: attached anew. First: an interface that cannot be
+    /// attached fails the start before anything running is touched.
+    New,
+    /// A pinned link in another mode (the one held here): replaced by a
+    /// new link. The kernel runs one mode per device at a time, so the
+    /// old link is detached first, and for the moment between the two the
+    /// device's packets meet no XDP program.
+    Switch(Mode),
+    /// A pinned link in the mode `xdp_mode` gives: this build's program
+    /// swapped in, atomically. Last.
+    Swap,
+}
+
+impl Step {
+    fn order(self) -> u8 {
+        match self {
+            Self::New => 0,
+            Self::Switch(_) => 1,
+            Self::Swap => 2,
+        }
+    }
+}
+
+/// What the kernel allows in both modes, for the NETDEVS written before
+/// an interface's mode is switched (read by the old program until the
+/// switch, by the new one after it, until the flags of the new mode are
+/// written): native mode's, which redirects only where native redirects
+/// work (so do generic ones) and takes `XDP_TX` where native mode does
+/// (so does generic mode).
+const EITHER_MODE: Mode = Mode::Native;
+
+/// Which step brings `iface`, whose pinned link (if any) runs in `pinned`,
+/// to `chosen`, the mode `xdp_mode` gives it. `auto` leaves a pinned
+/// generic link generic: generic mode redirects into every device, and
+/// auto may have fallen back to it when native mode would not attach.
+fn step(requested: XdpMode, pinned: Option<Mode>, chosen: Mode) -> Step {
+    match pinned {
+        None => Step::New,
+        Some(m) if m == chosen => Step::Swap,
+        Some(Mode::Generic) if requested == XdpMode::Auto => Step::Swap,
+        Some(m) => Step::Switch(m),
+    }
+}
+
+/// Attach `previous`, the program a link replaced in another mode ran, to
+/// `iface` (device `ifindex`) again in its mode `from`, pinned at `path`:
+/// a failed start's undoing of a mode switch. Whether it is back.
+fn relink_previous(iface: &str, ifindex: u32, from: Mode, path: &Path, previous: Option<&OwnedFd>) -> bool {
+    let Some(prog) = previous else {
+        warn!(interface = %iface, "the program the link ran before is gone: the interface has no XDP program");
+        return false;
+    };
+    match super::sys::pin_xdp_link(prog, ifindex, from == Mode::Generic, path) {
+        Ok(()) => {
+            info!(interface = %iface, mode = from.name(), "the program the interface ran before is back on it, in its mode");
+            true
+        }
+        Err(e) => {
+            warn!(interface = %iface, mode = from.name(), error = %e, "attaching the previous program again: the interface has no XDP program");
+            false
+        }
+    }
+}
+
 /// Detach the link pinned at `path` for `iface` and remove its pin.
 /// Detached now (see `sys`), not whenever the kernel drops the
 /// link's last reference after the pin goes.
@@ -88,17 +159,19 @@ fn unpin_link(iface: &str, path: &Path) {
 impl Dataplane {
     /// Attach to every interface, each in the mode [`paths::choose_mode`]
     /// picks from what the devices can do (`auto`), or as forced. Where a
-    /// pinned link from a previous lbd exists, the program is swapped in
-    /// atomically (link update) instead, keeping its mode. The NETDEVS map
-    /// is filled first, so the first packet already knows its paths.
+    /// pinned link from a previous lbd exists in that mode, the program is
+    /// swapped in atomically (link update) instead; a pinned link in
+    /// another mode is replaced by a new one (see [`Step`]). The NETDEVS
+    /// map is filled first, so the first packet already knows its paths.
     ///
-    /// Interfaces without a pinned link are attached first and adopted
-    /// links swapped last, so that an interface that cannot be attached
-    /// fails the call before the running program is replaced anywhere. On
-    /// error, interfaces attached here are detached again, NETDEVS gets
-    /// back what it held, adopted links already swapped get the program
-    /// they ran before back, and links of interfaces no longer configured
-    /// stay.
+    /// Interfaces without a pinned link are attached first, mode switches
+    /// come next and adopted links are swapped last, so that an interface
+    /// that cannot be attached fails the call before the running program
+    /// is replaced anywhere. On error, interfaces attached here are
+    /// detached again, NETDEVS gets back what it held, adopted links
+    /// already swapped get the program they ran before back, interfaces
+    /// already switched get it back in their previous mode, and links of
+    /// interfaces no longer configured stay.
     pub fn attach(&mut self, interfaces: &[String], requested: XdpMode) -> Result<(), DataplaneError> {
         let links_dir = self.pin.as_ref().map(|p| p.join("links"));
         // Links pinned for interfaces no longer configured: detached once
@@ -109,7 +182,7 @@ impl Dataplane {
             if let Ok(rd) = std::fs::read_dir(d) {
                 for e in rd.flatten() {
                     let name = e.file_name().to_string_lossy().into_owned();
-                    if !name.ends_with(".mode") && !interfaces.contains(&name) {
+                    if !interfaces.contains(&name) {
                         unconfigured.push((name, e.path()));
                     }
                 }
@@ -119,8 +192,8 @@ impl Dataplane {
         let find = |name: &str| {
             links.iter().find(|l| l.name == name).ok_or_else(|| DataplaneError::NoInterface(name.to_owned()))
         };
-        // (interface, mode, why, adopted: a pinned link is swapped)
-        let mut plan: Vec<(String, Mode, String, bool)> = Vec::new();
+        // (interface, mode, why, step)
+        let mut plan: Vec<(String, Mode, String, Step)> = Vec::new();
         for iface in interfaces {
             // A pinned link whose device carries no XDP program at all was
             // severed: its device was deleted (and this one made again
@@ -134,30 +207,42 @@ impl Dataplane {
             }
             let egresses: Vec<&netdev::Link> =
                 paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
-            let (mut mode, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
-            // A pinned link is adopted in the mode it has: plan with that one.
+            let (chosen, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
             let pinned = pinned_mode(links_dir.as_deref(), iface, find(iface)?);
-            if let Some(m) = pinned {
-                mode = m;
+            let step = step(requested, pinned, chosen);
+            // A link kept in its mode: plan with that one.
+            let mode = if step == Step::Swap { pinned.unwrap_or(chosen) } else { chosen };
+            if step == Step::Swap && mode != chosen {
+                info!(interface = %iface, mode = mode.name(), "the pinned link keeps generic mode, which redirects into every device; auto would choose native now ({reason}), which a clean stop and start, or xdp_mode: native, gives");
             }
             if requested == XdpMode::Native {
                 for c in paths::native_caveats(&egresses) {
                     warn!(interface = %iface, "xdp_mode native: {c}");
                 }
             }
-            plan.push((iface.clone(), mode, reason, pinned.is_some()));
+            plan.push((iface.clone(), mode, reason, step));
         }
-        // New attachments first (a stable sort keeps the configured order
-        // within each kind).
-        plan.sort_by_key(|p| p.3);
-        let planned: BTreeMap<String, Mode> = plan.iter().map(|(i, m, ..)| (i.clone(), *m)).collect();
+        // New attachments first, mode switches next, swaps last (a stable
+        // sort keeps the configured order within each).
+        plan.sort_by_key(|p| p.3.order());
+        let planned: BTreeMap<String, Mode> = plan
+            .iter()
+            .map(|(i, m, _, step)| (i.clone(), if matches!(step, Step::Switch(_)) { EITHER_MODE } else { *m }))
+            .collect();
         let netdevs_before: BTreeMap<u32, u32> = self.maps.netdevs.iter().filter_map(Result::ok).collect();
         self.write_netdevs(&paths::netdev_flags(&links, &planned))?;
         let mut done: Vec<Attached> = Vec::new();
-        for (iface, mode, reason, _) in plan {
-            match self.attach_one(&iface, mode, requested, reason, links_dir.as_deref()) {
+        for (iface, mode, reason, step) in plan {
+            let attached = match step {
+                Step::Switch(from) => self.switch_one(&iface, find(&iface)?.ifindex, from, mode, requested, reason),
+                _ => self.attach_one(&iface, mode, requested, reason, links_dir.as_deref()),
+            };
+            match attached {
                 Ok(a) => {
-                    self.swapped |= matches!(a.link, AttachedLink::Pinned { adopted: true, .. });
+                    self.swapped |= matches!(
+                        a.link,
+                        AttachedLink::Pinned { adopted: true, .. } | AttachedLink::Pinned { switched: Some(_), .. }
+                    );
                     done.push(a);
                 }
                 Err(e) => {
@@ -170,6 +255,14 @@ impl Dataplane {
                         match &a.link {
                             AttachedLink::Pinned { adopted: true, path, previous, .. } => {
                                 restored &= restore_previous(&a.attachment.interface, path, previous.as_ref());
+                            }
+                            AttachedLink::Pinned { switched: Some((from, ifindex)), path, previous, .. } => {
+                                let (from, ifindex) = (*from, *ifindex);
+                                let (path, previous) =
+                                    (path.clone(), previous.as_ref().and_then(|p| p.try_clone().ok()));
+                                let iface = a.attachment.interface.clone();
+                                self.detach_one(a);
+                                restored &= relink_previous(&iface, ifindex, from, &path, previous.as_ref());
                             }
                             _ => self.detach_one(a),
                         }
@@ -242,7 +335,7 @@ impl Dataplane {
             info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
             return Ok(Attached {
                 attachment: Attachment { interface: iface.to_owned(), mode, reason, missing: false },
-                link: AttachedLink::Pinned { fd, path: path.clone(), adopted: true, previous },
+                link: AttachedLink::Pinned { fd, path: path.clone(), adopted: true, previous, switched: None },
             });
         }
         let try_mode = |prog: &mut Xdp, m: Mode| {
@@ -278,8 +371,63 @@ impl Dataplane {
             .map_err(|e| DataplaneError::Pin { path: path.clone(), source: std::io::Error::other(e.to_string()) })?;
         Ok(Attached {
             attachment,
-            link: AttachedLink::Pinned { fd: FdLink::from(pinned), path, adopted: false, previous: None },
+            link: AttachedLink::Pinned {
+                fd: FdLink::from(pinned),
+                path,
+                adopted: false,
+                previous: None,
+                switched: None,
+            },
         })
+    }
+
+    /// Replace `iface`'s pinned link, which runs in mode `from`, by one of
+    /// this build's program in `mode` (on device `ifindex`). The link is
+    /// detached first (the kernel refuses a second mode beside it), and
+    /// the time until the new one is attached is logged: meanwhile the
+    /// device's packets go to the kernel's stack unbalanced. If the new
+    /// link cannot be made, the old program is attached again in `from`.
+    /// A pinned link whose program cannot be held (to put back) is kept
+    /// in its mode, with this build's program swapped in.
+    fn switch_one(
+        &mut self,
+        iface: &str,
+        ifindex: u32,
+        from: Mode,
+        mode: Mode,
+        requested: XdpMode,
+        reason: String,
+    ) -> Result<Attached, DataplaneError> {
+        let links_dir = self.pin.as_ref().map(|p| p.join("links")).expect("a pinned link has a pin directory");
+        let path = links_dir.join(iface);
+        let previous = PinnedLink::from_pin(&path)
+            .ok()
+            .and_then(|p| FdLink::from(p).info().ok())
+            .and_then(|i| super::sys::prog_by_id(i.program_id()).ok());
+        let Some(previous) = previous else {
+            warn!(interface = %iface, from = from.name(), to = mode.name(), "the pinned link's program cannot be held (to put back should the new mode fail): the link keeps its mode");
+            return self.attach_one(iface, from, requested, String::new(), Some(&links_dir));
+        };
+        let started = std::time::Instant::now();
+        super::sys::detach_pinned(&path)
+            .and_then(|()| std::fs::remove_file(&path))
+            .map_err(|source| DataplaneError::Pin { path: path.clone(), source })?;
+        match self.attach_one(iface, mode, requested, reason, Some(&links_dir)) {
+            Ok(mut a) => {
+                let gap = started.elapsed();
+                warn!(interface = %iface, from = from.name(), to = a.attachment.mode.name(), gap_us = gap.as_micros() as u64,
+                      "XDP mode changed as xdp_mode gives: the pinned link was replaced; the device's packets met no XDP program for {gap:?}");
+                if let AttachedLink::Pinned { previous: p, switched, .. } = &mut a.link {
+                    *p = Some(previous);
+                    *switched = Some((from, ifindex));
+                }
+                Ok(a)
+            }
+            Err(e) => {
+                relink_previous(iface, ifindex, from, &path, Some(&previous));
+                Err(e)
+            }
+        }
     }
 
     /// Re-read the network devices and bring NETDEVS (which egress takes
@@ -469,5 +617,32 @@ impl Dataplane {
             }
             info!(path = %pin.display(), "unpinned the datapath");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Mode, Step, XdpMode, step};
+
+    #[test]
+    fn a_pinned_link_is_kept_or_switched_as_xdp_mode_says() {
+        let (n, g) = (Mode::Native, Mode::Generic);
+        // No pinned link: attached anew, whatever is asked.
+        for (req, chosen) in [(XdpMode::Auto, n), (XdpMode::Native, n), (XdpMode::Generic, g)] {
+            assert!(step(req, None, chosen) == Step::New);
+        }
+        // The mode it has: swapped.
+        assert!(step(XdpMode::Native, Some(n), n) == Step::Swap);
+        assert!(step(XdpMode::Generic, Some(g), g) == Step::Swap);
+        assert!(step(XdpMode::Auto, Some(g), g) == Step::Swap);
+        // A forced mode it does not have: switched, from the mode it has.
+        assert!(step(XdpMode::Native, Some(g), n) == Step::Switch(g));
+        assert!(step(XdpMode::Generic, Some(n), g) == Step::Switch(n));
+        // auto: native where generic is chosen now is switched; generic
+        // stays generic (auto's own fallback when native would not attach).
+        assert!(step(XdpMode::Auto, Some(n), g) == Step::Switch(n));
+        assert!(step(XdpMode::Auto, Some(g), n) == Step::Swap);
+        // Switches come after new attachments and before swaps.
+        assert!(Step::New.order() < Step::Switch(n).order() && Step::Switch(g).order() < Step::Swap.order());
     }
 }

@@ -14,6 +14,10 @@
 //! a start that failed half-way needs that program held by id before the
 //! swap (BPF_PROG_GET_FD_BY_ID, [`prog_by_id`]) and a link update with a
 //! raw program fd (BPF_LINK_UPDATE), which aya does not offer either.
+//! Nor does it make an XDP link for a program it did not load
+//! ([`pin_xdp_link`]: BPF_LINK_CREATE and BPF_OBJ_PIN), which is how a
+//! start that changed a link's mode and then failed gives the interface
+//! its previous program back in its previous mode.
 use std::{
     ffi::CString,
     io,
@@ -45,6 +49,16 @@ struct ObjAttr {
     file_flags: u32,
 }
 
+/// The `link_create` member of `union bpf_attr`, up to `flags` (for an
+/// XDP link, the XDP_FLAGS_* mode).
+#[repr(C)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    target_ifindex: u32,
+    attach_type: u32,
+    flags: u32,
+}
+
 /// The `link_detach` member of `union bpf_attr`.
 #[repr(C)]
 struct DetachAttr {
@@ -70,14 +84,21 @@ struct GetByIdAttr {
 
 // bpf(2) commands (`enum bpf_cmd`, linux/bpf.h), every one used here or
 // in `batch`.
+const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 pub(super) const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 pub(super) const BPF_MAP_LOOKUP_AND_DELETE_BATCH: libc::c_long = 25;
 pub(super) const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 pub(super) const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_DETACH: libc::c_long = 34;
+/// `enum bpf_attach_type`'s BPF_XDP.
+const BPF_XDP: u32 = 37;
+/// linux/if_link.h: XDP_FLAGS_SKB_MODE, XDP_FLAGS_DRV_MODE.
+const XDP_FLAGS_SKB_MODE: u32 = 1 << 1;
+const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
 
 /// A new fd the kernel returned.
 fn owned(fd: libc::c_long) -> io::Result<OwnedFd> {
@@ -124,4 +145,22 @@ pub(super) fn relink_pinned(path: &Path, prog: &OwnedFd) -> io::Result<()> {
     };
     // SAFETY: a link_update prefix, no pointers.
     unsafe { bpf(BPF_LINK_UPDATE, &mut update) }.map(drop)
+}
+
+/// Attach `prog` to the device `ifindex` by a new XDP link, in generic
+/// (skb) mode or native (driver) mode, and pin the link at `path`.
+pub(super) fn pin_xdp_link(prog: &OwnedFd, ifindex: u32, generic: bool, path: &Path) -> io::Result<()> {
+    let mut create = LinkCreateAttr {
+        prog_fd: prog.as_raw_fd().cast_unsigned(),
+        target_ifindex: ifindex,
+        attach_type: BPF_XDP,
+        flags: if generic { XDP_FLAGS_SKB_MODE } else { XDP_FLAGS_DRV_MODE },
+    };
+    // SAFETY: a link_create prefix, no pointers.
+    let link = owned(unsafe { bpf(BPF_LINK_CREATE, &mut create) }?)?;
+    let name = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut pin = ObjAttr { pathname: name.as_ptr() as u64, bpf_fd: link.as_raw_fd().cast_unsigned(), file_flags: 0 };
+    // SAFETY: an obj_pin prefix; `name` outlives the call. On failure the
+    // link goes with `link`, its only reference.
+    unsafe { bpf(BPF_OBJ_PIN, &mut pin) }.map(drop)
 }
