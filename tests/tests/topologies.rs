@@ -242,6 +242,16 @@ fn run_topology(t: Topology) {
     let lbd = Lbd::start(&lab, &config, &sock).unwrap_or_else(|e| panic!("{}: lbd restart: {e:#}", t.name()));
     assert_ne!(lbd.program_id(), Some(first), "{}: the restarted lbd did not swap in its program", t.name());
     check_modes(t, &lab, &lbd, "after a kill and restart");
+    // The same configuration: every link was adopted as it ran (a program
+    // swap, with no moment without XDP), none replaced.
+    let log = lbd.log_text();
+    assert!(!log.contains("XDP mode changed"), "{}: a link replaced at a restart:\n{log}", t.name());
+    assert_eq!(
+        log.matches("XDP program replaced on the pinned link").count(),
+        ifaces.len(),
+        "{}: links adopted at the restart:\n{log}",
+        t.name()
+    );
     let restarted = lbd.status().unwrap();
     assert_eq!(restarted["paths"], later["paths"], "{}: paths after a kill and restart", t.name());
     let r = lab.conns("10.10.0.100:80", 500, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
