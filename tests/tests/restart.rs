@@ -279,6 +279,35 @@ fn a_restart_applies_a_changed_xdp_mode() {
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
 }
 
+/// A start on a datapath pinned elsewhere (the configured `pin_path`
+/// changed while the datapath ran) fails before it attaches anything,
+/// naming the interface, the program on it and the pin path it looked in;
+/// the running datapath forwards on, and the old configuration adopts it.
+#[test]
+fn a_start_whose_pin_path_moved_names_the_program_in_the_way() {
+    let mut s = Running::start("lbt-pinmove", 3, WEB);
+    let (lab, good) = (&s.lab, s.config.clone());
+    let running = ["eth0", "eth1"].map(|i| xdp_program_in_use(lab, i));
+    s.lbd.kill().unwrap();
+    // Another socket name gives another pin_path (write_config's rule).
+    let moved_sock = socket_for("lbt-pinmove2");
+    let moved = write_config(good.parent().unwrap(), "moved", &moved_sock, WEB).unwrap();
+    let moved_pin = std::path::Path::new(lb_tests::lab::BPFFS).join("lbt-pinmove2");
+    let err = Lbd::start(lab, &moved, &moved_sock).err().expect("lbd started beside a datapath pinned elsewhere");
+    let log = format!("{err:#}");
+    let text = log.lines().rev().find(|l| l.starts_with("lbd: ")).unwrap_or_else(|| panic!("no error line: {log}"));
+    let names = format!("eth0 already runs an XDP program (id {}, \"lb_xdp\")", running[0]);
+    assert!(text.contains(&names), "the error does not name the interface and program: {text}");
+    assert!(text.contains(&moved_pin.display().to_string()) && text.contains("pin_path"), "{text}");
+    assert_eq!(["eth0", "eth1"].map(|i| xdp_program_in_use(lab, i)), running, "the failed start changed XDP");
+    assert!(!moved_pin.exists(), "the failed start left pins at {}", moved_pin.display());
+    let r = lab.conns("10.10.0.100:80", 300, 10, &[]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{r}");
+    let mut lbd = Lbd::start(lab, &good, &s.lbd.socket).unwrap();
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+}
+
 /// Sets its flag when dropped (a load loop's stop, also on a panic).
 struct StopOnDrop<'a>(&'a AtomicBool);
 

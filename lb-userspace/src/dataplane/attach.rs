@@ -124,6 +124,18 @@ fn step(requested: XdpMode, pinned: Option<Mode>, chosen: Mode) -> Step {
     }
 }
 
+/// "id N, name" of the loaded program `id`, for an error.
+fn describe_program(id: u32) -> String {
+    let name = aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .find(|p| p.id() == id)
+        .and_then(|p| p.name_as_str().map(str::to_owned));
+    match name {
+        Some(n) if !n.is_empty() => format!("id {id}, \"{n}\""),
+        _ => format!("id {id}"),
+    }
+}
+
 /// Attach `previous`, the program a link replaced in another mode ran, to
 /// `iface` (device `ifindex`) again in its mode `from`, pinned at `path`:
 /// a failed start's undoing of a mode switch. Whether it is back.
@@ -209,6 +221,17 @@ impl Dataplane {
                 paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
             let (chosen, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
             let pinned = pinned_mode(links_dir.as_deref(), iface, find(iface)?);
+            // A program on the device that is not ours to swap: the kernel
+            // would refuse a link beside it (EBUSY); say whose it may be.
+            if pinned.is_none()
+                && let Some(&id) = find(iface)?.xdp_progs.first()
+            {
+                return Err(DataplaneError::Taken {
+                    iface: iface.clone(),
+                    program: describe_program(id),
+                    pin: self.pin.as_ref().map_or_else(|| "(none: unpinned)".into(), |p| p.display().to_string()),
+                });
+            }
             let step = step(requested, pinned, chosen);
             // A link kept in its mode: plan with that one.
             let mode = if step == Step::Swap { pinned.unwrap_or(chosen) } else { chosen };

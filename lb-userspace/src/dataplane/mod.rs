@@ -144,6 +144,13 @@ pub enum DataplaneError {
     Netdev(#[from] crate::netdev::NetdevError),
     #[error("interface {0} does not exist")]
     NoInterface(String),
+    #[error(
+        "{iface} already runs an XDP program ({program}) that is not the datapath pinned at {pin}. If it is the \
+         datapath of an lbd with another pin_path (was pin_path changed?), set pin_path back to that one, or stop \
+         that datapath first (SIGTERM to the lbd running it, or remove its pins); otherwise another XDP user holds \
+         {iface}. Nothing was attached"
+    )]
+    Taken { iface: String, program: String, pin: String },
     #[error("{0}")]
     Layout(String),
 }
