@@ -308,6 +308,70 @@ fn a_start_whose_pin_path_moved_names_the_program_in_the_way() {
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
 }
 
+/// A graceful restart (SIGUSR2) first has the binary it would run check
+/// the configuration it would read (`--check`). Into a file that no longer
+/// passes, or a binary that cannot run, it is refused: the running lbd
+/// stays (same process, same program, answering), logs why (the file's
+/// problem, or the binary's), and balances on. Once both are right, the
+/// restart goes ahead.
+#[test]
+fn a_graceful_restart_into_a_broken_config_or_binary_is_refused() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-usr2check";
+    let lab = Lab::up(LabSpec { prefix: prefix.into(), ..LabSpec::default() }).unwrap();
+    let sock = socket_for(prefix);
+    let dir = config_dir(prefix);
+    let config = write_config(&dir, "lbd", &sock, WEB).unwrap();
+    let bin = PathBuf::from(format!("/tmp/{prefix}-bin"));
+    std::fs::create_dir_all(&bin).unwrap();
+    let exe = bin.join("lbd");
+    std::fs::copy(lab.spec.bin_dir.join("lbd"), &exe).unwrap();
+    let mut lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
+    let program = lbd.program_id().unwrap();
+    let pid = lbd.pid().unwrap();
+    // SIGUSR2, then the refusal in the log (its `n`th), and lbd as it was.
+    let refused = |lbd: &Lbd, n: usize, why: &str| {
+        lbd.signal(libc::SIGUSR2).unwrap();
+        let log = wait_for(20, || {
+            let log = lbd.log_text();
+            (log.matches("SIGUSR2: restart refused").count() >= n).then_some(log)
+        })
+        .unwrap_or_else(|| panic!("no refusal logged; log:\n{}", lbd.log_text()));
+        assert!(log.contains(why), "the refusal does not say {why:?}:\n{log}");
+        let at = log.rfind("SIGUSR2: restart refused").unwrap();
+        println!("{}", log[at..].lines().take(3).collect::<Vec<_>>().join("\n"));
+        assert_eq!(lbd.pid(), Some(pid));
+        assert_eq!(lbd.program_id(), Some(program), "lbd restarted; log:\n{log}");
+        let r = lab.conns("10.10.0.100:80", 200, 10, &[]).unwrap();
+        assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(200), Some(0)), "{r}");
+    };
+
+    // 1. A configuration that no longer passes.
+    write_config(&dir, "lbd", &sock, &WEB.replace("maglev", "fastest")).unwrap();
+    refused(&lbd, 1, "scheduler");
+    write_config(&dir, "lbd", &sock, WEB).unwrap();
+
+    // 2. A binary that cannot run put in place of lbd's.
+    let staged = bin.join("lbd.new");
+    std::fs::write(&staged, b"not an executable\n").unwrap();
+    std::fs::set_permissions(&staged, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::rename(&staged, &exe).unwrap();
+    refused(&lbd, 2, &exe.display().to_string());
+
+    // 3. Both right again: the restart goes ahead.
+    std::fs::copy(lab.spec.bin_dir.join("lbd"), &staged).unwrap();
+    std::fs::rename(&staged, &exe).unwrap();
+    let next = lbd.restart().unwrap();
+    assert_ne!(next, program);
+    assert_eq!(lbd.pid(), Some(pid), "a graceful restart keeps the process");
+    let r = lab.conns("10.10.0.100:80", 200, 10, &[]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(200), Some(0)), "{r}");
+    assert!(lbd.stop().unwrap().success());
+    assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");
+    let _ = std::fs::remove_dir_all(&bin);
+}
+
 /// Sets its flag when dropped (a load loop's stop, also on a panic).
 struct StopOnDrop<'a>(&'a AtomicBool);
 

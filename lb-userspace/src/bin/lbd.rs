@@ -55,8 +55,8 @@ fn main() -> ExitCode {
     // Where to find ourselves for a graceful restart (SIGUSR2): the path as
     // it is now, so that a binary replaced there since (an upgrade) is the
     // one that starts.
-    let exe = std::env::current_exe().ok();
-    match rt.block_on(run(cfg, args.config)) {
+    let exe = std::env::current_exe().ok().map(|e| PathBuf::from(e.to_string_lossy().trim_end_matches(" (deleted)")));
+    match rt.block_on(run(cfg, args.config, exe.clone())) {
         Ok(Exit::Stopped) => ExitCode::SUCCESS,
         Ok(Exit::Restart) => {
             drop(rt);
@@ -64,7 +64,6 @@ fn main() -> ExitCode {
                 eprintln!("lbd: cannot find my own executable to restart; the datapath stays pinned and forwarding");
                 return ExitCode::from(1);
             };
-            let exe = PathBuf::from(exe.to_string_lossy().trim_end_matches(" (deleted)"));
             let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
             let err = std::os::unix::process::CommandExt::exec(std::process::Command::new(&exe).args(&args));
             eprintln!("lbd: restarting {}: {err}; the datapath stays pinned and forwarding", exe.display());
@@ -77,6 +76,33 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// Before a graceful restart: the binary it would run (`exe`) checks the
+/// configuration file it would read (`--check`, with this run's
+/// arguments). A restart into a file that no longer passes, or a binary
+/// that cannot run, would leave the datapath without its agent (no health
+/// checks, no control socket, no metrics) until someone starts one; this
+/// lbd stays instead, and says why. What only the start itself can find
+/// (an interface that refuses the mode) still ends the new lbd.
+async fn restart_check(exe: Option<&std::path::Path>) -> Result<(), String> {
+    let exe = exe.ok_or("cannot find my own executable")?;
+    let run = tokio::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .arg("--check")
+        .env("LBD_LOG", "error")
+        .kill_on_drop(true)
+        .output();
+    let out = match tokio::time::timeout(std::time::Duration::from_secs(30), run).await {
+        Err(_) => return Err(format!("{} --check did not finish in 30 s", exe.display())),
+        Ok(Err(e)) => return Err(format!("running {} --check: {e}", exe.display())),
+        Ok(Ok(out)) => out,
+    };
+    if out.status.success() {
+        return Ok(());
+    }
+    let said = String::from_utf8_lossy(&out.stderr);
+    Err(format!("{} --check failed ({}):\n{}", exe.display(), out.status, said.trim_end()))
 }
 
 /// How the agent ended.
@@ -99,7 +125,7 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn run(cfg: config::Config, path: PathBuf) -> anyhow::Result<Exit> {
+async fn run(cfg: config::Config, path: PathBuf, exe: Option<PathBuf>) -> anyhow::Result<Exit> {
     if let Ok(v) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
         && v.trim() == "0"
     {
@@ -114,7 +140,7 @@ async fn run(cfg: config::Config, path: PathBuf) -> anyhow::Result<Exit> {
     let metrics = tokio::net::TcpListener::bind(cfg.metrics_listen)
         .await
         .with_context(|| format!("listening for metrics on {}", cfg.metrics_listen))?;
-    let result = serve(&cfg, path, listener, metrics, &mut sigterm, &mut sigint).await;
+    let result = serve(&cfg, path, exe, listener, metrics, &mut sigterm, &mut sigint).await;
     if let Err(e) = std::fs::remove_file(&cfg.control_socket) {
         warn!(path = %cfg.control_socket.display(), error = %e, "removing the control socket");
     }
@@ -124,6 +150,7 @@ async fn run(cfg: config::Config, path: PathBuf) -> anyhow::Result<Exit> {
 async fn serve(
     cfg: &config::Config,
     path: PathBuf,
+    exe: Option<PathBuf>,
     listener: tokio::net::UnixListener,
     metrics: tokio::net::TcpListener,
     sigterm: &mut tokio::signal::unix::Signal,
@@ -200,9 +227,14 @@ async fn serve(
             _ = sigterm.recv() => { info!("SIGTERM: shutting down"); break Exit::Stopped }
             _ = sigint.recv() => { info!("SIGINT: shutting down"); break Exit::Stopped }
             _ = sigusr2.recv() => {
-                info!("SIGUSR2: restarting; the datapath keeps forwarding meanwhile");
-                keep_bird.store(true, std::sync::atomic::Ordering::SeqCst);
-                break Exit::Restart
+                match restart_check(exe.as_deref()).await {
+                    Ok(()) => {
+                        info!("SIGUSR2: restarting; the datapath keeps forwarding meanwhile");
+                        keep_bird.store(true, std::sync::atomic::Ordering::SeqCst);
+                        break Exit::Restart
+                    }
+                    Err(why) => error!("SIGUSR2: restart refused, lbd runs on as it was: {why}"),
+                }
             }
             () = &mut announcer => unreachable!("the announcer never returns"),
             _ = sighup.recv() => {
