@@ -200,8 +200,8 @@ fn a_restart_applies_a_changed_xdp_mode() {
     let config = with_mode("auto");
     let mut lbd = Lbd::start(&lab, &config, &sock).unwrap();
     // The mode on every interface (kernel and status) and every path are
-    // `mode` and `path`, and for a second under load every forwarded
-    // packet takes that path.
+    // `mode` and `path`, and every packet forwarded while 300 new
+    // connections pass takes that path.
     let check = |lbd: &Lbd, mode: &str, path: &str, when: &str| {
         let status = lbd.status().unwrap();
         for iface in &ifaces {
@@ -217,11 +217,14 @@ fn a_restart_applies_a_changed_xdp_mode() {
             let c = &lbd.status().unwrap()["counters"];
             (c["xdp_redirect"].as_u64().unwrap(), c["kernel_egress"].as_u64().unwrap())
         };
+        // New connections of their own (the load's may still wait on a
+        // retransmit after a switch).
         let before = taken();
-        std::thread::sleep(Duration::from_millis(1000));
+        let r = lab.conns("10.10.0.100:80", 300, 10, &["--sources-range", "10.10.1.1-10.10.1.250"]).unwrap();
+        assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(300), Some(0)), "{when}: {r}");
         let after = taken();
         let (redirected, kernel) = (after.0 - before.0, after.1 - before.1);
-        println!("{when}: in 1 s, {redirected} packets by XDP redirect, {kernel} by the kernel");
+        println!("{when}: 300 connections, {redirected} packets by XDP redirect, {kernel} by the kernel");
         if path == "kernel" {
             assert!(kernel > 0 && redirected == 0, "{when}: {redirected} redirected, {kernel} by the kernel");
         } else {

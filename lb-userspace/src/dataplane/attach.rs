@@ -103,14 +103,6 @@ impl Step {
     }
 }
 
-/// What the kernel allows in both modes, for the NETDEVS written before
-/// an interface's mode is switched (read by the old program until the
-/// switch, by the new one after it, until the flags of the new mode are
-/// written): native mode's, which redirects only where native redirects
-/// work (so do generic ones) and takes `XDP_TX` where native mode does
-/// (so does generic mode).
-const EITHER_MODE: Mode = Mode::Native;
-
 /// Which step brings `iface`, whose pinned link (if any) runs in `pinned`,
 /// to `chosen`, the mode `xdp_mode` gives it. `auto` leaves a pinned
 /// generic link generic: generic mode redirects into every device, and
@@ -248,16 +240,18 @@ impl Dataplane {
         // New attachments first, mode switches next, swaps last (a stable
         // sort keeps the configured order within each).
         plan.sort_by_key(|p| p.3.order());
+        // An interface to be switched keeps the flags of the mode it runs
+        // in until its switch (`switch_one`).
         let planned: BTreeMap<String, Mode> = plan
             .iter()
-            .map(|(i, m, _, step)| (i.clone(), if matches!(step, Step::Switch(_)) { EITHER_MODE } else { *m }))
+            .map(|(i, m, _, step)| (i.clone(), if let Step::Switch(from) = step { *from } else { *m }))
             .collect();
         let netdevs_before: BTreeMap<u32, u32> = self.maps.netdevs.iter().filter_map(Result::ok).collect();
         self.write_netdevs(&paths::netdev_flags(&links, &planned))?;
         let mut done: Vec<Attached> = Vec::new();
         for (iface, mode, reason, step) in plan {
             let attached = match step {
-                Step::Switch(from) => self.switch_one(&iface, find(&iface)?.ifindex, from, mode, requested, reason),
+                Step::Switch(from) => self.switch_one(find(&iface)?, from, mode, requested, reason),
                 _ => self.attach_one(&iface, mode, requested, reason, links_dir.as_deref()),
             };
             match attached {
@@ -285,6 +279,11 @@ impl Dataplane {
                                     (path.clone(), previous.as_ref().and_then(|p| p.try_clone().ok()));
                                 let iface = a.attachment.interface.clone();
                                 self.detach_one(a);
+                                if let Some(link) = links.iter().find(|l| l.ifindex == ifindex)
+                                    && let Err(e) = self.write_mode_flags(link, from)
+                                {
+                                    warn!(interface = %iface, error = %e, "writing the previous mode's flags (NETDEVS)");
+                                }
                                 restored &= relink_previous(&iface, ifindex, from, &path, previous.as_ref());
                             }
                             _ => self.detach_one(a),
@@ -404,23 +403,27 @@ impl Dataplane {
         })
     }
 
-    /// Replace `iface`'s pinned link, which runs in mode `from`, by one of
-    /// this build's program in `mode` (on device `ifindex`). The link is
+    /// Replace the pinned link of the interface `link`, which runs in mode
+    /// `from`, by one of this build's program in `mode`. The link is
     /// detached first (the kernel refuses a second mode beside it), and
     /// the time until the new one is attached is logged: meanwhile the
-    /// device's packets go to the kernel's stack unbalanced. If the new
-    /// link cannot be made, the old program is attached again in `from`.
-    /// A pinned link whose program cannot be held (to put back) is kept
-    /// in its mode, with this build's program swapped in.
+    /// device's packets go to the kernel's stack unbalanced. Its flags in
+    /// NETDEVS change in that moment, when no program runs on it, so that
+    /// neither program reads the other mode's (a native program given
+    /// generic flags redirects where native redirects are lost; a generic
+    /// one given native flags finishes checksums the kernel finishes
+    /// again). If the new link cannot be made, the old program is attached
+    /// again in `from`. A pinned link whose program cannot be held (to put
+    /// back) is kept in its mode, with this build's program swapped in.
     fn switch_one(
         &mut self,
-        iface: &str,
-        ifindex: u32,
+        link: &netdev::Link,
         from: Mode,
         mode: Mode,
         requested: XdpMode,
         reason: String,
     ) -> Result<Attached, DataplaneError> {
+        let (iface, ifindex) = (link.name.as_str(), link.ifindex);
         let links_dir = self.pin.as_ref().map(|p| p.join("links")).expect("a pinned link has a pin directory");
         let path = links_dir.join(iface);
         let previous = PinnedLink::from_pin(&path)
@@ -435,8 +438,17 @@ impl Dataplane {
         super::sys::detach_pinned(&path)
             .and_then(|()| std::fs::remove_file(&path))
             .map_err(|source| DataplaneError::Pin { path: path.clone(), source })?;
-        match self.attach_one(iface, mode, requested, reason, Some(&links_dir)) {
+        let attached = self
+            .write_mode_flags(link, mode)
+            .and_then(|()| self.attach_one(iface, mode, requested, reason, Some(&links_dir)));
+        match attached {
             Ok(mut a) => {
+                // auto fell back to generic mode.
+                if a.attachment.mode != mode
+                    && let Err(e) = self.write_mode_flags(link, a.attachment.mode)
+                {
+                    warn!(interface = %iface, error = %e, "writing the flags of the mode attached (NETDEVS)");
+                }
                 let gap = started.elapsed();
                 warn!(interface = %iface, from = from.name(), to = a.attachment.mode.name(), gap_us = gap.as_micros() as u64,
                       "XDP mode changed as xdp_mode gives: the pinned link was replaced; the device's packets met no XDP program for {gap:?}");
@@ -447,10 +459,21 @@ impl Dataplane {
                 Ok(a)
             }
             Err(e) => {
+                if let Err(e) = self.write_mode_flags(link, from) {
+                    warn!(interface = %iface, error = %e, "writing the previous mode's flags (NETDEVS)");
+                }
                 relink_previous(iface, ifindex, from, &path, Some(&previous));
                 Err(e)
             }
         }
+    }
+
+    /// NETDEVS as last written, with the flags of `link` for a program on
+    /// it in `mode`.
+    fn write_mode_flags(&mut self, link: &netdev::Link, mode: Mode) -> Result<(), DataplaneError> {
+        let mut flags = self.netdevs.clone();
+        flags.extend(paths::netdev_flags(std::slice::from_ref(link), &BTreeMap::from([(link.name.clone(), mode)])));
+        self.write_netdevs(&flags)
     }
 
     /// Re-read the network devices and bring NETDEVS (which egress takes
