@@ -12,8 +12,8 @@ use std::{
 
 use lb_tests::{
     harness::{Running, web},
-    lab::Lab,
-    lbd::{Lbd, wait_for},
+    lab::{Lab, VIP6},
+    lbd::{Lbd, wait_for, write_config},
 };
 
 /// Health checks against the backends' stats port (so probes are not
@@ -315,4 +315,46 @@ fn the_control_socket_is_root_only_and_survives_malformed_requests() {
     assert_eq!(st["services"][0]["backends"].as_array().unwrap().len(), 3, "the pool changed: {st}");
     let r = conns(&s.lab, &["--count", "100", "--sources-range", "10.10.1.1-10.10.1.100"]);
     assert_eq!(r["failed"], 0);
+}
+
+/// lbd warns at start of forwarding the kernel has off where the
+/// datapath needs it: IPv4 forwarding on a configured interface (the FIB
+/// lookup refuses a packet arriving on a device whose own
+/// `net.ipv4.conf.DEV.forwarding` is 0, even with `ip_forward` on), and
+/// IPv6 forwarding when an IPv6 service is configured. Each warning names
+/// the sysctl; with both on again the next start says nothing.
+#[test]
+fn a_start_warns_of_forwarding_the_kernel_has_off() {
+    let s = setup("lbt-o-fwd", 3, &web("", &[(1, 1), (2, 1), (3, 1)]));
+    let mut services = web("", &[(1, 1), (2, 1), (3, 1)]);
+    services.push_str(&format!("  - name: web6\n    vip: \"{VIP6}\"\n    port: 80\n    backends:\n"));
+    for a in s.lab.backend_addrs6() {
+        services.push_str(&format!("      - {{ address: \"{a}\", port: 8080 }}\n"));
+    }
+    write_config(s.config.parent().unwrap(), "lbd", &s.lbd.socket, &services).unwrap();
+    let sysctl = |key: &str, value: &str| {
+        let out = s.lab.cmd("gw", "sysctl").args(["-qw", &format!("{key}={value}")]).output().unwrap();
+        assert!(out.status.success(), "sysctl {key}={value}: {out:?}");
+    };
+    let warnings = || -> Vec<String> {
+        let log = s.lbd.log_text();
+        log.lines().filter(|l| l.contains("WARN") && l.contains("forwarding is 0")).map(str::to_owned).collect()
+    };
+    assert_eq!(warnings(), Vec::<String>::new(), "forwarding is on in the lab");
+    sysctl("net.ipv4.conf.eth0.forwarding", "0");
+    sysctl("net.ipv6.conf.all.forwarding", "0");
+    s.lbd.restart().unwrap();
+    let w = warnings();
+    assert_eq!(w.len(), 2, "{w:#?}");
+    assert!(
+        w.iter().any(|l| l.contains("net.ipv4.conf.eth0.forwarding is 0") && l.contains("arriving on eth0")),
+        "{w:#?}"
+    );
+    assert!(w.iter().any(|l| l.contains("net.ipv6.conf.all.forwarding is 0")), "{w:#?}");
+    sysctl("net.ipv4.conf.eth0.forwarding", "1");
+    sysctl("net.ipv6.conf.all.forwarding", "1");
+    s.lbd.restart().unwrap();
+    assert_eq!(warnings().len(), 2, "a start with forwarding on warned");
+    let r = conns(&s.lab, &["--count", "100"]);
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(100), Some(0)), "{r}");
 }

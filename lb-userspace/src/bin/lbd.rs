@@ -78,6 +78,32 @@ fn main() -> ExitCode {
     }
 }
 
+/// Forwarding the kernel must allow on the configured interfaces, for the
+/// address families of the configured services (IPv4 when there are
+/// none): the datapath's FIB lookup refuses to route a packet that
+/// arrives on a device with forwarding off, and the kernel, which the
+/// packet then falls back to, does not forward it either.
+fn forwarding_warnings(cfg: &config::Config) -> Vec<String> {
+    let off = |path: String| std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "0");
+    let v6 = cfg.services.iter().any(|s| s.vip.is_ipv6());
+    let v4 = cfg.services.iter().any(|s| s.vip.is_ipv4()) || !v6;
+    let mut w = Vec::new();
+    let consequence = "the FIB refuses to route, so those packets fall back to the kernel, which will not forward them";
+    if v4 && off("/proc/sys/net/ipv4/ip_forward".into()) {
+        w.push(format!("net.ipv4.ip_forward is 0: for every IPv4 packet {consequence}"));
+    } else if v4 {
+        for i in &cfg.interfaces {
+            if off(format!("/proc/sys/net/ipv4/conf/{i}/forwarding")) {
+                w.push(format!("net.ipv4.conf.{i}.forwarding is 0: for IPv4 packets arriving on {i} {consequence}"));
+            }
+        }
+    }
+    if v6 && off("/proc/sys/net/ipv6/conf/all/forwarding".into()) {
+        w.push(format!("net.ipv6.conf.all.forwarding is 0: for every IPv6 packet {consequence}"));
+    }
+    w
+}
+
 /// Before a graceful restart: the binary it would run (`exe`) checks the
 /// configuration file it would read (`--check`, with this run's
 /// arguments). A restart into a file that no longer passes, or a binary
@@ -126,12 +152,8 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn run(cfg: config::Config, path: PathBuf, exe: Option<PathBuf>) -> anyhow::Result<Exit> {
-    if let Ok(v) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
-        && v.trim() == "0"
-    {
-        warn!(
-            "net.ipv4.ip_forward is 0: the FIB refuses to route, so every packet falls back to the kernel, which will not forward it"
-        );
+    for w in forwarding_warnings(&cfg) {
+        warn!("{w}");
     }
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
