@@ -435,11 +435,12 @@ impl Dataplane {
             return self.attach_one(iface, from, requested, String::new(), Some(&links_dir));
         };
         let started = std::time::Instant::now();
-        super::sys::detach_pinned(&path)
-            .and_then(|()| std::fs::remove_file(&path))
-            .map_err(|source| DataplaneError::Pin { path: path.clone(), source })?;
-        let attached = self
-            .write_mode_flags(link, mode)
+        // Nothing has changed if the detach fails; after it, whatever fails
+        // puts the previous program back.
+        super::sys::detach_pinned(&path).map_err(|source| DataplaneError::Pin { path: path.clone(), source })?;
+        let attached = std::fs::remove_file(&path)
+            .map_err(|source| DataplaneError::Pin { path: path.clone(), source })
+            .and_then(|()| self.write_mode_flags(link, mode))
             .and_then(|()| self.attach_one(iface, mode, requested, reason, Some(&links_dir)));
         match attached {
             Ok(mut a) => {
