@@ -331,7 +331,16 @@ impl Agent {
             .map(|k| Problem {
                 file: self.config_path.display().to_string(),
                 field: k.to_owned(),
-                reason: "changed, but this key only takes effect when lbd starts; restart lbd to change it".into(),
+                reason: if matches!(k, "conntrack_max" | "conntrack_max_ipv6" | "table_capacity") {
+                    // The pinned tables are adopted as they are by a restart.
+                    "changed, but this key sizes a pinned table, which only a fresh start makes anew: stop lbd \
+                     (SIGTERM, which detaches the datapath) and start it to change it"
+                        .into()
+                } else {
+                    "changed, but this key only takes effect when lbd starts; restart lbd (SIGUSR2 keeps the \
+                     datapath forwarding) to change it"
+                        .into()
+                },
             })
             .collect();
         if !restart.is_empty() {

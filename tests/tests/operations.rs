@@ -219,6 +219,22 @@ fn an_invalid_reload_lists_every_problem_and_changes_nothing() {
     s.lbd.signal(libc::SIGHUP).unwrap();
     wait_for(5, || s.lbd.log_text().contains("reload rejected").then_some(())).expect("SIGHUP reload not logged");
     assert_eq!(s.lbd.status().unwrap(), before, "the running state changed");
+    // Keys read only at start: each refusal says what does change it (a
+    // pinned table's size only a fresh start; the rest a restart).
+    assert!(good.contains("conntrack_max: 262144\n"), "{good}");
+    let sized = good.replace("conntrack_max: 262144\n", "conntrack_max: 524288\nxdp_mode: generic\n");
+    std::fs::write(&s.config, &sized).unwrap();
+    let err = s.lbd.lbctl(&["reload"]).unwrap_err().to_string();
+    println!("{err}");
+    let line = |field: &str| {
+        err.lines()
+            .find(|l| l.contains(&format!("{}: {field}: ", s.config.display())))
+            .unwrap_or_else(|| panic!("{field} not reported:\n{err}"))
+            .to_owned()
+    };
+    assert!(line("conntrack_max").contains("stop lbd (SIGTERM"), "{err}");
+    assert!(line("xdp_mode").contains("restart lbd (SIGUSR2"), "{err}");
+    assert_eq!(s.lbd.status().unwrap(), before, "the running state changed");
     std::fs::write(&s.config, &good).unwrap();
 }
 
