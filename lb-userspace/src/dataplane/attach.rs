@@ -15,7 +15,10 @@ use aya::programs::{
 use lb_common::maps as names;
 use tracing::{info, warn};
 
-use super::{Attachment, Dataplane, DataplaneError, PROGRAM, map_err, pin::pinned_mode};
+use super::{
+    Attachment, Dataplane, DataplaneError, PROGRAM, map_err,
+    pin::{pinned_mode, pinned_program},
+};
 use crate::{
     config::XdpMode,
     netdev,
@@ -277,14 +280,9 @@ impl Dataplane {
                                 let (from, ifindex) = (*from, *ifindex);
                                 let (path, previous) =
                                     (path.clone(), previous.as_ref().and_then(|p| p.try_clone().ok()));
-                                let iface = a.attachment.interface.clone();
                                 self.detach_one(a);
-                                if let Some(link) = links.iter().find(|l| l.ifindex == ifindex)
-                                    && let Err(e) = self.write_mode_flags(link, from)
-                                {
-                                    warn!(interface = %iface, error = %e, "writing the previous mode's flags (NETDEVS)");
-                                }
-                                restored &= relink_previous(&iface, ifindex, from, &path, previous.as_ref());
+                                let link = links.iter().find(|l| l.ifindex == ifindex).expect("a device attached here");
+                                restored &= self.put_back(link, from, &path, previous.as_ref());
                             }
                             _ => self.detach_one(a),
                         }
@@ -426,10 +424,7 @@ impl Dataplane {
         let (iface, ifindex) = (link.name.as_str(), link.ifindex);
         let links_dir = self.pin.as_ref().map(|p| p.join("links")).expect("a pinned link has a pin directory");
         let path = links_dir.join(iface);
-        let previous = PinnedLink::from_pin(&path)
-            .ok()
-            .and_then(|p| FdLink::from(p).info().ok())
-            .and_then(|i| super::sys::prog_by_id(i.program_id()).ok());
+        let previous = pinned_program(&path).and_then(|id| super::sys::prog_by_id(id).ok());
         let Some(previous) = previous else {
             warn!(interface = %iface, from = from.name(), to = mode.name(), "the pinned link's program cannot be held (to put back should the new mode fail): the link keeps its mode");
             return self.attach_one(iface, from, requested, String::new(), Some(&links_dir));
@@ -460,13 +455,20 @@ impl Dataplane {
                 Ok(a)
             }
             Err(e) => {
-                if let Err(e) = self.write_mode_flags(link, from) {
-                    warn!(interface = %iface, error = %e, "writing the previous mode's flags (NETDEVS)");
-                }
-                relink_previous(iface, ifindex, from, &path, Some(&previous));
+                self.put_back(link, from, &path, Some(&previous));
                 Err(e)
             }
         }
+    }
+
+    /// Undo a mode switch on `link` whose new link is gone: its flags for
+    /// mode `from` first (no program runs on it), then `previous` attached
+    /// again in `from`, pinned at `path`. Whether it is back.
+    fn put_back(&mut self, link: &netdev::Link, from: Mode, path: &Path, previous: Option<&OwnedFd>) -> bool {
+        if let Err(e) = self.write_mode_flags(link, from) {
+            warn!(interface = %link.name, error = %e, "writing the previous mode's flags (NETDEVS)");
+        }
+        relink_previous(&link.name, link.ifindex, from, path, previous)
     }
 
     /// NETDEVS as last written, with the flags of `link` for a program on

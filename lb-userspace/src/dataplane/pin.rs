@@ -28,9 +28,14 @@ pub(super) fn pinned_mode(links_dir: Option<&Path>, iface: &str, dev: &netdev::L
     if !link.exists() {
         return None;
     }
-    let prog = PinnedLink::from_pin(&link).ok().and_then(|p| FdLink::from(p).info().ok()).map(|i| i.program_id());
+    let prog = pinned_program(&link);
     let generic = prog.is_some_and(|id| dev.xdp_progs.contains(&id) && dev.xdp_generic_prog == Some(id));
     Some(if generic { Mode::Generic } else { Mode::Native })
+}
+
+/// The id of the program the XDP link pinned at `path` runs, if it is one.
+pub(super) fn pinned_program(path: &Path) -> Option<u32> {
+    PinnedLink::from_pin(path).ok().and_then(|p| FdLink::from(p).info().ok()).map(|i| i.program_id())
 }
 
 /// bpffs magic number (statfs f_type).
