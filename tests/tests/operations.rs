@@ -373,4 +373,33 @@ fn a_start_warns_of_forwarding_the_kernel_has_off() {
     assert_eq!(warnings().len(), 2, "a start with forwarding on warned");
     let r = conns(&s.lab, &["--count", "100"]);
     assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(100), Some(0)), "{r}");
+    // IPv6: the FIB lookup also reads the arriving device's own setting,
+    // which `all` on does not override; the kernel's IPv6 forwarding
+    // reads only `all`, so those packets pass, by the kernel's path.
+    let sources6: Vec<String> = s.lab.client_sources6().iter().take(20).map(ToString::to_string).collect();
+    let web6 = std::net::SocketAddr::new(VIP6.into(), 80).to_string();
+    let fallback = || s.lbd.status().unwrap()["counters"]["fib_fallback"].as_u64().expect("fib_fallback");
+    let conns6 = |expect_fallback: bool| {
+        let before = fallback();
+        let r =
+            s.lab.client(&["conns", "--target", &web6, "--count", "100", "--sources", &sources6.join(",")]).unwrap();
+        assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(100), Some(0)), "{r}");
+        let taken = fallback() - before;
+        if expect_fallback {
+            // At least the SYN and the final ACK of each connection.
+            assert!(taken >= 200, "IPv6 packets refused by the FIB: only {taken}");
+        } else {
+            assert_eq!(taken, 0, "IPv6 packets fell back to the kernel with forwarding on");
+        }
+    };
+    sysctl("net.ipv6.conf.eth0.forwarding", "0");
+    s.lbd.restart().unwrap();
+    let w = warnings();
+    assert_eq!(w.len(), 3, "{w:#?}");
+    assert!(w[2].contains("net.ipv6.conf.eth0.forwarding is 0") && w[2].contains("arriving on eth0"), "{w:#?}");
+    conns6(true);
+    sysctl("net.ipv6.conf.eth0.forwarding", "1");
+    s.lbd.restart().unwrap();
+    assert_eq!(warnings().len(), 3, "a start with IPv6 forwarding on warned");
+    conns6(false);
 }

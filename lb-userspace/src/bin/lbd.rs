@@ -82,7 +82,8 @@ fn main() -> ExitCode {
 /// address families of the configured services (IPv4 when there are
 /// none): the datapath's FIB lookup refuses to route a packet that
 /// arrives on a device with forwarding off, and the kernel, which the
-/// packet then falls back to, does not forward it either.
+/// packet then falls back to, does not forward it either (IPv6 with
+/// `all` on but the device's own off: it does, by the slow path).
 fn forwarding_warnings(cfg: &config::Config) -> Vec<String> {
     let off = |path: String| std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "0");
     let v6 = cfg.services.iter().any(|s| s.vip.is_ipv6());
@@ -100,6 +101,17 @@ fn forwarding_warnings(cfg: &config::Config) -> Vec<String> {
     }
     if v6 && off("/proc/sys/net/ipv6/conf/all/forwarding".into()) {
         w.push(format!("net.ipv6.conf.all.forwarding is 0: for every IPv6 packet {consequence}"));
+    } else if v6 {
+        // The IPv6 FIB lookup reads the arriving device's own setting too,
+        // but the kernel's IPv6 forwarding reads only `all`: such packets
+        // still pass, by the kernel's slower path (fib_fallback).
+        for i in &cfg.interfaces {
+            if off(format!("/proc/sys/net/ipv6/conf/{i}/forwarding")) {
+                w.push(format!(
+                    "net.ipv6.conf.{i}.forwarding is 0: the FIB refuses to route IPv6 packets arriving on {i}, so they leave by the kernel's forwarding (fib_fallback), not by XDP redirect"
+                ));
+            }
+        }
     }
     w
 }
