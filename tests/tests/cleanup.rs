@@ -119,6 +119,37 @@ fn labs_coming_up_at_once_mount_one_bpffs() {
     assert_eq!(bpffs_mounts(), 0, "release left a bpf filesystem on {BPFFS}");
 }
 
+/// A lab taken down unmounts the labs' bpf filesystem when it was the
+/// last lab using it, and not before: a lab still up keeps it, and its
+/// lbd pins and balances there after the other lab is gone. (Before,
+/// only `cargo xtask test` or `lab down` unmounted it, so a test run by
+/// hand left it mounted.)
+#[test]
+fn the_last_lab_taken_down_unmounts_the_bpffs() {
+    let _guard = serial();
+    lb_tests::require_root().expect("needs root");
+    lb_tests::lab::release_bpffs().unwrap();
+    assert_eq!(bpffs_mounts(), 0, "a bpf filesystem on {BPFFS} with pins in it (another lab running?)");
+    let spec = |prefix: &str| LabSpec { prefix: prefix.into(), backends: 2, ..LabSpec::default() };
+    let first = Lab::up(spec("lbt-bpfa")).unwrap();
+    let second = Lab::up(spec("lbt-bpfb")).unwrap();
+    assert_eq!(bpffs_mounts(), 1);
+    drop(first);
+    assert_eq!(bpffs_mounts(), 1, "the first lab's teardown unmounted the bpf filesystem the second one uses");
+    let sock = lb_tests::harness::socket_for("lbt-bpfb");
+    let cfg =
+        write_config(&lb_tests::harness::config_dir("lbt-bpfb"), "lbd", &sock, &web("", &[(1, 1), (2, 1)])).unwrap();
+    let mut lbd = Lbd::start(&second, &cfg, &sock).unwrap();
+    let r = second.conns("10.10.0.100:80", 100, 10, &[]).unwrap();
+    assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(100), Some(0)), "{r}");
+    assert!(lbd.stop().unwrap().success());
+    drop(second);
+    assert_eq!(bpffs_mounts(), 0, "the last lab's teardown left a bpf filesystem on {BPFFS}");
+    let left: Vec<PathBuf> =
+        std::fs::read_dir("/run/lbd").map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    assert!(!Path::new("/run/lbd").exists(), "/run/lbd left, holding {left:?}");
+}
+
 /// The network namespace of process `pid`'s threads that is not this
 /// process's own: lb-bench's measuring thread makes one of its own.
 fn private_namespaces(pid: u32) -> Vec<PathBuf> {

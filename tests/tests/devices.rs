@@ -12,7 +12,7 @@
 use lb_tests::{
     harness::{Running, web},
     lab::{GW6_BACKEND, Lab},
-    lbd::{Lbd, path_counts, wait_for, xdp_mode_in_use},
+    lbd::{Lbd, path_counts, wait_for, write_config_for, xdp_mode_in_use, xdp_program_in_use},
 };
 
 /// Delete the gateway's backend-side veth (`eth1`, its peer `p0` in the
@@ -102,7 +102,8 @@ fn metric(lab: &Lab, iface: &str) -> Option<String> {
 
 #[test]
 fn a_replaced_interface_gets_the_program_again() {
-    let mut s = Running::start("lbt-devices", 3, &web("    scheduler: maglev\n", &[(1, 1), (2, 1), (3, 1)]));
+    let web = web("    scheduler: maglev\n", &[(1, 1), (2, 1), (3, 1)]);
+    let mut s = Running::start("lbt-devices", 3, &web);
     let (lab, config, sock) = (&s.lab, s.config.clone(), s.lbd.socket.clone());
     let mode = xdp_mode_in_use(lab, "eth1").unwrap();
     assert_eq!(mode.as_deref(), Some("native"), "the tuned lab's eth1 takes native XDP");
@@ -147,6 +148,38 @@ fn a_replaced_interface_gets_the_program_again() {
     let back = wait_for(5, || xdp_mode_in_use(lab, "eth1").unwrap().filter(|m| m == "native"));
     assert!(back.is_some(), "XDP not on the new eth1 after the restart; log:\n{}", lbd.log_text());
     assert_eq!(xdp_mode_in_use(lab, "eth0").unwrap().as_deref(), Some("native"));
+    balanced(lab, &lbd);
+
+    // Replaced while no lbd runs, and the new device given another XDP
+    // program meanwhile (another datapath's, pinned elsewhere): the pinned
+    // link is severed and cannot be adopted. The start is refused, naming
+    // the interface and the program in the way, and changes no program;
+    // once that program is gone, the next start attaches.
+    lbd.kill().unwrap();
+    replace_eth1(lab, || {});
+    // Inside the lab's pin directory, so that the lab's teardown removes it.
+    let other_pin = lab.pin_dir().join("other");
+    let other = write_config_for(config.parent().unwrap(), "other", &sock, &["eth1".into()], &web).unwrap();
+    let text = std::fs::read_to_string(&other).unwrap();
+    let line = text.lines().find(|l| l.starts_with("pin_path:")).expect("pin_path").to_owned();
+    std::fs::write(&other, text.replace(&line, &format!("pin_path: {}", other_pin.display()))).unwrap();
+    let mut in_the_way = Lbd::start(lab, &other, &sock).unwrap();
+    let theirs = in_the_way.program_id().expect("the other datapath's program");
+    in_the_way.kill().unwrap();
+    let ours = xdp_program_in_use(lab, "eth0");
+    assert_eq!(xdp_program_in_use(lab, "eth1"), theirs);
+    let err = Lbd::start(lab, &config, &sock).err().expect("lbd started over another program on eth1");
+    let log = format!("{err:#}");
+    let text = log.lines().rev().find(|l| l.starts_with("lbd: ")).unwrap_or_else(|| panic!("no error line: {log}"));
+    let names = format!("eth1 already runs an XDP program (id {theirs}, \"lb_xdp\")");
+    assert!(text.contains(&names), "the error does not name the interface and program: {text}");
+    assert_eq!((xdp_program_in_use(lab, "eth0"), xdp_program_in_use(lab, "eth1")), (ours, theirs));
+    std::fs::remove_dir_all(&other_pin).unwrap();
+    assert_eq!(xdp_mode_in_use(lab, "eth1").unwrap(), None, "the other datapath's link outlived its pins");
+    let mut lbd = Lbd::start(lab, &config, &sock).unwrap();
+    let back = wait_for(5, || xdp_mode_in_use(lab, "eth1").unwrap().filter(|m| m == "native"));
+    assert!(back.is_some(), "XDP not on eth1 once the other program was gone; log:\n{}", lbd.log_text());
+    assert_eq!(xdp_program_in_use(lab, "eth0"), lbd.program_id().unwrap());
     balanced(lab, &lbd);
     assert!(lbd.stop().unwrap().success());
     assert!(!lab.pin_dir().exists(), "pins left after SIGTERM");

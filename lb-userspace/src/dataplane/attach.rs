@@ -202,12 +202,15 @@ impl Dataplane {
         // (interface, mode, why, step)
         let mut plan: Vec<(String, Mode, String, Step)> = Vec::new();
         for iface in interfaces {
-            // A pinned link whose device carries no XDP program at all was
+            // A pinned link whose program the device does not run was
             // severed: its device was deleted (and this one made again
-            // under the name) while no lbd ran. Nothing can be swapped
-            // into it; the interface is attached as a new one.
+            // under the name) while no lbd ran, and the new device has no
+            // XDP program or another one. Nothing can be swapped into it;
+            // the interface is attached as a new one (or, with a program
+            // in the way, refused below).
+            let dev = find(iface)?;
             if let Some(path) = links_dir.as_ref().map(|d| d.join(iface)).filter(|p| p.exists())
-                && find(iface)?.xdp_progs.is_empty()
+                && (dev.xdp_progs.is_empty() || pinned_program(&path).is_some_and(|id| !dev.xdp_progs.contains(&id)))
             {
                 info!(interface = %iface, "the pinned XDP link's device is gone (the interface was replaced): attaching anew");
                 unpin_link(iface, &path);

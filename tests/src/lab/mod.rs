@@ -310,12 +310,54 @@ pub fn bpffs_mounted() -> bool {
 
 /// Mount bpffs on [`BPFFS`] unless it is mounted already.
 pub fn ensure_bpffs() -> anyhow::Result<()> {
+    ensure_bpffs_for(None)
+}
+
+/// Where each lab that uses [`BPFFS`] leaves a file while it lives, named
+/// for its prefix and holding the id of the process that owns it (or
+/// `kept`, for a lab left up by `cargo xtask lab up`). A lab's teardown
+/// unmounts the bpf filesystem only when no other live lab has one, so a
+/// lab that has mounted it but pinned nothing yet keeps it. (It is kept
+/// out of bpffs, which takes no regular files.)
+const USERS_DIR: &str = "/run/lbd/bpffs-users";
+
+/// As [`ensure_bpffs`], and, under the same lock (so that no release can
+/// come between), the marker of lab `prefix` in [`USERS_DIR`].
+fn ensure_bpffs_for(prefix: Option<&str>) -> anyhow::Result<()> {
     std::fs::create_dir_all(BPFFS).with_context(|| format!("creating {BPFFS}"))?;
     let _lock = bpffs_lock()?;
+    if let Some(prefix) = prefix {
+        mark_user(prefix, &std::process::id().to_string())?;
+    }
     if bpffs_mounted() {
         return Ok(());
     }
     run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS])).map(drop)
+}
+
+fn mark_user(prefix: &str, owner: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(USERS_DIR).with_context(|| format!("creating {USERS_DIR}"))?;
+    let path = Path::new(USERS_DIR).join(prefix);
+    std::fs::write(&path, owner).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Whether a live lab other than those removed holds a marker in
+/// [`USERS_DIR`]; the markers of processes that are gone (killed tests)
+/// are removed on the way.
+fn live_users() -> bool {
+    let Ok(dir) = std::fs::read_dir(USERS_DIR) else { return false };
+    let mut live = false;
+    for e in dir.flatten() {
+        let owner = std::fs::read_to_string(e.path()).unwrap_or_default();
+        let alive =
+            owner == "kept" || owner.parse::<u32>().is_ok_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        if alive {
+            live = true;
+        } else {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    live
 }
 
 /// An exclusive lock on [`BPFFS`]'s parent directory, held while a bpffs
@@ -332,15 +374,18 @@ fn bpffs_lock() -> anyhow::Result<nix::fcntl::Flock<File>> {
 }
 
 /// Unmount the labs' bpf filesystem ([`BPFFS`]) once nothing is pinned in
-/// it (bpffs's own `maps.debug` and `progs.debug` aside), and remove the
-/// directories the labs and benchmarks made under /run/lbd when they are
-/// empty. Leaves everything as it is while a lab's pins remain. Returns
-/// whether it unmounted.
+/// it (bpffs's own `maps.debug` and `progs.debug` aside) and no live lab
+/// uses it ([`USERS_DIR`]), and remove the directories the labs and
+/// benchmarks made under /run/lbd when they are empty. Leaves everything
+/// as it is while a lab's pins remain. Returns whether it unmounted.
 pub fn release_bpffs() -> anyhow::Result<bool> {
     let own = |n: &OsStr| n == "maps.debug" || n == "progs.debug";
     let mut unmounted = false;
     {
         let _lock = if Path::new(BPFFS).exists() { Some(bpffs_lock()?) } else { None };
+        if live_users() {
+            return Ok(false);
+        }
         // Each mount stacked there (an earlier version's labs could stack
         // two when they came up at once), down to the directory itself.
         for _ in 0..MAX_STACKED {
@@ -359,7 +404,7 @@ pub fn release_bpffs() -> anyhow::Result<bool> {
         }
     }
     // Empty directories only (remove_dir refuses any other).
-    for dir in [BPFFS, lb_testkit::sysctl::SAVED_DIR, "/run/lbd"] {
+    for dir in [BPFFS, lb_testkit::sysctl::SAVED_DIR, USERS_DIR, "/run/lbd"] {
         let _ = std::fs::remove_dir(dir);
     }
     Ok(unmounted)
@@ -420,10 +465,10 @@ impl Lab {
     pub fn up(spec: LabSpec) -> anyhow::Result<Self> {
         crate::require_root()?;
         validate(&spec)?;
-        ensure_bpffs()?;
         // A fresh lab starts lbd's log afresh (restarts within it append).
         let _ = std::fs::remove_file(format!("/tmp/{}-lbd.log", spec.prefix));
         Self::down(&spec.prefix).context("clearing leftovers of an earlier lab")?;
+        ensure_bpffs_for(Some(&spec.prefix))?;
         let lab = Self {
             children: Mutex::new((0..spec.backends).map(|_| None).collect()),
             daemons: Mutex::new(Vec::new()),
@@ -464,6 +509,13 @@ impl Lab {
             {
                 first_err.get_or_insert(anyhow::Error::from(e).context(format!("removing {}", f.display())));
             }
+        }
+        // Its mark as a user of the bpf filesystem.
+        let mark = Path::new(USERS_DIR).join(prefix);
+        if let Err(e) = std::fs::remove_file(&mark)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            first_err.get_or_insert(anyhow::Error::from(e).context(format!("removing {}", mark.display())));
         }
         // Whatever a killed lbd left pinned for this lab.
         let pins = Path::new(BPFFS).join(prefix);
@@ -517,6 +569,12 @@ impl Lab {
                 }
             }
         }
+        // Every lab's mark as a user of the bpf filesystem: none is left.
+        if let Err(e) = std::fs::remove_dir_all(USERS_DIR)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            first_err.get_or_insert(anyhow::Error::from(e).context(format!("removing {USERS_DIR}")));
+        }
         match lb_testkit::sysctl::restore_saved() {
             Ok(restored) => {
                 for r in restored {
@@ -555,6 +613,10 @@ impl Lab {
 
     /// Leaves the lab running when this handle is dropped.
     pub fn keep(mut self) {
+        // Its mark outlives this process: the lab stays until `lab down`.
+        if let Err(e) = mark_user(&self.spec.prefix, "kept") {
+            eprintln!("lab {}: {e:#}", self.spec.prefix);
+        }
         self.keep = true;
     }
 
@@ -1263,6 +1325,10 @@ impl Lab {
         }
         if let Err(e) = Self::down(&self.spec.prefix) {
             eprintln!("lab {}: teardown failed: {e:#}", self.spec.prefix);
+        }
+        // The bpf filesystem, when this was the last lab using it.
+        if let Err(e) = release_bpffs() {
+            eprintln!("lab {}: releasing {BPFFS}: {e:#}", self.spec.prefix);
         }
     }
 }
