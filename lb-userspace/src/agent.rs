@@ -252,12 +252,14 @@ impl Agent {
         self.dp.apply(&services, &|s, b| rt[&(s.name.clone(), b.address, b.port)])
     }
 
-    /// Record a probe result; on a transition, log it and reprogram.
-    pub fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) {
-        let Some(s) = self.config.services.iter().find(|s| s.name == key.0) else { return };
+    /// Record a probe result; on a transition, log it. True when the
+    /// datapath must be reprogrammed ([`apply`](Self::apply)) for it,
+    /// which the caller does, for several results at once.
+    pub fn observe(&mut self, key: &BackendKey, result: Result<Duration, String>) -> bool {
+        let Some(s) = self.config.services.iter().find(|s| s.name == key.0) else { return false };
         self.health_metrics.record(&key.0, &SocketAddr::new(key.1, key.2).to_string(), &result);
         let (rise, fall) = (s.health.rise, s.health.fall);
-        let Some(c) = self.health.get_mut(key) else { return };
+        let Some(c) = self.health.get_mut(key) else { return false };
         if let Ok(took) = result {
             c.record_response(took);
         }
@@ -270,11 +272,7 @@ impl Agent {
         }
         // A scheduler may weigh the response time: reprogram when the
         // weight in force moved, not only on a health transition.
-        if (transition.is_some() || self.runtime_moved(key))
-            && let Err(e) = self.apply()
-        {
-            warn!(error = %e, "reprogramming after a probe result failed");
-        }
+        transition.is_some() || self.runtime_moved(key)
     }
 
     /// True when the backend's runtime (weight, down) now differs from what

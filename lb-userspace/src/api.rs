@@ -295,18 +295,23 @@ pub enum ClientError {
     Connect { path: PathBuf, source: std::io::Error },
     #[error("talking to lbd at {path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    #[error("lbd at {path} took the request but gave no answer in {after:?} (busy, or stuck: its log may say why)")]
+    NoAnswer { path: PathBuf, after: Duration },
     #[error("lbd sent an unreadable answer: {0}")]
     Decode(#[from] serde_json::Error),
     #[error("lbd: {0}")]
     Remote(String),
 }
 
+/// How long [`call`] waits for lbd's answer.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Send one request and wait for its answer (blocking; for lbctl and tests).
 pub fn call(path: &Path, req: &Request) -> Result<serde_json::Value, ClientError> {
     let io = |source| ClientError::Io { path: path.to_owned(), source };
     let mut s =
         StdUnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_owned(), source })?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).map_err(io)?;
+    s.set_read_timeout(Some(CALL_TIMEOUT)).map_err(io)?;
     let mut line = serde_json::to_string(req)?;
     line.push('\n');
     // lbd may answer and close before reading the request (a refused
@@ -317,7 +322,14 @@ pub fn call(path: &Path, req: &Request) -> Result<serde_json::Value, ClientError
     let read = BufReader::new(&s).read_line(&mut answer);
     if answer.trim().is_empty() {
         written.map_err(io)?;
-        read.map_err(io)?;
+        // The read timeout's error says only "Resource temporarily
+        // unavailable".
+        read.map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                ClientError::NoAnswer { path: path.to_owned(), after: CALL_TIMEOUT }
+            }
+            _ => io(e),
+        })?;
         return Err(io(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "lbd closed without an answer")));
     }
     let resp: Response = serde_json::from_str(&answer)?;

@@ -384,3 +384,30 @@ fn the_ipv6_flow_table_is_sized_by_conntrack_max_unless_conntrack_max_ipv6_says_
     let p = only(&GOOD.replace("conntrack_max: 1048576", "conntrack_max: 1048576\nconntrack_max_ipv6: 0"));
     assert_eq!(p.field, "conntrack_max_ipv6");
 }
+
+/// A config of `services` services on ports 1000.., with `backends`
+/// backends (distinct endpoints) spread over them, and a table capacity
+/// that fits them all.
+fn sized(services: usize, backends: usize) -> String {
+    let mut text = String::from(
+        "interfaces: [eth0, eth1]\ncontrol_socket: /run/lbd/lbd.sock\ntable_capacity: 40000000\nservices:\n",
+    );
+    for i in 0..services {
+        text.push_str(&format!("  - name: s{i}\n    vip: 10.10.0.100\n    port: {}\n    backends:\n", 1000 + i));
+        for n in (i..backends).step_by(services) {
+            text.push_str(&format!("      - {{ address: 10.20.{}.{}, port: 8080 }}\n", n / 250, 1 + n % 250));
+        }
+    }
+    text
+}
+
+#[test]
+fn the_service_and_backend_limits_are_the_ids_there_are() {
+    // Ids 1 to 255 (services) and 1 to 4095 (backends): 0 means none.
+    let c = parse(&sized(255, 4095), "f", &Fake).unwrap();
+    assert_eq!((c.services.len(), c.services.iter().map(|s| s.backends.len()).sum::<usize>()), (255, 4095));
+    let p = only(&sized(256, 256));
+    assert_eq!((p.field.as_str(), p.reason.as_str()), ("services", "256 services; at most 255 are supported"));
+    let p = only(&sized(255, 4096));
+    assert_eq!((p.field.as_str(), p.reason.as_str()), ("services", "4096 backends in all; at most 4095 are supported"));
+}

@@ -743,10 +743,11 @@ impl Walker<'_> {
                 format!("{backends} backends in all; at most {} are supported", lb_common::MAX_BACKENDS - 1),
             );
         }
-        if services.len() > lb_common::MAX_SERVICES as usize {
+        // Service ids run from 1 to MAX_SERVICES - 1 (0 is "no service").
+        if services.len() >= lb_common::MAX_SERVICES as usize {
             self.problem(
                 "services",
-                format!("{} services; at most {} are supported", services.len(), lb_common::MAX_SERVICES),
+                format!("{} services; at most {} are supported", services.len(), lb_common::MAX_SERVICES - 1),
             );
         }
         // Each table needs room for itself and for its replacement.

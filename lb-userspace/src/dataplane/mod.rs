@@ -220,6 +220,8 @@ pub struct AppliedService {
     fallback: Vec<u32>,
     /// The `maglev_seed` both tables were built with.
     seed: u64,
+    /// Whether its flows were given reply entries (`SVC_F_REPLY_ENTRY`).
+    reply_entry: bool,
 }
 
 pub struct Dataplane {

@@ -82,6 +82,21 @@ impl Dataplane {
         reply_entry: bool,
     ) -> Result<(), DataplaneError> {
         let key = vip_key(cfg);
+        // Applied as it is now (configuration, seed, reply entries and
+        // every backend's weight in force): nothing to write. So a probe
+        // result that moves one backend reprograms its service alone, not
+        // every service's tables copied and compared again (at 255
+        // services of 65,537 entries that kept the agent busy for tens of
+        // ms per health transition).
+        if let Some(p) = self.services.get(&cfg.name)
+            && p.config == *cfg
+            && p.seed == self.maglev_seed
+            && p.reply_entry == reply_entry
+            && p.backends.len() == cfg.backends.len()
+            && p.backends.iter().zip(&cfg.backends).all(|(o, b)| o.config == *b && o.runtime == runtime(cfg, b))
+        {
+            return Ok(());
+        }
         let mut prev = self.services.get(&cfg.name).cloned();
         if prev.is_none()
             && let Some(a) = self.adopted.remove(&key)
@@ -106,6 +121,7 @@ impl Dataplane {
                 fallback_region: a.fallback_region,
                 fallback: Vec::new(),
                 seed: self.maglev_seed,
+                reply_entry,
             });
         }
         let id = match &prev {
@@ -278,6 +294,7 @@ impl Dataplane {
                 fallback_region,
                 fallback,
                 seed: self.maglev_seed,
+                reply_entry,
             },
         );
         Ok(())
@@ -692,6 +709,7 @@ mod tests {
             fallback_region: None,
             fallback,
             seed: 7,
+            reply_entry: false,
         };
         assert!(keeps_tables(&applied, &cfg, &backends, 7));
         assert!(!keeps_tables(&applied, &cfg, &backends, 8));
