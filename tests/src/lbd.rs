@@ -77,6 +77,17 @@ pub fn write_config_with(
     Ok(path)
 }
 
+/// Assert that the gateway's `iface` runs XDP in `mode` (`native`,
+/// `generic`), as the kernel says and as `lbd` reports it; `when` says at
+/// which moment, in the message.
+pub fn assert_xdp_mode(lab: &Lab, lbd: &Lbd, iface: &str, mode: &str, when: &str) {
+    let kernel = xdp_mode_in_use(lab, iface).unwrap();
+    assert_eq!(kernel.as_deref(), Some(mode), "{when}: the kernel's XDP mode on {iface}; lbd log:\n{}", lbd.log_text());
+    let status = lbd.status().unwrap();
+    let reported = status["interfaces"].as_array().and_then(|a| a.iter().find(|a| a["interface"] == iface));
+    assert_eq!(reported.map(|a| a["mode"].clone()), Some(mode.into()), "{when}: lbd reports {}", status["interfaces"]);
+}
+
 /// The XDP mode the kernel reports for `iface` in the lab's gateway
 /// (`ip -j -d link`: the attach mode number, not a substring of the text):
 /// "native", "generic", "offload", or None when no program is attached.

@@ -13,8 +13,8 @@ use lb_tests::{
     harness::{Running, config_dir, serial, socket_for},
     lab::{Lab, LabSpec, Topology},
     lbd::{
-        Lbd, kill_once_pinned, pinned_layout, wait_for, write_config, write_config_with, xdp_mode_in_use,
-        xdp_program_in_use,
+        Lbd, assert_xdp_mode, kill_once_pinned, pinned_layout, wait_for, write_config, write_config_with,
+        xdp_mode_in_use, xdp_program_in_use,
     },
 };
 
@@ -152,9 +152,7 @@ fn a_restarted_lbd_keeps_generic_links_generic_and_their_xdp_paths() {
     let generic = |lbd: &Lbd, when: &str| {
         let status = lbd.status().unwrap();
         for iface in lab.gw_interfaces() {
-            assert_eq!(xdp_mode_in_use(&lab, &iface).unwrap().as_deref(), Some("generic"), "{when}: {iface}");
-            let reported = status["interfaces"].as_array().unwrap().iter().find(|a| a["interface"] == iface.as_str());
-            assert_eq!(reported.map(|a| a["mode"].clone()), Some("generic".into()), "{when}: {}", status["interfaces"]);
+            assert_xdp_mode(&lab, lbd, &iface, "generic", when);
         }
         let paths = status["paths"].as_array().unwrap();
         assert!(!paths.is_empty() && paths.iter().all(|p| p["path"] == "xdp_redirect"), "{when}: {}", status["paths"]);
@@ -205,9 +203,7 @@ fn a_restart_applies_a_changed_xdp_mode() {
     let check = |lbd: &Lbd, mode: &str, path: &str, when: &str| {
         let status = lbd.status().unwrap();
         for iface in &ifaces {
-            assert_eq!(xdp_mode_in_use(&lab, iface).unwrap().as_deref(), Some(mode), "{when}: {iface}");
-            let reported = status["interfaces"].as_array().unwrap().iter().find(|a| a["interface"] == iface.as_str());
-            assert_eq!(reported.map(|a| a["mode"].clone()), Some(mode.into()), "{when}: {}", status["interfaces"]);
+            assert_xdp_mode(&lab, lbd, iface, mode, when);
         }
         let paths = status["paths"].as_array().unwrap();
         assert!(!paths.is_empty() && paths.iter().all(|p| p["path"] == path), "{when}: {}", status["paths"]);

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use lb_tests::{
     harness::{config_dir, serial, socket_for},
     lab::{Lab, LabSpec, Topology, VIP6},
-    lbd::{Lbd, path_counts, wait_for, write_config_for, xdp_mode_in_use},
+    lbd::{Lbd, assert_xdp_mode, path_counts, wait_for, write_config_for, xdp_mode_in_use},
 };
 
 const SERVICES: &str = "  - name: web
@@ -281,23 +281,8 @@ fn run_topology(t: Topology) {
 /// The XDP mode on each interface, as the kernel reports it and as lbd
 /// reports it, is the one `auto` must pick on `t`.
 fn check_modes(t: Topology, lab: &Lab, lbd: &Lbd, when: &str) {
-    let status = lbd.status().unwrap();
     for (iface, mode) in expected_modes(t) {
-        let kernel = xdp_mode_in_use(lab, iface).unwrap();
-        assert_eq!(
-            kernel.as_deref(),
-            Some(mode),
-            "{}, {when}: XDP mode on {iface}; lbd log:\n{}",
-            t.name(),
-            lbd.log_text()
-        );
-        let reported = status["interfaces"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|a| a["interface"] == iface)
-            .unwrap_or_else(|| panic!("{}, {when}: {iface} not in status {status}", t.name()));
-        assert_eq!(reported["mode"], mode, "{}, {when}: lbd reports {reported}", t.name());
+        assert_xdp_mode(lab, lbd, iface, mode, &format!("{}, {when}", t.name()));
     }
 }
 

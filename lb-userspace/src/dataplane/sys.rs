@@ -108,9 +108,14 @@ fn owned(fd: libc::c_long) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// `path` as the kernel takes a pathname.
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+}
+
 /// A handle on the object pinned at `path`.
 fn obj_get(path: &Path) -> io::Result<OwnedFd> {
-    let name = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let name = c_path(path)?;
     let mut get = ObjAttr { pathname: name.as_ptr() as u64, bpf_fd: 0, file_flags: 0 };
     // SAFETY: an obj_get prefix; `name` outlives the call.
     owned(unsafe { bpf(BPF_OBJ_GET, &mut get) }?)
@@ -158,7 +163,7 @@ pub(super) fn pin_xdp_link(prog: &OwnedFd, ifindex: u32, generic: bool, path: &P
     };
     // SAFETY: a link_create prefix, no pointers.
     let link = owned(unsafe { bpf(BPF_LINK_CREATE, &mut create) }?)?;
-    let name = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let name = c_path(path)?;
     let mut pin = ObjAttr { pathname: name.as_ptr() as u64, bpf_fd: link.as_raw_fd().cast_unsigned(), file_flags: 0 };
     // SAFETY: an obj_pin prefix; `name` outlives the call. On failure the
     // link goes with `link`, its only reference.
