@@ -202,15 +202,17 @@ impl Dataplane {
         // (interface, mode, why, step)
         let mut plan: Vec<(String, Mode, String, Step)> = Vec::new();
         for iface in interfaces {
-            // A pinned link whose program the device does not run was
+            // A pinned link attached to no device, or to another one, was
             // severed: its device was deleted (and this one made again
             // under the name) while no lbd ran, and the new device has no
-            // XDP program or another one. Nothing can be swapped into it;
-            // the interface is attached as a new one (or, with a program
-            // in the way, refused below).
+            // XDP program or another one. (A pin on a device without XDP
+            // is one too.) Nothing can be swapped into it; the interface
+            // is attached as a new one (or, with a program in the way,
+            // refused below).
             let dev = find(iface)?;
             if let Some(path) = links_dir.as_ref().map(|d| d.join(iface)).filter(|p| p.exists())
-                && (dev.xdp_progs.is_empty() || pinned_program(&path).is_some_and(|id| !dev.xdp_progs.contains(&id)))
+                && (dev.xdp_progs.is_empty()
+                    || super::sys::pinned_xdp_link(&path).is_ok_and(|l| l.is_some_and(|(_, ifi)| ifi != dev.ifindex)))
             {
                 info!(interface = %iface, "the pinned XDP link's device is gone (the interface was replaced): attaching anew");
                 unpin_link(iface, &path);

@@ -12,8 +12,6 @@ use rustix::{
 };
 use tracing::info;
 
-use aya::programs::links::{FdLink, PinnedLink};
-
 use super::DataplaneError;
 use crate::{netdev, paths::Mode};
 
@@ -35,7 +33,7 @@ pub(super) fn pinned_mode(links_dir: Option<&Path>, iface: &str, dev: &netdev::L
 
 /// The id of the program the XDP link pinned at `path` runs, if it is one.
 pub(super) fn pinned_program(path: &Path) -> Option<u32> {
-    PinnedLink::from_pin(path).ok().and_then(|p| FdLink::from(p).info().ok()).map(|i| i.program_id())
+    super::sys::pinned_xdp_link(path).ok().flatten().map(|(prog, _)| prog)
 }
 
 /// bpffs magic number (statfs f_type).

@@ -121,6 +121,23 @@ fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     owned(unsafe { bpf(BPF_OBJ_GET, &mut get) }?)
 }
 
+/// The XDP link pinned at `path`, as the kernel shows its descriptor
+/// (`/proc/self/fdinfo`): the id of the program it runs and the index of
+/// the device it is attached to, 0 once that device was deleted (the link
+/// is severed). None when the object pinned there is not an XDP link (a
+/// map's info read as a link's would give a made-up program id).
+pub(super) fn pinned_xdp_link(path: &Path) -> io::Result<Option<(u32, u32)>> {
+    let fd = obj_get(path)?;
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))?;
+    let field =
+        |name: &str| info.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(':'))).map(str::trim);
+    if field("link_type") != Some("xdp") {
+        return Ok(None);
+    }
+    let number = |name: &str| field(name).and_then(|v| v.parse::<u32>().ok());
+    Ok(number("prog_id").zip(number("ifindex")))
+}
+
 /// Detach the link pinned at `path` from its interface now. The pin stays
 /// (the caller removes it); the link object, defunct, goes with its last
 /// reference.
