@@ -86,6 +86,11 @@ fn main() -> ExitCode {
 /// `all` on but the device's own off: it does, by the slow path).
 fn forwarding_warnings(cfg: &config::Config) -> Vec<String> {
     let off = |path: String| std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "0");
+    // The configured interfaces whose own forwarding is off, for `family`
+    // (`ipv4`, `ipv6`).
+    let devices_off = |family: &str| -> Vec<&String> {
+        cfg.interfaces.iter().filter(|i| off(format!("/proc/sys/net/{family}/conf/{i}/forwarding"))).collect()
+    };
     let v6 = cfg.services.iter().any(|s| s.vip.is_ipv6());
     let v4 = cfg.services.iter().any(|s| s.vip.is_ipv4()) || !v6;
     let mut w = Vec::new();
@@ -93,10 +98,8 @@ fn forwarding_warnings(cfg: &config::Config) -> Vec<String> {
     if v4 && off("/proc/sys/net/ipv4/ip_forward".into()) {
         w.push(format!("net.ipv4.ip_forward is 0: for every IPv4 packet {consequence}"));
     } else if v4 {
-        for i in &cfg.interfaces {
-            if off(format!("/proc/sys/net/ipv4/conf/{i}/forwarding")) {
-                w.push(format!("net.ipv4.conf.{i}.forwarding is 0: for IPv4 packets arriving on {i} {consequence}"));
-            }
+        for i in devices_off("ipv4") {
+            w.push(format!("net.ipv4.conf.{i}.forwarding is 0: for IPv4 packets arriving on {i} {consequence}"));
         }
     }
     if v6 && off("/proc/sys/net/ipv6/conf/all/forwarding".into()) {
@@ -105,12 +108,10 @@ fn forwarding_warnings(cfg: &config::Config) -> Vec<String> {
         // The IPv6 FIB lookup reads the arriving device's own setting too,
         // but the kernel's IPv6 forwarding reads only `all`: such packets
         // still pass, by the kernel's slower path (fib_fallback).
-        for i in &cfg.interfaces {
-            if off(format!("/proc/sys/net/ipv6/conf/{i}/forwarding")) {
-                w.push(format!(
-                    "net.ipv6.conf.{i}.forwarding is 0: the FIB refuses to route IPv6 packets arriving on {i}, so they leave by the kernel's forwarding (fib_fallback), not by XDP redirect"
-                ));
-            }
+        for i in devices_off("ipv6") {
+            w.push(format!(
+                "net.ipv6.conf.{i}.forwarding is 0: the FIB refuses to route IPv6 packets arriving on {i}, so they leave by the kernel's forwarding (fib_fallback), not by XDP redirect"
+            ));
         }
     }
     w

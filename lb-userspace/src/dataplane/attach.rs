@@ -17,7 +17,7 @@ use tracing::{info, warn};
 
 use super::{
     Attachment, Dataplane, DataplaneError, PROGRAM, map_err,
-    pin::{pinned_mode, pinned_program},
+    pin::{pinned_mode, pinned_program, severed},
 };
 use crate::{
     config::XdpMode,
@@ -202,29 +202,24 @@ impl Dataplane {
         // (interface, mode, why, step)
         let mut plan: Vec<(String, Mode, String, Step)> = Vec::new();
         for iface in interfaces {
-            // A pinned link attached to no device, or to another one, was
-            // severed: its device was deleted (and this one made again
-            // under the name) while no lbd ran, and the new device has no
-            // XDP program or another one. (A pin on a device without XDP
-            // is one too.) Nothing can be swapped into it; the interface
-            // is attached as a new one (or, with a program in the way,
-            // refused below).
+            // A severed pinned link (`pin::severed`): nothing can be
+            // swapped into it; the interface is attached as a new one (or,
+            // with another program on the new device, refused below).
             let dev = find(iface)?;
             if let Some(path) = links_dir.as_ref().map(|d| d.join(iface)).filter(|p| p.exists())
-                && (dev.xdp_progs.is_empty()
-                    || super::sys::pinned_xdp_link(&path).is_ok_and(|l| l.is_some_and(|(_, ifi)| ifi != dev.ifindex)))
+                && severed(&path, dev)
             {
                 info!(interface = %iface, "the pinned XDP link's device is gone (the interface was replaced): attaching anew");
                 unpin_link(iface, &path);
             }
             let egresses: Vec<&netdev::Link> =
                 paths::egresses_of(iface, interfaces).into_iter().map(find).collect::<Result<_, _>>()?;
-            let (chosen, reason) = paths::choose_mode(requested, find(iface)?, &egresses);
-            let pinned = pinned_mode(links_dir.as_deref(), iface, find(iface)?);
+            let (chosen, reason) = paths::choose_mode(requested, dev, &egresses);
+            let pinned = pinned_mode(links_dir.as_deref(), iface, dev);
             // A program on the device that is not ours to swap: the kernel
             // would refuse a link beside it (EBUSY); say whose it may be.
             if pinned.is_none()
-                && let Some(&id) = find(iface)?.xdp_progs.first()
+                && let Some(&id) = dev.xdp_progs.first()
             {
                 return Err(DataplaneError::Taken {
                     iface: iface.clone(),

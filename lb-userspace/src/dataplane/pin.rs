@@ -36,6 +36,15 @@ pub(super) fn pinned_program(path: &Path) -> Option<u32> {
     super::sys::pinned_xdp_link(path).ok().flatten().map(|(prog, _)| prog)
 }
 
+/// Whether the XDP link pinned at `path` (for the device `dev`) was
+/// severed: attached to no device, or to another one (its device was
+/// deleted, and `dev` made again under the name, while no lbd ran); a pin
+/// on a device without XDP is one too.
+pub(super) fn severed(path: &Path, dev: &netdev::Link) -> bool {
+    dev.xdp_progs.is_empty()
+        || super::sys::pinned_xdp_link(path).is_ok_and(|l| l.is_some_and(|(_, ifindex)| ifindex != dev.ifindex))
+}
+
 /// bpffs magic number (statfs f_type).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
