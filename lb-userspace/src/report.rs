@@ -31,7 +31,10 @@ pub struct BackendStatus {
     pub bytes_out: u64,
     /// Flows open now (opened - closed - expired).
     pub active_flows: u64,
-    /// weight / sum of weights.
+    /// The share of the service's new flows the scheduler gives this
+    /// backend now: its weight in force / the sum of the weights in force
+    /// (1 / the backends in rotation for `rr`, which ignores weights); 0
+    /// when down or drained.
     pub expected_share: f64,
     /// This backend's new flows / the service's new flows (0 when none yet).
     pub observed_share: f64,
@@ -57,8 +60,9 @@ pub struct ServiceStatus {
     pub forwarding: Forwarding,
     pub scheduler: Scheduler,
     pub new_flows: u64,
-    /// Jain's fairness index over weight-normalised new flows; None before
-    /// the first flow.
+    /// Jain's fairness index over the weight-normalised new flows of the
+    /// backends in rotation (not down, not drained); None before the first
+    /// flow or with none in rotation.
     pub fairness: Option<f64>,
     /// Whether the VIP is announced over BGP now (originated and sent on
     /// an established session); none without a `bgp:` section.
@@ -142,12 +146,37 @@ pub fn jain(x: &[f64]) -> Option<f64> {
     Some(sum * sum / (x.len() as f64 * sq))
 }
 
+/// One backend as its service's shares see it.
+struct Part {
+    /// Configured weight.
+    weight: u32,
+    /// The weight the scheduler uses now: 0 when down or drained.
+    in_force: u32,
+    new_flows: u64,
+}
+
+/// Each backend's expected share of new flows and the service's fairness
+/// index. Both count only the backends in rotation: a down or drained
+/// backend is meant to get nothing, so it has no share and is not judged
+/// (counted with its zero, 14 dead backends beside 3 that share evenly
+/// would read as a fairness of 0.18).
+fn shares(scheduler: Scheduler, parts: &[Part]) -> (Vec<f64>, Option<f64>) {
+    let basis: Vec<f64> = parts.iter().map(|p| scheduler.share_basis(p.in_force)).collect();
+    let total: f64 = basis.iter().sum();
+    let expected = basis.iter().map(|b| if total == 0.0 { 0.0 } else { b / total }).collect();
+    let normalised: Vec<f64> = parts
+        .iter()
+        .filter(|p| p.in_force > 0 && p.weight > 0)
+        .map(|p| scheduler.fairness_input(p.new_flows, p.weight))
+        .collect();
+    (expected, jain(&normalised))
+}
+
 /// Build the status report.
 pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError> {
     let dp = &agent.dp;
     let mut services = Vec::new();
     for s in dp.services() {
-        let total_weight: u64 = s.backends.iter().map(|b| u64::from(b.config.weight)).sum();
         let mut backends = Vec::new();
         for b in &s.backends {
             let st = dp.backend_stats(b.id)?;
@@ -164,7 +193,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
                 packets_out: st.packets_out,
                 bytes_out: st.bytes_out,
                 active_flows: dp.active_flows(b.id)?,
-                expected_share: if total_weight == 0 { 0.0 } else { f64::from(b.config.weight) / total_weight as f64 },
+                expected_share: 0.0,
                 observed_share: 0.0,
                 response_time_ms: agent
                     .response_time_of(&s.config.name, b.config.address, b.config.port)
@@ -173,14 +202,15 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             });
         }
         let new_flows: u64 = backends.iter().map(|b| b.new_flows).sum();
-        for b in &mut backends {
-            b.observed_share = if new_flows == 0 { 0.0 } else { b.new_flows as f64 / new_flows as f64 };
-        }
-        let normalised: Vec<f64> = backends
+        let parts: Vec<Part> = backends
             .iter()
-            .filter(|b| b.weight > 0)
-            .map(|b| s.config.scheduler.fairness_input(b.new_flows, b.weight))
+            .map(|b| Part { weight: b.weight, in_force: b.effective_weight, new_flows: b.new_flows })
             .collect();
+        let (expected, fairness) = shares(s.config.scheduler, &parts);
+        for (b, e) in backends.iter_mut().zip(expected) {
+            b.observed_share = if new_flows == 0 { 0.0 } else { b.new_flows as f64 / new_flows as f64 };
+            b.expected_share = e;
+        }
         services.push(ServiceStatus {
             name: s.config.name.clone(),
             vip: s.config.vip,
@@ -189,7 +219,7 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
             forwarding: s.config.forwarding,
             scheduler: s.config.scheduler,
             new_flows,
-            fairness: jain(&normalised),
+            fairness,
             announced: agent.bgp.as_ref().map(|b| b.announced(s.config.vip)),
             backends,
         });
@@ -231,5 +261,37 @@ mod tests {
         // One of three gets everything: 1/n.
         let j = jain(&[3.0, 0.0, 0.0]).unwrap();
         assert!((j - 1.0 / 3.0).abs() < 1e-12);
+    }
+
+    fn part(weight: u32, in_force: u32, new_flows: u64) -> Part {
+        Part { weight, in_force, new_flows }
+    }
+
+    #[test]
+    fn only_backends_in_rotation_have_a_share_and_are_judged() {
+        // Three live backends sharing evenly beside two down ones, one of
+        // which served flows before it went down.
+        let parts = [part(1, 1, 100), part(1, 1, 100), part(1, 1, 100), part(1, 0, 0), part(1, 0, 40)];
+        let (expected, fairness) = shares(Scheduler::Maglev, &parts);
+        for e in &expected[..3] {
+            assert!((e - 1.0 / 3.0).abs() < 1e-12, "{expected:?}");
+        }
+        assert_eq!(&expected[3..], &[0.0, 0.0]);
+        assert_eq!(fairness, Some(1.0));
+
+        // Weights in force decide (a slow start ramping at 5 of 20), the
+        // fairness input stays flows per configured weight.
+        let (expected, fairness) = shares(Scheduler::Wrr, &[part(2, 20, 200), part(1, 5, 100)]);
+        assert_eq!(expected, vec![0.8, 0.2]);
+        assert_eq!(fairness, Some(1.0));
+
+        // Round robin ignores weights: an even share among those in rotation.
+        let (expected, _) = shares(Scheduler::Rr, &[part(5, 5, 10), part(1, 1, 10), part(3, 0, 0)]);
+        assert_eq!(expected, vec![0.5, 0.5, 0.0]);
+
+        // Nothing in rotation: no shares, nothing to judge.
+        let (expected, fairness) = shares(Scheduler::Maglev, &[part(1, 0, 10), part(1, 0, 0)]);
+        assert_eq!(expected, vec![0.0, 0.0]);
+        assert_eq!(fairness, None);
     }
 }

@@ -133,6 +133,16 @@ fn lbd_at_its_limits_probes_balances_and_answers() {
         let live: u64 = flows.iter().filter(|(p, _)| *p == 8080).map(|(_, n)| n).sum();
         assert_eq!(live, 300, "s{i}: new flows by backend port: {flows:?}");
         assert!(flows.iter().filter(|(p, _)| *p == 8080).all(|(_, n)| *n > 0), "s{i}: {flows:?}");
+        // The shares and the fairness index are the live backends' alone:
+        // a third each expected, none for the dead, and an even spread
+        // reads as fair (counted with the dead's zeros, it read 0.18).
+        for b in s["backends"].as_array().unwrap() {
+            let expected = b["expected_share"].as_f64().unwrap();
+            let want = if b["port"] == 8080 { 1.0 / 3.0 } else { 0.0 };
+            assert!((expected - want).abs() < 1e-9, "s{i}: expected share {expected} for {b}");
+        }
+        let fairness = s["fairness"].as_f64().unwrap();
+        assert!(fairness > 0.9, "s{i}: fairness {fairness} with new flows by backend port {flows:?}");
     }
 
     // Successful probes end with a reset, not a TIME_WAIT each.

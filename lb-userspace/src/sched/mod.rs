@@ -240,6 +240,16 @@ impl Scheduler {
         }
     }
 
+    /// What a backend's expected share of new flows is in proportion to,
+    /// given its weight in force (0 when down or drained): that weight, or
+    /// one per backend in rotation for a scheduler that ignores weights.
+    pub fn share_basis(self, in_force: u32) -> f64 {
+        match self.table() {
+            Table::Sequence { weighted: false } => f64::from(u8::from(in_force > 0)),
+            _ => f64::from(in_force),
+        }
+    }
+
     /// What the fairness index (Jain's) of a service is computed on, per
     /// backend: new flows per unit of weight, or raw counts for a scheduler
     /// that ignores weights.
@@ -397,6 +407,9 @@ mod tests {
 
     #[test]
     fn fairness_ignores_weights_only_for_round_robin() {
+        assert_eq!(Scheduler::Rr.share_basis(30), 1.0);
+        assert_eq!(Scheduler::Rr.share_basis(0), 0.0);
+        assert_eq!(Scheduler::Wrr.share_basis(30), 30.0);
         assert_eq!(Scheduler::Rr.fairness_input(30, 3), 30.0);
         assert_eq!(Scheduler::Wrr.fairness_input(30, 3), 10.0);
         assert_eq!(Scheduler::Maglev.fairness_input(30, 3), 10.0);
