@@ -1,5 +1,6 @@
 //! lbd's background loops: the probe supervisor (one probe loop per
-//! backend with health checks, following configuration changes), the
+//! endpoint and way of probing it, shared by the backends of every
+//! service on it, following configuration changes), the
 //! probe results' way to the state and the reprogramming after them, slow
 //! start, the device watch and the flow sweeper.
 //!
@@ -167,15 +168,35 @@ fn interval(period: Duration) -> tokio::time::Interval {
     tick
 }
 
-/// Keep one probe loop per backend of every service with health checks,
-/// restarting a loop whose address or settings changed.
+/// What one probe loop does: the address it connects to (`health.port`
+/// applied) and how it probes. Rise and fall are left out: each backend's
+/// checker applies its own service's to the shared results.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct ProbeSpec {
+    target: SocketAddr,
+    cfg: HealthConfig,
+}
+
+impl ProbeSpec {
+    fn of(addr: SocketAddr, cfg: &HealthConfig) -> Self {
+        let target = SocketAddr::new(addr.ip(), cfg.port.unwrap_or_else(|| addr.port()));
+        Self { target, cfg: HealthConfig { rise: 0, fall: 0, port: None, ..cfg.clone() } }
+    }
+}
+
+/// Keep one probe loop per endpoint and way of probing it, restarting a
+/// loop whose backends changed. Backends of several services on one
+/// endpoint, probed the same way, share one probe (as HAProxy's `track`
+/// shares a check): 255 services over the same three hosts cost three
+/// probes an interval, not 765, and every one of those backends sees the
+/// same result at the same moment.
 async fn supervise_probes<D: Driven>(state: Arc<Mutex<D>>, period: Duration, results: mpsc::Sender<ProbeResult>) {
     // The probe loops, aborted with this task (dropping a JoinHandle only
     // detaches its task).
-    struct Loops(HashMap<BackendKey, (HealthConfig, SocketAddr, JoinHandle<()>)>);
+    struct Loops(HashMap<ProbeSpec, (Vec<BackendKey>, JoinHandle<()>)>);
     impl Drop for Loops {
         fn drop(&mut self) {
-            for (_, _, task) in self.0.values() {
+            for (_, task) in self.0.values() {
                 task.abort();
             }
         }
@@ -185,19 +206,24 @@ async fn supervise_probes<D: Driven>(state: Arc<Mutex<D>>, period: Duration, res
     let mut tick = interval(period);
     loop {
         tick.tick().await;
-        let wanted: HashMap<BackendKey, (SocketAddr, HealthConfig)> =
-            lock(&state).probe_targets().into_iter().map(|(k, a, c)| (k, (a, c))).collect();
-        running.retain(|k, (cfg, addr, task)| {
-            let keep = wanted.get(k).is_some_and(|(a, c)| a == addr && c == cfg);
+        let mut wanted: HashMap<ProbeSpec, Vec<BackendKey>> = HashMap::new();
+        for (key, addr, cfg) in lock(&state).probe_targets() {
+            wanted.entry(ProbeSpec::of(addr, &cfg)).or_default().push(key);
+        }
+        for keys in wanted.values_mut() {
+            keys.sort();
+        }
+        running.retain(|spec, (keys, task)| {
+            let keep = wanted.get(spec) == Some(keys);
             if !keep {
                 task.abort();
             }
             keep
         });
-        for (k, (addr, cfg)) in wanted {
-            if let std::collections::hash_map::Entry::Vacant(slot) = running.entry(k) {
-                let task = tokio::spawn(probe_loop(slot.key().clone(), addr, cfg.clone(), results.clone()));
-                slot.insert((cfg, addr, task));
+        for (spec, keys) in wanted {
+            if let std::collections::hash_map::Entry::Vacant(slot) = running.entry(spec) {
+                let task = tokio::spawn(probe_loop(keys.clone(), slot.key().clone(), results.clone()));
+                slot.insert((keys, task));
             }
         }
     }
@@ -211,14 +237,17 @@ type ProbeResult = (BackendKey, Result<Duration, String>);
 /// when it is full).
 const RESULTS_QUEUE: usize = 8192;
 
-/// Probe one backend every `cfg.interval` and send each result on.
-async fn probe_loop(key: BackendKey, addr: SocketAddr, cfg: HealthConfig, results: mpsc::Sender<ProbeResult>) {
-    let mut tick = interval(cfg.interval);
+/// Probe one endpoint every `spec.cfg.interval` and send each result on
+/// for every backend that shares the probe.
+async fn probe_loop(keys: Vec<BackendKey>, spec: ProbeSpec, results: mpsc::Sender<ProbeResult>) {
+    let mut tick = interval(spec.cfg.interval);
     loop {
         tick.tick().await;
-        let result = health::probe(&cfg, addr).await.map_err(|e| e.to_string());
-        if results.send((key.clone(), result)).await.is_err() {
-            return;
+        let result = health::probe(&spec.cfg, spec.target).await.map_err(|e| e.to_string());
+        for key in &keys {
+            if results.send((key.clone(), result.clone())).await.is_err() {
+                return;
+            }
         }
     }
 }
@@ -624,6 +653,52 @@ mod tests {
         let stopped = lock(&state).observed.len();
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(lock(&state).observed.len(), stopped, "no probe after stop");
+    }
+
+    /// Backends of several services on one endpoint, probed the same way,
+    /// share one probe: the endpoint sees one connection per round, and
+    /// each backend gets every result. Another way of probing (here
+    /// another interval) keeps a probe of its own; rise and fall, which
+    /// each checker applies, do not.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn backends_on_one_endpoint_share_a_probe() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = accepted.clone();
+        let server = tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                drop(conn);
+            }
+        });
+        let k = |service: &str| -> BackendKey { (service.into(), addr.ip(), addr.port()) };
+        let other_rise = HealthConfig { rise: 5, fall: 1, ..tcp(30) };
+        let state = Arc::new(Mutex::new(Fake {
+            targets: vec![(k("a"), addr, tcp(30)), (k("b"), addr, other_rise), (k("c"), addr, tcp(45))],
+            ..Fake::default()
+        }));
+        let tasks = Tasks::start(&state, fast());
+        let count = |f: &Fake, key: &BackendKey| f.observed.iter().filter(|(o, ok)| o == key && *ok).count();
+        wait_for(&state, "ten results for each backend", |f| ["a", "b", "c"].iter().all(|s| count(f, &k(s)) >= 10))
+            .await;
+        tasks.stop().await;
+        // Stopped: no probe connects any more.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let connections = accepted.load(Ordering::SeqCst);
+        server.abort();
+        let f = lock(&state);
+        let (a, b, c) = (count(&f, &k("a")), count(&f, &k("b")), count(&f, &k("c")));
+        assert!(f.observed.iter().all(|(_, ok)| *ok), "{:?}", f.observed);
+        // a and b share: the same results, one connection for both (the
+        // stop may fall between a's copy of a result and b's).
+        assert!(a.abs_diff(b) <= 1, "a and b share one probe, so they see the same results: {a} and {b}");
+        // A probe may have connected without its result landing before
+        // the stop: one more connection per loop at most.
+        assert!(
+            connections >= a + c && connections <= a + c + 2,
+            "{connections} connections for {a} shared results (a, b) and {c} of c's own"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

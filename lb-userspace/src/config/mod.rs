@@ -143,7 +143,7 @@ impl BackendConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ProbeKind {
     /// No probing: every backend counts as up.
@@ -154,7 +154,7 @@ pub enum ProbeKind {
     Http,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct HealthConfig {
     pub kind: ProbeKind,
     pub interval: Duration,
