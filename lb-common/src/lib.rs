@@ -583,7 +583,12 @@ pub struct Flow {
     pub nat_port: u16,
     /// `DIR_FLOW`, `DIR_FORWARD` or `DIR_REPLY`.
     pub dir: u8,
-    pub _pad: u8,
+    /// The low byte of the sequence number of the TCP segment that made
+    /// the entry (its SYN): a SYN with the same byte on an entry a reset
+    /// closed is that SYN's retransmission, not a new connection (see the
+    /// datapath's `resumed`). In what was a padding byte, so the layout
+    /// is unchanged (entries of older programs hold 0 there).
+    pub syn_seq: u8,
     /// TCP close tracking, kept on the forward entry only: `FLOW_*` bits,
     /// set with atomic OR by whichever CPU sees the FIN or RST.
     /// (64 bits wide: BPF has atomic OR only for 64-bit words on every CPU
@@ -649,7 +654,8 @@ pub struct Flow6 {
     pub nat_addr: [u32; 4],
     pub nat_port: u16,
     pub dir: u8,
-    pub _pad: u8,
+    /// As [`Flow::syn_seq`].
+    pub syn_seq: u8,
     pub _pad2: u32,
     pub state: u64,
     pub last_seen: u64,

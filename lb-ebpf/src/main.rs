@@ -22,7 +22,7 @@ mod sweep;
 mod table;
 mod v6;
 
-use core::intrinsics::{AtomicOrdering, atomic_and, atomic_or};
+use core::intrinsics::{AtomicOrdering, atomic_and, atomic_cxchg, atomic_or};
 
 use aya_ebpf::helpers::generated::{bpf_jiffies64, bpf_ktime_get_coarse_ns};
 
@@ -280,10 +280,15 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     if down && !flow_closed(state) {
         stats::flow_closed(nat.backend_id);
     }
-    if down || (flow_closed(state) && (is_syn(pkt) || (pkt.proto == PROTO_TCP && holding(now)))) {
+    // A SYN on it is a new connection, unless it retransmits the entry's
+    // own (`resumed`).
+    if down
+        || (flow_closed(state)
+            && (if is_syn(pkt) { !resumed4(pkt, flow, state) } else { pkt.proto == PROTO_TCP && holding(now) }))
+    {
         return None;
     }
-    if is_syn(pkt) && state & FLOW_ESTABLISHED != 0 {
+    if is_syn(pkt) && state & FLOW_ESTABLISHED != 0 && !flow_closed(state) {
         reopen(state_of(flow), nat.backend_id);
     }
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
@@ -419,6 +424,44 @@ pub(crate) fn track_close(state: *mut u64, backend_id: u32, tcp_flags: u8, proto
     if !flow_closed(old) && flow_closed(old | bit) {
         stats::flow_closed(backend_id);
     }
+}
+
+/// A SYN on an entry that a reset closed (`seen`, its state as read), whose
+/// own SYN's sequence number ended in the same byte (`syn_seq`, `seq`):
+/// that SYN's retransmission, the same connection, not a new one. It
+/// happens when a backend's TIME_WAIT holds the tuple from an earlier
+/// connection (another service's, on a shared backend endpoint): the
+/// backend answers the SYN with an ACK of the old connection, the client
+/// resets that, and the reset closes the new entry; the client's kernel
+/// then sends the SYN again. Taken as new, the connection was counted
+/// twice. The entry is taken up again as the half-open flow it is, on its
+/// backend: not counted again, active again (the reset counted it
+/// closed). A new connection on the tuple has another sequence number,
+/// the same low byte once in 256; it goes uncounted then, on the backend
+/// the closed entry named. True when the entry is taken up.
+#[inline(always)]
+pub(crate) fn resumed(state: *mut u64, seen: u64, dir: u8, syn_seq: u8, seq: u8, backend_id: u32) -> bool {
+    if seen & FLOW_RST == 0 || syn_seq != seq || dir == DIR_RETIRED || dir == DIR_REPLY {
+        return false;
+    }
+    // Compare-and-swap: when another CPU changed the state since it was
+    // read (the same SYN twice at once), that CPU took the entry up.
+    // SAFETY: a valid, aligned u64 inside a map value.
+    let (_, won) =
+        unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(state, seen, 0) };
+    if won {
+        stats::flow_opened(backend_id);
+    }
+    true
+}
+
+/// [`resumed`] for an IPv4 entry. A call of its own: inlined, its loads
+/// took the main frame's chain of calls past the verifier's 512 bytes.
+#[inline(never)]
+fn resumed4(pkt: &Packet, flow: *mut Flow, seen: u64) -> bool {
+    // SAFETY: a valid, aligned map value; plain loads of integers.
+    let (dir, syn_seq, backend_id) = unsafe { ((*flow).dir, (*flow).syn_seq, (*flow).backend_id) };
+    resumed(state_of(flow), seen, dir, syn_seq, pkt.seq_lo(), backend_id)
 }
 
 /// A SYN on an entry whose handshake completed and whose close was not
@@ -640,6 +683,7 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         (*e).nat_addr = pkt.daddr;
         (*e).nat_port = pkt.dport;
         (*e).dir = DIR_REPLY;
+        (*e).syn_seq = pkt.seq_lo();
     }
     let dir = if svc.flags & SVC_F_DSR != 0 {
         DIR_DSR

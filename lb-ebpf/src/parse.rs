@@ -127,6 +127,19 @@ pub(crate) struct Packet {
 }
 
 impl Packet {
+    /// The low byte of a TCP segment's sequence number (0 for UDP): what a
+    /// flow entry keeps of its SYN (`Flow::syn_seq`).
+    #[inline(always)]
+    pub(crate) fn seq_lo(&self) -> u8 {
+        if self.proto != PROTO_TCP {
+            return 0;
+        }
+        // SAFETY: parse() bounds-checked the whole TCP header, which
+        // `ports` starts; the sequence number is its bytes 4-7, in network
+        // order, so byte 7 is its low byte.
+        unsafe { *self.ports.cast::<u8>().add(7) }
+    }
+
     /// The Ethernet header: valid for reads and writes (see the type doc).
     #[inline(always)]
     pub(crate) fn eth(&self) -> *mut EthHdr {

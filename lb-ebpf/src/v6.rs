@@ -36,7 +36,7 @@ use crate::{
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     no_backend, now_secs, opening_state,
     parse::{ETH_HLEN, ETH_P_IPV6, EthHdr, ICMP6_TOO_BIG, IP6_HLEN, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
-    rate_ok, reopen, select, set_state, stats, syn_held, syn_only, table, track_close,
+    rate_ok, reopen, resumed, select, set_state, stats, syn_held, syn_only, table, track_close,
 };
 
 const AF_INET6: u8 = 10;
@@ -95,6 +95,18 @@ struct Packet6 {
 }
 
 impl Packet6 {
+    /// The low byte of a TCP segment's sequence number (0 for UDP), as
+    /// `Packet::seq_lo`.
+    #[inline(always)]
+    fn seq_lo(&self) -> u8 {
+        if self.proto != PROTO_TCP {
+            return 0;
+        }
+        // SAFETY: parse() bounds-checked the whole TCP header, which
+        // `ports` starts; byte 7 is the sequence number's low byte.
+        unsafe { *self.ports.cast::<u8>().add(7) }
+    }
+
     /// The source address, as the packet holds it now (read in place: a
     /// copy would cost the stack 16 bytes).
     #[inline(always)]
@@ -543,6 +555,12 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
     if closed && pkt.proto == PROTO_TCP && !pkt.is_syn() && holding(now) {
         return None;
     }
+    // A SYN that retransmits the closed entry's own takes it up again
+    // (`resumed`), decided here for the same reason; any other SYN on a
+    // closed entry is a new connection (below).
+    if closed && pkt.is_syn() {
+        resumed6(pkt, flow);
+    }
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat, last_seen) = unsafe { ((*flow).dir, Nat6::of(flow), (*flow).last_seen) };
     if dir == DIR_REPLY {
@@ -572,6 +590,17 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
         unsafe { (*flow).last_seen = now };
     }
     Some(if dsr { To::Dsr(nat) } else { To::Backend(nat) })
+}
+
+/// `resumed` for an IPv6 entry, in a call of its own (see `resumed4`).
+#[inline(never)]
+fn resumed6(pkt: &Packet6, flow: *mut Flow6) -> bool {
+    // SAFETY: a valid, aligned map value; plain loads of integers (the
+    // state volatile, see main.rs).
+    let (seen, dir, syn_seq, backend_id) = unsafe {
+        (core::ptr::read_volatile(&raw const (*flow).state), (*flow).dir, (*flow).syn_seq, (*flow).backend_id)
+    };
+    resumed(state_of(flow), seen, dir, syn_seq, pkt.seq_lo(), backend_id)
 }
 
 /// A new flow: planned in a frame of its own (`plan_flow`), its entries
@@ -743,6 +772,10 @@ fn prepare_entry(pkt: &Packet6, k: *mut Keys6, svc: &Service, id: u32, now: u64)
         copy_addr6(&raw mut (*e).nat_addr, &raw const (*pkt.ip).daddr);
         (*e).nat_port = pkt.dport;
         (*e).dir = DIR_REPLY;
+        // Kept by the forward entry made from this one (`forward_entry`;
+        // written there, it took new_flow's chain of frames past the
+        // verifier's 512 bytes).
+        (*e).syn_seq = pkt.seq_lo();
     }
     if svc.flags & SVC_F_DSR != 0 {
         forward_entry(pkt, k, DIR_DSR, now);

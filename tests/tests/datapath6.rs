@@ -429,6 +429,49 @@ fn a_reused_tuple_of_a_dsr_flow_is_counted_as_a_new_connection() {
     });
 }
 
+/// A SYN that the client sends again after resetting its own handshake is
+/// the same connection, in both families. That is what a client does when
+/// a backend's TIME_WAIT still holds the tuple (another service's earlier
+/// connection on a shared backend endpoint) and answers the SYN with the
+/// old connection's ACK: the client resets that, which closes the entry,
+/// and its kernel retransmits the SYN. Counted as new, the connection was
+/// counted twice. A SYN with another sequence number after a reset is a
+/// new connection.
+#[test]
+fn a_syn_sent_again_after_its_handshakes_reset_is_the_same_connection() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![
+            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
+        ]);
+        let sent = |p: Vec<u8>| assert_eq!(fx.run(&p, fx.if_a).0, XDP_REDIRECT);
+        let both = |flags, seq| {
+            sent(Frame { seq, ..tcp(CLIENT, 40_030, VIP, 80, flags) }.bytes());
+            sent(Frame6 { seq, ..tcp6(CLIENT6, 40_030, VIP6, 80, flags) }.bytes());
+        };
+        let counts = || {
+            (
+                (fx.new_flows("web", BACKEND), fx.new_flows("web6", BACKEND6)),
+                (fx.active_flows("web"), fx.active_flows("web6")),
+            )
+        };
+        both(SYN, 0x1234_5678);
+        both(RST, 0x0bad_0000);
+        assert_eq!(counts(), ((1, 1), (0, 0)), "the reset closed the entry");
+        // The SYN again: the same connection, active again, not new; and
+        // again, on the half-open entry it left.
+        for _ in 0..2 {
+            both(SYN, 0x1234_5678);
+            assert_eq!(counts(), ((1, 1), (1, 1)), "a retransmission");
+        }
+        // Reset again, then a SYN of another connection (another sequence
+        // number, here in its low byte alone): counted.
+        both(RST, 0x0bad_0000);
+        both(SYN, 0x1234_5679);
+        assert_eq!(counts(), ((2, 2), (1, 1)), "a new connection");
+    });
+}
+
 /// A client's tuple that opened a new connection after its flow closed
 /// is scheduled anew (round robin: onto the other backend). The first
 /// backend's late packets for that tuple (a retransmitted FIN) belong to
