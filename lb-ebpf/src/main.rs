@@ -455,8 +455,9 @@ pub(crate) fn resumed(state: *mut u64, seen: u64, dir: u8, syn_seq: u8, seq: u8,
     true
 }
 
-/// [`resumed`] for an IPv4 entry. A call of its own: inlined, its loads
-/// took the main frame's chain of calls past the verifier's 512 bytes.
+/// [`resumed`] for an IPv4 entry, in a call of its own: the known-flow
+/// path's frame keeps no more than it had, its chain of frames being near
+/// the verifier's 512 bytes.
 #[inline(never)]
 fn resumed4(pkt: &Packet, flow: *mut Flow, seen: u64) -> bool {
     // SAFETY: a valid, aligned map value; plain loads of integers.

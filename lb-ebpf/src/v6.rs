@@ -556,10 +556,10 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
         return None;
     }
     // A SYN that retransmits the closed entry's own takes it up again
-    // (`resumed`), decided here for the same reason; any other SYN on a
-    // closed entry is a new connection (below).
+    // (`resumed`), decided here too, before the entry's fields are loaded;
+    // any other SYN on a closed entry is a new connection (below).
     if closed && pkt.is_syn() {
-        resumed6(pkt, flow);
+        let _ = resumed6(pkt, flow);
     }
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat, last_seen) = unsafe { ((*flow).dir, Nat6::of(flow), (*flow).last_seen) };
