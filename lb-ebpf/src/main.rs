@@ -297,9 +297,11 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     // is established and only the idle timeout expires it. A DSR flow
     // never sees its backend's answers: the client's first packet other
     // than a SYN (its ACK of the backend's SYN-ACK) says it was answered.
+    // A reset completes nothing: a client that resets its own handshake
+    // has not established it (see `resumed`).
     let dsr = dir == DIR_DSR;
     let needs = if dsr { 0 } else { FLOW_REPLIED };
-    if state & (needs | FLOW_ESTABLISHED) == needs && !is_syn(pkt) {
+    if state & (needs | FLOW_ESTABLISHED) == needs && !is_syn(pkt) && pkt.tcp_flags & TCP_RST == 0 {
         set_state(state_of(flow), FLOW_ESTABLISHED);
     }
     if last_seen != now {
@@ -426,9 +428,10 @@ pub(crate) fn track_close(state: *mut u64, backend_id: u32, tcp_flags: u8, proto
     }
 }
 
-/// A SYN on an entry that a reset closed (`seen`, its state as read), whose
-/// own SYN's sequence number ended in the same byte (`syn_seq`, `seq`):
-/// that SYN's retransmission, the same connection, not a new one. It
+/// A SYN on an entry that a reset closed during its handshake (`seen`, its
+/// state as read: reset, never established), whose own SYN's sequence
+/// number ended in the same byte (`syn_seq`, `seq`): that SYN's
+/// retransmission, the same connection, not a new one. It
 /// happens when a backend's TIME_WAIT holds the tuple from an earlier
 /// connection (another service's, on a shared backend endpoint): the
 /// backend answers the SYN with an ACK of the old connection, the client
@@ -436,12 +439,15 @@ pub(crate) fn track_close(state: *mut u64, backend_id: u32, tcp_flags: u8, proto
 /// then sends the SYN again. Taken as new, the connection was counted
 /// twice. The entry is taken up again as the half-open flow it is, on its
 /// backend: not counted again, active again (the reset counted it
-/// closed). A new connection on the tuple has another sequence number,
-/// the same low byte once in 256; it goes uncounted then, on the backend
-/// the closed entry named. True when the entry is taken up.
+/// closed). A connection that completed its handshake before a reset is
+/// never taken for one (a client that aborts its connections with resets
+/// and reuses their ports is common). A new connection on a tuple whose
+/// handshake was reset has another sequence number, the same low byte
+/// once in 256; it goes uncounted then, on the backend the closed entry
+/// named. True when the entry is taken up.
 #[inline(always)]
 pub(crate) fn resumed(state: *mut u64, seen: u64, dir: u8, syn_seq: u8, seq: u8, backend_id: u32) -> bool {
-    if seen & FLOW_RST == 0 || syn_seq != seq || dir == DIR_RETIRED || dir == DIR_REPLY {
+    if seen & (FLOW_RST | FLOW_ESTABLISHED) != FLOW_RST || syn_seq != seq || dir == DIR_RETIRED || dir == DIR_REPLY {
         return false;
     }
     // Compare-and-swap: when another CPU changed the state since it was

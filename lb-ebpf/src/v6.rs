@@ -582,7 +582,7 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
     let dsr = dir == DIR_DSR;
     let needs = if dsr { 0 } else { FLOW_REPLIED };
-    if state & (needs | FLOW_ESTABLISHED) == needs && !pkt.is_syn() {
+    if state & (needs | FLOW_ESTABLISHED) == needs && !pkt.is_syn() && pkt.tcp_flags & TCP_RST == 0 {
         set_state(state_of(flow), FLOW_ESTABLISHED);
     }
     if last_seen != now {

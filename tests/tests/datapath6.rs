@@ -455,7 +455,17 @@ fn a_syn_sent_again_after_its_handshakes_reset_is_the_same_connection() {
                 (fx.active_flows("web"), fx.active_flows("web6")),
             )
         };
+        // The backend's answer from the packets' other side.
+        let answered = |flags| {
+            let b4 = Frame { dmac: GW_B_MAC, smac: BACKEND_MAC, ..tcp(BACKEND, 8080, CLIENT, 40_030, flags) };
+            let b6 = Frame6::tcp(BACKEND6, 8080, CLIENT6, 40_030, flags).macs(GW_B_MAC, BACKEND_MAC);
+            assert_eq!(fx.run(&b4.bytes(), fx.if_b).0, XDP_REDIRECT);
+            assert_eq!(fx.run(&b6.bytes(), fx.if_b).0, XDP_REDIRECT);
+        };
+        // The SYN, the backend's ACK of its old connection, the client's
+        // reset of that.
         both(SYN, 0x1234_5678);
+        answered(ACK);
         both(RST, 0x0bad_0000);
         assert_eq!(counts(), ((1, 1), (0, 0)), "the reset closed the entry");
         // The SYN again: the same connection, active again, not new; and
@@ -469,6 +479,15 @@ fn a_syn_sent_again_after_its_handshakes_reset_is_the_same_connection() {
         both(RST, 0x0bad_0000);
         both(SYN, 0x1234_5679);
         assert_eq!(counts(), ((2, 2), (1, 1)), "a new connection");
+        // That one completes its handshake, and the client aborts it with
+        // a reset: a SYN on the tuple is a new connection whatever its
+        // sequence number (clients that abort with resets reuse ports).
+        answered(SYN | ACK);
+        both(ACK, 0x1234_567a);
+        both(RST, 0x1234_567a);
+        assert_eq!(counts(), ((2, 2), (0, 0)), "aborted");
+        both(SYN, 0x1234_5679);
+        assert_eq!(counts(), ((3, 3), (1, 1)), "a new connection after an established one's reset");
     });
 }
 
