@@ -585,8 +585,8 @@ pub struct Flow {
     pub dir: u8,
     /// The low byte of the sequence number of the TCP segment that made
     /// the entry (its SYN): a SYN with the same byte on an entry a reset
-    /// closed is that SYN's retransmission, not a new connection (see the
-    /// datapath's `resumed`). In what was a padding byte, so the layout
+    /// closed during its handshake is that SYN's retransmission, not a new
+    /// connection (see the datapath's `resumed`). In what was a padding byte, so the layout
     /// is unchanged (entries of older programs hold 0 there).
     pub syn_seq: u8,
     /// TCP close tracking, kept on the forward entry only: `FLOW_*` bits,
