@@ -559,7 +559,7 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
     // (`resumed`), decided here too, before the entry's fields are loaded;
     // any other SYN on a closed entry is a new connection (below).
     if closed && pkt.is_syn() {
-        let _ = resumed6(pkt, flow);
+        resumed6(pkt, flow);
     }
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, nat, last_seen) = unsafe { ((*flow).dir, Nat6::of(flow), (*flow).last_seen) };
@@ -593,14 +593,15 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
 }
 
 /// `resumed` for an IPv6 entry, in a call of its own (see `resumed4`).
+/// Its answer is not needed: the caller reads the entry's state afresh.
 #[inline(never)]
-fn resumed6(pkt: &Packet6, flow: *mut Flow6) -> bool {
+fn resumed6(pkt: &Packet6, flow: *mut Flow6) {
     // SAFETY: a valid, aligned map value; plain loads of integers (the
     // state volatile, see main.rs).
     let (seen, dir, syn_seq, backend_id) = unsafe {
         (core::ptr::read_volatile(&raw const (*flow).state), (*flow).dir, (*flow).syn_seq, (*flow).backend_id)
     };
-    resumed(state_of(flow), seen, dir, syn_seq, pkt.seq_lo(), backend_id)
+    resumed(state_of(flow), seen, dir, syn_seq, pkt.seq_lo(), backend_id);
 }
 
 /// A new flow: planned in a frame of its own (`plan_flow`), its entries

@@ -177,9 +177,18 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
     let dp = &agent.dp;
     let mut services = Vec::new();
     for s in dp.services() {
+        // The counters first: each backend's share needs the service's.
+        let stats = s.backends.iter().map(|b| dp.backend_stats(b.id)).collect::<Result<Vec<_>, _>>()?;
+        let new_flows: u64 = stats.iter().map(|st| st.new_flows).sum();
+        let parts: Vec<Part> = s
+            .backends
+            .iter()
+            .zip(&stats)
+            .map(|(b, st)| Part { weight: b.config.weight, in_force: b.runtime.weight, new_flows: st.new_flows })
+            .collect();
+        let (expected, fairness) = shares(s.config.scheduler, &parts);
         let mut backends = Vec::new();
-        for b in &s.backends {
-            let st = dp.backend_stats(b.id)?;
+        for ((b, st), expected_share) in s.backends.iter().zip(stats).zip(expected) {
             let state = agent.state_of(&s.config.name, &b.config);
             backends.push(BackendStatus {
                 address: b.config.address,
@@ -193,23 +202,13 @@ pub fn status(agent: &Agent) -> Result<Status, crate::dataplane::DataplaneError>
                 packets_out: st.packets_out,
                 bytes_out: st.bytes_out,
                 active_flows: dp.active_flows(b.id)?,
-                expected_share: 0.0,
-                observed_share: 0.0,
+                expected_share,
+                observed_share: if new_flows == 0 { 0.0 } else { st.new_flows as f64 / new_flows as f64 },
                 response_time_ms: agent
                     .response_time_of(&s.config.name, b.config.address, b.config.port)
                     .map(|d| d.as_secs_f64() * 1000.0),
                 slow_start: state == BackendState::Up && agent.slow_starting(&s.config, &b.config),
             });
-        }
-        let new_flows: u64 = backends.iter().map(|b| b.new_flows).sum();
-        let parts: Vec<Part> = backends
-            .iter()
-            .map(|b| Part { weight: b.weight, in_force: b.effective_weight, new_flows: b.new_flows })
-            .collect();
-        let (expected, fairness) = shares(s.config.scheduler, &parts);
-        for (b, e) in backends.iter_mut().zip(expected) {
-            b.observed_share = if new_flows == 0 { 0.0 } else { b.new_flows as f64 / new_flows as f64 };
-            b.expected_share = e;
         }
         services.push(ServiceStatus {
             name: s.config.name.clone(),

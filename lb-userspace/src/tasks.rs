@@ -179,8 +179,11 @@ struct ProbeSpec {
 
 impl ProbeSpec {
     fn of(addr: SocketAddr, cfg: &HealthConfig) -> Self {
-        let target = SocketAddr::new(addr.ip(), cfg.port.unwrap_or_else(|| addr.port()));
-        Self { target, cfg: HealthConfig { rise: 0, fall: 0, port: None, ..cfg.clone() } }
+        // The port is resolved into `target`, so the spec keeps none.
+        Self {
+            target: health::probe_target(cfg, addr),
+            cfg: HealthConfig { rise: 0, fall: 0, port: None, ..cfg.clone() },
+        }
     }
 }
 

@@ -23,7 +23,7 @@ use prometheus_client::metrics::{
 
 mod probe;
 
-pub use probe::{MAX_STATUS_LINE, ProbeError, probe};
+pub use probe::{MAX_STATUS_LINE, ProbeError, probe, probe_target};
 
 /// Health of one backend as seen by its probes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -71,7 +71,13 @@ fn shorten(s: &str) -> String {
     }
 }
 
-/// Probe `addr` (`cfg.port` replaces its port when set).
+/// The address a probe of backend `addr` connects to: `cfg.port`
+/// replaces its port when set.
+pub fn probe_target(cfg: &HealthConfig, addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip(), cfg.port.unwrap_or_else(|| addr.port()))
+}
+
+/// Probe backend `addr` at [`probe_target`].
 ///
 /// - `Tcp`: connect, then close.
 /// - `Http`: connect, send a `GET cfg.path` with `Connection: close`, read the
@@ -86,7 +92,7 @@ pub async fn probe(cfg: &HealthConfig, addr: SocketAddr) -> Result<Duration, Pro
     if cfg.kind == ProbeKind::None {
         return Ok(Duration::ZERO);
     }
-    let target = SocketAddr::new(addr.ip(), cfg.port.unwrap_or_else(|| addr.port()));
+    let target = probe_target(cfg, addr);
     let started = Instant::now();
     let work = async {
         match cfg.kind {
