@@ -17,7 +17,7 @@ use super::{
 };
 use crate::{
     config::{BackendConfig, Forwarding, ServiceConfig},
-    sched::Member,
+    sched::{Builds, Member},
 };
 
 impl Dataplane {
@@ -50,8 +50,9 @@ impl Dataplane {
         // Endpoints before tables: a reply finds its flow from the first
         // flow on a new backend on.
         let endpoints = self.write_endpoints(services)?;
+        let mut builds = Builds::default();
         for s in services {
-            self.apply_service(s, runtime, endpoints.reply_entry.contains(&vip_key(s)))?;
+            self.apply_service(s, runtime, endpoints.reply_entry.contains(&vip_key(s)), &mut builds)?;
         }
         // Adopted services the config no longer has.
         for (key, a) in std::mem::take(&mut self.adopted) {
@@ -80,6 +81,7 @@ impl Dataplane {
         cfg: &ServiceConfig,
         runtime: &dyn Fn(&ServiceConfig, &BackendConfig) -> BackendRuntime,
         reply_entry: bool,
+        builds: &mut Builds,
     ) -> Result<(), DataplaneError> {
         let key = vip_key(cfg);
         // Applied as it is now (configuration, seed, reply entries and
@@ -222,7 +224,7 @@ impl Dataplane {
         // service).
         let (table, fallback) = match &prev {
             Some(p) if keeps_tables(p, cfg, &backends, self.maglev_seed) => (p.table.clone(), p.fallback.clone()),
-            _ => selection_tables(cfg, &backends, self.maglev_seed),
+            _ => selection_tables(cfg, &backends, self.maglev_seed, builds),
         };
         let mut flags = if table.iter().all(|&b| b == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
         if cfg.forwarding == Forwarding::Dsr {
@@ -469,10 +471,15 @@ fn keeps_tables(prev: &AppliedService, cfg: &ServiceConfig, backends: &[AppliedB
 /// (node-local, allocated in the order backends were added) matter beyond
 /// the id written. So balancer nodes behind one ECMP route, configured
 /// alike, pick the same backend for a flow without sharing any state.
-fn selection_tables(cfg: &ServiceConfig, backends: &[AppliedBackend], seed: u64) -> (Vec<u32>, Vec<u32>) {
+fn selection_tables(
+    cfg: &ServiceConfig,
+    backends: &[AppliedBackend],
+    seed: u64,
+    builds: &mut Builds,
+) -> (Vec<u32>, Vec<u32>) {
     let members = members(backends);
-    let table = cfg.scheduler.build(&members, cfg.table_size, seed);
-    let fallback = cfg.scheduler.build_fallback(&members, cfg.table_size, seed).unwrap_or_default();
+    let table = cfg.scheduler.build(&members, cfg.table_size, seed, builds);
+    let fallback = cfg.scheduler.build_fallback(&members, cfg.table_size, seed, builds).unwrap_or_default();
     (table, fallback)
 }
 
@@ -538,7 +545,8 @@ mod tests {
         let v6 = members(&pool(&weights, |n| std::net::Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, n).into()));
         let size = 65_537;
         for s in Scheduler::ALL {
-            let (t4, t6) = (s.build(&v4, size, 0), s.build(&v6, size, 0));
+            let (t4, t6) =
+                (s.build(&v4, size, 0, &mut Builds::default()), s.build(&v6, size, 0, &mut Builds::default()));
             match s {
                 Scheduler::Wrr | Scheduler::Rr => {
                     let sorted = |t: &[u32]| {
@@ -547,7 +555,10 @@ mod tests {
                         t
                     };
                     assert_eq!(sorted(&t4), sorted(&t6), "{s}: a sequence's counts depend on the weights only");
-                    let (f4, f6) = (s.build_fallback(&v4, size, 0).unwrap(), s.build_fallback(&v6, size, 0).unwrap());
+                    let (f4, f6) = (
+                        s.build_fallback(&v4, size, 0, &mut Builds::default()).unwrap(),
+                        s.build_fallback(&v6, size, 0, &mut Builds::default()).unwrap(),
+                    );
                     assert_ne!(f4, f6, "{s}: the fallback is a Maglev table, keyed by address");
                     assert_weight_shares(&f6, &weights);
                 }
@@ -610,7 +621,7 @@ mod tests {
 
     /// Both tables of a service (its own, then the fallback), resolved.
     fn node_tables(cfg: &ServiceConfig, backends: &[AppliedBackend], seed: u64) -> (Vec<u8>, Vec<u8>) {
-        let (table, fallback) = selection_tables(cfg, backends, seed);
+        let (table, fallback) = selection_tables(cfg, backends, seed, &mut Builds::default());
         assert!(!table.is_empty(), "{}: no table", cfg.scheduler);
         (resolved(&table, backends), resolved(&fallback, backends))
     }
@@ -682,7 +693,7 @@ mod tests {
                     .map(|m| crate::sched::maglev::MaglevBackend { id: m.id, key: m.key, weight: m.weight })
                     .collect();
                 let unseeded = crate::sched::maglev::build(&direct, cb.table_size).unwrap();
-                let (table, fallback) = selection_tables(&cb, &b, 0);
+                let (table, fallback) = selection_tables(&cb, &b, 0, &mut Builds::default());
                 match s {
                     Scheduler::Wrr | Scheduler::Rr => assert_eq!(fallback, unseeded, "{family} {s}"),
                     _ => assert_eq!(table, unseeded, "{family} {s}"),
@@ -698,7 +709,7 @@ mod tests {
         let backends = pool(&[1, 2, 3], |n| std::net::Ipv4Addr::new(10, 20, 0, n as u8).into());
         let cfg =
             ServiceConfig::example("web", [10, 10, 0, 100], 80, backends.iter().map(|b| b.config.clone()).collect());
-        let (table, fallback) = selection_tables(&cfg, &backends, 7);
+        let (table, fallback) = selection_tables(&cfg, &backends, 7, &mut Builds::default());
         let applied = AppliedService {
             id: 1,
             config: cfg.clone(),
