@@ -45,6 +45,18 @@ fn main() -> ExitCode {
         eprintln!("lbd: must run as root: it loads an XDP program and attaches it to network interfaces");
         return ExitCode::from(1);
     }
+    // glibc's malloc raises its mmap threshold to the size of each large
+    // block freed, after which lbd's 256 KB selection tables (one per
+    // service, rebuilt on every change) come from its heaps and stay there,
+    // fragmented, once freed. Fixed at its default, they are mapped and
+    // given back: at 255 services lbd's anonymous memory peaked at 170 MB at
+    // start and settled at 104 MB, against 276 MB and 149 MB. Set before
+    // any other thread exists, as glibc requires.
+    #[cfg(target_env = "gnu")]
+    // SAFETY: a plain call with constant arguments; no other thread yet.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
