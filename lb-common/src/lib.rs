@@ -262,7 +262,11 @@ pub mod counter {
     /// Rewritten packet handed to the kernel's forwarding path because its
     /// egress device cannot transmit frames redirected from the mode the
     /// program runs in on the ingress device (a bridge under native XDP, a
-    /// veth whose peer has neither XDP nor GRO, a non-Ethernet device).
+    /// veth whose peer has neither XDP nor GRO, a non-Ethernet device);
+    /// and a GSO packet, longer than its ingress device's MTU (generic
+    /// mode only: merged by GRO, or from a local sender that left its
+    /// segmentation to offload), which a redirect would drop and the
+    /// kernel splits.
     pub const KERNEL_EGRESS: u32 = 7;
     /// Packet whose TCP/UDP checksum arrived unfinished (CHECKSUM_PARTIAL
     /// from a local sender behind a veth): completed before a native XDP

@@ -10,10 +10,11 @@ use core::mem::{align_of, size_of};
 use aya_ebpf::{
     bindings::{
         BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
-        bpf_fib_lookup as FibParams, xdp_action,
+        bpf_check_mtu_ret::BPF_MTU_CHK_RET_FRAG_NEEDED, bpf_fib_lookup as FibParams, xdp_action,
     },
     helpers::generated::{
-        bpf_csum_diff, bpf_fib_lookup, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail, bpf_xdp_load_bytes,
+        bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
+        bpf_xdp_load_bytes,
     },
     programs::XdpContext,
 };
@@ -312,6 +313,63 @@ pub(crate) fn adopt_hop(ctx: &XdpContext, hop: Hop, nh: &mut NextHopAddr, now: u
     true
 }
 
+/// The longest frame of a 1,500-byte MTU, two VLAN tags included: no
+/// frame up to this long needs [`gso`]'s helper call.
+const PLAIN_FRAME: usize = ETH_HLEN + 8 + 1500;
+
+/// Is the packet longer than its ingress device's MTU? Only a GSO packet
+/// is, which only generic mode sees: the kernel's GRO merged it (a NIC's
+/// or a veth's), or a local sender behind a veth left its segmentation to
+/// offload. The kernel splits it when it leaves, but an XDP redirect
+/// refuses any frame above the egress MTU (dropped, `xdp_redirect_err`
+/// with EMSGSIZE): every bulk transfer through a generic-mode gateway
+/// stalled, its segments lost but for the retransmissions that went one
+/// at a time. Such a packet is never sent by a cached hop: the FIB is
+/// asked for each (one per up to 64 KB), and compares it with the egress
+/// MTU ([`gso_fits`]).
+#[inline(always)]
+pub(crate) fn gso(ctx: &XdpContext) -> bool {
+    ctx.data_end() - ctx.data() > PLAIN_FRAME && beyond_ingress_mtu(ctx) != 0
+}
+
+/// The ingress device's MTU, as the kernel has it now, when the frame is
+/// longer than it allows; 0 when it is not (`bpf_check_mtu` with no
+/// device named: the packet's own). The helper's in-out length lives in
+/// this CPU's scratch slot, past the FIB parameters (a word on the stack
+/// took the IPv6 path's chain of frames past the verifier's 512 bytes);
+/// nothing reads the slot after this but a FIB lookup's answers.
+// Its own frame: only frames longer than `PLAIN_FRAME` call it.
+#[inline(never)]
+fn beyond_ingress_mtu(ctx: &XdpContext) -> u32 {
+    let Some(slot) = SCRATCH6.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: the slot holds 72 bytes, the FIB parameters 64 (asserted
+    // below): the word after them is inside it and 4-aligned. 0 asks the
+    // helper to check the frame's own length; it answers the MTU there.
+    unsafe {
+        let mtu_len = slot.cast::<u8>().add(size_of::<FibParams>()).cast::<u32>();
+        *mtu_len = 0;
+        let rc = bpf_check_mtu(ctx.ctx.cast(), 0, mtu_len, 0, 0);
+        if rc == i64::from(BPF_MTU_CHK_RET_FRAG_NEEDED) { *mtu_len } else { 0 }
+    }
+}
+
+/// Does a GSO packet ([`gso`]) that the FIB found too big for its egress
+/// (`egress_mtu`) fit it as the segments it stands for? Each is no longer
+/// than the ingress MTU, so through an egress at least as wide the
+/// kernel's forwarding path takes the packet rewritten (its checksum left
+/// unfinished, as a GSO packet's always is) and splits it. Through a
+/// narrower egress it is too big as any packet can be
+/// ([`too_big_rewritten`]): the sender hears of it and sends less. False
+/// for a frame within the ingress MTU.
+// Its own frame: only packets the FIB finds too big call it.
+#[inline(never)]
+pub(crate) fn gso_fits(ctx: &XdpContext, egress_mtu: u32) -> bool {
+    let ingress_mtu = beyond_ingress_mtu(ctx);
+    ingress_mtu != 0 && ingress_mtu <= egress_mtu
+}
+
 /// Does the program run in generic mode on the packet's ingress device?
 #[inline(always)]
 pub(crate) fn generic_ingress(ctx: &XdpContext) -> bool {
@@ -442,7 +500,8 @@ pub(crate) enum Way {
 pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop: Hop, now: u64, way: Way) -> u32 {
     let now = now as u32;
     let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
-    let (ifindex, smac, dmac) = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
+    let cached = if gso(ctx) { None } else { cached_hop(ctx, hop, now, generation) };
+    let (ifindex, smac, dmac) = if let Some(nh) = cached {
         nh
     } else {
         let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
@@ -450,6 +509,7 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
         let dst = unsafe { (*pkt.ip()).daddr };
         match fib_lookup(ctx, pkt, dst, false, &mut nh) {
             FIB_OK => {}
+            FIB_TOO_BIG if gso_fits(ctx, nh.0) => return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS),
             FIB_TOO_BIG => return too_big_rewritten(ctx, pkt, &Oversize { rw, cs, way, mtu: nh.0 }),
             _ => return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK),
         }

@@ -30,7 +30,7 @@ use crate::{
     backend_down,
     forward::{
         FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, adopt_hop, cached_hop,
-        classify_segment, generic_ingress, leave, segment_sum, set_macs,
+        classify_segment, generic_ingress, gso, gso_fits, leave, segment_sum, set_macs,
     },
     holding,
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
@@ -1030,7 +1030,9 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
     // The egress only: the MACs are copied into the frame at the end,
     // from wherever the hop is kept (held in locals across the checks
     // below, their bytes cost this frame more than it has).
-    let ifindex = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
+    // A GSO packet is never sent by a cached hop (see `forward::gso`).
+    let cached = if gso(ctx) { None } else { cached_hop(ctx, hop, now, generation) };
+    let ifindex = if let Some(nh) = cached {
         nh.0
     } else {
         // SAFETY: bounds-checked by parse().
@@ -1038,6 +1040,7 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
         let (rc, mut nh) = fib(ctx, pkt, &dst, false);
         match rc {
             FIB_OK => {}
+            FIB_TOO_BIG if gso_fits(ctx, nh.0) => return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS),
             FIB_TOO_BIG => return too_big_rewritten(ctx, pkt, rw, way, nh.0),
             _ => return to_kernel(pkt, rw, cs, counter::FIB_FALLBACK),
         }

@@ -10,12 +10,12 @@
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use lb_common::NETDEV_MTU_SHIFT;
 use lb_testkit::{
-    Frame,
+    Frame, Frame6, L4Checksum,
     frame::{
-        ETH_LEN, IPV4_LEN,
+        ETH_LEN, IPV4_LEN, TCP_LEN,
         tcp::{ACK, SYN},
     },
-    frame6::parse_frag_needed,
+    frame6::{IPV6_LEN, parse_frag_needed, parse_too_big6},
 };
 use lb_tests::fixture::*;
 use lb_userspace::config::Protocol;
@@ -38,7 +38,7 @@ fn mtus(fx: &mut Fixture, a: u32, b: u32) {
 /// A client -> VIP segment whose IP packet is `ip_len` bytes long.
 fn big(sport: u16, flags: u8, ip_len: usize, df: bool) -> Frame {
     let mut f = tcp(CLIENT, sport, VIP, 80, flags);
-    f.payload = vec![0x5a; ip_len - IPV4_LEN - lb_testkit::frame::TCP_LEN];
+    f.payload = vec![0x5a; ip_len - IPV4_LEN - TCP_LEN];
     f.dont_fragment = df;
     f
 }
@@ -113,12 +113,105 @@ fn a_reply_too_big_for_the_client_side_goes_back_to_the_kernel_as_it_came() {
         let syn = tcp(CLIENT, 42003, VIP, 80, SYN);
         assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
         let mut reply = Frame::tcp(BACKEND, 8080, CLIENT, 42003, ACK).macs(GW_B_MAC, BACKEND_MAC);
-        reply.payload = vec![0xa5; 1400 - IPV4_LEN - lb_testkit::frame::TCP_LEN];
+        reply.payload = vec![0xa5; 1400 - IPV4_LEN - TCP_LEN];
         let (action, out) = fx.run(&reply.bytes(), fx.if_b);
         // Untouched: the kernel's own "fragmentation needed" then quotes
         // the header the backend sent, and reaches the backend.
         assert_eq!(action, XDP_PASS);
         assert_eq!(out, reply.bytes());
         assert_eq!(fx.counter("too_big"), 1);
+    });
+}
+
+// ---------------------------------------------------------------- GSO
+
+/// A packet of two full segments' length: in generic mode, what the
+/// kernel's GRO makes of two segments (or a local sender behind a veth
+/// hands over unsegmented), its TCP checksum unfinished, longer than the
+/// ingress device's 1,500-byte MTU.
+const GSO_LEN: usize = 2 * 1500 - 40;
+
+/// A GSO packet cannot leave by XDP redirect: the kernel drops a
+/// redirected frame above the egress MTU (EMSGSIZE), and a bulk transfer
+/// through a generic-mode gateway stalled on it. It goes to the kernel's
+/// forwarding path rewritten, its checksum left unfinished for the new
+/// addresses, TTL and MACs as they came: the kernel splits it into
+/// segments that fit. So it does on a flow whose hop is cached, in both
+/// directions, while the full-sized segments around it go by redirect.
+#[test]
+fn a_gso_packet_goes_to_the_kernel_rewritten_in_both_directions() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        mtus(&mut fx, 1500, 1500);
+        let syn = tcp(CLIENT, 42010, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let full = big(42010, ACK, 1500, true);
+        let (action, out) = fx.run(&full.bytes(), fx.if_a);
+        assert_eq!((action, dst_of(&out)), (XDP_REDIRECT, BACKEND), "a full frame goes by its cached hop");
+        let redirected = fx.counter("xdp_redirect");
+
+        let gso = Frame { l4_checksum: L4Checksum::Partial, ..big(42010, ACK, GSO_LEN, true) };
+        let (action, out) = fx.run(&gso.bytes(), fx.if_a);
+        assert_eq!(action, XDP_PASS);
+        assert_eq!(out, Frame { dst: BACKEND, dport: 8080, ..gso.clone() }.bytes());
+        assert_eq!(fx.counter("kernel_egress"), 1);
+
+        let mut reply = Frame::tcp(BACKEND, 8080, CLIENT, 42010, ACK).macs(GW_B_MAC, BACKEND_MAC);
+        reply.payload = vec![0xa5; GSO_LEN - IPV4_LEN - TCP_LEN];
+        reply.l4_checksum = L4Checksum::Partial;
+        let (action, out) = fx.run(&reply.bytes(), fx.if_b);
+        assert_eq!(action, XDP_PASS);
+        assert_eq!(out, Frame { src: VIP, sport: 80, ..reply.clone() }.bytes());
+        assert_eq!(fx.counter("kernel_egress"), 2);
+        assert_eq!((fx.counter("xdp_redirect"), fx.counter("too_big")), (redirected, 0));
+
+        // The same in IPv6.
+        let mut fx = Fixture::new(vec![service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)])]);
+        mtus(&mut fx, 1500, 1500);
+        let syn6 = Frame6::tcp(CLIENT6, 42011, VIP6, 80, SYN).macs(GW_A_MAC, CLIENT_MAC);
+        assert_eq!(fx.run(&syn6.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let mut gso6 = Frame6::tcp(CLIENT6, 42011, VIP6, 80, ACK).macs(GW_A_MAC, CLIENT_MAC);
+        gso6.payload = vec![0x5a; GSO_LEN - IPV6_LEN - TCP_LEN];
+        gso6.l4_checksum = L4Checksum::Partial;
+        let (action, out) = fx.run(&gso6.bytes(), fx.if_a);
+        assert_eq!(action, XDP_PASS);
+        assert_eq!(out, Frame6 { dst: BACKEND6, dport: 8080, ..gso6.clone() }.bytes());
+        let mut reply6 = Frame6::tcp(BACKEND6, 8080, CLIENT6, 42011, ACK).macs(GW_B_MAC, BACKEND_MAC);
+        reply6.payload = vec![0xa5; GSO_LEN - IPV6_LEN - TCP_LEN];
+        reply6.l4_checksum = L4Checksum::Partial;
+        let (action, out) = fx.run(&reply6.bytes(), fx.if_b);
+        assert_eq!(action, XDP_PASS);
+        assert_eq!(out, Frame6 { src: VIP6, sport: 80, ..reply6.clone() }.bytes());
+        assert_eq!((fx.counter("kernel_egress"), fx.counter("too_big")), (2, 0));
+    });
+}
+
+/// A GSO packet towards an egress narrower than its ingress is too big
+/// as any packet is: its segments, as long as the ingress MTU allows, do
+/// not fit either, and the client hears "fragmentation needed" / "packet
+/// too big" from the VIP, as for a single segment.
+#[test]
+fn a_gso_packet_too_big_for_a_narrower_egress_is_answered_as_any_packet() {
+    in_netns(|| {
+        let fx = small_backend_mtu();
+        let syn = tcp(CLIENT, 42012, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let gso = Frame { l4_checksum: L4Checksum::Partial, ..big(42012, ACK, GSO_LEN, true) };
+        let (action, out) = fx.run(&gso.bytes(), fx.if_a);
+        assert_frag_needed(&out, &gso, action);
+        assert_eq!((fx.counter("too_big"), fx.counter("kernel_egress")), (1, 0));
+
+        let mut fx = Fixture::new(vec![service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)])]);
+        mtus(&mut fx, 1500, SMALL_MTU);
+        let mut gso6 = Frame6::tcp(CLIENT6, 42013, VIP6, 80, ACK).macs(GW_A_MAC, CLIENT_MAC);
+        gso6.payload = vec![0x5a; GSO_LEN - IPV6_LEN - TCP_LEN];
+        gso6.l4_checksum = L4Checksum::Partial;
+        let syn6 = Frame6 { tcp_flags: SYN, payload: Vec::new(), l4_checksum: L4Checksum::Full, ..gso6.clone() };
+        assert_eq!(fx.run(&syn6.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let (action, out) = fx.run(&gso6.bytes(), fx.if_a);
+        assert_eq!(action, XDP_PASS, "to the kernel, which routes the error to the client");
+        let icmp = parse_too_big6(&out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
+        assert_eq!((icmp.src, icmp.dst, icmp.mtu), (VIP6, CLIENT6, SMALL_MTU));
+        assert_eq!((fx.counter("too_big"), fx.counter("kernel_egress")), (1, 0));
     });
 }
