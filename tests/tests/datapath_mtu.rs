@@ -8,6 +8,8 @@
 //! side keeps 1,500. ICMP errors are read back and their checksums
 //! verified by etherparse (`lb_testkit::frame6`), not by code of ours.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
+use std::net::{Ipv4Addr, Ipv6Addr};
+
 use lb_common::NETDEV_MTU_SHIFT;
 use lb_testkit::{
     Frame, Frame6, L4Checksum,
@@ -131,6 +133,25 @@ fn a_reply_too_big_for_the_client_side_goes_back_to_the_kernel_as_it_came() {
 /// ingress device's 1,500-byte MTU.
 const GSO_LEN: usize = 2 * 1500 - 40;
 
+/// A GSO packet ([`GSO_LEN`]) of either direction, as it reaches the
+/// gateway's device on its side.
+fn gso4(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, from_client: bool) -> Frame {
+    let macs = if from_client { (GW_A_MAC, CLIENT_MAC) } else { (GW_B_MAC, BACKEND_MAC) };
+    let mut f = Frame::tcp(src, sport, dst, dport, ACK).macs(macs.0, macs.1);
+    f.payload = vec![0x5a; GSO_LEN - IPV4_LEN - TCP_LEN];
+    f.l4_checksum = L4Checksum::Partial;
+    f
+}
+
+/// [`gso4`] in IPv6.
+fn gso6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, from_client: bool) -> Frame6 {
+    let macs = if from_client { (GW_A_MAC, CLIENT_MAC) } else { (GW_B_MAC, BACKEND_MAC) };
+    let mut f = Frame6::tcp(src, sport, dst, dport, ACK).macs(macs.0, macs.1);
+    f.payload = vec![0x5a; GSO_LEN - IPV6_LEN - TCP_LEN];
+    f.l4_checksum = L4Checksum::Partial;
+    f
+}
+
 /// A GSO packet cannot leave by XDP redirect: the kernel drops a
 /// redirected frame above the egress MTU (EMSGSIZE), and a bulk transfer
 /// through a generic-mode gateway stalled on it. It goes to the kernel's
@@ -150,15 +171,13 @@ fn a_gso_packet_goes_to_the_kernel_rewritten_in_both_directions() {
         assert_eq!((action, dst_of(&out)), (XDP_REDIRECT, BACKEND), "a full frame goes by its cached hop");
         let redirected = fx.counter("xdp_redirect");
 
-        let gso = Frame { l4_checksum: L4Checksum::Partial, ..big(42010, ACK, GSO_LEN, true) };
+        let gso = gso4(CLIENT, 42010, VIP, 80, true);
         let (action, out) = fx.run(&gso.bytes(), fx.if_a);
         assert_eq!(action, XDP_PASS);
         assert_eq!(out, Frame { dst: BACKEND, dport: 8080, ..gso.clone() }.bytes());
         assert_eq!(fx.counter("kernel_egress"), 1);
 
-        let mut reply = Frame::tcp(BACKEND, 8080, CLIENT, 42010, ACK).macs(GW_B_MAC, BACKEND_MAC);
-        reply.payload = vec![0xa5; GSO_LEN - IPV4_LEN - TCP_LEN];
-        reply.l4_checksum = L4Checksum::Partial;
+        let reply = gso4(BACKEND, 8080, CLIENT, 42010, false);
         let (action, out) = fx.run(&reply.bytes(), fx.if_b);
         assert_eq!(action, XDP_PASS);
         assert_eq!(out, Frame { src: VIP, sport: 80, ..reply.clone() }.bytes());
@@ -170,15 +189,11 @@ fn a_gso_packet_goes_to_the_kernel_rewritten_in_both_directions() {
         mtus(&mut fx, 1500, 1500);
         let syn6 = Frame6::tcp(CLIENT6, 42011, VIP6, 80, SYN).macs(GW_A_MAC, CLIENT_MAC);
         assert_eq!(fx.run(&syn6.bytes(), fx.if_a).0, XDP_REDIRECT);
-        let mut gso6 = Frame6::tcp(CLIENT6, 42011, VIP6, 80, ACK).macs(GW_A_MAC, CLIENT_MAC);
-        gso6.payload = vec![0x5a; GSO_LEN - IPV6_LEN - TCP_LEN];
-        gso6.l4_checksum = L4Checksum::Partial;
-        let (action, out) = fx.run(&gso6.bytes(), fx.if_a);
+        let up6 = gso6(CLIENT6, 42011, VIP6, 80, true);
+        let (action, out) = fx.run(&up6.bytes(), fx.if_a);
         assert_eq!(action, XDP_PASS);
-        assert_eq!(out, Frame6 { dst: BACKEND6, dport: 8080, ..gso6.clone() }.bytes());
-        let mut reply6 = Frame6::tcp(BACKEND6, 8080, CLIENT6, 42011, ACK).macs(GW_B_MAC, BACKEND_MAC);
-        reply6.payload = vec![0xa5; GSO_LEN - IPV6_LEN - TCP_LEN];
-        reply6.l4_checksum = L4Checksum::Partial;
+        assert_eq!(out, Frame6 { dst: BACKEND6, dport: 8080, ..up6.clone() }.bytes());
+        let reply6 = gso6(BACKEND6, 8080, CLIENT6, 42011, false);
         let (action, out) = fx.run(&reply6.bytes(), fx.if_b);
         assert_eq!(action, XDP_PASS);
         assert_eq!(out, Frame6 { src: VIP6, sport: 80, ..reply6.clone() }.bytes());
@@ -196,19 +211,17 @@ fn a_gso_packet_too_big_for_a_narrower_egress_is_answered_as_any_packet() {
         let fx = small_backend_mtu();
         let syn = tcp(CLIENT, 42012, VIP, 80, SYN);
         assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
-        let gso = Frame { l4_checksum: L4Checksum::Partial, ..big(42012, ACK, GSO_LEN, true) };
+        let gso = gso4(CLIENT, 42012, VIP, 80, true);
         let (action, out) = fx.run(&gso.bytes(), fx.if_a);
         assert_frag_needed(&out, &gso, action);
         assert_eq!((fx.counter("too_big"), fx.counter("kernel_egress")), (1, 0));
 
         let mut fx = Fixture::new(vec![service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)])]);
         mtus(&mut fx, 1500, SMALL_MTU);
-        let mut gso6 = Frame6::tcp(CLIENT6, 42013, VIP6, 80, ACK).macs(GW_A_MAC, CLIENT_MAC);
-        gso6.payload = vec![0x5a; GSO_LEN - IPV6_LEN - TCP_LEN];
-        gso6.l4_checksum = L4Checksum::Partial;
-        let syn6 = Frame6 { tcp_flags: SYN, payload: Vec::new(), l4_checksum: L4Checksum::Full, ..gso6.clone() };
+        let up6 = gso6(CLIENT6, 42013, VIP6, 80, true);
+        let syn6 = Frame6 { tcp_flags: SYN, payload: Vec::new(), l4_checksum: L4Checksum::Full, ..up6.clone() };
         assert_eq!(fx.run(&syn6.bytes(), fx.if_a).0, XDP_REDIRECT);
-        let (action, out) = fx.run(&gso6.bytes(), fx.if_a);
+        let (action, out) = fx.run(&up6.bytes(), fx.if_a);
         assert_eq!(action, XDP_PASS, "to the kernel, which routes the error to the client");
         let icmp = parse_too_big6(&out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
         assert_eq!((icmp.src, icmp.dst, icmp.mtu), (VIP6, CLIENT6, SMALL_MTU));
