@@ -46,15 +46,23 @@ pub(super) struct Attached {
     link: AttachedLink,
 }
 
-/// What an attach error adds when the device refused native mode
-/// (EOPNOTSUPP: it has no driver XDP), which only a forced mode asks for:
-/// the way out.
+/// What an attach error adds when the device refused native mode, which
+/// only a forced mode reports (`auto` falls back to generic and logs the
+/// error): the way out. EOPNOTSUPP: the device has no driver XDP. ERANGE:
+/// a veth whose MTU is above what native XDP takes in one page (about
+/// 3,500 bytes) from a program without multi-buffer support, as ours is;
+/// the kernel's own words ("Numerical result out of range") say nothing
+/// of the MTU.
 pub(super) fn hint(mode: Mode, e: &ProgramError) -> &'static str {
-    match e {
-        ProgramError::SyscallError(s)
-            if mode == Mode::Native && s.io_error.raw_os_error() == Some(libc::EOPNOTSUPP) =>
-        {
+    let ProgramError::SyscallError(s) = e else { return "" };
+    match s.io_error.raw_os_error() {
+        Some(libc::EOPNOTSUPP) if mode == Mode::Native => {
             ", which this device does not offer (xdp_mode: auto falls back to generic mode)"
+        }
+        Some(libc::ERANGE) if mode == Mode::Native => {
+            ", which refuses this device's MTU: native XDP on a veth takes frames of at most about 3,500 bytes \
+             from this program (it is not multi-buffer); lower the MTU, or use xdp_mode: generic (auto falls \
+             back to it)"
         }
         _ => "",
     }
@@ -671,7 +679,31 @@ impl Dataplane {
 
 #[cfg(test)]
 mod tests {
-    use super::{Mode, Step, XdpMode, step};
+    use aya::programs::ProgramError;
+
+    use super::{DataplaneError, Mode, Step, XdpMode, step};
+
+    /// A refused native attach says why and what to do, in the error lbd
+    /// exits with.
+    #[test]
+    fn a_refused_native_attach_names_the_way_out() {
+        let error = |errno: i32, mode: Mode| {
+            let source = ProgramError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_link_create",
+                io_error: std::io::Error::from_raw_os_error(errno),
+            });
+            DataplaneError::Attach { iface: "eth0".into(), mode, source }.to_string()
+        };
+        let mtu = error(libc::ERANGE, Mode::Native);
+        assert!(
+            mtu.starts_with("attaching XDP to eth0 in native mode, which refuses this device's MTU: ")
+                && mtu.contains("; lower the MTU, or use xdp_mode: generic (auto falls back to it): "),
+            "{mtu}"
+        );
+        assert!(error(libc::EOPNOTSUPP, Mode::Native).contains(", which this device does not offer (xdp_mode: auto"));
+        assert!(error(libc::ERANGE, Mode::Generic).starts_with("attaching XDP to eth0 in generic mode: "));
+        assert!(error(libc::EPERM, Mode::Native).starts_with("attaching XDP to eth0 in native mode: "));
+    }
 
     #[test]
     fn a_pinned_link_is_kept_or_switched_as_xdp_mode_says() {
