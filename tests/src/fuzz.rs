@@ -11,7 +11,11 @@
 //!    a TCP/UDP packet from a backend endpoint (a service's backend
 //!    address and port): a backend's packet for a client flow whose entry
 //!    names another backend (`stale_backend`). The run's drops of this
-//!    second kind must equal the datapath's `stale_backend` counter.
+//!    second kind must equal the datapath's `stale_backend` counter. Such
+//!    a packet to a VIP address on a port no service has is a stale
+//!    backend's too (the datapath finds no service for it); its drop is
+//!    told from that address's other drops by the counter moving, and the
+//!    counter may move only on such a drop, by one.
 //! 3. An output that differs from its input, and every transmitted one
 //!    (XDP_REDIRECT, XDP_TX), is a rewrite: it parses (etherparse) as
 //!    Ethernet/IPv4/TCP-or-UDP with a valid IPv4 header checksum, has the
@@ -1760,8 +1764,15 @@ pub fn run(opts: &Options) -> Summary {
     let mut generator = Gen::new(opts.seed);
     let start = Instant::now();
     let one = |fx: &Fixture, summary: &mut Summary, generator: &mut Gen, case: Case, index: u64| {
+        // A backend endpoint's packet to a VIP address but no service may
+        // be dropped as a stale backend's or for another reason (a VIP
+        // address's malformed packet, say): the counter tells which.
+        let stale_before = maybe_stale_to_vip(&case.frame).then(|| stale_count(fx));
         let (action, output) = fx.run(&case.frame, ifs.of(case.side));
-        let result = check(&case.frame, action, &output);
+        let mut result = check(&case.frame, action, &output);
+        if let Some(before) = stale_before {
+            result = judge_stale_to_vip(result, output == case.frame, stale_count(fx) - before);
+        }
         if let (Some((client, svc)), Ok(Outcome::Forward { to, .. })) = (case.learn, &result) {
             generator.learn(client, svc, *to);
         }
@@ -1816,6 +1827,38 @@ pub fn run(opts: &Options) -> Summary {
         f.first.minimal = shrink(&fx, &ifs, &f.first);
     }
     summary
+}
+
+/// The datapath's `stale_backend` counter.
+fn stale_count(fx: &Fixture) -> u64 {
+    fx.dp.counters().expect("read the datapath's counters").get("stale_backend").copied().unwrap_or_default()
+}
+
+/// A TCP/UDP packet from a backend endpoint to a VIP address on a port
+/// (or protocol) no service has: the datapath finds no service, takes it
+/// for a backend's and drops it as stale when the flow of its "client"
+/// (the VIP address and port) names another backend.
+fn maybe_stale_to_vip(f: &[u8]) -> bool {
+    let (Some((_, dst)), Some((l4, _, _, proto))) = (ipv4_addrs(f), l4_layout(f, ETH_LEN)) else { return false };
+    vlan_tags(f).is_none()
+        && is_vip_addr(dst)
+        && service_at(dst, u16_at(f, l4 + 2), proto).is_none()
+        && from_backend_endpoint(f)
+}
+
+/// `check`'s verdict on a [`maybe_stale_to_vip`] packet, given how much
+/// `stale_backend` moved on it: a drop it counted is a stale backend's; it
+/// may count only such a packet's untouched drop, and once.
+fn judge_stale_to_vip(result: Result<Outcome, Violation>, untouched: bool, counted: u64) -> Result<Outcome, Violation> {
+    match (result, counted) {
+        (r, 0) => r,
+        (Ok(Outcome::Dropped), 1) if untouched => Ok(Outcome::DroppedStale),
+        (Ok(o), n) => Err(violation(
+            "stale_backend counted a packet it did not drop untouched, or more than once",
+            format!("counted {n} for {o:?}"),
+        )),
+        (Err(v), _) => Err(v),
+    }
 }
 
 /// Bring `e`'s input back towards the valid frame it was mutated from
@@ -1890,6 +1933,26 @@ mod tests {
         let mut changed = reply.clone();
         changed[ETH_LEN + 8] -= 1;
         assert!(check(&reply, XDP_DROP, &changed).is_err(), "changed");
+    }
+
+    /// Rule 2 for a backend endpoint's packet to a VIP address on no
+    /// service's port: a stale drop exactly when the counter moved by one
+    /// on an untouched drop.
+    #[test]
+    fn a_stale_drop_to_a_vip_address_is_told_by_the_counter() {
+        let to_vip = Frame::tcp(BACKEND, 8080, VIP, 4444, flag::ACK).macs(GW_B_MAC, BACKEND_MAC).bytes();
+        assert!(maybe_stale_to_vip(&to_vip));
+        let to_service = Frame::tcp(BACKEND, 8080, VIP, 80, flag::ACK).macs(GW_B_MAC, BACKEND_MAC).bytes();
+        assert!(!maybe_stale_to_vip(&to_service), "a service's VIP and port");
+        let other_port = Frame::tcp(BACKEND, 7000, VIP, 4444, flag::ACK).macs(GW_B_MAC, BACKEND_MAC).bytes();
+        assert!(!maybe_stale_to_vip(&other_port), "not an endpoint");
+        let dropped = check(&to_vip, XDP_DROP, &to_vip);
+        assert_eq!(dropped, Ok(Outcome::Dropped));
+        assert_eq!(judge_stale_to_vip(dropped.clone(), true, 1), Ok(Outcome::DroppedStale));
+        assert_eq!(judge_stale_to_vip(dropped.clone(), true, 0), Ok(Outcome::Dropped));
+        assert!(judge_stale_to_vip(dropped.clone(), true, 2).is_err(), "counted twice");
+        assert!(judge_stale_to_vip(dropped, false, 1).is_err(), "changed");
+        assert!(judge_stale_to_vip(Ok(Outcome::Passed), true, 1).is_err(), "counted, not dropped");
     }
 
     #[test]
