@@ -76,8 +76,11 @@ pub struct Member {
 #[derive(Debug, Default)]
 pub struct Builds {
     /// The table of each pool as positions in its list of members,
-    /// 1-based (0 where nothing is, as in a table of ids).
-    maglev: HashMap<MaglevPool, Vec<u32>>,
+    /// 1-based (0 where nothing is, as in a table of ids). Positions fit
+    /// 16 bits (a service has fewer than `MAX_BACKENDS` members), which
+    /// halves what the builds hold while a reprogramming runs: one table
+    /// per distinct pool, 128 KiB at 65,537 entries.
+    maglev: HashMap<MaglevPool, Vec<u16>>,
 }
 
 /// What a Maglev table depends on: the (seeded key, weight) of each member
@@ -99,9 +102,21 @@ impl Builds {
                 .zip(pool)
                 .map(|(position, &(key, weight))| maglev::MaglevBackend { id: position, key, weight })
                 .collect();
-            maglev::build(&input, *size).expect("table size and backend count were validated with the config")
+            let table =
+                maglev::build(&input, *size).expect("table size and backend count were validated with the config");
+            table
+                .into_iter()
+                .map(|p| u16::try_from(p).expect("a position among fewer than MAX_BACKENDS members"))
+                .collect()
         });
-        positions.iter().map(|&p| if p == maglev::NO_BACKEND { p } else { active[p as usize - 1].id }).collect()
+        positions
+            .iter()
+            .map(
+                |&p| {
+                    if u32::from(p) == maglev::NO_BACKEND { maglev::NO_BACKEND } else { active[usize::from(p) - 1].id }
+                },
+            )
+            .collect()
     }
 }
 
