@@ -114,10 +114,9 @@ impl SelectMemory {
         Ok(Self { base, len, entries })
     }
 
-    /// Write `values` (backend ids, under 2^16) at entries `off..off +
-    /// values.len()`; false (nothing written) when that runs past the
-    /// array.
-    pub(super) fn write(&mut self, off: u32, values: &[u32]) -> bool {
+    /// Write `values` (backend ids) at entries `off..off + values.len()`;
+    /// false (nothing written) when that runs past the array.
+    pub(super) fn write(&mut self, off: u32, values: &[u16]) -> bool {
         let Some(end) = u32::try_from(values.len()).ok().and_then(|n| off.checked_add(n)) else { return false };
         if end > self.entries {
             return false;
@@ -130,7 +129,7 @@ impl SelectMemory {
             // before the VIP entry points at it), so no reader races it.
             // Entries of another region sharing the element are other
             // 16-bit words: not touched.
-            unsafe { self.base.as_ptr().add(at).cast::<u16>().write_volatile(v as u16) };
+            unsafe { self.base.as_ptr().add(at).cast::<u16>().write_volatile(v) };
         }
         true
     }

@@ -215,11 +215,12 @@ pub struct AppliedService {
     pub backends: Vec<AppliedBackend>,
     key: endpoints::Key,
     region: Option<(u32, u32)>,
-    table: Vec<u32>,
+    /// The selection table as written in its region (16-bit ids).
+    table: Vec<u16>,
     /// The consistent-hash fallback table, for schedulers whose own table
     /// is not one (see `Scheduler::fallback_len`), and where it is.
     fallback_region: Option<(u32, u32)>,
-    fallback: Vec<u32>,
+    fallback: Vec<u16>,
     /// The `maglev_seed` both tables were built with.
     seed: u64,
     /// Whether its flows were given reply entries (`SVC_F_REPLY_ENTRY`).
@@ -1015,7 +1016,8 @@ impl Dataplane {
                 })
                 .collect()
         };
-        Ok(Some([(s.table.clone(), read(s.region)?), (s.fallback.clone(), read(s.fallback_region)?)]))
+        let built = |t: &[u16]| t.iter().map(|&id| u32::from(id)).collect::<Vec<u32>>();
+        Ok(Some([(built(&s.table), read(s.region)?), (built(&s.fallback), read(s.fallback_region)?)]))
     }
 
     /// Where `service`'s selection table starts in SELECT, in entries

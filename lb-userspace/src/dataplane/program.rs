@@ -226,7 +226,8 @@ impl Dataplane {
             Some(p) if keeps_tables(p, cfg, &backends, self.maglev_seed) => (p.table.clone(), p.fallback.clone()),
             _ => selection_tables(cfg, &backends, self.maglev_seed, builds),
         };
-        let mut flags = if table.iter().all(|&b| b == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
+        let mut flags =
+            if table.iter().all(|&b| u32::from(b) == lb_common::BACKEND_NONE) { SVC_F_NO_BACKEND } else { 0 };
         if cfg.forwarding == Forwarding::Dsr {
             flags |= SVC_F_DSR;
         } else if reply_entry {
@@ -308,8 +309,8 @@ impl Dataplane {
     fn place_table(
         &mut self,
         service: &str,
-        prev: Option<(&Vec<u32>, Region)>,
-        table: &[u32],
+        prev: Option<(&Vec<u16>, Region)>,
+        table: &[u16],
     ) -> Result<Region, DataplaneError> {
         match prev {
             Some((t, region)) if t.as_slice() == table => return Ok(region),
@@ -333,7 +334,7 @@ impl Dataplane {
                 let (element, lane) = select_slot(off + k as u32);
                 let mut word = sel.get(&element, 0).map_err(map_err(names::SELECT))?;
                 for (slot, &b) in word[lane..].iter_mut().zip(&table[k..]) {
-                    *slot = b as u16;
+                    *slot = b;
                 }
                 sel.set(element, word, 0).map_err(map_err(names::SELECT))?;
                 k += SELECT_LANES as usize - lane;
@@ -463,7 +464,9 @@ fn keeps_tables(prev: &AppliedService, cfg: &ServiceConfig, backends: &[AppliedB
 }
 
 /// A service's selection table and its consistent-hash fallback (empty
-/// when its scheduler needs none), as SELECT gets them.
+/// when its scheduler needs none), as SELECT gets them: 16-bit ids, as
+/// its lanes hold them, which is also how lbd keeps its copy of each (to
+/// tell whether a rebuilt table changed; 128 KiB per 65,537 entries).
 ///
 /// Which backend an entry names depends only on the pool (addresses,
 /// ports, weights in force), the table size, the scheduler and `seed`:
@@ -476,11 +479,17 @@ fn selection_tables(
     backends: &[AppliedBackend],
     seed: u64,
     builds: &mut Builds,
-) -> (Vec<u32>, Vec<u32>) {
+) -> (Vec<u16>, Vec<u16>) {
     let members = members(backends);
     let table = cfg.scheduler.build(&members, cfg.table_size, seed, builds);
     let fallback = cfg.scheduler.build_fallback(&members, cfg.table_size, seed, builds).unwrap_or_default();
-    (table, fallback)
+    (lanes(table), lanes(fallback))
+}
+
+/// A table of backend ids as SELECT's 16-bit lanes hold them (ids are
+/// below `MAX_BACKENDS`, which fits: see lb-common).
+fn lanes(table: Vec<u32>) -> Vec<u16> {
+    table.into_iter().map(|id| u16::try_from(id).expect("a backend id below MAX_BACKENDS")).collect()
 }
 
 /// A service's backends as its scheduler sees them: id, weight in force,
@@ -601,10 +610,10 @@ mod tests {
 
     /// A table as the backends it names: per entry, the address's octets
     /// and the port (big-endian); `-` for an empty entry.
-    fn resolved(table: &[u32], backends: &[AppliedBackend]) -> Vec<u8> {
+    fn resolved(table: &[u16], backends: &[AppliedBackend]) -> Vec<u8> {
         let by_id: HashMap<u32, &BackendConfig> = backends.iter().map(|b| (b.id, &b.config)).collect();
         let mut out = Vec::new();
-        for &id in table {
+        for id in table.iter().map(|&id| u32::from(id)) {
             if id == lb_common::BACKEND_NONE {
                 out.push(b'-');
                 continue;
@@ -695,8 +704,8 @@ mod tests {
                 let unseeded = crate::sched::maglev::build(&direct, cb.table_size).unwrap();
                 let (table, fallback) = selection_tables(&cb, &b, 0, &mut Builds::default());
                 match s {
-                    Scheduler::Wrr | Scheduler::Rr => assert_eq!(fallback, unseeded, "{family} {s}"),
-                    _ => assert_eq!(table, unseeded, "{family} {s}"),
+                    Scheduler::Wrr | Scheduler::Rr => assert_eq!(fallback, lanes(unseeded), "{family} {s}"),
+                    _ => assert_eq!(table, lanes(unseeded), "{family} {s}"),
                 }
             }
         }
