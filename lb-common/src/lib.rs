@@ -118,6 +118,26 @@ pub const NETDEV_F_TX: u32 = 8;
 /// are positive `int`s: bit 31 is free.
 pub const HOP_TX: u32 = 1 << 31;
 
+/// What the XDP program leaves in a packet's metadata for lbd's tc ingress
+/// program (`lb_tc`) on the same device: a GSO packet to a DSR service,
+/// its MACs already set for the backend, to be redirected to `ifindex`.
+/// Only generic mode sees GSO packets (merged by GRO, or from a local
+/// sender behind a veth that left segmentation to offload), and an XDP
+/// redirect refuses a frame above the egress MTU; a tc redirect takes the
+/// skb as it is, and the egress device splits it. A packet without this
+/// metadata is left to the kernel by `lb_tc`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TcHandoff {
+    /// [`TC_HANDOFF_MAGIC`]: metadata of ours, not some other program's.
+    pub magic: u32,
+    /// The egress device.
+    pub ifindex: u32,
+}
+
+/// [`TcHandoff::magic`].
+pub const TC_HANDOFF_MAGIC: u32 = 0x6c62_7463;
+
 /// [`Flow::dir`]: client -> VIP, rewritten to the backend.
 pub const DIR_FORWARD: u8 = 0;
 /// [`Flow::dir`]: backend -> client, rewritten back to the VIP.
@@ -266,7 +286,9 @@ pub mod counter {
     /// and a GSO packet, longer than its ingress device's MTU (generic
     /// mode only: merged by GRO, or from a local sender that left its
     /// segmentation to offload), which a redirect would drop and the
-    /// kernel splits.
+    /// kernel splits. Also such a GSO packet to a DSR service, which the
+    /// kernel's forwarding cannot send (it is addressed to the VIP): it
+    /// goes on as an skb by lbd's tc program (see [`TcHandoff`](super::TcHandoff)).
     pub const KERNEL_EGRESS: u32 = 7;
     /// Packet whose TCP/UDP checksum arrived unfinished (CHECKSUM_PARTIAL
     /// from a local sender behind a veth): completed before a native XDP

@@ -9,18 +9,18 @@ use core::mem::{align_of, size_of};
 
 use aya_ebpf::{
     bindings::{
-        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK,
         bpf_check_mtu_ret::BPF_MTU_CHK_RET_FRAG_NEEDED, bpf_fib_lookup as FibParams, xdp_action,
     },
     helpers::generated::{
-        bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
-        bpf_xdp_load_bytes,
+        bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_meta,
+        bpf_xdp_adjust_tail, bpf_xdp_load_bytes,
     },
-    programs::XdpContext,
+    programs::{TcContext, XdpContext},
 };
 use lb_common::{
     Flow, Flow6, HOP_TX, NETDEV_F_GENERIC, NETDEV_F_TX, NETDEV_F_XMIT_GENERIC, NETDEV_F_XMIT_NATIVE, NETDEV_MTU_SHIFT,
-    PROTO_UDP, counter,
+    PROTO_UDP, TC_HANDOFF_MAGIC, TcHandoff, counter,
 };
 
 use lb_ebpf::csum;
@@ -329,7 +329,14 @@ const PLAIN_FRAME: usize = ETH_HLEN + 8 + 1500;
 /// MTU ([`gso_fits`]).
 #[inline(always)]
 pub(crate) fn gso(ctx: &XdpContext) -> bool {
-    ctx.data_end() - ctx.data() > PLAIN_FRAME && beyond_ingress_mtu(ctx) != 0
+    segments(ctx) != 0
+}
+
+/// For a GSO packet ([`gso`]), the longest its segments can be: the
+/// ingress device's MTU. 0 for any other packet.
+#[inline(always)]
+pub(crate) fn segments(ctx: &XdpContext) -> u32 {
+    if ctx.data_end() - ctx.data() > PLAIN_FRAME { beyond_ingress_mtu(ctx) } else { 0 }
 }
 
 /// The ingress device's MTU, as the kernel has it now, when the frame is
@@ -507,7 +514,7 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
         let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
         // SAFETY: bounds-checked by parse().
         let dst = unsafe { (*pkt.ip()).daddr };
-        match fib_lookup(ctx, pkt, dst, false, &mut nh) {
+        match fib_lookup(ctx, pkt, dst, 0, &mut nh) {
             FIB_OK => {}
             FIB_TOO_BIG if gso_fits(ctx, nh.0) => return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS),
             FIB_TOO_BIG => return too_big_rewritten(ctx, pkt, &Oversize { rw, cs, way, mtu: nh.0 }),
@@ -622,7 +629,9 @@ pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: 
         nh
     } else {
         let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
-        match fib_lookup(ctx, pkt, addr, true, &mut nh) {
+        // A GSO packet is asked of the FIB by its segments' length, and a
+        // hop is cached only where they fit (see `adopt_hop`).
+        match fib_lookup(ctx, pkt, addr, ON_LINK | segments(ctx) << ASK_LEN_SHIFT, &mut nh) {
             FIB_OK => {}
             FIB_TOO_BIG => return dsr_too_big(ctx, pkt, nh.0),
             // Not resolved yet: the kernel resolves the neighbour when it
@@ -645,7 +654,57 @@ pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: 
         nh
     };
     set_macs(pkt.eth(), smac, dmac);
+    if gso(ctx) {
+        return to_tc(ctx, ifindex);
+    }
     leave(ctx, ifindex)
+}
+
+/// A GSO packet of a DSR service ([`segments`]), its MACs set for the
+/// backend, is handed to lbd's tc program on this device with the egress
+/// in its metadata ([`TcHandoff`]), and redirected from there as the skb
+/// it is: an XDP redirect would drop it (longer than the egress MTU), and
+/// the kernel's forwarding cannot send it (it is addressed to the VIP).
+/// Counted in `kernel_egress`. Where the tc program is missing (lbd not
+/// running), the kernel drops the packet, as the redirect would have.
+// Its own frame: only GSO packets, in generic mode, call it.
+#[inline(never)]
+pub(crate) fn to_tc(ctx: &XdpContext, hop_if: u32) -> u32 {
+    const LEN: usize = size_of::<TcHandoff>();
+    // SAFETY: a plain helper call on the program's own context.
+    if unsafe { bpf_xdp_adjust_meta(ctx.ctx.cast(), -(LEN as i32)) } != 0 {
+        return xdp_action::XDP_DROP;
+    }
+    let meta = ctx.metadata();
+    if meta + LEN > ctx.data() {
+        return xdp_action::XDP_DROP;
+    }
+    let handoff = TcHandoff { magic: TC_HANDOFF_MAGIC, ifindex: hop_if & !HOP_TX };
+    // SAFETY: bounds-checked just above; the metadata area is 4-aligned.
+    unsafe { core::ptr::write(meta as *mut TcHandoff, handoff) };
+    stats::count(counter::KERNEL_EGRESS);
+    xdp_action::XDP_PASS
+}
+
+/// lbd's tc ingress program (`lb_tc`): a packet the XDP program handed on
+/// ([`to_tc`]) is redirected to the egress its metadata names; any other
+/// goes on into the kernel untouched.
+#[inline(always)]
+pub(crate) fn tc_handoff(ctx: &TcContext) -> i32 {
+    const LEN: usize = size_of::<TcHandoff>();
+    let skb = ctx.skb.skb;
+    // SAFETY: the program's own context; plain loads.
+    let (meta, data) = unsafe { ((*skb).data_meta as usize, (*skb).data as usize) };
+    if meta + LEN > data {
+        return TC_ACT_OK;
+    }
+    // SAFETY: bounds-checked just above.
+    let handoff = unsafe { core::ptr::read(meta as *const TcHandoff) };
+    if handoff.magic != TC_HANDOFF_MAGIC {
+        return TC_ACT_OK;
+    }
+    // SAFETY: a plain helper call.
+    unsafe { bpf_redirect(handoff.ifindex, 0) as i32 }
 }
 
 /// A DSR packet leaves unchanged but for its MACs, and by native XDP
@@ -781,17 +840,18 @@ pub(crate) fn to_gateway(ctx: &XdpContext, pkt: &Packet) -> bool {
     let mut nh: NextHopAddr = (0, [0; 6], [0; 6]);
     // SAFETY: bounds-checked by parse().
     let dst = unsafe { (*pkt.ip()).daddr };
-    fib_lookup(ctx, pkt, dst, false, &mut nh) == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
+    fib_lookup(ctx, pkt, dst, 0, &mut nh) == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
 }
 
-/// The FIB's answer for the packet as it is now, towards `dst` (a
-/// `BPF_FIB_LKUP_RET_*` code, or [`FIB_OFF_LINK`] when `on_link` asks for
-/// a directly connected destination and the FIB names a gateway); on
+/// The FIB's answer for the packet as it is now, towards `dst`, asked as
+/// `ask` says ([`ON_LINK`], [`ASK_LEN_SHIFT`]): a `BPF_FIB_LKUP_RET_*`
+/// code, or [`FIB_OFF_LINK`] when [`ON_LINK`] asks for a directly
+/// connected destination and the FIB names a gateway; on
 /// success the next hop in `out`, when too big the MTU in `out.0`.
 // Its own stack frame: the 64-byte parameters would otherwise add to the
 // caller's (inlined) frame and overflow the 512-byte BPF stack.
 #[inline(never)]
-fn fib_lookup(ctx: &XdpContext, pkt: &Packet, dst: u32, on_link: bool, out: &mut NextHopAddr) -> i64 {
+fn fib_lookup(ctx: &XdpContext, pkt: &Packet, dst: u32, ask: u32, out: &mut NextHopAddr) -> i64 {
     let Some(p) = fib_params() else {
         return -1;
     };
@@ -800,7 +860,7 @@ fn fib_lookup(ctx: &XdpContext, pkt: &Packet, dst: u32, on_link: bool, out: &mut
         let ip = pkt.ip();
         (*p).family = AF_INET;
         (*p).l4_protocol = pkt.proto;
-        (*p).__bindgen_anon_1.tot_len = u16::from_be((*ip).tot_len);
+        (*p).__bindgen_anon_1.tot_len = fib_len(ask, u16::from_be((*ip).tot_len));
         (*p).__bindgen_anon_2.tos = (*ip).tos;
         (*p).__bindgen_anon_3.ipv4_src = (*ip).saddr;
         (*p).__bindgen_anon_4.ipv4_dst = dst;
@@ -812,7 +872,7 @@ fn fib_lookup(ctx: &XdpContext, pkt: &Packet, dst: u32, on_link: bool, out: &mut
         if rc == FIB_OK {
             // The helper wrote the next hop's address (the gateway, if the
             // route has one) over the destination.
-            if on_link && (*p).__bindgen_anon_4.ipv4_dst != dst {
+            if ask & ON_LINK != 0 && (*p).__bindgen_anon_4.ipv4_dst != dst {
                 return FIB_OFF_LINK;
             }
             *out = ((*p).ifindex, (*p).smac, (*p).dmac);
@@ -822,6 +882,26 @@ fn fib_lookup(ctx: &XdpContext, pkt: &Packet, dst: u32, on_link: bool, out: &mut
         }
     }
     rc
+}
+
+/// A FIB lookup's question (`ask`): the next hop must be the destination
+/// itself, on a directly connected network, or the answer is
+/// [`FIB_OFF_LINK`].
+pub(crate) const ON_LINK: u32 = 1;
+/// A FIB lookup's question: above this bit, the length to compare with the
+/// route's MTU in place of the packet's own (0: none given). A GSO packet
+/// ([`gso`]) gives its segments' ([`segments`]). (IPv6 asks otherwise,
+/// see `v6::ASK_SEGMENTS`. Here, the segments found in the lookup's own
+/// frame take the chain of frames one deeper, past the verifier's 512
+/// bytes.)
+pub(crate) const ASK_LEN_SHIFT: u32 = 16;
+
+/// The length a FIB lookup compares with the route's MTU: the one `ask`
+/// gives, or the packet's own, `own`.
+#[inline(always)]
+fn fib_len(ask: u32, own: u16) -> u16 {
+    let given = (ask >> ASK_LEN_SHIFT) as u16;
+    if given != 0 { given } else { own }
 }
 
 /// The FIB helper's parameters, zeroed, in this CPU's scratch slot

@@ -26,7 +26,11 @@ use core::intrinsics::{AtomicOrdering, atomic_and, atomic_cxchg, atomic_or};
 
 use aya_ebpf::helpers::generated::{bpf_jiffies64, bpf_ktime_get_coarse_ns};
 
-use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
+use aya_ebpf::{
+    bindings::xdp_action,
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
+};
 use aya_log_ebpf::debug;
 use forward::Hop;
 use forward::Way;
@@ -45,6 +49,15 @@ pub(crate) fn lb_xdp(ctx: XdpContext) -> u32 {
         // Anything we cannot judge belongs to the kernel.
         Err(()) => xdp_action::XDP_PASS,
     }
+}
+
+/// lbd's tc ingress program, beside the XDP program on each interface: a
+/// GSO packet of a DSR service, which the XDP program handed on with its
+/// egress in the metadata, is redirected there as an skb (see
+/// `forward::to_tc`); every other packet passes untouched.
+#[classifier]
+pub(crate) fn lb_tc(ctx: TcContext) -> i32 {
+    forward::tc_handoff(&ctx)
 }
 
 /// IPv4 in one VLAN tag: the same path, its IPv4 header at byte 18, every

@@ -29,8 +29,8 @@ use lb_ebpf::csum;
 use crate::{
     backend_down,
     forward::{
-        FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, Way, adopt_hop, cached_hop,
-        classify_segment, generic_ingress, gso, gso_fits, leave, segment_sum, set_macs,
+        FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, ON_LINK, Way, adopt_hop, cached_hop,
+        classify_segment, generic_ingress, gso, gso_fits, leave, segment_sum, segments, set_macs, to_tc,
     },
     holding,
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
@@ -527,7 +527,7 @@ fn endpoint_vip(pkt: &Packet6) -> Option<Vip6Key> {
 /// forward it): the kernel's, untouched.
 #[inline(always)]
 fn to_gateway(ctx: &XdpContext, pkt: &Packet6) -> bool {
-    fib(ctx, pkt, &pkt.daddr(), false).0 == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
+    fib(ctx, pkt, &pkt.daddr(), 0).0 == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
 }
 
 #[inline(always)]
@@ -1037,7 +1037,7 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
     } else {
         // SAFETY: bounds-checked by parse().
         let dst = unsafe { (*pkt.ip).daddr };
-        let (rc, mut nh) = fib(ctx, pkt, &dst, false);
+        let (rc, mut nh) = fib(ctx, pkt, &dst, 0);
         match rc {
             FIB_OK => {}
             FIB_TOO_BIG if gso_fits(ctx, nh.0) => return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS),
@@ -1122,7 +1122,8 @@ fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
     let (ifindex, smac, dmac) = if let Some(nh) = cached_hop(ctx, hop, now, generation) {
         nh
     } else {
-        let (rc, mut nh) = fib(ctx, pkt, &nat.addr, true);
+        // A GSO packet, as in IPv4's `forward::send_dsr`.
+        let (rc, mut nh) = fib(ctx, pkt, &nat.addr, ON_LINK | ASK_SEGMENTS);
         match rc {
             FIB_OK => {}
             FIB_TOO_BIG => {
@@ -1146,6 +1147,9 @@ fn dsr(ctx: &XdpContext, pkt: &Packet6, nat: Nat6, now: u64) -> u32 {
     };
     finish_for_dsr(ctx, pkt);
     set_macs(pkt.eth, smac, dmac);
+    if gso(ctx) {
+        return to_tc(ctx, ifindex);
+    }
     leave(ctx, ifindex)
 }
 
@@ -1244,18 +1248,40 @@ fn icmp6_too_big(ctx: &XdpContext, mtu: u32) -> u32 {
 /// What the ICMPv6 error adds in front of the quoted packet.
 const ICMP6_GROW: usize = IP6_HLEN + 8;
 
-/// Ask the FIB about the packet towards `dst`: the parameters and the
+/// A FIB lookup's question: a GSO packet (`forward::gso`) is compared with
+/// the route's MTU by the length of its segments (`forward::segments`),
+/// not its own, found in the lookup's own frame. (IPv4 gives the length
+/// from its caller, `forward::ASK_LEN_SHIFT`; here a length carried in
+/// costs the caller's frame stack its chain does not have.)
+const ASK_SEGMENTS: u32 = 2;
+
+/// The length a FIB lookup compares with the route's MTU: the packet's
+/// own, `own`, or its segments' where `ask` says so and it is a GSO
+/// packet.
+#[inline(always)]
+fn fib_len(ctx: &XdpContext, ask: u32, own: u16) -> u16 {
+    if ask & ASK_SEGMENTS != 0 {
+        let seg = segments(ctx);
+        if seg != 0 {
+            return seg as u16;
+        }
+    }
+    own
+}
+
+/// Ask the FIB about the packet towards `dst`, as `ask` says
+/// (`forward::ON_LINK`, [`ASK_SEGMENTS`]): the parameters and the
 /// answer live in this CPU's scratch slot (`forward::fib_params`), not on
 /// the stack. Ok(next hop); Err(the `BPF_FIB_LKUP_RET_*` code, or
 /// [`FIB_OFF_LINK`]), with the MTU in the first slot for [`FIB_TOO_BIG`].
 #[inline(always)]
-fn fib(ctx: &XdpContext, pkt: &Packet6, dst: &[u32; 4], on_link: bool) -> (i64, NextHopAddr) {
+fn fib(ctx: &XdpContext, pkt: &Packet6, dst: &[u32; 4], ask: u32) -> (i64, NextHopAddr) {
     let Some(p) = crate::forward::fib_params() else {
         return (-1, (0, [0; 6], [0; 6]));
     };
     // SAFETY: this CPU's zeroed scratch slot.
     unsafe { (*p).__bindgen_anon_4.ipv6_dst = *dst };
-    let rc = fib_lookup(ctx, pkt, on_link);
+    let rc = fib_lookup(ctx, pkt, ask);
     // SAFETY: as above; the helper's answer (plain loads).
     unsafe {
         match rc {
@@ -1269,7 +1295,10 @@ fn fib(ctx: &XdpContext, pkt: &Packet6, dst: &[u32; 4], on_link: bool) -> (i64, 
 /// The lookup itself, on the parameters [`fib`] started (destination
 /// set). Its own frame, as in `forward`.
 #[inline(never)]
-fn fib_lookup(ctx: &XdpContext, pkt: &Packet6, on_link: bool) -> i64 {
+fn fib_lookup(ctx: &XdpContext, pkt: &Packet6, ask: u32) -> i64 {
+    // First, with little held across its call (the frame stays small).
+    // It writes only past the parameters in the scratch slot.
+    let len = fib_len(ctx, ask, pkt.ip_len() as u16);
     let Some(p) = SCRATCH6.get_ptr_mut(0) else {
         return -1;
     };
@@ -1280,13 +1309,13 @@ fn fib_lookup(ctx: &XdpContext, pkt: &Packet6, on_link: bool) -> i64 {
         let dst = (*p).__bindgen_anon_4.ipv6_dst;
         (*p).family = AF_INET6;
         (*p).l4_protocol = pkt.proto;
-        (*p).__bindgen_anon_1.tot_len = pkt.ip_len() as u16;
+        (*p).__bindgen_anon_1.tot_len = len;
         (*p).__bindgen_anon_3.ipv6_src = pkt.saddr();
         (*p).ifindex = ctx.ingress_ifindex() as u32;
         let rc = bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0);
         // The helper wrote the next hop's address (a gateway, if the
         // route has one) over the destination.
-        if rc == FIB_OK && on_link && (*p).__bindgen_anon_4.ipv6_dst != dst {
+        if rc == FIB_OK && ask & ON_LINK != 0 && (*p).__bindgen_anon_4.ipv6_dst != dst {
             return FIB_OFF_LINK;
         }
         rc

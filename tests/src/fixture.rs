@@ -191,6 +191,11 @@ pub fn service6(name: &str, port: u16, protocol: Protocol, backends: &[(Ipv6Addr
     ServiceConfig { vip: VIP6.into(), ..service_with(name, port, protocol, Scheduler::Maglev, backends) }
 }
 
+/// `svc` by L2 direct server return.
+pub fn dsr(svc: ServiceConfig) -> ServiceConfig {
+    ServiceConfig { forwarding: lb_userspace::config::Forwarding::Dsr, ..svc }
+}
+
 impl Fixture {
     pub fn new(services: Vec<ServiceConfig>) -> Self {
         Self::with_config(services, |_| {})

@@ -18,7 +18,7 @@ use lb_testkit::{
 };
 use lb_tests::fixture::*;
 use lb_userspace::{
-    config::{Forwarding, Protocol, ServiceConfig},
+    config::{Protocol, ServiceConfig},
     sched::Scheduler,
 };
 
@@ -362,10 +362,6 @@ fn an_ipv6_packet_too_big_for_the_backend_side_is_answered_with_packet_too_big()
 }
 
 // ---------------------------------------------------------------- DSR
-
-fn dsr(svc: ServiceConfig) -> ServiceConfig {
-    ServiceConfig { forwarding: Forwarding::Dsr, ..svc }
-}
 
 /// A DSR web service in each family, each with one backend.
 fn dsr_web() -> Fixture {

@@ -10,7 +10,7 @@
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use lb_common::NETDEV_MTU_SHIFT;
+use lb_common::{NETDEV_F_GENERIC, NETDEV_MTU_SHIFT, TC_HANDOFF_MAGIC};
 use lb_testkit::{
     Frame, Frame6, L4Checksum,
     frame::{
@@ -198,6 +198,67 @@ fn a_gso_packet_goes_to_the_kernel_rewritten_in_both_directions() {
         assert_eq!(action, XDP_PASS);
         assert_eq!(out, Frame6 { src: VIP6, sport: 80, ..reply6.clone() }.bytes());
         assert_eq!((fx.counter("kernel_egress"), fx.counter("too_big")), (2, 0));
+    });
+}
+
+/// A GSO packet of a DSR service can leave neither by XDP redirect
+/// (dropped above the egress MTU) nor by the kernel's forwarding (it is
+/// addressed to the VIP). It is handed to lbd's tc program: its MACs set
+/// for the backend, everything else as it came (its checksum unfinished),
+/// the egress and the mark in its metadata (`TcHandoff`), counted in
+/// `kernel_egress`. So it is on a flow whose hop is cached, and when the
+/// cached hop has expired and the FIB is asked (by the length of the
+/// packet's segments, which fit), in both families; the full frames
+/// around it go by redirect. Towards a narrower egress, its segments do
+/// not fit: answered as too big.
+#[test]
+fn a_dsr_gso_packet_is_handed_to_the_tc_program_with_its_egress() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![
+            dsr(service("web", 80, Protocol::Tcp, &[(BACKEND, 80)])),
+            dsr(service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 80)])),
+        ]);
+        let mtu = 1500 << NETDEV_MTU_SHIFT;
+        fx.netdevs(NETDEV_F_GENERIC | mtu, XMIT_ALL, NETDEV_F_GENERIC | mtu, XMIT_ALL);
+        let handoff: Vec<u8> = [TC_HANDOFF_MAGIC, fx.if_b].iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let syn = tcp(CLIENT, 42020, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let syn6 = Frame6::tcp(CLIENT6, 42021, VIP6, 80, SYN).macs(GW_A_MAC, CLIENT_MAC);
+        assert_eq!(fx.run(&syn6.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let gso = gso4(CLIENT, 42020, VIP, 80, true);
+        let gso6 = gso6(CLIENT6, 42021, VIP6, 80, true);
+        let mut handed = 0;
+        for when in ["cached hop", "hop expired"] {
+            let full = Frame { dport: 80, ..big(42020, ACK, 1500, true) };
+            let (action, out) = fx.run(&full.bytes(), fx.if_a);
+            assert_eq!((action, out), (XDP_REDIRECT, Frame { dmac: BACKEND_MAC, smac: GW_B_MAC, ..full }.bytes()));
+            let redirected = fx.counter("xdp_redirect");
+
+            let (action, out) = fx.run(&gso.bytes(), fx.if_a);
+            assert_eq!(action, XDP_PASS, "{when}");
+            assert_eq!(out.len(), handoff.len() + gso.bytes().len(), "{when}: metadata in front of the frame");
+            let (meta, frame) = out.split_at(handoff.len());
+            assert_eq!(meta, handoff, "{when}: the mark and the egress");
+            assert_eq!(frame, Frame { dmac: BACKEND_MAC, smac: GW_B_MAC, ..gso.clone() }.bytes(), "{when}");
+
+            let (action, out) = fx.run(&gso6.bytes(), fx.if_a);
+            assert_eq!(action, XDP_PASS, "{when}");
+            let (meta, frame) = out.split_at(handoff.len());
+            assert_eq!(meta, handoff, "{when}: the mark and the egress (IPv6)");
+            assert_eq!(frame, Frame6 { dmac: BACKEND_MAC, smac: GW_B_MAC, ..gso6.clone() }.bytes(), "{when}");
+            handed += 2;
+            assert_eq!(fx.counter("kernel_egress"), handed, "{when}");
+            assert_eq!((fx.counter("xdp_redirect"), fx.counter("too_big")), (redirected, 0), "{when}");
+            // The next round after the cached hops' lifetime (1 s).
+            std::thread::sleep(std::time::Duration::from_millis(2100));
+        }
+
+        // Towards a narrower egress: too big, as any packet.
+        sh(&["ip", "link", "set", "dev", "gwb", "mtu", &SMALL_MTU.to_string()]);
+        fx.netdevs(NETDEV_F_GENERIC | mtu, XMIT_ALL, NETDEV_F_GENERIC | SMALL_MTU << NETDEV_MTU_SHIFT, XMIT_ALL);
+        let (action, out) = fx.run(&gso.bytes(), fx.if_a);
+        assert_frag_needed(&out, &gso, action);
+        assert_eq!((fx.counter("too_big"), fx.counter("kernel_egress")), (1, handed));
     });
 }
 

@@ -10,7 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
-    lab::{DSR_VIP, DSR_VIP6, Lab, LabSpec},
+    lab::{DSR_VIP, DSR_VIP6, Lab, LabSpec, Topology},
     lbd::{Lbd, path_counts, write_config_for, xdp_mode_in_use},
 };
 
@@ -260,4 +260,63 @@ fn dsr_services_balance_exactly_and_their_replies_bypass_the_balancer() {
     let (redirected, kernel, forwarded) = path_counts(&status);
     assert_eq!(redirected + kernel, forwarded, "every forwarded packet took one path: {}", status["counters"]);
     assert!(kernel * 20 < redirected, "XDP redirect carried too little: {}", status["counters"]);
+}
+
+/// Bulk uploads to DSR services through a generic-mode gateway: the lab's
+/// default offloads (`Topology::Default`, where `auto` picks generic mode)
+/// hand the gateway GSO packets, longer than any MTU, which an XDP
+/// redirect drops and the kernel's forwarding cannot send (they are
+/// addressed to the VIP). The XDP program hands them to lbd's tc program,
+/// which redirects them as they are. A 20 MB upload (and download) per
+/// family completes, none is answered as too big, and the handed-on
+/// packets are counted in `kernel_egress`.
+#[test]
+fn dsr_uploads_through_a_generic_mode_gateway_complete() {
+    const BULK: &str = "20971520";
+    let _serial = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    let prefix = "lbt-dsrgso";
+    let lab = Lab::up(LabSpec {
+        prefix: prefix.into(),
+        backends: 3,
+        client_sources: 4,
+        dsr: true,
+        topology: Topology::Default,
+        ..LabSpec::default()
+    })
+    .expect("lab up");
+    let sock = socket_for(prefix);
+    let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), &services(&lab)).unwrap();
+    let lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
+    for iface in lab.gw_interfaces() {
+        assert_eq!(xdp_mode_in_use(&lab, &iface).unwrap().as_deref(), Some("generic"), "{iface}");
+    }
+    let log = lbd.log_text();
+    assert_eq!(
+        log.matches("tc ingress program attached").count(),
+        lab.gw_interfaces().len(),
+        "the tc program on every interface:\n{log}"
+    );
+    let counter = |name: &str| lbd.status().unwrap()["counters"][name].as_u64().expect(name);
+    for (service, vip, v6) in [("dsr4", IpAddr::from(DSR_VIP), false), ("dsr6", IpAddr::from(DSR_VIP6), true)] {
+        let target = SocketAddr::new(vip, PORT).to_string();
+        let addrs = backends_of(&lab, v6);
+        let (too_big, kernel) = (counter("too_big"), counter("kernel_egress"));
+        let before: u64 = counts(&lbd, service, &addrs).iter().map(|c| c.bytes_in).sum();
+        for way in ["upload", "download"] {
+            let r = lab.client(&[way, "--target", &target, "--bytes", BULK, "--timeout-ms", "60000"]).unwrap();
+            println!("{service}: {way} {r}");
+            assert_eq!(r["complete"].as_bool(), Some(true), "{service}: {way}: {r}");
+        }
+        let after: u64 = counts(&lbd, service, &addrs).iter().map(|c| c.bytes_in).sum();
+        let handed = counter("kernel_egress") - kernel;
+        println!("{service}: {} bytes in, {handed} packets by the tc program", after - before);
+        assert_eq!(counter("too_big"), too_big, "{service}: bulk packets answered as too big");
+        assert!(handed > 0, "{service}: no GSO packet went by the tc program");
+        assert!(
+            after - before >= 20_971_520,
+            "{service}: the upload did not pass the datapath ({} bytes)",
+            after - before
+        );
+    }
 }

@@ -8,7 +8,7 @@ use std::{
 };
 
 use aya::programs::{
-    ProgramError, Xdp, XdpMode as AyaXdpMode,
+    ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode as AyaXdpMode,
     links::{FdLink, PinnedLink},
     xdp::{XdpLink, XdpLinkId},
 };
@@ -499,6 +499,7 @@ impl Dataplane {
         if reattached {
             links = netdev::links()?;
         }
+        self.attach_tc(&links);
         let modes: BTreeMap<String, Mode> = self
             .attached
             .iter()
@@ -611,6 +612,43 @@ impl Dataplane {
     /// The current path report (see [`refresh_paths`](Self::refresh_paths)).
     pub fn paths(&self) -> &[PathReport] {
         &self.paths
+    }
+
+    /// Attach the tc program (`TC_PROGRAM`) to the ingress of every
+    /// interface the XDP program runs on that has not got it yet, or whose
+    /// device was replaced since: in generic mode the XDP program hands it
+    /// the GSO packets of DSR services (`lb_common::TcHandoff`); any other
+    /// packet it passes untouched. A TCX link (kernel 6.6 and later), held
+    /// by this process: it goes when lbd exits, and with its device; no
+    /// qdisc is made. Where it cannot be attached (an older kernel, which
+    /// would need a clsact qdisc made on the operator's device), lbd says
+    /// so once per device and runs on: such packets are dropped, as the
+    /// XDP redirect they would take otherwise does.
+    fn attach_tc(&mut self, links: &[netdev::Link]) {
+        let wanted: Vec<(String, u32)> = self
+            .attached
+            .iter()
+            .filter(|a| !a.attachment.missing)
+            .filter_map(|a| links.iter().find(|l| l.name == a.attachment.interface))
+            .filter(|l| self.tc.get(&l.name) != Some(&l.ifindex))
+            .map(|l| (l.name.clone(), l.ifindex))
+            .collect();
+        for (iface, ifindex) in wanted {
+            self.tc.insert(iface.clone(), ifindex);
+            let attached = self
+                .ebpf
+                .program_mut(super::TC_PROGRAM)
+                .ok_or(ProgramError::NotLoaded)
+                .and_then(<&mut SchedClassifier>::try_from)
+                .and_then(|p| p.attach(&iface, TcAttachType::Ingress));
+            match attached {
+                Ok(_) => {
+                    info!(interface = %iface, "tc ingress program attached (DSR services' GSO packets in generic mode)");
+                }
+                Err(e) => warn!(interface = %iface, error = %e,
+                    "the tc ingress program cannot be attached: in generic mode, GSO packets of DSR services (bulk uploads) are dropped"),
+            }
+        }
     }
 
     /// Make NETDEVS hold exactly `flags` (ifindex -> `NETDEV_F_*`).

@@ -21,7 +21,7 @@ use std::{
 use aya::{
     Ebpf, EbpfLoader,
     maps::{IterableMap as _, MapData, MapError, PerCpuArray},
-    programs::{ProgramError, Xdp, links::LinkError},
+    programs::{ProgramError, SchedClassifier, Xdp, links::LinkError},
     util::nr_cpus,
 };
 use lb_common::{
@@ -97,6 +97,9 @@ pub static BENCH_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_D
 
 /// Name of the XDP entry point in the object.
 pub const PROGRAM: &str = "lb_xdp";
+/// Name of the tc ingress program beside it on every interface, which
+/// sends on the GSO packets of DSR services (`lb_common::TcHandoff`).
+pub const TC_PROGRAM: &str = "lb_tc";
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
@@ -234,6 +237,9 @@ pub struct Dataplane {
     /// SELECT mapped into memory (None: an old pinned map, written by syscall).
     select_memory: Option<SelectMemory>,
     attached: Vec<Attached>,
+    /// The interfaces the tc program (`TC_PROGRAM`) was attached to, or
+    /// tried, with the device's ifindex then (see `attach_tc`).
+    tc: BTreeMap<String, u32>,
     /// bpffs directory of this datapath; None for a private, unpinned one.
     pin: Option<PathBuf>,
     /// Services found in adopted maps, not yet claimed by the config.
@@ -508,11 +514,23 @@ fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
 /// verifying takes longer. (aya 0.14's load does not retry; the retry
 /// belongs there, and lives here until aya can be upgraded.)
 fn load_xdp(ebpf: &mut Ebpf, name: &str) -> Result<(), DataplaneError> {
-    const ATTEMPTS: u32 = 5;
     let prog: &mut Xdp = ebpf.program_mut(name).ok_or(ProgramError::NotLoaded)?.try_into()?;
+    retry_eagain(|| prog.load())
+}
+
+/// Load the tc program `name` of `ebpf`, as [`load_xdp`] does.
+fn load_tc(ebpf: &mut Ebpf, name: &str) -> Result<(), DataplaneError> {
+    let prog: &mut SchedClassifier = ebpf.program_mut(name).ok_or(ProgramError::NotLoaded)?.try_into()?;
+    retry_eagain(|| prog.load())
+}
+
+/// Run `load` again while it fails with EAGAIN, up to five times in all
+/// (see [`load_xdp`]).
+fn retry_eagain(mut load: impl FnMut() -> Result<(), ProgramError>) -> Result<(), DataplaneError> {
+    const ATTEMPTS: u32 = 5;
     let mut attempt = 1;
     loop {
-        match prog.load() {
+        match load() {
             Err(ProgramError::LoadError { io_error, .. })
                 if io_error.raw_os_error() == Some(libc::EAGAIN) && attempt < ATTEMPTS =>
             {
@@ -767,6 +785,7 @@ impl Dataplane {
             load_xdp(&mut ebpf, name)?;
         }
         load_xdp(&mut ebpf, SWEEP_PROGRAM)?;
+        load_tc(&mut ebpf, TC_PROGRAM)?;
         let ncpus = nr_cpus().map_err(|(_, e)| DataplaneError::Cpus(e))?;
         Ok((ebpf, ncpus))
     }
@@ -815,6 +834,7 @@ impl Dataplane {
             maps,
             select_memory,
             attached: Vec::new(),
+            tc: BTreeMap::new(),
             pin: pin.map(Path::to_path_buf),
             adopted: HashMap::new(),
             services: BTreeMap::new(),
