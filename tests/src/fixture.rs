@@ -269,7 +269,9 @@ impl Fixture {
     }
 
     pub fn counter(&self, name: &str) -> u64 {
-        self.dp.counters().unwrap()[name]
+        let index =
+            lb_common::counter::NAMES.iter().position(|n| *n == name).unwrap_or_else(|| panic!("no counter {name}"));
+        self.dp.counter(index as u32).unwrap()
     }
 
     pub fn new_flows(&self, service: &str, backend: impl Into<IpAddr>) -> u64 {

@@ -1831,7 +1831,7 @@ pub fn run(opts: &Options) -> Summary {
 
 /// The datapath's `stale_backend` counter.
 fn stale_count(fx: &Fixture) -> u64 {
-    fx.dp.counters().expect("read the datapath's counters").get("stale_backend").copied().unwrap_or_default()
+    fx.dp.counter(lb_common::counter::STALE_BACKEND).expect("read the datapath's stale_backend counter")
 }
 
 /// A TCP/UDP packet from a backend endpoint to a VIP address on a port

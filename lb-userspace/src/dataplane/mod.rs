@@ -1070,13 +1070,17 @@ impl Dataplane {
     }
 
     pub fn counters(&self) -> Result<BTreeMap<String, u64>, DataplaneError> {
-        let c = &self.maps.counters;
         let mut out = BTreeMap::new();
         for (i, name) in counter::NAMES.iter().enumerate() {
-            let v: u64 = c.get(&(i as u32), 0).map_err(map_err(names::COUNTERS))?.iter().sum();
-            out.insert((*name).to_owned(), v);
+            out.insert((*name).to_owned(), self.counter(i as u32)?);
         }
         Ok(out)
+    }
+
+    /// One datapath counter (`lb_common::counter`), summed over the CPUs:
+    /// one map read, where [`Self::counters`] makes one per counter.
+    pub fn counter(&self, index: u32) -> Result<u64, DataplaneError> {
+        Ok(self.maps.counters.get(&index, 0).map_err(map_err(names::COUNTERS))?.iter().sum())
     }
 
     /// Empty the flow tables (for benchmarks: flows are forgotten without
