@@ -405,13 +405,13 @@ fn memory_warning(tables: &TableMemory, mem_total: u64, whose: &str) -> Option<S
 
 /// What lbd itself may take beside the tables, weighed with them against
 /// its memory cgroup: it keeps a copy of each service's selection tables
-/// (2 bytes an entry), builds new ones beside them on every change (4
+/// (2 bytes an entry), builds new ones beside them on every change (2
 /// bytes an entry, and the pool's positions), and the allocator keeps
 /// some of what was freed. 32 MiB and 12 bytes an entry: with 3 services
 /// lbd's anonymous memory stayed under 10 MB; at 255 services of 65,537
 /// entries (234 MB reserved) it peaked at 170 MB at start and settled at
 /// 104 MB with 4-byte copies, at 70 MB with 2-byte ones (release build,
-/// glibc). The reserve was kept when the copies shrank.
+/// glibc). The reserve was kept when the copies and the builds shrank.
 fn own_memory(config: &Config) -> u64 {
     const BASE: u64 = 32 << 20;
     let entries: u64 = config.services.iter().map(crate::config::table_entries).sum();

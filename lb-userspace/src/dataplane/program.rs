@@ -483,13 +483,7 @@ fn selection_tables(
     let members = members(backends);
     let table = cfg.scheduler.build(&members, cfg.table_size, seed, builds);
     let fallback = cfg.scheduler.build_fallback(&members, cfg.table_size, seed, builds).unwrap_or_default();
-    (lanes(table), lanes(fallback))
-}
-
-/// A table of backend ids as SELECT's 16-bit lanes hold them (ids are
-/// below `MAX_BACKENDS`, which fits: see lb-common).
-fn lanes(table: Vec<u32>) -> Vec<u16> {
-    table.into_iter().map(|id| u16::try_from(id).expect("a backend id below MAX_BACKENDS")).collect()
+    (table, fallback)
 }
 
 /// A service's backends as its scheduler sees them: id, weight in force,
@@ -503,7 +497,12 @@ fn members(backends: &[AppliedBackend]) -> Vec<Member> {
     sorted.sort_by_key(|b| (backend_key(b.config.address, b.config.port), b.config.address, b.config.port));
     sorted
         .into_iter()
-        .map(|b| Member { id: b.id, key: backend_key(b.config.address, b.config.port), weight: b.runtime.weight })
+        .map(|b| Member {
+            // SELECT's lanes hold ids in 16 bits: ids are below MAX_BACKENDS (see lb-common).
+            id: u16::try_from(b.id).expect("a backend id below MAX_BACKENDS"),
+            key: backend_key(b.config.address, b.config.port),
+            weight: b.runtime.weight,
+        })
         .collect()
 }
 
@@ -558,7 +557,7 @@ mod tests {
                 (s.build(&v4, size, 0, &mut Builds::default()), s.build(&v6, size, 0, &mut Builds::default()));
             match s {
                 Scheduler::Wrr | Scheduler::Rr => {
-                    let sorted = |t: &[u32]| {
+                    let sorted = |t: &[u16]| {
                         let mut t = t.to_vec();
                         t.sort_unstable();
                         t
@@ -581,15 +580,15 @@ mod tests {
     }
 
     /// Every id's entries within 1% of its weight's share.
-    fn assert_weight_shares(table: &[u32], weights: &[u32]) {
-        let mut counts: HashMap<u32, usize> = HashMap::new();
+    fn assert_weight_shares(table: &[u16], weights: &[u32]) {
+        let mut counts: HashMap<u16, usize> = HashMap::new();
         for &id in table {
             *counts.entry(id).or_default() += 1;
         }
         let sum: u32 = weights.iter().sum();
         for (i, &w) in weights.iter().enumerate() {
             let want = table.len() as f64 * f64::from(w) / f64::from(sum);
-            let got = counts.get(&(i as u32 + 1)).copied().unwrap_or(0) as f64;
+            let got = counts.get(&(i as u16 + 1)).copied().unwrap_or(0) as f64;
             assert!((got - want).abs() <= 0.01 * want, "id {}: {got} entries, want {want:.0}", i + 1);
         }
     }
@@ -704,8 +703,8 @@ mod tests {
                 let unseeded = crate::sched::maglev::build(&direct, cb.table_size).unwrap();
                 let (table, fallback) = selection_tables(&cb, &b, 0, &mut Builds::default());
                 match s {
-                    Scheduler::Wrr | Scheduler::Rr => assert_eq!(fallback, lanes(unseeded), "{family} {s}"),
-                    _ => assert_eq!(table, lanes(unseeded), "{family} {s}"),
+                    Scheduler::Wrr | Scheduler::Rr => assert_eq!(fallback, unseeded, "{family} {s}"),
+                    _ => assert_eq!(table, unseeded, "{family} {s}"),
                 }
             }
         }

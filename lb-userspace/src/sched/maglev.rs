@@ -26,7 +26,7 @@ use std::collections::BinaryHeap;
 use std::fmt;
 
 /// Table entry meaning "no backend" (matches `lb_common::BACKEND_NONE`).
-pub const NO_BACKEND: u32 = 0;
+pub const NO_BACKEND: u16 = 0;
 
 /// Default table size: a prime comfortably larger than 100 x the number of
 /// backends a service normally has.
@@ -36,9 +36,10 @@ pub const DEFAULT_TABLE_SIZE: u32 = 65537;
 /// its permutation) and a weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaglevBackend {
-    /// Value written into the table entries this backend owns. Must not be
+    /// Value written into the table entries this backend owns (16 bits,
+    /// as the datapath's selection tables hold backend ids). Must not be
     /// [`NO_BACKEND`] (0) when `weight > 0`.
-    pub id: u32,
+    pub id: u16,
     /// Stable identity of the backend (e.g. a hash of its address and port);
     /// only this decides the backend's slot preferences.
     pub key: u64,
@@ -180,7 +181,7 @@ impl Eq for Turn {}
 /// * [`MaglevError::SizeTooSmall`] if `size` is less than the number of
 ///   backends with a nonzero weight.
 /// * [`MaglevError::ReservedId`] if a backend with a nonzero weight has id 0.
-pub fn build(backends: &[MaglevBackend], size: u32) -> Result<Vec<u32>, MaglevError> {
+pub fn build(backends: &[MaglevBackend], size: u32) -> Result<Vec<u16>, MaglevError> {
     if !is_prime(size) {
         return Err(MaglevError::SizeNotPrime(size));
     }
@@ -250,7 +251,7 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, &w)| MaglevBackend {
-                id: i as u32 + 1,
+                id: i as u16 + 1,
                 // Arbitrary stable identity, e.g. as if hashed from ip:port.
                 key: 0x0a00_0000_0000_1f90 ^ ((i as u64 + 1) << 20),
                 weight: w,
@@ -258,7 +259,7 @@ mod tests {
             .collect()
     }
 
-    fn counts(table: &[u32]) -> HashMap<u32, usize> {
+    fn counts(table: &[u16]) -> HashMap<u16, usize> {
         let mut c = HashMap::new();
         for &id in table {
             *c.entry(id).or_insert(0) += 1;

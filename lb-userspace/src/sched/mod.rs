@@ -56,8 +56,10 @@ enum Table {
 /// One backend as a scheduler sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Member {
-    /// The datapath's backend id (what the table holds).
-    pub id: u32,
+    /// The datapath's backend id (what the table holds), 16 bits as the
+    /// datapath's selection tables hold it (ids are below
+    /// `lb_common::MAX_BACKENDS`).
+    pub id: u16,
     /// A stable identity (Maglev derives the backend's slots from it).
     pub key: u64,
     /// The weight in force now (health, drain and slow start applied);
@@ -94,28 +96,21 @@ impl Builds {
     /// The same table as [`maglev::build`] over all of `members`: a member
     /// out of rotation (weight 0) takes no turn and no slot, and leaving it
     /// out keeps the others' order, which is all a tie looks at.
-    fn maglev(&mut self, members: &[Member], table_size: u32, seed: u64) -> Vec<u32> {
+    fn maglev(&mut self, members: &[Member], table_size: u32, seed: u64) -> Vec<u16> {
         let active: Vec<&Member> = members.iter().filter(|m| m.weight > 0).collect();
         let pool: Vec<(u64, u32)> = active.iter().map(|m| (m.key ^ seed, m.weight)).collect();
         let positions = self.maglev.entry((pool, table_size)).or_insert_with_key(|(pool, size)| {
+            // Positions as the ids: fewer members than MAX_BACKENDS, so
+            // they fit the table's 16 bits as ids do.
             let input: Vec<maglev::MaglevBackend> = (1..)
                 .zip(pool)
                 .map(|(position, &(key, weight))| maglev::MaglevBackend { id: position, key, weight })
                 .collect();
-            let table =
-                maglev::build(&input, *size).expect("table size and backend count were validated with the config");
-            table
-                .into_iter()
-                .map(|p| u16::try_from(p).expect("a position among fewer than MAX_BACKENDS members"))
-                .collect()
+            maglev::build(&input, *size).expect("table size and backend count were validated with the config")
         });
         positions
             .iter()
-            .map(
-                |&p| {
-                    if u32::from(p) == maglev::NO_BACKEND { maglev::NO_BACKEND } else { active[usize::from(p) - 1].id }
-                },
-            )
+            .map(|&p| if p == maglev::NO_BACKEND { maglev::NO_BACKEND } else { active[usize::from(p) - 1].id })
             .collect()
     }
 }
@@ -221,7 +216,7 @@ impl Scheduler {
         table_size: u32,
         seed: u64,
         builds: &mut Builds,
-    ) -> Option<Vec<u32>> {
+    ) -> Option<Vec<u16>> {
         match self.table() {
             Table::Maglev => None,
             Table::Sequence { .. } => Some(builds.maglev(members, table_size, seed)),
@@ -283,7 +278,7 @@ impl Scheduler {
     ///
     /// A Maglev table comes from `builds` when an earlier service of the
     /// same reprogramming had the same pool.
-    pub fn build(self, members: &[Member], table_size: u32, seed: u64, builds: &mut Builds) -> Vec<u32> {
+    pub fn build(self, members: &[Member], table_size: u32, seed: u64, builds: &mut Builds) -> Vec<u16> {
         match self.table() {
             Table::Maglev => builds.maglev(members, table_size, seed),
             Table::Sequence { weighted } => {
@@ -378,7 +373,7 @@ mod tests {
 
     /// Members with ids from `first_id` on, keyed as backends at
     /// 10.20.0.n:8080 would be, with the given weights.
-    fn members(first_id: u32, weights: &[u32]) -> Vec<Member> {
+    fn members(first_id: u16, weights: &[u32]) -> Vec<Member> {
         (0..)
             .zip(weights)
             .map(|(n, &weight)| Member { id: first_id + n, key: 0x0a14_0000_1f90 + (u64::from(n) << 20), weight })
@@ -407,7 +402,7 @@ mod tests {
         b.retain(|m| m.weight > 0);
         assert_eq!(Scheduler::Wrr.build_fallback(&b, size, 9, &mut builds).unwrap(), direct(&b, 9));
         assert_eq!(builds.maglev.len(), 1, "one pool, one build");
-        let ids: std::collections::BTreeSet<u32> =
+        let ids: std::collections::BTreeSet<u16> =
             Scheduler::Maglev.build(&b, size, 9, &mut builds).into_iter().collect();
         assert_eq!(ids, [100, 102, 104].into(), "each service's own ids, every slot filled");
         // Another seed, weight or size is another pool.
@@ -452,7 +447,7 @@ mod tests {
         assert_eq!(Scheduler::Rr.table_len(&pool), 3);
         assert_eq!(Scheduler::Wrr.table_len(&pool), 4, "2:1:1 after the gcd");
         let m: Vec<Member> =
-            w.iter().enumerate().map(|(i, &weight)| Member { id: i as u32 + 1, key: i as u64, weight }).collect();
+            w.iter().enumerate().map(|(i, &weight)| Member { id: i as u16 + 1, key: i as u64, weight }).collect();
         let mut wrr = Scheduler::Wrr.build(&m, 7, 0, &mut Builds::default());
         wrr.sort_unstable();
         assert_eq!(wrr, [1, 1, 2, 3]);

@@ -15,8 +15,9 @@ use std::fmt;
 /// One backend for the round-robin schedulers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WrrBackend {
-    /// Value emitted in the sequence.
-    pub id: u32,
+    /// Value emitted in the sequence (16 bits, as the datapath's
+    /// selection tables hold backend ids).
+    pub id: u16,
     /// Relative number of picks per cycle; 0 means never picked.
     pub weight: u32,
 }
@@ -96,7 +97,7 @@ fn smooth_picks(weights: &[u32], n: u64) -> Vec<usize> {
 ///
 /// [`WrrError::TooLong`] if the reduced cycle is longer than `max_len`
 /// (checked before anything is allocated).
-pub fn sequence(backends: &[WrrBackend], max_len: u64) -> Result<Vec<u32>, WrrError> {
+pub fn sequence(backends: &[WrrBackend], max_len: u64) -> Result<Vec<u16>, WrrError> {
     let weights: Vec<u32> = backends.iter().map(|b| b.weight).collect();
     let weights = reduce(&weights);
     let total = weights.iter().fold(0u64, |t, &w| t.saturating_add(u64::from(w)));
@@ -108,7 +109,7 @@ pub fn sequence(backends: &[WrrBackend], max_len: u64) -> Result<Vec<u32>, WrrEr
 
 /// Plain round robin: each backend with a weight > 0 once, in list order
 /// (the weight's value is otherwise ignored).
-pub fn round_robin(backends: &[WrrBackend]) -> Vec<u32> {
+pub fn round_robin(backends: &[WrrBackend]) -> Vec<u16> {
     backends.iter().filter(|b| b.weight > 0).map(|b| b.id).collect()
 }
 
@@ -119,7 +120,7 @@ mod tests {
     const MAX: u64 = 1 << 20;
 
     fn backends(weights: &[u32]) -> Vec<WrrBackend> {
-        weights.iter().enumerate().map(|(i, &w)| WrrBackend { id: i as u32 + 1, weight: w }).collect()
+        weights.iter().enumerate().map(|(i, &w)| WrrBackend { id: i as u16 + 1, weight: w }).collect()
     }
 
     /// Fixed-seed xorshift64*, for reproducible pseudo-random weight sets.
@@ -165,7 +166,7 @@ mod tests {
 
     /// Longest run of consecutive equal ids for `id`, treating `seq` as a
     /// circle.
-    fn longest_circular_run(seq: &[u32], id: u32) -> usize {
+    fn longest_circular_run(seq: &[u16], id: u16) -> usize {
         let n = seq.len();
         if n == 0 {
             return 0;
@@ -256,9 +257,9 @@ mod tests {
 
     #[test]
     fn empty_zero_and_too_long() {
-        assert_eq!(sequence(&[], MAX).unwrap(), Vec::<u32>::new());
-        assert_eq!(sequence(&backends(&[0, 0]), MAX).unwrap(), Vec::<u32>::new());
-        assert_eq!(sequence(&backends(&[0, 0]), 0).unwrap(), Vec::<u32>::new());
+        assert_eq!(sequence(&[], MAX).unwrap(), Vec::<u16>::new());
+        assert_eq!(sequence(&backends(&[0, 0]), MAX).unwrap(), Vec::<u16>::new());
+        assert_eq!(sequence(&backends(&[0, 0]), 0).unwrap(), Vec::<u16>::new());
         assert_eq!(sequence(&backends(&[7, 11, 13, 17]), 47), Err(WrrError::TooLong { total: 48, max: 47 }));
         assert_eq!(sequence(&backends(&[7, 11, 13, 17]), 48).unwrap().len(), 48);
         // The limit applies after gcd reduction.
@@ -284,6 +285,6 @@ mod tests {
     fn round_robin_ignores_weights() {
         let bs = [WrrBackend { id: 1, weight: 5 }, WrrBackend { id: 2, weight: 1 }, WrrBackend { id: 3, weight: 0 }];
         assert_eq!(round_robin(&bs), vec![1, 2]);
-        assert_eq!(round_robin(&[]), Vec::<u32>::new());
+        assert_eq!(round_robin(&[]), Vec::<u16>::new());
     }
 }
