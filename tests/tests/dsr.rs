@@ -253,6 +253,9 @@ fn dsr_services_balance_exactly_and_their_replies_bypass_the_balancer() {
     for iface in lab.gw_interfaces() {
         assert_eq!(xdp_mode_in_use(&lab, &iface).unwrap().as_deref(), Some("native"), "{iface}");
     }
+    // Native mode sees no GSO packet: no tc program beside it.
+    let log = lbd.log_text();
+    assert!(!log.contains("tc ingress program attached"), "a tc program in native mode:\n{log}");
     let status = lbd.status().unwrap();
     println!("counters: {}", status["counters"]);
     assert_eq!(status["counters"]["dsr_off_link"], 0);
@@ -287,7 +290,7 @@ fn dsr_uploads_through_a_generic_mode_gateway_complete() {
     .expect("lab up");
     let sock = socket_for(prefix);
     let config = write_config_for(&config_dir(prefix), "lbd", &sock, &lab.gw_interfaces(), &services(&lab)).unwrap();
-    let lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
+    let mut lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
     for iface in lab.gw_interfaces() {
         assert_eq!(xdp_mode_in_use(&lab, &iface).unwrap().as_deref(), Some("generic"), "{iface}");
     }
@@ -297,6 +300,7 @@ fn dsr_uploads_through_a_generic_mode_gateway_complete() {
         lab.gw_interfaces().len(),
         "the tc program on every interface:\n{log}"
     );
+    assert_eq!(tc_links(), lab.gw_interfaces().len(), "the kernel's view: a TCX link to lb_tc per interface");
     let counter = |name: &str| lbd.status().unwrap()["counters"][name].as_u64().expect(name);
     for (service, vip, v6) in [("dsr4", IpAddr::from(DSR_VIP), false), ("dsr6", IpAddr::from(DSR_VIP6), true)] {
         let target = SocketAddr::new(vip, PORT).to_string();
@@ -319,4 +323,31 @@ fn dsr_uploads_through_a_generic_mode_gateway_complete() {
             after - before
         );
     }
+    // The tc links are lbd's own: they go when it stops.
+    assert!(lbd.stop().unwrap().success());
+    assert_eq!(tc_links(), 0, "TCX links left behind by lbd");
+}
+
+/// TCX links (tc programs attached by BPF link) to a program named
+/// `lb_tc`. Machine-wide: BPF ids are global, and the bpftool the lab
+/// installs (7.1) lists no TCX link by device; lab tests run one at a
+/// time, so every such link is this test's lbd's.
+fn tc_links() -> usize {
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = std::process::Command::new("bpftool").arg("-j").args(args).output().expect("bpftool");
+        assert!(out.status.success(), "bpftool {args:?}: {out:?}");
+        serde_json::from_slice(&out.stdout).expect("bpftool JSON")
+    };
+    // BPF_LINK_TYPE_TCX is 11; a newer bpftool names it.
+    let tcx = |l: &serde_json::Value| l["type"] == 11 || l["type"] == "tcx";
+    json(&["link", "show"])
+        .as_array()
+        .expect("a list of links")
+        .iter()
+        .filter(|l| tcx(l))
+        .filter(|l| {
+            let id = l["prog_id"].as_u64().expect("prog_id").to_string();
+            json(&["prog", "show", "id", &id])["name"] == "lb_tc"
+        })
+        .count()
 }

@@ -615,10 +615,13 @@ impl Dataplane {
     }
 
     /// Attach the tc program (`TC_PROGRAM`) to the ingress of every
-    /// interface the XDP program runs on that has not got it yet, or whose
-    /// device was replaced since: in generic mode the XDP program hands it
-    /// the GSO packets of DSR services (`lb_common::TcHandoff`); any other
-    /// packet it passes untouched. A TCX link (kernel 6.6 and later), held
+    /// interface the XDP program runs on in generic mode that has not got
+    /// it yet, or whose device was replaced since: there the XDP program
+    /// hands it the GSO packets of DSR services (`lb_common::TcHandoff`);
+    /// any other packet it passes untouched. Native mode never sees a GSO
+    /// packet, so its interfaces' packets that go to the kernel do not
+    /// meet the tc program (an interface switched from generic to native
+    /// keeps it, idle). A TCX link (kernel 6.6 and later), held
     /// by this process: it goes when lbd exits, and with its device; no
     /// qdisc is made. Where it cannot be attached (an older kernel, which
     /// would need a clsact qdisc made on the operator's device), lbd says
@@ -628,7 +631,7 @@ impl Dataplane {
         let wanted: Vec<(String, u32)> = self
             .attached
             .iter()
-            .filter(|a| !a.attachment.missing)
+            .filter(|a| !a.attachment.missing && a.attachment.mode == Mode::Generic)
             .filter_map(|a| links.iter().find(|l| l.name == a.attachment.interface))
             .filter(|l| self.tc.get(&l.name) != Some(&l.ifindex))
             .map(|l| (l.name.clone(), l.ifindex))
