@@ -9,7 +9,7 @@ use core::mem::{align_of, size_of};
 
 use aya_ebpf::{
     bindings::{
-        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_UNSPEC,
         bpf_check_mtu_ret::BPF_MTU_CHK_RET_FRAG_NEEDED, bpf_fib_lookup as FibParams, xdp_action,
     },
     helpers::generated::{
@@ -687,8 +687,10 @@ pub(crate) fn to_tc(ctx: &XdpContext, hop_if: u32) -> u32 {
 }
 
 /// lbd's tc ingress program (`lb_tc`): a packet the XDP program handed on
-/// ([`to_tc`]) is redirected to the egress its metadata names; any other
-/// goes on into the kernel untouched.
+/// ([`to_tc`]) is redirected to the egress its metadata names. Any other
+/// goes on untouched, with no verdict of ours (`TC_ACT_UNSPEC`, TCX's
+/// "next"): the device's other tc programs, an operator's attached after
+/// ours, still see it and decide (`TC_ACT_OK` would end the chain here).
 #[inline(always)]
 pub(crate) fn tc_handoff(ctx: &TcContext) -> i32 {
     const LEN: usize = size_of::<TcHandoff>();
@@ -696,12 +698,12 @@ pub(crate) fn tc_handoff(ctx: &TcContext) -> i32 {
     // SAFETY: the program's own context; plain loads.
     let (meta, data) = unsafe { ((*skb).data_meta as usize, (*skb).data as usize) };
     if meta + LEN > data {
-        return TC_ACT_OK;
+        return TC_ACT_UNSPEC;
     }
     // SAFETY: bounds-checked just above.
     let handoff = unsafe { core::ptr::read(meta as *const TcHandoff) };
     if handoff.magic != TC_HANDOFF_MAGIC {
-        return TC_ACT_OK;
+        return TC_ACT_UNSPEC;
     }
     // SAFETY: a plain helper call.
     unsafe { bpf_redirect(handoff.ifindex, 0) as i32 }
