@@ -8,8 +8,9 @@ use std::{
 };
 
 use aya::programs::{
-    ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode as AyaXdpMode,
+    LinkOrder, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode as AyaXdpMode,
     links::{FdLink, PinnedLink},
+    tc::TcAttachOptions,
     xdp::{XdpLink, XdpLinkId},
 };
 use lb_common::maps as names;
@@ -622,11 +623,12 @@ impl Dataplane {
     /// packet, so its interfaces' packets that go to the kernel do not
     /// meet the tc program (an interface switched from generic to native
     /// keeps it, idle). A TCX link (kernel 6.6 and later), held
-    /// by this process: it goes when lbd exits, and with its device; no
-    /// qdisc is made. Where it cannot be attached (an older kernel, which
-    /// would need a clsact qdisc made on the operator's device), lbd says
-    /// so once per device and runs on: such packets are dropped, as the
-    /// XDP redirect they would take otherwise does.
+    /// by this process: it goes when lbd exits, killed or not, and with
+    /// its device; no qdisc is made. Where it cannot be attached (an older
+    /// kernel has no TCX; a netlink filter instead would need a clsact
+    /// qdisc on the operator's device, and would outlive a killed lbd),
+    /// lbd says so once per device and runs on: such packets are dropped,
+    /// as the XDP redirect they would take otherwise does.
     fn attach_tc(&mut self, links: &[netdev::Link]) {
         let wanted: Vec<(String, u32)> = self
             .attached
@@ -643,7 +645,15 @@ impl Dataplane {
                 .program_mut(super::TC_PROGRAM)
                 .ok_or(ProgramError::NotLoaded)
                 .and_then(<&mut SchedClassifier>::try_from)
-                .and_then(|p| p.attach(&iface, TcAttachType::Ingress));
+                .and_then(|p| {
+                    // TCX only: aya's fallback on an older kernel (a netlink
+                    // filter, needing a clsact qdisc) would outlive a killed lbd.
+                    p.attach_with_options(
+                        &iface,
+                        TcAttachType::Ingress,
+                        TcAttachOptions::TcxOrder(LinkOrder::default()),
+                    )
+                });
             match attached {
                 Ok(_) => {
                     info!(interface = %iface, "tc ingress program attached (DSR services' GSO packets in generic mode)");
