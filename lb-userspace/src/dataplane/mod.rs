@@ -97,8 +97,9 @@ pub static BENCH_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_D
 
 /// Name of the XDP entry point in the object.
 pub const PROGRAM: &str = "lb_xdp";
-/// Name of the tc ingress program beside it on every interface, which
-/// sends on the GSO packets of DSR services (`lb_common::TcHandoff`).
+/// Name of the tc ingress program beside it on every interface in generic
+/// mode, which sends on the GSO packets of DSR services
+/// (`lb_common::TcHandoff`; see `attach::attach_tc`).
 pub const TC_PROGRAM: &str = "lb_tc";
 
 #[derive(Debug, thiserror::Error)]
