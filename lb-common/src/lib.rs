@@ -446,9 +446,23 @@ pub struct Flood {
     /// half-open may be of a connection the old program saw close since,
     /// and the SYN a later one on the tuple, which the late copy's close
     /// tells apart from a retransmission.
-    /// 0: never.
+    /// 0: never. With [`HOLD_NEW`] set, every TCP SYN that would open a
+    /// new entry is held too.
     pub hold_until: u32,
 }
+
+/// [`Flood::hold_until`]'s top bit (never a time: 68 years of uptime):
+/// while a migration swaps the new program in interface by interface,
+/// some interfaces still run the old one, which sees the backends' side
+/// of a connection the new program opened: into its own tables or
+/// nowhere, never into the new entry. That entry then never completed
+/// its handshake nor closed, and the client's next connection on the
+/// tuple was taken for its SYN's retransmission, uncounted (an upgrade
+/// test counted one new flow fewer than the backends' connections). So
+/// until the last interface runs the new program, its SYNs wait for their
+/// retransmission, a second later; lbd clears the bit at once after the
+/// swap, and a lapsed hold ends it anyway.
+pub const HOLD_NEW: u32 = 1 << 31;
 
 /// One CPU's new-flow count in the current second (`NEW_FLOW_RATE`).
 #[repr(C)]
@@ -1285,6 +1299,14 @@ pub const FLOW_ESTABLISHED: u64 = 16;
 /// again), but it is no half-open flow: it took no new room, and a forged
 /// SYN must not get an idle connection's entry expired early.
 pub const FLOW_REOPENED: u64 = 32;
+/// [`Flow::state`]: the entry is a migration's first copy of an older
+/// datapath's flow (set by lbd as it copies; the datapath never sets it).
+/// A new connection on the tuple drops it: a new entry in its place, a
+/// reopen, a handshake taken up again. The late copy merges the old
+/// program's later view only into an entry that still has it: the bits
+/// alone cannot tell, as a later connection's entry may by then have
+/// every bit the copy had (a whole connection in the late copy's window).
+pub const FLOW_COPY: u64 = 64;
 
 /// A TCP flow is closed once either side reset it or both sides sent a FIN.
 /// A new SYN on a closed flow's 5-tuple is a new connection and is scheduled

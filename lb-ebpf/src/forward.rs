@@ -660,6 +660,10 @@ pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: 
     leave(ctx, ifindex)
 }
 
+/// Bytes of XDP metadata the handoff to `lb_tc` takes (`to_tc`,
+/// `tc_handoff`).
+const HANDOFF_LEN: usize = size_of::<TcHandoff>();
+
 /// A GSO packet of a DSR service ([`segments`]), its MACs set for the
 /// backend, is handed to lbd's tc program on this device with the egress
 /// in its metadata ([`TcHandoff`]), and redirected from there as the skb
@@ -670,13 +674,12 @@ pub(crate) fn send_dsr(ctx: &XdpContext, pkt: &Packet, id: u32, addr: u32, now: 
 // Its own frame: only GSO packets, in generic mode, call it.
 #[inline(never)]
 pub(crate) fn to_tc(ctx: &XdpContext, hop_if: u32) -> u32 {
-    const LEN: usize = size_of::<TcHandoff>();
     // SAFETY: a plain helper call on the program's own context.
-    if unsafe { bpf_xdp_adjust_meta(ctx.ctx.cast(), -(LEN as i32)) } != 0 {
+    if unsafe { bpf_xdp_adjust_meta(ctx.ctx.cast(), -(HANDOFF_LEN as i32)) } != 0 {
         return xdp_action::XDP_DROP;
     }
     let meta = ctx.metadata();
-    if meta + LEN > ctx.data() {
+    if meta + HANDOFF_LEN > ctx.data() {
         return xdp_action::XDP_DROP;
     }
     let handoff = TcHandoff { magic: TC_HANDOFF_MAGIC, ifindex: hop_if & !HOP_TX };
@@ -693,11 +696,10 @@ pub(crate) fn to_tc(ctx: &XdpContext, hop_if: u32) -> u32 {
 /// ours, still see it and decide (`TC_ACT_OK` would end the chain here).
 #[inline(always)]
 pub(crate) fn tc_handoff(ctx: &TcContext) -> i32 {
-    const LEN: usize = size_of::<TcHandoff>();
     let skb = ctx.skb.skb;
     // SAFETY: the program's own context; plain loads.
     let (meta, data) = unsafe { ((*skb).data_meta as usize, (*skb).data as usize) };
-    if meta + LEN > data {
+    if meta + HANDOFF_LEN > data {
         return TC_ACT_UNSPEC;
     }
     // SAFETY: bounds-checked just above.

@@ -37,7 +37,7 @@ use forward::Way;
 use lb_common::{
     BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, DIR_RETIRED, EndpointKey,
     FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST, Flow, FlowKey,
-    PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
+    HOLD_NEW, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
 use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
@@ -516,7 +516,25 @@ pub(crate) fn reopen(state: *mut u64, backend_id: u32) {
 /// and so does a SYN on a half-open entry (`syn_held`).
 #[inline(always)]
 pub(crate) fn holding(now: u64) -> bool {
-    FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until) > now)
+    FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until & !HOLD_NEW) > now)
+}
+
+/// Whether a packet that would open a flow (it found no entry, or a
+/// closed one) is dropped and counted (`counter::HELD`) instead: a TCP
+/// packet other than a SYN while a migration copies the old datapath's
+/// last flows (`holding`: its retransmission finds the entry), and a SYN
+/// too while the program swap is under way (`lb_common::HOLD_NEW`).
+#[inline(always)]
+pub(crate) fn held_opening(proto: u8, tcp_flags: u8, now: u64) -> bool {
+    if proto != PROTO_TCP {
+        return false;
+    }
+    let Some(until) = FLOOD.get(0).map(|f| f.hold_until) else { return false };
+    let held = u64::from(until & !HOLD_NEW) > now && (until & HOLD_NEW != 0 || !syn_only(proto, tcp_flags));
+    if held {
+        stats::count(counter::HELD);
+    }
+    held
 }
 
 /// Whether a SYN on the flow entry whose state word is `state` is dropped
@@ -571,9 +589,9 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64, hint: u32) -> 
     let opening = pkt.proto != PROTO_TCP || is_syn(pkt);
     // A migration is copying the old datapath's last flows: a TCP packet
     // of one of them waits for its retransmission rather than be hashed
-    // to a backend that may not be the one its SYN went to.
-    if !opening && holding(now) {
-        stats::count(counter::HELD);
+    // to a backend that may not be the one its SYN went to (and a SYN
+    // waits while the swap is under way: `held_opening`).
+    if held_opening(pkt.proto, pkt.tcp_flags, now) {
         return Err(xdp_action::XDP_DROP);
     }
     let reply_entry = svc.flags & SVC_F_REPLY_ENTRY != 0;

@@ -18,7 +18,7 @@ use core::{
     ptr::{addr_of, addr_of_mut, read_volatile},
 };
 use lb_common::{
-    COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_REOPENED, Flow, Flow6, FlowKey, FlowKey6, INSERT_BATCH,
+    COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_COPY, FLOW_REOPENED, Flow, Flow6, FlowKey, FlowKey6, INSERT_BATCH,
     INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, MERGED_BITS,
     SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SlotKey, SweepHeader, SweepItem, SweepItem6,
     flow_closed,
@@ -229,10 +229,16 @@ struct OldView {
 /// is still the flow's copy (see `lb_common::InsertItem::copied`):
 /// answers `INSERT_MERGED`, `INSERT_REPLACED` or `INSERT_EXISTS`.
 ///
-/// The entry is still the copy when every copied bit is set in it and it
-/// was not reopened since: the new program changes an entry in no other
-/// way than adding bits, unless it sees a new connection on the tuple (a
-/// reopen, or a new entry: `known_flow`).
+/// The entry is still the copy while it keeps `FLOW_COPY`, which the
+/// first copy set and a new connection on the tuple drops (a new entry,
+/// a reopen, a handshake taken up again: `known_flow`); the new program
+/// otherwise only adds bits, so every copied bit is still set too. By its
+/// bits alone, a later connection's entry that the new program made
+/// before the late copy and that had come as far as the copy (a whole
+/// connection, on a busy client's reused port) was taken for the copy,
+/// and replaced by the old program's view of the tuple: half-open, say,
+/// and the client's next connection there was then taken for a
+/// retransmission and went uncounted.
 #[inline(always)]
 fn merge<I: Insert>(key: *const I::Key, old: *mut I::Value, copied: u32) -> u32 {
     // SAFETY: both lie inside the frame (`ptr_at`); copied out whole.
@@ -243,7 +249,7 @@ fn merge<I: Insert>(key: *const I::Key, old: *mut I::Value, copied: u32) -> u32 
     // SAFETY: a valid, aligned u64 inside a map value (see `known_flow`
     // on reading a word other CPUs OR bits into).
     let now = unsafe { read_volatile(live.state) };
-    if now & copied != copied || (now ^ copied) & FLOW_REOPENED != 0 {
+    if now & FLOW_COPY == 0 || now & copied != copied || (now ^ copied) & FLOW_REOPENED != 0 {
         // A new connection on the tuple since the swap: the newest view.
         return INSERT_EXISTS;
     }

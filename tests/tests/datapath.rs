@@ -1060,6 +1060,24 @@ fn key4(cport: u16) -> lb_common::FlowKey {
     }
 }
 
+/// A migration's first copy of the flows on `ports`, as lbd makes it: the
+/// entries this datapath made stand in for the old program's, and are put
+/// back as the first copy inserts them, marked `FLOW_COPY`. Returns the
+/// flows as the old program had them, which the late copy's `copied`
+/// record keeps.
+fn first_copy(fx: &Fixture, ports: impl IntoIterator<Item = u16>) -> std::collections::HashMap<u16, lb_common::Flow> {
+    let mut copies = std::collections::HashMap::new();
+    for p in ports {
+        let f = fx.dp.flow(&key4(p)).unwrap().expect("an entry");
+        let removed = fx.dp.remove_unchanged(&[sweep_item(fx, key4(p), &f)]).unwrap();
+        assert_eq!(removed[0].removed, 1, "{p}");
+        let copy = lb_common::Flow { state: f.state | lb_common::FLOW_COPY, ..f };
+        assert_eq!(fx.dp.insert_flows(&[(key4(p), copy)]).unwrap().inserted, 1, "{p}");
+        copies.insert(p, f);
+    }
+    copies
+}
+
 /// The request to remove `key`'s entry as `f` (its slot where it has one).
 fn sweep_item(fx: &Fixture, key: lb_common::FlowKey, f: &lb_common::Flow) -> lb_common::SweepItem {
     let slot = fx.dp.flow_slot(&key).unwrap().unwrap_or(0);
@@ -1329,7 +1347,9 @@ fn inserted_flows_keep_entries_the_datapath_made() {
 /// own state.
 #[test]
 fn a_late_copy_brings_what_the_old_program_saw_into_the_flows_copies() {
-    use lb_common::{FLOW_ESTABLISHED as EST, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED};
+    use lb_common::{
+        FLOW_COPY, FLOW_ESTABLISHED as EST, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED,
+    };
     const CLOSED: u64 = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND;
     in_netns(|| {
         let fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
@@ -1351,8 +1371,7 @@ fn a_late_copy_brings_what_the_old_program_saw_into_the_flows_copies() {
         };
         close(44_103);
         // The copies, as the first copy took them (this datapath made them).
-        let copies: std::collections::HashMap<u16, lb_common::Flow> =
-            (44_100..=44_105).map(|p| (p, entry(p))).collect();
+        let copies = first_copy(&fx, 44_100..=44_105);
         assert_eq!(copies[&44_100].state, FLOW_REPLIED);
         assert_eq!(copies[&44_101].state, FLOW_REPLIED | EST);
         assert_eq!(copies[&44_103].state & CLOSED, CLOSED);
@@ -1380,7 +1399,7 @@ fn a_late_copy_brings_what_the_old_program_saw_into_the_flows_copies() {
         let counts = (done.inserted, done.merged, done.replaced, done.existed, done.no_room);
         assert_eq!(counts, (0, 3, 1, 2, 0), "{done:?}");
         let now: std::collections::HashMap<u16, lb_common::Flow> = (44_100..=44_105).map(|p| (p, entry(p))).collect();
-        assert_eq!(now[&44_100].state, FLOW_REPLIED | EST, "the handshake the old program saw");
+        assert_eq!(now[&44_100].state, FLOW_REPLIED | EST | FLOW_COPY, "the handshake the old program saw");
         assert_eq!(now[&44_101].state & CLOSED, CLOSED, "the close the old program saw");
         assert_eq!(now[&44_102].state & CLOSED, CLOSED, "the close seen by halves");
         assert_eq!(now[&44_105].state, FLOW_REPLIED | FLOW_REOPENED, "the reopen the old program saw (replaced)");
@@ -1437,8 +1456,7 @@ fn a_late_copy_puts_a_later_connection_on_a_copys_tuple_in_its_place() {
         assert_eq!(fx.forward(&tcp(CLIENT, 45_000, VIP, 80, RST).bytes()), on[0]);
         assert_eq!(fx.forward(&tcp(CLIENT, 45_001, VIP, 80, FIN | ACK).bytes()), on[1]);
         close_from(45_001, on[1], FIN | ACK);
-        let copies: std::collections::HashMap<u16, lb_common::Flow> =
-            (45_000..=45_002).map(|p| (p, entry(p))).collect();
+        let copies = first_copy(&fx, 45_000..=45_002);
         assert_eq!(copies[&45_000].state, FLOW_REPLIED | EST | FLOW_RST);
         assert_eq!(copies[&45_001].state & CLOSED, CLOSED);
         let x = |p: u16| copies[&p].backend_id;
@@ -1494,6 +1512,58 @@ fn a_late_copy_puts_a_later_connection_on_a_copys_tuple_in_its_place() {
     });
 }
 
+/// A later connection on a copy's reused tuple that the new program made
+/// and saw whole before the late copy (a busy client reusing its port
+/// within the window) has every state bit the copy had, and more. It is
+/// not the copy, and the late copy leaves it whatever the old program's
+/// view of the tuple: the client's next connection there is scheduled
+/// and counted. Taken for the copy by its bits (before `FLOW_COPY`), the
+/// entry was replaced by the old program's half-open view, and the next
+/// connection's SYN was forwarded as that one's retransmission,
+/// uncounted.
+#[test]
+fn a_late_copy_leaves_a_later_connection_the_new_program_saw_whole() {
+    use lb_common::{FLOW_COPY, FLOW_ESTABLISHED as EST, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REPLIED};
+    const CLOSED: u64 = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND;
+    in_netns(|| {
+        let fx = rr_fixture_with_table(64);
+        let entry = |p: u16| fx.dp.flow(&key4(p)).unwrap().expect("an entry");
+        let total = |fx: &Fixture| RR_BACKENDS.iter().map(|&(b, _)| fx.new_flows("web", b)).sum::<u64>();
+        let close = |p: u16, b: Ipv4Addr| {
+            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, FIN | ACK).bytes()), b);
+            assert_eq!(fx.run(&from_backend(b, 8080, p, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        };
+        // 48,000: closed when the first copy takes it.
+        let first = handshake(&fx, 48_000, 80, 8080);
+        close(48_000, first);
+        let copies = first_copy(&fx, [48_000]);
+        assert_eq!(copies[&48_000].state, FLOW_REPLIED | EST | CLOSED);
+        // After the swap: a whole later connection on the tuple, counted.
+        let before = total(&fx);
+        let later = handshake(&fx, 48_000, 80, 8080);
+        close(48_000, later);
+        assert_eq!(total(&fx), before + 1);
+        let live = entry(48_000);
+        assert_eq!(live.state, FLOW_REPLIED | EST | CLOSED, "the later connection's, unmarked");
+        // The old program's view of the tuple: a connection of its own
+        // after the copy's, half-open, on another backend than the later
+        // connection's.
+        let other =
+            (48_010..48_020).find(|&p| handshake(&fx, p, 80, 8080) != later).expect("round robin spreads flows");
+        let view = lb_common::Flow { state: FLOW_REPLIED, last_seen: live.last_seen + 1, ..entry(other) };
+        let copied = copies.iter().map(|(&p, f)| (key4(p), f.state)).collect();
+        let done = fx.dp.merge_flows(&[(key4(48_000), view)], &copied).unwrap();
+        assert_eq!((done.merged, done.replaced, done.existed), (0, 0, 1), "{done:?}");
+        assert_eq!(entry(48_000), live, "the later connection's entry stands");
+        assert_eq!(entry(48_000).state & FLOW_COPY, 0);
+        // The client's next connection on the tuple: scheduled and counted.
+        let before = total(&fx);
+        let next = fx.forward(&tcp(CLIENT, 48_000, VIP, 80, SYN).bytes());
+        assert_eq!(total(&fx), before + 1, "the next connection on 48,000 is counted (went to {next})");
+        assert_eq!(entry(48_000).state & (EST | CLOSED), 0, "48,000's entry is the next connection's");
+    });
+}
+
 /// While a migration copies the old datapath's last flows, a TCP packet
 /// other than a SYN on a closed entry waits for its retransmission, as one
 /// with no entry does (`held`): it may be a later connection's, scheduled
@@ -1530,6 +1600,39 @@ fn a_migrations_hold_keeps_packets_on_a_closed_entry_for_their_retransmission() 
     });
 }
 
+/// While a migration swaps its program in, interface by interface, the
+/// old program still runs on some of them and would see the backends'
+/// side of a connection the new one opened: so a SYN that would open a
+/// flow (no entry, or a closed one) waits for its retransmission too
+/// (`held`), makes no entry and is not counted. An open flow's packets go
+/// on. Once the swap is done (the hold of other packets stays), SYNs are
+/// scheduled and counted again.
+#[test]
+fn a_migrations_swap_holds_syns_that_would_open_a_flow() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        assert_eq!(handshake(&fx, 49_000, 80, 8080), BACKEND);
+        assert_eq!(handshake(&fx, 49_002, 80, 8080), BACKEND);
+        assert_eq!(fx.forward(&tcp(CLIENT, 49_002, VIP, 80, RST).bytes()), BACKEND);
+        fx.dp.hold_new_for(10).unwrap();
+        let (held, new_flows) = (fx.counter("held"), fx.new_flows("web", BACKEND));
+        assert_eq!(fx.run(&tcp(CLIENT, 49_001, VIP, 80, SYN).bytes(), fx.if_a).0, XDP_DROP, "no entry");
+        assert_eq!(fx.run(&tcp(CLIENT, 49_002, VIP, 80, SYN).bytes(), fx.if_a).0, XDP_DROP, "a closed entry");
+        assert_eq!(fx.counter("held"), held + 2);
+        assert_eq!(fx.new_flows("web", BACKEND), new_flows, "a held SYN is counted nowhere");
+        assert!(fx.dp.flow(&key4(49_001)).unwrap().is_none(), "a held SYN makes no entry");
+        assert_eq!(fx.forward(&tcp(CLIENT, 49_000, VIP, 80, ACK | PSH).bytes()), BACKEND, "an open flow");
+        // The swap done: the hold of other packets stays, SYNs open flows.
+        fx.dp.hold_for(10).unwrap();
+        assert_eq!(fx.forward(&tcp(CLIENT, 49_001, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(fx.forward(&tcp(CLIENT, 49_002, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(fx.new_flows("web", BACKEND), new_flows + 2);
+        assert_eq!(fx.run(&tcp(CLIENT, 49_003, VIP, 80, ACK).bytes(), fx.if_a).0, XDP_DROP, "no entry, no SYN");
+        assert_eq!(fx.counter("held"), held + 3);
+        fx.dp.hold_for(0).unwrap();
+    });
+}
+
 /// While a migration copies the old datapath's last flows, a SYN on an
 /// entry whose handshake has not completed waits for its retransmission
 /// too (`held`). The entry may be a copy taken half-open of a connection
@@ -1553,8 +1656,7 @@ fn a_migrations_hold_keeps_a_syn_on_a_half_open_copy_for_its_retransmission() {
             assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, SYN).bytes()), BACKEND);
             assert_eq!(fx.run(&from_backend(BACKEND, 8080, p, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
         }
-        let copies: std::collections::HashMap<u16, lb_common::Flow> =
-            [47_000, 47_001].into_iter().map(|p| (p, entry(&fx, p))).collect();
+        let copies = first_copy(&fx, [47_000, 47_001]);
         assert_eq!(copies[&47_000].state, FLOW_REPLIED);
         // The swap: a SYN on either tuple waits.
         fx.dp.hold_for(10).unwrap();
@@ -1564,7 +1666,8 @@ fn a_migrations_hold_keeps_a_syn_on_a_half_open_copy_for_its_retransmission() {
         }
         assert_eq!(fx.counter("held"), held + 2);
         assert_eq!(fx.new_flows("web", BACKEND), new_flows, "a held SYN is counted nowhere");
-        assert_eq!(entry(&fx, 47_000), copies[&47_000], "a held SYN changes nothing");
+        let marked = lb_common::Flow { state: copies[&47_000].state | lb_common::FLOW_COPY, ..copies[&47_000] };
+        assert_eq!(entry(&fx, 47_000), marked, "a held SYN changes nothing");
         // The late copy: the old program saw 47,000 complete and close
         // (and counted it), 47,001 not change.
         let later = |p: u16, state: u64| lb_common::Flow { state, last_seen: copies[&p].last_seen + 1, ..copies[&p] };

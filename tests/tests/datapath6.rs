@@ -886,8 +886,17 @@ fn a_late_copy_brings_what_the_old_program_saw_into_an_ipv6_flows_copy() {
         to(41_102, FIN | ACK);
         from(41_102, FIN | ACK);
         to(41_103, RST);
+        // The first copy takes them (this datapath made them), marked as
+        // copies (`FLOW_COPY`); `copies` keeps them as read.
         let copies: Vec<(lb_common::FlowKey6, lb_common::Flow6)> =
             [41_100, 41_101, 41_102, 41_103].iter().map(|&p| (key(p), entry(p))).collect();
+        for &(k, f) in &copies {
+            let slot = fx.dp.flow_slot6(&k).unwrap().expect("a slot");
+            let item = lb_common::SweepItem6 { key: k, state: f.state, last_seen: f.last_seen, removed: 0, slot };
+            assert_eq!(fx.dp.remove_unchanged6(&[item]).unwrap()[0].removed, 1);
+            let copy = lb_common::Flow6 { state: f.state | lb_common::FLOW_COPY, ..f };
+            assert_eq!(fx.dp.insert_flows6(&[(k, copy)]).unwrap().inserted, 1);
+        }
         assert_eq!(copies[3].1.state, FLOW_REPLIED | EST | FLOW_RST);
         // After the swap: the backend's FIN of 41,101 here; 41,102 anew;
         // the client's FIN of 41,103's later connection (on the copy,
@@ -910,7 +919,7 @@ fn a_late_copy_brings_what_the_old_program_saw_into_an_ipv6_flows_copy() {
         let done = fx.dp.merge_flows6(&old, &copied).unwrap();
         let counts = (done.inserted, done.merged, done.replaced, done.existed, done.no_room);
         assert_eq!(counts, (0, 2, 1, 1, 0), "{done:?}");
-        assert_eq!(entry(41_100).state, FLOW_REPLIED | EST, "the handshake the old program saw");
+        assert_eq!(entry(41_100).state, FLOW_REPLIED | EST | lb_common::FLOW_COPY, "the handshake the old program saw");
         let closed = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND;
         assert_eq!(entry(41_101).state & closed, closed, "the close seen by halves");
         assert_eq!(entry(41_101).last_seen, copies[1].1.last_seen + 3);
@@ -966,6 +975,28 @@ fn a_migrations_hold_keeps_packets_on_a_closed_ipv6_entry_for_their_retransmissi
         assert_eq!(run(&fx, 41_201, SYN), XDP_REDIRECT, "the half-open flow's SYN, after the hold");
         assert_eq!(fx.new_flows("web6", BACKEND6), new_flows + 1, "a retransmitted SYN is not a new flow");
         assert_eq!(fx.counter("held"), held + 3);
+    });
+}
+
+/// As for IPv4 (`datapath.rs`): while a migration's program swap is under
+/// way, an IPv6 SYN that would open a flow waits for its retransmission
+/// (`held`), uncounted and without an entry; once it is done, SYNs are
+/// scheduled again.
+#[test]
+fn a_migrations_swap_holds_ipv6_syns_that_would_open_a_flow() {
+    in_netns(|| {
+        let mut fx = web6();
+        let run = |fx: &Fixture, p: u16, flags: u8| fx.run(&tcp6(CLIENT6, p, VIP6, 80, flags).bytes(), fx.if_a).0;
+        fx.dp.hold_new_for(10).unwrap();
+        let (held, new_flows) = (fx.counter("held"), fx.new_flows("web6", BACKEND6));
+        assert_eq!(run(&fx, 41_300, SYN), XDP_DROP);
+        assert_eq!(fx.counter("held"), held + 1);
+        assert_eq!(fx.new_flows("web6", BACKEND6), new_flows, "a held SYN is counted nowhere");
+        fx.dp.hold_for(10).unwrap();
+        assert_eq!(run(&fx, 41_300, SYN), XDP_REDIRECT, "the swap done, a SYN is scheduled");
+        assert_eq!(fx.new_flows("web6", BACKEND6), new_flows + 1);
+        assert_eq!(fx.counter("held"), held + 1);
+        fx.dp.hold_for(0).unwrap();
     });
 }
 

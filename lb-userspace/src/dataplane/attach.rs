@@ -305,6 +305,15 @@ impl Dataplane {
                 }
             }
         }
+        // Every interface runs this program: during a migration, its SYNs
+        // need wait no longer (`lb_common::HOLD_NEW`).
+        if self.migration.is_some() && self.hold_until & lb_common::HOLD_NEW != 0 {
+            self.hold_until &= !lb_common::HOLD_NEW;
+            let flood = self.flood;
+            if let Err(e) = self.set_flood(&flood) {
+                warn!(error = %e, "ending the hold of new connections; it lapses by itself within seconds");
+            }
+        }
         // Done: the previous programs may go.
         for a in &mut done {
             if let AttachedLink::Pinned { previous, .. } = &mut a.link {

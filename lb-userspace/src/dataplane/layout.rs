@@ -39,9 +39,9 @@ use std::{
 
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
 use lb_common::{
-    Backend, BackendStats, Conns, CountsAdd, DIR_REPLY, EndpointKey, FLOW_ESTABLISHED, FLOW_REPLIED, Flow, Flow6,
-    FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service, Slot,
-    SlotKey, Vip6Key, VipKey, maps as names,
+    Backend, BackendStats, Conns, CountsAdd, DIR_REPLY, EndpointKey, FLOW_COPY, FLOW_ESTABLISHED, FLOW_REPLIED, Flow,
+    Flow6, FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service,
+    Slot, SlotKey, Vip6Key, VipKey, maps as names,
 };
 use tracing::{info, warn};
 
@@ -346,18 +346,27 @@ impl Dataplane {
         let first = earlier.is_none();
         let none = Copied::default();
         let earlier = earlier.unwrap_or(&none);
-        let mut done = self.merge_flows(&flows, &earlier.v4)?;
-        // The record a late copy merges by; the late copy needs none.
+        // The record a late copy merges by (the state as the old program
+        // left it); the late copy needs none.
         let mut read =
             first.then(|| Copied { v4: flows.iter().map(|(k, f)| (*k, f.state)).collect(), v6: Default::default() });
+        if first {
+            for (_, f) in &mut flows {
+                f.state |= FLOW_COPY;
+            }
+        }
+        let mut done = self.merge_flows(&flows, &earlier.v4)?;
         drop(flows);
         if let Some(old6) = old6 {
-            let flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6, |f| f.dir)?;
-            let d6 = self.merge_flows6(&flows6, &earlier.v6)?;
-            done += d6;
+            let mut flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6, |f| f.dir)?;
             if let Some(read) = &mut read {
                 read.v6 = flows6.iter().map(|(k, f)| (*k, f.state)).collect();
+                for (_, f) in &mut flows6 {
+                    f.state |= FLOW_COPY;
+                }
             }
+            let d6 = self.merge_flows6(&flows6, &earlier.v6)?;
+            done += d6;
         }
         if done.no_room > 0 {
             warn!(

@@ -870,7 +870,9 @@ impl Dataplane {
         if dp.migration.is_some() {
             // Ample for attaching and the last copy; should lbd die in
             // between, the hold lapses by itself.
-            dp.hold_until = (monotonic_coarse_secs() + layout::HOLD_SECS) as u32;
+            // SYNs too until every interface runs the new program
+            // (`attach`: see `lb_common::HOLD_NEW`).
+            dp.hold_until = (monotonic_coarse_secs() + layout::HOLD_SECS) as u32 | lb_common::HOLD_NEW;
         }
         // The seed before the version: a pinned LAYOUT of this version
         // always has its tables' seed beside it (an adopted one is written
@@ -967,6 +969,14 @@ impl Dataplane {
     /// [`set_flood`](Self::set_flood) outside a migration ends it.
     pub fn hold_for(&mut self, secs: u64) -> Result<(), DataplaneError> {
         let hold_until = if secs == 0 { 0 } else { (monotonic_coarse_secs() + secs) as u32 };
+        self.write_flood(self.new_flow_rate(), hold_until)
+    }
+
+    /// As [`hold_for`](Self::hold_for), and TCP SYNs that would open a
+    /// flow are held too, as during a migration's program swap
+    /// (`lb_common::HOLD_NEW`).
+    pub fn hold_new_for(&mut self, secs: u64) -> Result<(), DataplaneError> {
+        let hold_until = if secs == 0 { 0 } else { (monotonic_coarse_secs() + secs) as u32 | lb_common::HOLD_NEW };
         self.write_flood(self.new_flow_rate(), hold_until)
     }
 
