@@ -307,8 +307,9 @@ pub mod counter {
     pub const STATELESS_REPLY: u32 = 11;
     /// TCP packet other than a SYN without a flow entry, or on a closed
     /// one, or a SYN on a half-open one, dropped while a migration copies
-    /// the old datapath's last flows (`Flood::hold_until`); its sender
-    /// retransmits.
+    /// the old datapath's last flows (`Flood::hold_until`), and any SYN
+    /// that would open a flow while its program swap is under way
+    /// ([`HOLD_NEW`](crate::HOLD_NEW)); its sender retransmits.
     pub const HELD: u32 = 12;
     /// Packet too big for its egress device's MTU: never redirected (a
     /// redirected frame above the MTU is dropped silently). With DF set
