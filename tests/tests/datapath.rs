@@ -1060,6 +1060,13 @@ fn key4(cport: u16) -> lb_common::FlowKey {
     }
 }
 
+/// The client's FIN and the backend `b`'s FIN of the flow from `cport`
+/// (to port 80, the backend's 8080) through the datapath: closed.
+fn close(fx: &Fixture, cport: u16, b: Ipv4Addr) {
+    assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 80, FIN | ACK).bytes()), b);
+    assert_eq!(fx.run(&from_backend(b, 8080, cport, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+}
+
 /// A migration's first copy of the flows on `ports`, as lbd makes it: the
 /// entries this datapath made stand in for the old program's, and are put
 /// back as the first copy inserts them, marked `FLOW_COPY`. Returns the
@@ -1365,11 +1372,7 @@ fn a_late_copy_brings_what_the_old_program_saw_into_the_flows_copies() {
         for p in 44_101..=44_105 {
             assert_eq!(handshake(&fx, p, 80, 8080), BACKEND);
         }
-        let close = |p: u16| {
-            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, FIN | ACK).bytes()), BACKEND);
-            assert_eq!(fx.run(&from_backend(BACKEND, 8080, p, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
-        };
-        close(44_103);
+        close(&fx, 44_103, BACKEND);
         // The copies, as the first copy took them (this datapath made them).
         let copies = first_copy(&fx, 44_100..=44_105);
         assert_eq!(copies[&44_100].state, FLOW_REPLIED);
@@ -1529,19 +1532,15 @@ fn a_late_copy_leaves_a_later_connection_the_new_program_saw_whole() {
         let fx = rr_fixture_with_table(64);
         let entry = |p: u16| fx.dp.flow(&key4(p)).unwrap().expect("an entry");
         let total = |fx: &Fixture| RR_BACKENDS.iter().map(|&(b, _)| fx.new_flows("web", b)).sum::<u64>();
-        let close = |p: u16, b: Ipv4Addr| {
-            assert_eq!(fx.forward(&tcp(CLIENT, p, VIP, 80, FIN | ACK).bytes()), b);
-            assert_eq!(fx.run(&from_backend(b, 8080, p, FIN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
-        };
         // 48,000: closed when the first copy takes it.
         let first = handshake(&fx, 48_000, 80, 8080);
-        close(48_000, first);
+        close(&fx, 48_000, first);
         let copies = first_copy(&fx, [48_000]);
         assert_eq!(copies[&48_000].state, FLOW_REPLIED | EST | CLOSED);
         // After the swap: a whole later connection on the tuple, counted.
         let before = total(&fx);
         let later = handshake(&fx, 48_000, 80, 8080);
-        close(48_000, later);
+        close(&fx, 48_000, later);
         assert_eq!(total(&fx), before + 1);
         let live = entry(48_000);
         assert_eq!(live.state, FLOW_REPLIED | EST | CLOSED, "the later connection's, unmarked");

@@ -309,8 +309,7 @@ impl Dataplane {
         // need wait no longer (`lb_common::HOLD_NEW`).
         if self.migration.is_some() && self.hold_until & lb_common::HOLD_NEW != 0 {
             self.hold_until &= !lb_common::HOLD_NEW;
-            let flood = self.flood;
-            if let Err(e) = self.set_flood(&flood) {
+            if let Err(e) = self.write_flood(self.new_flow_rate(), self.hold_until) {
                 warn!(error = %e, "ending the hold of new connections; it lapses by itself within seconds");
             }
         }
