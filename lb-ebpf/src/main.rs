@@ -36,8 +36,8 @@ use forward::Hop;
 use forward::Way;
 use lb_common::{
     BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, DIR_RETIRED, EndpointKey,
-    FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST, Flow, FlowKey,
-    HOLD_NEW, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
+    FLOW_COPY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST, Flow,
+    FlowKey, HOLD_NEW, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
 use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
@@ -301,8 +301,8 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     {
         return None;
     }
-    if is_syn(pkt) && state & FLOW_ESTABLISHED != 0 && !flow_closed(state) {
-        reopen(state_of(flow), nat.backend_id);
+    if is_syn(pkt) && !flow_closed(state) {
+        syn_on_open4(pkt, flow, state);
     }
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
     // The client speaking again after the backend answered completes the
@@ -482,6 +482,69 @@ fn resumed4(pkt: &Packet, flow: *mut Flow, seen: u64) -> bool {
     // SAFETY: a valid, aligned map value; plain loads of integers.
     let (dir, syn_seq, backend_id) = unsafe { ((*flow).dir, (*flow).syn_seq, (*flow).backend_id) };
     resumed(state_of(flow), seen, dir, syn_seq, pkt.seq_lo(), backend_id)
+}
+
+/// [`syn_on_open`] for an IPv4 entry, in a call of its own (see
+/// `resumed4`).
+#[inline(never)]
+fn syn_on_open4(pkt: &Packet, flow: *mut Flow, seen: u64) {
+    // SAFETY: a valid, aligned map value; only fields' addresses are taken
+    // and an integer loaded.
+    let (syn_seq, backend_id) = unsafe { (&raw mut (*flow).syn_seq, (*flow).backend_id) };
+    syn_on_open(state_of(flow), seen, syn_seq, pkt.seq_lo(), backend_id);
+}
+
+/// A SYN (its sequence number's low byte `seq`) on an entry that is not
+/// closed, whose state was read as `seen` (both families). On an
+/// established entry it is a new connection on the reused tuple
+/// (`reopen`). On a half-open one it is the entry's own SYN retransmitted
+/// when its low byte is the one the entry keeps (`syn_seq`), and
+/// otherwise a new connection too: the client gave up a handshake the
+/// balancer saw no end of (it never sent a reset: an application's
+/// connect timeout, a backend that never answered, a SYN-ACK lost) and
+/// reused the tuple. Taken for a retransmission, that connection went
+/// uncounted. Now it is counted, and its handshake tracked afresh
+/// (`renew`). Either way the entry keeps its backend, and from then on
+/// keeps the new SYN's byte, so the new connection's own retransmissions
+/// are not counted again. A migration's first copy (`FLOW_COPY`) is the
+/// exception: older layouts kept no byte (0 in the copy), so a SYN on a
+/// half-open copy is taken for a retransmission, as before. Once in 256
+/// a new connection's SYN has the same byte, and goes uncounted.
+#[inline(always)]
+pub(crate) fn syn_on_open(state: *mut u64, seen: u64, syn_seq: *mut u8, seq: u8, backend_id: u32) {
+    if seen & FLOW_ESTABLISHED != 0 {
+        reopen(state, backend_id);
+    } else if seen & FLOW_COPY != 0
+        // SAFETY: a byte inside a valid map value.
+        || unsafe { *syn_seq } == seq
+        || !renew(state, seen, backend_id)
+    {
+        return;
+    }
+    // SAFETY: as above; a plain store of a byte. Another CPU taking the
+    // same SYN at once writes the same byte.
+    unsafe { *syn_seq = seq };
+}
+
+/// A new connection on a half-open entry's tuple (see `syn_on_open`): the
+/// old handshake is counted closed, the new connection opened and new, and
+/// the state starts over, with no answer from the backend yet
+/// (`FLOW_REPLIED` is the old connection's). A reopened entry stays
+/// reopened (`FLOW_REOPENED`: a forged SYN must not get an idle
+/// connection's entry expired early as half-open). Compare-and-swap, as
+/// in `resumed`: of two SYNs at once, one counts. True when this one did.
+#[inline(always)]
+fn renew(state: *mut u64, seen: u64, backend_id: u32) -> bool {
+    // SAFETY: a valid, aligned u64 inside a map value.
+    let (_, won) = unsafe {
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(state, seen, seen & FLOW_REOPENED)
+    };
+    if won {
+        stats::flow_closed(backend_id);
+        stats::new_flow(backend_id);
+        stats::flow_opened(backend_id);
+    }
+    won
 }
 
 /// A SYN on an entry whose handshake completed and whose close was not

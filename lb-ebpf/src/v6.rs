@@ -36,7 +36,7 @@ use crate::{
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     no_backend, now_secs, opening_state,
     parse::{ETH_HLEN, ETH_P_IPV6, EthHdr, ICMP6_TOO_BIG, IP6_HLEN, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
-    rate_ok, reopen, resumed, select, set_state, stats, syn_held, syn_only, table, track_close,
+    rate_ok, resumed, select, set_state, stats, syn_held, syn_on_open, syn_only, table, track_close,
 };
 
 const AF_INET6: u8 = 10;
@@ -576,8 +576,8 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
     if down || (pkt.is_syn() && flow_closed(state)) {
         return None;
     }
-    if pkt.is_syn() && state & FLOW_ESTABLISHED != 0 {
-        reopen(state_of(flow), nat.backend_id);
+    if pkt.is_syn() {
+        syn_on_open6(pkt, flow, state);
     }
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
     let dsr = dir == DIR_DSR;
@@ -602,6 +602,16 @@ fn resumed6(pkt: &Packet6, flow: *mut Flow6) {
         (core::ptr::read_volatile(&raw const (*flow).state), (*flow).dir, (*flow).syn_seq, (*flow).backend_id)
     };
     resumed(state_of(flow), seen, dir, syn_seq, pkt.seq_lo(), backend_id);
+}
+
+/// `syn_on_open` for an IPv6 entry, in a call of its own (see
+/// `resumed4`).
+#[inline(never)]
+fn syn_on_open6(pkt: &Packet6, flow: *mut Flow6, seen: u64) {
+    // SAFETY: a valid, aligned map value; only fields' addresses are taken
+    // and an integer loaded.
+    let (syn_seq, backend_id) = unsafe { (&raw mut (*flow).syn_seq, (*flow).backend_id) };
+    syn_on_open(state_of(flow), seen, syn_seq, pkt.seq_lo(), backend_id);
 }
 
 /// A new flow: planned in a frame of its own (`plan_flow`), its entries

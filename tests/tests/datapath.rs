@@ -629,6 +629,61 @@ fn a_syn_on_an_established_flow_is_a_new_connection_on_the_same_backend() {
     });
 }
 
+/// A SYN on a half-open entry with another sequence number than the
+/// entry's own SYN: the client gave up that handshake (a connect timeout,
+/// no answer) and reused the tuple. A new connection, counted as one, on
+/// the entry's backend; the old handshake is counted closed, so one flow
+/// stays active. The retransmissions of either SYN are not counted again,
+/// also after a reopen. A migration's half-open copy (older layouts kept
+/// no sequence byte) takes any SYN for a retransmission.
+#[test]
+fn a_syn_with_another_sequence_number_on_a_half_open_flow_is_a_new_connection() {
+    in_netns(|| {
+        let fx = rr_fixture_with_table(64);
+        let counted = |fx: &Fixture| RR_BACKENDS.map(|(a, _)| fx.new_flows("web", a)).iter().sum::<u64>();
+        let syn = |port, seq| Frame { seq, ..tcp(CLIENT, port, VIP, 80, SYN) }.bytes();
+        let b = fx.forward(&syn(40_150, 7_000));
+        assert_eq!((counted(&fx), fx.active_flows("web")), (1, 1));
+        // Its retransmission: the same connection.
+        assert_eq!(fx.forward(&syn(40_150, 7_000)), b);
+        assert_eq!(counted(&fx), 1);
+        // The backend answered, the client never finished the handshake,
+        // then opened another connection on the tuple: the same backend,
+        // counted, and still one active flow.
+        assert_eq!(fx.run(&from_backend(b, 8080, 40_150, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        assert_eq!(fx.forward(&syn(40_150, 9_001)), b, "the entry's backend");
+        assert_eq!((counted(&fx), fx.active_flows("web")), (2, 1));
+        assert_eq!(fx.forward(&syn(40_150, 9_001)), b);
+        assert_eq!(counted(&fx), 2, "the new SYN's retransmission");
+        // Its handshake starts over: the old connection's answer does not
+        // count for it, so the client's ACK alone does not establish it.
+        let state = |fx: &Fixture| fx.dp.flow(&key4(40_150)).unwrap().expect("an entry").state;
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_150, VIP, 80, ACK).bytes()), b);
+        assert_eq!(state(&fx) & lb_common::FLOW_ESTABLISHED, 0, "{:#x}", state(&fx));
+        assert_eq!(fx.run(&from_backend(b, 8080, 40_150, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_150, VIP, 80, ACK).bytes()), b);
+        assert_ne!(state(&fx) & lb_common::FLOW_ESTABLISHED, 0, "{:#x}", state(&fx));
+        // A reopen of the established flow keeps its SYN's byte: that
+        // SYN's retransmission is not counted; another SYN on the reopened
+        // (half-open) entry is.
+        assert_eq!(fx.forward(&syn(40_150, 12_002)), b);
+        assert_eq!(counted(&fx), 3);
+        assert_eq!(fx.forward(&syn(40_150, 12_002)), b);
+        assert_eq!(counted(&fx), 3, "the reopening SYN's retransmission");
+        assert_eq!(fx.forward(&syn(40_150, 12_003)), b);
+        assert_eq!((counted(&fx), fx.active_flows("web")), (4, 1));
+        // Still reopened: not expired early as half-open (see
+        // a_syn_on_an_established_flow_is_a_new_connection_on_the_same_backend).
+        assert_ne!(state(&fx) & lb_common::FLOW_REOPENED, 0, "{:#x}", state(&fx));
+        // A half-open first copy of a migration: any SYN is its own.
+        let c = fx.forward(&syn(40_151, 5_000));
+        assert_eq!(counted(&fx), 5);
+        first_copy(&fx, [40_151]);
+        assert_eq!(fx.forward(&syn(40_151, 5_077)), c);
+        assert_eq!((counted(&fx), fx.active_flows("web")), (5, 2));
+    });
+}
+
 /// A flow re-dispatched because its backend went down belongs to its new
 /// backend. The old backend's late packets (an answer it retransmits, its
 /// FIN) are replies of nothing: dropped and counted, never passed on to

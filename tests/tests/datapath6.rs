@@ -487,6 +487,48 @@ fn a_syn_sent_again_after_its_handshakes_reset_is_the_same_connection() {
     });
 }
 
+/// A SYN with another sequence number on a half-open entry is a new
+/// connection on the entry's backend (see datapath.rs), also in IPv6 and
+/// for a DSR service, whose entry never sees the backend's answers: the
+/// client gave up the handshake and reused the tuple. Retransmissions of
+/// either SYN are not counted again.
+#[test]
+fn a_syn_with_another_sequence_number_on_a_half_open_ipv6_or_dsr_flow_is_a_new_connection() {
+    in_netns(|| {
+        let fx = Fixture::new(vec![
+            service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)]),
+            dsr(service("web", 80, Protocol::Tcp, &[(BACKEND, 80)])),
+        ]);
+        let sent = |p: Vec<u8>| assert_eq!(fx.run(&p, fx.if_a).0, XDP_REDIRECT);
+        let both = |seq| {
+            sent(Frame6 { seq, ..tcp6(CLIENT6, 40_040, VIP6, 80, SYN) }.bytes());
+            sent(Frame { seq, ..tcp(CLIENT, 40_040, VIP, 80, SYN) }.bytes());
+        };
+        let counts = || {
+            (
+                (fx.new_flows("web6", BACKEND6), fx.new_flows("web", BACKEND)),
+                (fx.active_flows("web6"), fx.active_flows("web")),
+            )
+        };
+        for (seq, new) in [(0x100, 1), (0x100, 1), (0x201, 2), (0x201, 2), (0x302, 3)] {
+            both(seq);
+            assert_eq!(counts(), ((new, new), (1, 1)), "SYN {seq:#x}");
+        }
+        // The IPv6 backend answers and the client's ACK completes that
+        // handshake; the DSR client's ACK alone completes its own.
+        let answer = Frame6::tcp(BACKEND6, 8080, CLIENT6, 40_040, SYN | ACK).macs(GW_B_MAC, BACKEND_MAC);
+        assert_eq!(fx.run(&answer.bytes(), fx.if_b).0, XDP_REDIRECT);
+        sent(Frame6 { seq: 0x303, ..tcp6(CLIENT6, 40_040, VIP6, 80, ACK) }.bytes());
+        sent(Frame { seq: 0x303, ..tcp(CLIENT, 40_040, VIP, 80, ACK) }.bytes());
+        // Established: any SYN is a new connection (a reopen), and then
+        // its own retransmission is not.
+        both(0x302);
+        assert_eq!(counts(), ((4, 4), (1, 1)), "reopened");
+        both(0x302);
+        assert_eq!(counts(), ((4, 4), (1, 1)), "the reopening SYN again");
+    });
+}
+
 /// A client's tuple that opened a new connection after its flow closed
 /// is scheduled anew (round robin: onto the other backend). The first
 /// backend's late packets for that tuple (a retransmitted FIN) belong to
