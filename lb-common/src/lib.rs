@@ -1300,13 +1300,15 @@ pub const FLOW_ESTABLISHED: u64 = 16;
 /// again), but it is no half-open flow: it took no new room, and a forged
 /// SYN must not get an idle connection's entry expired early.
 pub const FLOW_REOPENED: u64 = 32;
-/// [`Flow::state`]: the entry is a migration's first copy of an older
-/// datapath's flow (set by lbd as it copies; the datapath never sets it).
-/// A new connection on the tuple drops it: a new entry in its place, a
-/// reopen, a handshake taken up again. The late copy merges the old
-/// program's later view only into an entry that still has it: the bits
-/// alone cannot tell, as a later connection's entry may by then have
-/// every bit the copy had (a whole connection in the late copy's window).
+/// [`Flow::state`]: the entry is a migration's copy of an older
+/// datapath's flow (set by lbd as it copies, first or late; the datapath
+/// never sets it). A new connection on the tuple drops it: a new entry in
+/// its place, a reopen, a handshake taken up again. The late copy merges the old program's later view only
+/// into an entry that still has it: the bits alone cannot tell, as a
+/// later connection's entry may by then have every bit the copy had (a
+/// whole connection in the late copy's window). And the datapath takes any
+/// SYN on a half-open copy for the copy's own, retransmitted: the older
+/// layouts kept no [`Flow::syn_seq`] to tell.
 pub const FLOW_COPY: u64 = 64;
 
 /// A TCP flow is closed once either side reset it or both sides sent a FIN.

@@ -506,7 +506,7 @@ fn syn_on_open4(pkt: &Packet, flow: *mut Flow, seen: u64) {
 /// uncounted. Now it is counted, and its handshake tracked afresh
 /// (`renew`). Either way the entry keeps its backend, and from then on
 /// keeps the new SYN's byte, so the new connection's own retransmissions
-/// are not counted again. A migration's first copy (`FLOW_COPY`) is the
+/// are not counted again. A migration's copy (`FLOW_COPY`) is the
 /// exception: older layouts kept no byte (0 in the copy), so a SYN on a
 /// half-open copy is taken for a retransmission, as before. Once in 256
 /// a new connection's SYN has the same byte, and goes uncounted.

@@ -350,10 +350,16 @@ impl Dataplane {
         // left it); the late copy needs none.
         let mut read =
             first.then(|| Copied { v4: flows.iter().map(|(k, f)| (*k, f.state)).collect(), v6: Default::default() });
-        if first {
-            for (_, f) in &mut flows {
-                f.state |= FLOW_COPY;
-            }
+        // Every copied entry is marked, the late copy's too: the late copy
+        // merges only into entries that still have the mark (a new
+        // connection on the tuple drops it), and the datapath takes any
+        // SYN on a half-open copy for the copy's own SYN retransmitted, as
+        // the old layouts kept no sequence byte to tell (`syn_seq`, 0 in a
+        // copy). Unmarked, a half-open flow the old program opened after
+        // the first copy would have its SYN's retransmission counted as a
+        // new connection.
+        for (_, f) in &mut flows {
+            f.state |= FLOW_COPY;
         }
         let mut done = self.merge_flows(&flows, &earlier.v4)?;
         drop(flows);
@@ -361,9 +367,9 @@ impl Dataplane {
             let mut flows6 = old_entries::<FlowKey6, Flow6, Bucket6V3>(from, old6, names::FLOWS6, |f| f.dir)?;
             if let Some(read) = &mut read {
                 read.v6 = flows6.iter().map(|(k, f)| (*k, f.state)).collect();
-                for (_, f) in &mut flows6 {
-                    f.state |= FLOW_COPY;
-                }
+            }
+            for (_, f) in &mut flows6 {
+                f.state |= FLOW_COPY;
             }
             let d6 = self.merge_flows6(&flows6, &earlier.v6)?;
             done += d6;
