@@ -272,7 +272,10 @@ fn dsr_services_balance_exactly_and_their_replies_bypass_the_balancer() {
 /// addressed to the VIP). The XDP program hands them to lbd's tc program,
 /// which redirects them as they are. A 20 MB upload (and download) per
 /// family completes, none is answered as too big, and the handed-on
-/// packets are counted in `kernel_egress`.
+/// packets are counted in `kernel_egress`. The tc links are pinned: they
+/// outlive a killed lbd, whose pinned XDP program goes on balancing, and
+/// uploads still complete then; a restart or the next start replaces
+/// them, and a clean stop detaches them.
 #[test]
 fn dsr_uploads_through_a_generic_mode_gateway_complete() {
     const BULK: &str = "20971520";
@@ -323,9 +326,32 @@ fn dsr_uploads_through_a_generic_mode_gateway_complete() {
             after - before
         );
     }
-    // The tc links are lbd's own: they go when it stops.
+    // A graceful restart attaches its own links and detaches the pinned
+    // ones it replaces: one per interface.
+    lbd.restart().expect("restart");
+    assert_eq!(tc_links(), lab.gw_interfaces().len(), "after a restart");
+    let no_tc_warning = |log: String| {
+        assert!(log.contains("tc ingress program attached"), "no attach in the log:\n{log}");
+        assert!(!log.lines().any(|l| l.contains("WARN") && l.contains("tc ingress")), "a tc link warning:\n{log}");
+    };
+    no_tc_warning(lbd.log_text());
+    // While lbd is down, its pinned XDP program goes on handing GSO
+    // packets on, and the pinned tc links go on taking them: uploads
+    // still complete (without the tc links they stall).
+    lbd.kill().unwrap();
+    assert_eq!(tc_links(), lab.gw_interfaces().len(), "the tc links outlive a killed lbd, pinned");
+    for vip in [IpAddr::from(DSR_VIP), IpAddr::from(DSR_VIP6)] {
+        let target = SocketAddr::new(vip, PORT).to_string();
+        let r = lab.client(&["upload", "--target", &target, "--bytes", BULK, "--timeout-ms", "20000"]).unwrap();
+        println!("{vip} with lbd down: upload {r}");
+        assert_eq!(r["complete"].as_bool(), Some(true), "{vip}: upload with lbd down: {r}");
+    }
+    // The next start takes them over, and a clean stop detaches them.
+    let mut lbd = Lbd::start(&lab, &config, &sock).expect("lbd start after the kill");
+    assert_eq!(tc_links(), lab.gw_interfaces().len(), "after a start over the pinned links");
     assert!(lbd.stop().unwrap().success());
     assert_eq!(tc_links(), 0, "TCX links left behind by lbd");
+    no_tc_warning(lbd.log_text());
 }
 
 /// TCX links (tc programs attached by BPF link) to a program named

@@ -10,7 +10,7 @@ use std::{
 use aya::programs::{
     LinkOrder, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode as AyaXdpMode,
     links::{FdLink, PinnedLink},
-    tc::TcAttachOptions,
+    tc::{SchedClassifierLinkId, TcAttachOptions},
     xdp::{XdpLink, XdpLinkId},
 };
 use lb_common::maps as names;
@@ -157,6 +157,20 @@ fn relink_previous(iface: &str, ifindex: u32, from: Mode, path: &Path, previous:
             warn!(interface = %iface, mode = from.name(), error = %e, "attaching the previous program again: the interface has no XDP program");
             false
         }
+    }
+}
+
+/// Detach the tc link pinned at `path` now and remove its pin (see
+/// [`unpin_link`] on why not by the pin's removal alone).
+fn unpin_tc(iface: &str, path: &Path) {
+    // A link whose device is gone is detached already.
+    if let Err(e) = super::sys::detach_pinned(path)
+        && e.raw_os_error() != Some(libc::ENOLINK)
+    {
+        warn!(interface = %iface, error = %e, "detaching the pinned tc ingress link; it goes with its pin");
+    }
+    if let Err(e) = std::fs::remove_file(path) {
+        warn!(interface = %iface, path = %path.display(), error = %e, "removing the tc ingress link's pin");
     }
 }
 
@@ -630,14 +644,22 @@ impl Dataplane {
     /// any other packet it passes untouched. Native mode never sees a GSO
     /// packet, so its interfaces' packets that go to the kernel do not
     /// meet the tc program (an interface switched from generic to native
-    /// keeps it, idle). A TCX link (kernel 6.6 and later), held
-    /// by this process: it goes when lbd exits, killed or not, and with
-    /// its device; no qdisc is made. Where it cannot be attached (an older
-    /// kernel has no TCX; a netlink filter instead would need a clsact
-    /// qdisc on the operator's device, and would outlive a killed lbd),
-    /// lbd says so once per device and runs on: such packets are dropped,
-    /// as the XDP redirect they would take otherwise does.
+    /// keeps it, idle). A TCX link (kernel 6.6 and later); no qdisc is
+    /// made. With a pin directory it is pinned beside the XDP links
+    /// (`tc/<interface>`), so that it outlives this process as the pinned
+    /// XDP program does: while lbd is down (a restart, an upgrade, a
+    /// crash) that program goes on handing it GSO packets, which would
+    /// otherwise be dropped. The next start attaches its own and only then
+    /// detaches the pinned one, so no packet finds none (for a moment both
+    /// run; the first redirects, the other never sees the packet). The
+    /// clean stop detaches it. Unpinned, it is this process's, and goes
+    /// when lbd exits. Either way it goes with its device. Where it cannot
+    /// be attached (an older kernel has no TCX; a netlink filter instead
+    /// would need a clsact qdisc on the operator's device), lbd says so
+    /// once per device and runs on: such packets are dropped, as the XDP
+    /// redirect they would take otherwise does.
     fn attach_tc(&mut self, links: &[netdev::Link]) {
+        let tc_dir = self.pin.as_ref().map(|p| p.join("tc"));
         let wanted: Vec<(String, u32)> = self
             .attached
             .iter()
@@ -663,13 +685,50 @@ impl Dataplane {
                     )
                 });
             match attached {
-                Ok(_) => {
+                Ok(id) => {
                     info!(interface = %iface, "tc ingress program attached (DSR services' GSO packets in generic mode)");
+                    if let Some(dir) = &tc_dir
+                        && let Err(e) = self.pin_tc(dir, &iface, id)
+                    {
+                        warn!(interface = %iface, error = %e,
+                            "pinning the tc ingress link; it goes when lbd exits, and while lbd is down DSR services' GSO packets are dropped");
+                    }
                 }
                 Err(e) => warn!(interface = %iface, error = %e,
                     "the tc ingress program cannot be attached: in generic mode, GSO packets of DSR services (bulk uploads) are dropped"),
             }
         }
+        // Pinned links of interfaces lbd does not run on (taken out of the
+        // configuration, here or before a restart): detached.
+        if let Some(dir) = &tc_dir
+            && let Ok(rd) = std::fs::read_dir(dir)
+        {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !self.attached.iter().any(|a| a.attachment.interface == name) {
+                    info!(interface = %name, "detaching the pinned tc ingress link of an interface no longer configured");
+                    unpin_tc(&name, &e.path());
+                }
+            }
+        }
+    }
+
+    /// Pin the tc link `id` just attached to `iface` at `dir/<iface>`, in
+    /// place of the link pinned there before (the previous process's, or
+    /// one on a device since replaced), which is detached now: the new
+    /// one already runs.
+    fn pin_tc(&mut self, dir: &Path, iface: &str, id: SchedClassifierLinkId) -> Result<(), Box<dyn std::error::Error>> {
+        std::fs::create_dir_all(dir)?;
+        let prog: &mut SchedClassifier =
+            self.ebpf.program_mut(super::TC_PROGRAM).ok_or(ProgramError::NotLoaded)?.try_into()?;
+        let link: FdLink = prog.take_link(id)?.try_into()?;
+        let path = dir.join(iface);
+        if path.exists() {
+            unpin_tc(iface, &path);
+        }
+        // The pin holds the link; the handle returned may go.
+        drop(link.pin(&path)?);
+        Ok(())
     }
 
     /// Make NETDEVS hold exactly `flags` (ifindex -> `NETDEV_F_*`).
@@ -724,7 +783,13 @@ impl Dataplane {
             for name in names::ALL.iter().chain(&names::STALE) {
                 let _ = std::fs::remove_file(pin.join("maps").join(name));
             }
-            for d in [pin.join("maps"), pin.join("links"), pin.clone()] {
+            let tc = pin.join("tc");
+            if let Ok(rd) = std::fs::read_dir(&tc) {
+                for e in rd.flatten() {
+                    unpin_tc(&e.file_name().to_string_lossy(), &e.path());
+                }
+            }
+            for d in [pin.join("maps"), pin.join("links"), tc, pin.clone()] {
                 if let Err(e) = std::fs::remove_dir(&d)
                     && e.kind() != std::io::ErrorKind::NotFound
                 {
