@@ -625,10 +625,14 @@ pub struct Flow {
     /// `DIR_FLOW`, `DIR_FORWARD` or `DIR_REPLY`.
     pub dir: u8,
     /// The low byte of the sequence number of the TCP segment that made
-    /// the entry (its SYN): a SYN with the same byte on an entry a reset
-    /// closed during its handshake is that SYN's retransmission, not a new
-    /// connection (see the datapath's `resumed`). In what was a padding byte, so the layout
-    /// is unchanged (entries of older programs hold 0 there).
+    /// the entry (its SYN), or of the SYN that reopened or renewed it: a
+    /// SYN with the same byte on an entry a reset closed during its
+    /// handshake is that SYN's retransmission, not a new connection (see
+    /// the datapath's `resumed`), and so is one on a half-open entry,
+    /// where a SYN with another byte is a new connection (`syn_on_open`;
+    /// not on a migration's copy, [`FLOW_COPY`]). In what was a padding
+    /// byte, so the layout is unchanged (entries of older programs hold 0
+    /// there).
     pub syn_seq: u8,
     /// TCP close tracking, kept on the forward entry only: `FLOW_*` bits,
     /// set with atomic OR by whichever CPU sees the FIN or RST.
