@@ -622,12 +622,14 @@ mod tests {
                     mode: crate::paths::Mode::Generic,
                     reason: "asked".into(),
                     missing: false,
+                    tc: Some(crate::dataplane::TcLink::Pinned),
                 },
                 Attachment {
                     interface: "lb2".into(),
                     mode: crate::paths::Mode::Native,
                     reason: "auto".into(),
                     missing: true,
+                    tc: None,
                 },
             ],
             paths: vec![PathReport {

@@ -304,6 +304,17 @@ fn dsr_uploads_through_a_generic_mode_gateway_complete() {
         "the tc program on every interface:\n{log}"
     );
     assert_eq!(tc_links(), lab.gw_interfaces().len(), "the kernel's view: a TCX link to lb_tc per interface");
+    // lbd's view, for the operator: pinned on every interface.
+    let status = lbd.status().unwrap();
+    for a in status["interfaces"].as_array().expect("interfaces") {
+        assert_eq!(a["tc"], "pinned", "{a}");
+    }
+    let text = lbd.lbctl(&["status"]).unwrap();
+    assert_eq!(
+        text.matches("tc ingress link for DSR services' GSO packets: pinned").count(),
+        lab.gw_interfaces().len(),
+        "{text}"
+    );
     let counter = |name: &str| lbd.status().unwrap()["counters"][name].as_u64().expect(name);
     for (service, vip, v6) in [("dsr4", IpAddr::from(DSR_VIP), false), ("dsr6", IpAddr::from(DSR_VIP6), true)] {
         let target = SocketAddr::new(vip, PORT).to_string();

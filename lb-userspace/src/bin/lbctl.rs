@@ -6,6 +6,7 @@ use clap::Parser as _;
 use lb_userspace::{
     api::{self, Request},
     cli::{BackendAction, Command, LbctlArgs as Args, ServiceAction, backend_spec},
+    dataplane::TcLink,
     report::Status,
 };
 
@@ -156,6 +157,13 @@ fn render(s: &Status) -> String {
         } else {
             let _ = writeln!(out, "interface {} XDP {} ({})", a.interface, a.mode, a.reason);
         }
+        let tc = match a.tc {
+            None => continue,
+            Some(TcLink::Pinned) => "pinned",
+            Some(TcLink::Owned) => "lbd's own (not pinned: gone while lbd is down)",
+            Some(TcLink::Failed) => "FAILED to attach: DSR services' GSO packets (bulk uploads) are dropped",
+        };
+        let _ = writeln!(out, "  tc ingress link for DSR services' GSO packets: {tc}");
     }
     for r in &s.paths {
         let _ = writeln!(out, "  path {} -> {}: {} ({})", r.ingress, r.egress, r.path.describe(), r.reason);

@@ -17,7 +17,7 @@ use lb_common::maps as names;
 use tracing::{info, warn};
 
 use super::{
-    Attachment, Dataplane, DataplaneError, PROGRAM, map_err,
+    Attachment, Dataplane, DataplaneError, PROGRAM, TcLink, map_err,
     pin::{pinned_mode, pinned_program, severed},
 };
 use crate::{
@@ -385,7 +385,7 @@ impl Dataplane {
             let reason = String::new();
             info!(interface = %iface, mode = mode.name(), "XDP program replaced on the pinned link");
             return Ok(Attached {
-                attachment: Attachment { interface: iface.to_owned(), mode, reason, missing: false },
+                attachment: Attachment { interface: iface.to_owned(), mode, reason, missing: false, tc: None },
                 link: AttachedLink::Pinned { fd, path: path.clone(), adopted: true, previous, switched: None },
             });
         }
@@ -411,7 +411,8 @@ impl Dataplane {
             (m, _) => (try_mode(prog, m)?, m, reason),
         };
         info!(interface = %iface, mode = mode.name(), reason = %reason, "XDP attached");
-        let attachment = Attachment { interface: iface.to_owned(), mode, reason: reason.clone(), missing: false };
+        let attachment =
+            Attachment { interface: iface.to_owned(), mode, reason: reason.clone(), missing: false, tc: None };
         let Some(path) = pin_path else {
             return Ok(Attached { attachment, link: AttachedLink::Owned(id) });
         };
@@ -665,11 +666,10 @@ impl Dataplane {
             .iter()
             .filter(|a| !a.attachment.missing && a.attachment.mode == Mode::Generic)
             .filter_map(|a| links.iter().find(|l| l.name == a.attachment.interface))
-            .filter(|l| self.tc.get(&l.name) != Some(&l.ifindex))
+            .filter(|l| self.tc.get(&l.name).map(|t| t.0) != Some(l.ifindex))
             .map(|l| (l.name.clone(), l.ifindex))
             .collect();
         for (iface, ifindex) in wanted {
-            self.tc.insert(iface.clone(), ifindex);
             let attached = self
                 .ebpf
                 .program_mut(super::TC_PROGRAM)
@@ -684,19 +684,26 @@ impl Dataplane {
                         TcAttachOptions::TcxOrder(LinkOrder::default()),
                     )
                 });
-            match attached {
+            let state = match attached {
                 Ok(id) => {
                     info!(interface = %iface, "tc ingress program attached (DSR services' GSO packets in generic mode)");
-                    if let Some(dir) = &tc_dir
-                        && let Err(e) = self.pin_tc(dir, &iface, id)
-                    {
-                        warn!(interface = %iface, error = %e,
-                            "pinning the tc ingress link; it goes when lbd exits, and while lbd is down DSR services' GSO packets are dropped");
+                    match tc_dir.as_ref().map(|dir| self.pin_tc(dir, &iface, id)) {
+                        Some(Ok(())) => TcLink::Pinned,
+                        Some(Err(e)) => {
+                            warn!(interface = %iface, error = %e,
+                                "pinning the tc ingress link; it goes when lbd exits, and while lbd is down DSR services' GSO packets are dropped");
+                            TcLink::Owned
+                        }
+                        None => TcLink::Owned,
                     }
                 }
-                Err(e) => warn!(interface = %iface, error = %e,
-                    "the tc ingress program cannot be attached: in generic mode, GSO packets of DSR services (bulk uploads) are dropped"),
-            }
+                Err(e) => {
+                    warn!(interface = %iface, error = %e,
+                        "the tc ingress program cannot be attached: in generic mode, GSO packets of DSR services (bulk uploads) are dropped");
+                    TcLink::Failed
+                }
+            };
+            self.tc.insert(iface, (ifindex, state));
         }
         // Pinned links of interfaces lbd does not run on (taken out of the
         // configuration, here or before a restart): detached.

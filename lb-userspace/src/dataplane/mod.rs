@@ -201,6 +201,25 @@ pub struct Attachment {
     /// there (checked every second).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub missing: bool,
+    /// The tc ingress link that takes DSR services' GSO packets from the
+    /// XDP program (interfaces in generic mode; see `attach_tc`). None:
+    /// the interface has none, as in native mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tc: Option<TcLink>,
+}
+
+/// An interface's tc ingress link (`Attachment::tc`).
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum TcLink {
+    /// Pinned under the pin directory: it stays while lbd is down.
+    Pinned,
+    /// lbd's own (no pin directory, or the pin failed): it goes when lbd
+    /// exits.
+    Owned,
+    /// It could not be attached (a kernel without TCX): those packets are
+    /// dropped.
+    Failed,
 }
 
 /// One backend as programmed into the maps.
@@ -239,8 +258,9 @@ pub struct Dataplane {
     select_memory: Option<SelectMemory>,
     attached: Vec<Attached>,
     /// The interfaces the tc program (`TC_PROGRAM`) was attached to, or
-    /// tried, with the device's ifindex then (see `attach_tc`).
-    tc: BTreeMap<String, u32>,
+    /// tried, with the device's ifindex then and how it went (see
+    /// `attach_tc`).
+    tc: BTreeMap<String, (u32, TcLink)>,
     /// bpffs directory of this datapath; None for a private, unpinned one.
     pin: Option<PathBuf>,
     /// Services found in adopted maps, not yet claimed by the config.
@@ -1025,7 +1045,10 @@ impl Dataplane {
     }
 
     pub fn attachments(&self) -> Vec<Attachment> {
-        self.attached.iter().map(|a| a.attachment.clone()).collect()
+        self.attached
+            .iter()
+            .map(|a| Attachment { tc: self.tc.get(&a.attachment.interface).map(|t| t.1), ..a.attachment.clone() })
+            .collect()
     }
 
     pub fn services(&self) -> impl Iterator<Item = &AppliedService> {
