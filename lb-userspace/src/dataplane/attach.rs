@@ -160,17 +160,15 @@ fn relink_previous(iface: &str, ifindex: u32, from: Mode, path: &Path, previous:
     }
 }
 
-/// Detach the tc link pinned at `path` now and remove its pin (see
-/// [`unpin_link`] on why not by the pin's removal alone).
-fn unpin_tc(iface: &str, path: &Path) {
-    // A link whose device is gone is detached already.
-    if let Err(e) = super::sys::detach_pinned(path)
-        && e.raw_os_error() != Some(libc::ENOLINK)
-    {
-        warn!(interface = %iface, error = %e, "detaching the pinned tc ingress link; it goes with its pin");
-    }
-    if let Err(e) = std::fs::remove_file(path) {
-        warn!(interface = %iface, path = %path.display(), error = %e, "removing the tc ingress link's pin");
+/// Detach every tc ingress link pinned in `dir` (see `attach_tc`) whose
+/// interface `keep` does not name, and remove its pin.
+fn unpin_tc_links(dir: &Path, keep: impl Fn(&str) -> bool) {
+    let Ok(rd) = std::fs::read_dir(dir) else { return };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !keep(&name) {
+            unpin(TC_LINK, &name, &e.path());
+        }
     }
 }
 
@@ -178,11 +176,19 @@ fn unpin_tc(iface: &str, path: &Path) {
 /// Detached now (see `sys`), not whenever the kernel drops the
 /// link's last reference after the pin goes.
 fn unpin_link(iface: &str, path: &Path) {
+    unpin("XDP", iface, path);
+}
+
+/// The name [`unpin`] gives a tc ingress link in its warnings.
+const TC_LINK: &str = "tc ingress";
+
+/// [`unpin_link`] for a link of `kind` (`XDP`, [`TC_LINK`]).
+fn unpin(kind: &str, iface: &str, path: &Path) {
     if let Err(e) = super::sys::detach_pinned(path) {
-        warn!(interface = %iface, error = %e, "detaching the XDP link; it goes with its pin");
+        warn!(interface = %iface, error = %e, "detaching the {kind} link; it goes with its pin");
     }
     if let Err(e) = std::fs::remove_file(path) {
-        warn!(interface = %iface, error = %e, "unpinning the XDP link");
+        warn!(interface = %iface, error = %e, "unpinning the {kind} link");
     }
 }
 
@@ -339,6 +345,10 @@ impl Dataplane {
         for (iface, path) in unconfigured {
             unpin_link(&iface, &path);
             info!(interface = %iface, "detached (no longer configured)");
+        }
+        // So are the pinned tc links of interfaces no longer configured.
+        if let Some(pin) = &self.pin {
+            unpin_tc_links(&pin.join("tc"), |name| interfaces.iter().any(|i| i == name));
         }
         self.remove_stale_pins();
         self.refresh_paths().map(drop)
@@ -705,19 +715,6 @@ impl Dataplane {
             };
             self.tc.insert(iface, (ifindex, state));
         }
-        // Pinned links of interfaces lbd does not run on (taken out of the
-        // configuration, here or before a restart): detached.
-        if let Some(dir) = &tc_dir
-            && let Ok(rd) = std::fs::read_dir(dir)
-        {
-            for e in rd.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                if !self.attached.iter().any(|a| a.attachment.interface == name) {
-                    info!(interface = %name, "detaching the pinned tc ingress link of an interface no longer configured");
-                    unpin_tc(&name, &e.path());
-                }
-            }
-        }
     }
 
     /// Pin the tc link `id` just attached to `iface` at `dir/<iface>`, in
@@ -731,7 +728,7 @@ impl Dataplane {
         let link: FdLink = prog.take_link(id)?.try_into()?;
         let path = dir.join(iface);
         if path.exists() {
-            unpin_tc(iface, &path);
+            unpin(TC_LINK, iface, &path);
         }
         // The pin holds the link; the handle returned may go.
         drop(link.pin(&path)?);
@@ -791,11 +788,7 @@ impl Dataplane {
                 let _ = std::fs::remove_file(pin.join("maps").join(name));
             }
             let tc = pin.join("tc");
-            if let Ok(rd) = std::fs::read_dir(&tc) {
-                for e in rd.flatten() {
-                    unpin_tc(&e.file_name().to_string_lossy(), &e.path());
-                }
-            }
+            unpin_tc_links(&tc, |_| false);
             for d in [pin.join("maps"), pin.join("links"), tc, pin.clone()] {
                 if let Err(e) = std::fs::remove_dir(&d)
                     && e.kind() != std::io::ErrorKind::NotFound
