@@ -582,22 +582,24 @@ pub(crate) fn holding(now: u64) -> bool {
     FLOOD.get(0).is_some_and(|f| u64::from(f.hold_until & !HOLD_NEW) > now)
 }
 
-/// Whether a packet that would open a flow (it found no entry, or a
-/// closed one) is dropped and counted (`counter::HELD`) instead: a TCP
-/// packet other than a SYN while a migration copies the old datapath's
-/// last flows (`holding`: its retransmission finds the entry), and a SYN
-/// too while the program swap is under way (`lb_common::HOLD_NEW`).
+/// What a packet that would open a flow (it found no entry, or a closed
+/// one) may do, from one read of `FLOOD`: None when it is dropped and
+/// counted (`counter::HELD`) instead, a TCP packet other than a SYN while
+/// a migration copies the old datapath's last flows (`holding`: its
+/// retransmission finds the entry), and a SYN too while the program swap
+/// is under way (`lb_common::HOLD_NEW`); otherwise this CPU's new-flow
+/// rate limit (`flood.new_flow_rate_per_cpu`, 0: none) for `rate_ok`.
 #[inline(always)]
-pub(crate) fn held_opening(proto: u8, tcp_flags: u8, now: u64) -> bool {
-    if proto != PROTO_TCP {
-        return false;
-    }
-    let Some(until) = FLOOD.get(0).map(|f| f.hold_until) else { return false };
-    let held = u64::from(until & !HOLD_NEW) > now && (until & HOLD_NEW != 0 || !syn_only(proto, tcp_flags));
+pub(crate) fn admit_opening(proto: u8, tcp_flags: u8, now: u64) -> Option<u64> {
+    let Some((until, limit)) = FLOOD.get(0).map(|f| (f.hold_until, f.new_flow_rate_per_cpu)) else { return Some(0) };
+    let held = proto == PROTO_TCP
+        && u64::from(until & !HOLD_NEW) > now
+        && (until & HOLD_NEW != 0 || !syn_only(proto, tcp_flags));
     if held {
         stats::count(counter::HELD);
+        return None;
     }
-    held
+    Some(u64::from(limit))
 }
 
 /// Whether a SYN on the flow entry whose state word is `state` is dropped
@@ -653,14 +655,14 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64, hint: u32) -> 
     // A migration is copying the old datapath's last flows: a TCP packet
     // of one of them waits for its retransmission rather than be hashed
     // to a backend that may not be the one its SYN went to (and a SYN
-    // waits while the swap is under way: `held_opening`).
-    if held_opening(pkt.proto, pkt.tcp_flags, now) {
+    // waits while the swap is under way: `admit_opening`).
+    let Some(limit) = admit_opening(pkt.proto, pkt.tcp_flags, now) else {
         return Err(xdp_action::XDP_DROP);
-    }
+    };
     let reply_entry = svc.flags & SVC_F_REPLY_ENTRY != 0;
     // A flow of a service whose replies need their own entry cannot go
     // without one: it is never rate limited, and dropped when full.
-    if reply_entry || rate_ok(now) {
+    if reply_entry || rate_ok(limit, now) {
         // Only a SYN opens a TCP connection; any other TCP packet without
         // an entry belongs to a flow that was routed without one (or whose
         // entry is gone), and gets the stateless answer it had.
@@ -705,13 +707,10 @@ pub(crate) fn no_backend() -> u32 {
 }
 
 /// Whether this CPU may give one more new flow an entry this second
-/// (`flood.new_flow_rate_per_cpu`); counts it if so.
+/// (under `limit`, `flood.new_flow_rate_per_cpu` as `admit_opening` read it; 0:
+/// no limit); counts it if so.
 #[inline(always)]
-pub(crate) fn rate_ok(now: u64) -> bool {
-    let limit = match FLOOD.get(0) {
-        Some(f) => u64::from(f.new_flow_rate_per_cpu),
-        None => 0,
-    };
+pub(crate) fn rate_ok(limit: u64, now: u64) -> bool {
     if limit == 0 {
         return true;
     }

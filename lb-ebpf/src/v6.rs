@@ -27,12 +27,12 @@ use lb_common::{
 use lb_ebpf::csum;
 
 use crate::{
-    backend_down,
+    admit_opening, backend_down,
     forward::{
         FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, ON_LINK, Way, adopt_hop, cached_hop,
         classify_segment, generic_ingress, gso, gso_fits, leave, segment_sum, segments, set_macs, to_tc,
     },
-    held_opening, holding,
+    holding,
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     no_backend, now_secs, opening_state,
     parse::{ETH_HLEN, ETH_P_IPV6, EthHdr, ICMP6_TOO_BIG, IP6_HLEN, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
@@ -663,12 +663,12 @@ fn plan_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> u32 {
     // SAFETY: this CPU's scratch slot, where try_lb copied the service;
     // nothing writes `svc` while this reference lives.
     let svc = unsafe { &(*k).svc };
-    if held_opening(pkt.proto, pkt.tcp_flags, now) {
+    let Some(limit) = admit_opening(pkt.proto, pkt.tcp_flags, now) else {
         return xdp_action::XDP_DROP;
-    }
+    };
     let opening = pkt.proto != PROTO_TCP || pkt.is_syn();
     let reply_entry = svc.flags & SVC_F_REPLY_ENTRY != 0;
-    if reply_entry || rate_ok(now) {
+    if reply_entry || rate_ok(limit, now) {
         let tuple = pkt.tuple();
         let id = if opening { select::pick(svc, tuple) } else { select::pick_stateless(svc, tuple) };
         return prepare_entry(pkt, k, svc, id, now);
