@@ -294,12 +294,20 @@ fn netdev(ifindex: u32) -> u32 {
 /// and every other packet nothing: a per-packet length check on the cached
 /// path costs the verifier a second exploration of everything after it. A
 /// device lbd has not described (MTU 0) is taken to be as wide as any.
+///
+/// Nor is a hop whose route the FIB found narrower than the ingress device
+/// ([`HOP_NARROW`], see [`widen`]): a route's own MTU (`ip route ... mtu
+/// lock`) is below its device's, and a later packet of the flow may not
+/// fit it, though this one did.
 #[inline(always)]
 pub(crate) fn adopt_hop(ctx: &XdpContext, hop: Hop, nh: &mut NextHopAddr, now: u32, generation: u32) -> bool {
+    // The mark stays in `nh` (a local held across the lookups below
+    // would cost the callers' frames stack they have not got): the
+    // egress is read without it, and `leave` and `to_tc` send without it.
     let ingress = ctx.ingress_ifindex() as u32;
     let in_flags = netdev(ingress);
-    let one_arm = nh.0 == ingress;
-    let out_flags = if one_arm { in_flags } else { netdev(nh.0) };
+    let one_arm = nh.0 & !HOP_NARROW == ingress;
+    let out_flags = if one_arm { in_flags } else { netdev(nh.0 & !HOP_NARROW) };
     if !xmits(in_flags, out_flags) {
         return false;
     }
@@ -307,10 +315,78 @@ pub(crate) fn adopt_hop(ctx: &XdpContext, hop: Hop, nh: &mut NextHopAddr, now: u
         nh.0 |= HOP_TX;
     }
     let out_mtu = out_flags >> NETDEV_MTU_SHIFT;
-    if out_mtu == 0 || out_mtu >= in_flags >> NETDEV_MTU_SHIFT {
+    if nh.0 & HOP_NARROW == 0 && (out_mtu == 0 || out_mtu >= in_flags >> NETDEV_MTU_SHIFT) {
         store_hop(ctx, hop, *nh, now, generation);
     }
     true
+}
+
+/// Set in a FIB answer's egress (`NextHopAddr::0`; never cached, and
+/// masked off by [`leave`] and [`to_tc`]): the route's MTU is below the
+/// ingress device's. Kernel ifindexes are positive `int`s handed out from
+/// 1 up: bit 30, beside [`HOP_TX`]'s 31, is never one of theirs.
+pub(crate) const HOP_NARROW: u32 = 1 << 30;
+
+/// Widen the FIB question in `p`, whose length is the packet's own (or
+/// its segments'), to the ingress device's MTU where that is more. A
+/// packet up to the ingress MTU may arrive, and a hop is cached for every
+/// later packet of its flow, so the route must take that much. Where the
+/// FIB then answers "too big" but the packet itself fits the route's MTU,
+/// the route is narrower than the device the flow arrives on (a route's
+/// own `mtu`, below its device's): [`ask_narrow`] asks again by the
+/// packet's own length and marks the hop [`HOP_NARROW`]. A route at least
+/// as wide as the ingress answers the first question: one lookup, as
+/// before.
+///
+/// The MTU comes from `bpf_check_mtu` (a length of 1 fits any device; the
+/// helper answers the device's MTU whatever its verdict). The scratch slot
+/// past the FIB parameters holds it (word 16, as in
+/// [`beyond_ingress_mtu`]), then the packet's own length (word 17) for
+/// [`ask_narrow`]: on this chain of frames a value held in a register
+/// across the helper calls costs stack there is none of.
+///
+/// # Safety
+/// `p` is this CPU's scratch slot, its question written.
+#[inline(always)]
+pub(crate) unsafe fn widen(ctx: &XdpContext, p: *mut FibParams) {
+    // SAFETY: the caller's promise; the slot holds 72 bytes, the
+    // parameters 64 (asserted below): both words are inside it, 4-aligned.
+    unsafe {
+        let w = p.cast::<u8>().add(size_of::<FibParams>()).cast::<u32>();
+        let own = (*p).__bindgen_anon_1.tot_len;
+        *w.add(1) = u32::from(own);
+        *w = 1;
+        bpf_check_mtu(ctx.ctx.cast(), 0, w, 0, 0);
+        let mtu = *w;
+        if mtu > u32::from(own) && mtu <= u32::from(u16::MAX) {
+            (*p).__bindgen_anon_1.tot_len = mtu as u16;
+        }
+    }
+}
+
+/// After the widened question's answer `rc` ([`widen`]): where it is "too
+/// big" for a route whose MTU the packet itself fits, the same question
+/// again by the packet's own length (a "too big" answer wrote only the
+/// MTU, over the length), its next hop marked [`HOP_NARROW`]. Otherwise
+/// `rc` as it is.
+///
+/// # Safety
+/// `p` is this CPU's scratch slot, [`widen`]ed and answered.
+#[inline(always)]
+pub(crate) unsafe fn ask_narrow(ctx: &XdpContext, p: *mut FibParams, rc: i64) -> i64 {
+    // SAFETY: the caller's promise, as in `widen`.
+    unsafe {
+        let own = *p.cast::<u8>().add(size_of::<FibParams>() + 4).cast::<u32>();
+        if rc != FIB_TOO_BIG || u32::from((*p).__bindgen_anon_1.mtu_result) < own {
+            return rc;
+        }
+        (*p).__bindgen_anon_1.tot_len = own as u16;
+        let rc = bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0);
+        if rc == FIB_OK {
+            (*p).ifindex |= HOP_NARROW;
+        }
+        rc
+    }
 }
 
 /// The longest frame of a 1,500-byte MTU, two VLAN tags included: no
@@ -553,7 +629,7 @@ pub(crate) fn send(ctx: &XdpContext, pkt: &Packet, rw: Rewrite, cs: L4Csum, hop:
 #[inline(always)]
 pub(crate) fn leave(ctx: &XdpContext, hop_if: u32) -> u32 {
     stats::count(counter::XDP_REDIRECT);
-    let ifindex = hop_if & !HOP_TX;
+    let ifindex = hop_if & !(HOP_TX | HOP_NARROW);
     if hop_if & HOP_TX != 0 && ifindex == ctx.ingress_ifindex() as u32 {
         stats::count(counter::XDP_TX);
         return xdp_action::XDP_TX;
@@ -682,7 +758,7 @@ pub(crate) fn to_tc(ctx: &XdpContext, hop_if: u32) -> u32 {
     if meta + HANDOFF_LEN > ctx.data() {
         return xdp_action::XDP_DROP;
     }
-    let handoff = TcHandoff { magic: TC_HANDOFF_MAGIC, ifindex: hop_if & !HOP_TX };
+    let handoff = TcHandoff { magic: TC_HANDOFF_MAGIC, ifindex: hop_if & !(HOP_TX | HOP_NARROW) };
     // SAFETY: bounds-checked just above; the metadata area is 4-aligned.
     unsafe { core::ptr::write(meta as *mut TcHandoff, handoff) };
     stats::count(counter::KERNEL_EGRESS);
@@ -851,7 +927,9 @@ pub(crate) fn to_gateway(ctx: &XdpContext, pkt: &Packet) -> bool {
 /// `ask` says ([`ON_LINK`], [`ASK_LEN_SHIFT`]): a `BPF_FIB_LKUP_RET_*`
 /// code, or [`FIB_OFF_LINK`] when [`ON_LINK`] asks for a directly
 /// connected destination and the FIB names a gateway; on
-/// success the next hop in `out`, when too big the MTU in `out.0`.
+/// success the next hop in `out` (marked [`HOP_NARROW`] where the route
+/// is narrower than the ingress device, see [`widen`]), when too big
+/// the MTU in `out.0`.
 // Its own stack frame: the 64-byte parameters would otherwise add to the
 // caller's (inlined) frame and overflow the 512-byte BPF stack.
 #[inline(never)]
@@ -869,7 +947,9 @@ fn fib_lookup(ctx: &XdpContext, pkt: &Packet, dst: u32, ask: u32, out: &mut Next
         (*p).__bindgen_anon_3.ipv4_src = (*ip).saddr;
         (*p).__bindgen_anon_4.ipv4_dst = dst;
         (*p).ifindex = ctx.ingress_ifindex() as u32;
-        bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0)
+        widen(ctx, p);
+        let rc = bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0);
+        ask_narrow(ctx, p, rc)
     };
     // SAFETY: the helper wrote its answer into the slot; plain loads.
     unsafe {

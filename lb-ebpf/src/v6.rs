@@ -29,8 +29,9 @@ use lb_ebpf::csum;
 use crate::{
     admit_opening, backend_down,
     forward::{
-        FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, ON_LINK, Way, adopt_hop, cached_hop,
-        classify_segment, generic_ingress, gso, gso_fits, leave, segment_sum, segments, set_macs, to_tc,
+        FIB_NO_NEIGH, FIB_OFF_LINK, FIB_OK, FIB_TOO_BIG, Hop, L4Csum, NextHopAddr, ON_LINK, Way, adopt_hop, ask_narrow,
+        cached_hop, classify_segment, generic_ingress, gso, gso_fits, leave, segment_sum, segments, set_macs, to_tc,
+        widen,
     },
     holding,
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
@@ -1036,12 +1037,16 @@ fn to_kernel(pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, reason: u32) -> u32 {
 fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, now: u64, way: Way) -> u32 {
     let now = now as u32;
     let generation = NETDEV_GEN.get(0).copied().unwrap_or(0);
-    // The egress only: the MACs are copied into the frame at the end,
-    // from wherever the hop is kept (held in locals across the checks
-    // below, their bytes cost this frame more than it has).
+    // The egress only: the MACs are copied into the frame from wherever
+    // the hop is kept (held in locals across the checks below, their
+    // bytes cost this frame more than it has), once no path is left that
+    // hands the packet to the kernel as it came: from the cache for a
+    // cached hop, from the FIB's answer for one just looked up, whether
+    // `adopt_hop` cached it or not (a narrower egress or route).
     // A GSO packet is never sent by a cached hop (see `forward::gso`).
     let cached = if gso(ctx) { None } else { cached_hop(ctx, hop, now, generation) };
     let ifindex = if let Some(nh) = cached {
+        copy_macs(hop, pkt.eth);
         nh.0
     } else {
         // SAFETY: bounds-checked by parse().
@@ -1056,6 +1061,7 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
         if !adopt_hop(ctx, hop, &mut nh, now, generation) {
             return to_kernel(pkt, rw, cs, counter::KERNEL_EGRESS);
         }
+        copy_macs(Hop::Uncached, pkt.eth);
         nh.0
     };
     // Native mode finishes an unfinished checksum before a redirect (the
@@ -1065,13 +1071,12 @@ fn send(ctx: &XdpContext, pkt: &Packet6, rw: &Rewrite6, cs: L4Csum, hop: Hop, no
     update_l4(pkt, rw, cs, finish);
     // SAFETY: bounds-checked by parse().
     unsafe { (*pkt.ip).hop_limit -= 1 };
-    copy_macs(hop, pkt.eth);
     leave(ctx, ifindex)
 }
 
 /// Write the MACs of the next hop `hop` names into the frame: from its
-/// cache, or for an uncached hop from the FIB's answer in the scratch slot
-/// (nothing has used the slot since).
+/// cache, or for `Hop::Uncached` (any hop just looked up) from the FIB's
+/// answer in the scratch slot (nothing has used the slot since).
 #[inline(always)]
 fn copy_macs(hop: Hop, eth: *mut EthHdr) {
     // SAFETY: valid map values (a cache just found fresh or filled, the
@@ -1315,18 +1320,29 @@ fn fib_lookup(ctx: &XdpContext, pkt: &Packet6, ask: u32) -> i64 {
     // SAFETY: this CPU's scratch slot, which `fib` zeroed and gave the
     // destination; plain stores and loads.
     unsafe {
-        let dst = (*p).__bindgen_anon_4.ipv6_dst;
+        // The destination held as two 64-bit words, not four 32-bit ones
+        // (each would take a stack slot of its own; this chain of frames
+        // has no room for them). The slot is 8-aligned, and the address is
+        // at byte 32 (asserted below).
+        let d = (&raw const (*p).__bindgen_anon_4.ipv6_dst).cast::<u64>();
+        let dst = (*d, *d.add(1));
         (*p).family = AF_INET6;
         (*p).l4_protocol = pkt.proto;
         (*p).__bindgen_anon_1.tot_len = len;
         (*p).__bindgen_anon_3.ipv6_src = pkt.saddr();
         (*p).ifindex = ctx.ingress_ifindex() as u32;
+        // Asked for the ingress MTU, and again by the packet's own length
+        // where only that fits (see `forward::widen`).
+        widen(ctx, p);
         let rc = bpf_fib_lookup(ctx.ctx.cast(), p, size_of::<FibParams>() as i32, 0);
+        let rc = ask_narrow(ctx, p, rc);
         // The helper wrote the next hop's address (a gateway, if the
         // route has one) over the destination.
-        if rc == FIB_OK && ask & ON_LINK != 0 && (*p).__bindgen_anon_4.ipv6_dst != dst {
+        if rc == FIB_OK && ask & ON_LINK != 0 && (*d, *d.add(1)) != dst {
             return FIB_OFF_LINK;
         }
         rc
     }
 }
+
+const _: () = assert!(core::mem::offset_of!(FibParams, __bindgen_anon_4).is_multiple_of(8));

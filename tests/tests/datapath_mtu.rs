@@ -289,3 +289,57 @@ fn a_gso_packet_too_big_for_a_narrower_egress_is_answered_as_any_packet() {
         assert_eq!((fx.counter("too_big"), fx.counter("kernel_egress")), (1, 0));
     });
 }
+
+/// A route narrower than its device (a locked route MTU of 1,280 on the
+/// 1,500-byte backend side, both devices described at 1,500): every
+/// packet of a flow that takes it is asked of the FIB, which compares it
+/// with the route's MTU, so one that fits leaves by redirect (with the
+/// FIB's MACs) and a longer one later in the same flow is answered as too
+/// big, from the VIP. Were the flow's hop cached after its first packet,
+/// as a hop through a route as wide as the ingress is, the longer packet
+/// would leave by it, for the narrower link past it to drop.
+#[test]
+fn a_route_narrower_than_its_device_is_asked_for_every_packet() {
+    in_netns(|| {
+        let mtu = SMALL_MTU.to_string();
+        sh(&["ip", "route", "add", &format!("{BACKEND}/32"), "dev", "gwb", "mtu", "lock", &mtu]);
+        sh(&["ip", "-6", "route", "add", &format!("{BACKEND6}/128"), "dev", "gwb", "mtu", "lock", &mtu]);
+        let mut fx = Fixture::new(vec![service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)])]);
+        mtus(&mut fx, 1500, 1500);
+        let syn = tcp(CLIENT, 42030, VIP, 80, SYN);
+        assert_eq!(fx.run(&syn.bytes(), fx.if_a).0, XDP_REDIRECT, "a small packet goes through");
+        for round in 0..2 {
+            let fits = big(42030, ACK, SMALL_MTU as usize, true);
+            let (action, out) = fx.run(&fits.bytes(), fx.if_a);
+            assert_eq!(action, XDP_REDIRECT, "round {round}: what fits the route leaves by redirect");
+            assert_eq!(dst_of(&out), BACKEND);
+            assert_eq!(out[..12], [BACKEND_MAC, GW_B_MAC].concat(), "round {round}: the FIB's MACs");
+            let p = big(42030, ACK, 1400, true);
+            let (action, out) = fx.run(&p.bytes(), fx.if_a);
+            assert_frag_needed(&out, &p, action);
+            assert_eq!(fx.counter("too_big"), round + 1);
+        }
+
+        let mut fx = Fixture::new(vec![service6("web6", 80, Protocol::Tcp, &[(BACKEND6, 8080)])]);
+        mtus(&mut fx, 1500, 1500);
+        let syn6 = Frame6::tcp(CLIENT6, 42031, VIP6, 80, SYN).macs(GW_A_MAC, CLIENT_MAC);
+        assert_eq!(fx.run(&syn6.bytes(), fx.if_a).0, XDP_REDIRECT);
+        let sized = |len: usize| {
+            let mut f = Frame6::tcp(CLIENT6, 42031, VIP6, 80, ACK).macs(GW_A_MAC, CLIENT_MAC);
+            f.payload = vec![0x5a; len - IPV6_LEN - TCP_LEN];
+            f
+        };
+        for round in 0..2 {
+            let fits = sized(SMALL_MTU as usize);
+            let (action, out) = fx.run(&fits.bytes(), fx.if_a);
+            assert_eq!(action, XDP_REDIRECT, "round {round}: what fits the route leaves by redirect");
+            let want = Frame6 { dmac: BACKEND_MAC, smac: GW_B_MAC, dst: BACKEND6, dport: 8080, hop_limit: 63, ..fits };
+            assert_eq!(out, want.bytes(), "round {round}: rewritten, with the FIB's MACs");
+            let (action, out) = fx.run(&sized(1400).bytes(), fx.if_a);
+            assert_eq!(action, XDP_PASS, "to the kernel, which routes the error to the client");
+            let icmp = parse_too_big6(&out).unwrap_or_else(|e| panic!("{e}: {out:02x?}"));
+            assert_eq!((icmp.src, icmp.dst, icmp.mtu), (VIP6, CLIENT6, SMALL_MTU));
+            assert_eq!(fx.counter("too_big"), round + 1);
+        }
+    });
+}

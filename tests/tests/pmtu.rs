@@ -6,7 +6,8 @@
 //! as with a tunnel or a smaller link in between.
 //!
 //! 1. NAT upload, backend side narrow: the datapath answers the client's
-//!    too-big segments with "fragmentation needed" from the VIP.
+//!    too-big segments with "fragmentation needed" / "packet too big"
+//!    from the VIP, in both families.
 //! 2. NAT download, client side narrow: the datapath hands the backend's
 //!    too-big replies to the kernel as they came; the kernel's error
 //!    reaches the backend.
@@ -18,8 +19,8 @@
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
-    lab::{DSR_VIP, Lab, LabSpec},
-    lbd::{Lbd, wait_for, write_config_for},
+    lab::{DSR_VIP, Lab, LabSpec, VIP6},
+    lbd::{Lbd, assert_xdp_mode, wait_for, write_config_for},
 };
 
 const PREFIX: &str = "lbt-pmtu";
@@ -29,6 +30,15 @@ const SIZE: &str = "10485760";
 
 fn counter(lbd: &Lbd, name: &str) -> u64 {
     lbd.status().unwrap()["counters"][name].as_u64().unwrap()
+}
+
+/// An IPv6 NAT service (`web6`) on the lab's three backends.
+fn web6(lab: &Lab) -> String {
+    let mut s = format!("  - name: web6\n    vip: \"{VIP6}\"\n    port: 80\n    protocol: tcp\n    backends:\n");
+    for a in lab.backend_addrs6() {
+        s.push_str(&format!("      - {{ address: \"{a}\", port: 8080 }}\n"));
+    }
+    s
 }
 
 /// Every link between the gateway and the backends at `mtu`.
@@ -63,6 +73,7 @@ fn transfers_across_a_narrower_link_complete_because_icmp_errors_reach_the_sende
     let lab = Lab::up(LabSpec { prefix: PREFIX.into(), backends: 3, dsr: true, ..LabSpec::default() }).expect("lab up");
     let sock = socket_for(PREFIX);
     let mut services = web("", &[(1, 1), (2, 1), (3, 1)]);
+    services.push_str(&web6(&lab));
     services
         .push_str(&format!("  - name: dsr\n    vip: {DSR_VIP}\n    port: 8080\n    forwarding: dsr\n    backends:\n"));
     for a in lab.backend_addrs() {
@@ -72,12 +83,30 @@ fn transfers_across_a_narrower_link_complete_because_icmp_errors_reach_the_sende
     let lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
     let ok = |r: &serde_json::Value| r["complete"].as_bool() == Some(true);
 
-    // 1. NAT upload: the backends' side narrow; they advertise a 1,460-byte MSS.
+    // 1. NAT upload: the backends' side narrow; they advertise a 1,460-byte
+    // MSS (1,440 in IPv6).
     backend_side(&lab, NARROW);
     for be in lab.backend_names() {
         lab.ip(&be, &["route", "change", "default", "via", "10.20.0.1", "dev", "eth0", "advmss", "1460"]).unwrap();
+        lab.ip(&be, &["-6", "route", "change", "default", "via", "fd00:20::1", "dev", "eth0", "advmss", "1440"])
+            .unwrap();
     }
     settle();
+    // IPv6 first: its packets that fit the narrower link leave by a hop
+    // looked up for each (never cached there), with the FIB's MACs.
+    let up = wait_for(15, || {
+        lab.backend_addrs6().iter().all(|a| lbd.backend_state("web6", &a.to_string()) == "up").then_some(())
+    });
+    assert!(up.is_some(), "IPv6 backends not up");
+    let before = counter(&lbd, "too_big");
+    let target6 = format!("[{VIP6}]:80");
+    let r = lab
+        .client(&["upload", "--target", &target6, "--bytes", SIZE, "--timeout-ms", "15000"])
+        .unwrap_or_else(|e| panic!("{target6}: {e:#}\ncounters {}", lbd.status().unwrap()["counters"]));
+    let answered = counter(&lbd, "too_big") - before;
+    println!("IPv6 NAT upload across a {NARROW}-byte backend side: {r}, {answered} too-big packets answered");
+    assert!(ok(&r), "{r}");
+    assert!(answered > 0, "the IPv6 upload crossed the narrow link without a packet-too-big answer");
     let before = counter(&lbd, "too_big");
     let r = lab
         .client(&["upload", "--target", "10.10.0.100:80", "--bytes", SIZE, "--timeout-ms", "15000"])
@@ -105,6 +134,7 @@ fn transfers_across_a_narrower_link_complete_because_icmp_errors_reach_the_sende
     backend_side(&lab, WIDE);
     for be in lab.backend_names() {
         lab.ip(&be, &["route", "change", "default", "via", "10.20.0.1", "dev", "eth0"]).unwrap();
+        lab.ip(&be, &["-6", "route", "change", "default", "via", "fd00:20::1", "dev", "eth0"]).unwrap();
     }
 
     // 2. NAT download: the client's side narrow; it advertises 1,460.
@@ -138,4 +168,83 @@ fn transfers_across_a_narrower_link_complete_because_icmp_errors_reach_the_sende
     assert!(relayed > 0, "the router's errors did not reach the backend through the balancer");
     let all = wait_for(1, || Some(lbd.status().unwrap()["counters"].clone())).unwrap();
     println!("counters: {all}");
+}
+
+/// A route's own MTU, below its device's, is the gateway's to enforce, as
+/// the kernel's forwarding does: an operator sets one (locked) where a
+/// link past the next hop is narrower (a tunnel, a smaller segment) and
+/// nothing there answers for it. Here the backends' own links take 1,400
+/// bytes behind the gateway's 1,500-byte segment, and a frame longer than
+/// that is dropped where it arrives, counted there and not answered; the
+/// gateway's routes to the backends say 1,400. Uploads in both families
+/// must complete with every too-big packet answered by the datapath (from
+/// the VIP) and none sent into the narrower links, also once a flow's
+/// next hop is cached: the backends' links drop nothing. The default
+/// config (`auto`: native on the tuned lab).
+#[test]
+fn a_route_mtu_below_its_devices_is_enforced() {
+    const ROUTE_MTU: u32 = 1400;
+    let _serial = serial();
+    lb_tests::require_root().expect("lab tests need root");
+    let lab = Lab::up(LabSpec { prefix: PREFIX.into(), backends: 3, ..LabSpec::default() }).expect("lab up");
+    let sock = socket_for(PREFIX);
+    let mut services = web("", &[(1, 1), (2, 1), (3, 1)]);
+    services.push_str(&web6(&lab));
+    let config = write_config_for(&config_dir(PREFIX), "lbd", &sock, &lab.gw_interfaces(), &services).unwrap();
+    let lbd = Lbd::start(&lab, &config, &sock).expect("lbd start");
+    for iface in lab.gw_interfaces() {
+        assert_xdp_mode(&lab, &lbd, &iface, "native", "the tuned lab");
+    }
+    // The backends' links narrower than the segment the gateway is on;
+    // the backends advertise an MSS for a 1,500-byte path.
+    for be in lab.backend_names() {
+        lab.set_mtu(&be, "eth0", ROUTE_MTU).unwrap();
+        lab.ip(&be, &["-4", "route", "change", "default", "via", "10.20.0.1", "dev", "eth0", "advmss", "1460"])
+            .unwrap();
+        lab.ip(&be, &["-6", "route", "change", "default", "via", "fd00:20::1", "dev", "eth0", "advmss", "1440"])
+            .unwrap();
+    }
+    let mtu = ROUTE_MTU.to_string();
+    // Locked: the kernel's FIB answers a forwarded packet by a route's
+    // own MTU only then (`ip_mtu_from_fib_result`), and so does the FIB
+    // helper the datapath asks.
+    lab.ip("gw", &["-4", "route", "add", "10.20.0.0/25", "dev", "eth1", "mtu", "lock", &mtu]).unwrap();
+    lab.ip("gw", &["-6", "route", "add", "fd00:20::/80", "dev", "eth1", "mtu", "lock", &mtu]).unwrap();
+    let up = wait_for(15, || {
+        lab.backend_addrs6().iter().all(|a| lbd.backend_state("web6", &a.to_string()) == "up").then_some(())
+    });
+    assert!(up.is_some(), "IPv6 backends not up");
+    // Frames dropped on the backends' links, either end.
+    let dropped = || -> u64 {
+        let mut n = 0;
+        for (i, be) in lab.backend_names().iter().enumerate() {
+            n += link_dropped(&lab, be, "eth0") + link_dropped(&lab, "sw", &format!("p{}", i + 1));
+        }
+        n
+    };
+    for target in ["10.10.0.100:80".to_string(), format!("[{VIP6}]:80")] {
+        let (before, lost) = (counter(&lbd, "too_big"), dropped());
+        let r = lab
+            .client(&["upload", "--target", &target, "--bytes", SIZE, "--timeout-ms", "20000"])
+            .unwrap_or_else(|e| panic!("{target}: {e:#}\ncounters {}", lbd.status().unwrap()["counters"]));
+        let (answered, lost) = (counter(&lbd, "too_big") - before, dropped() - lost);
+        println!(
+            "upload to {target} across a {ROUTE_MTU}-byte route: {r}, {answered} too-big packets answered, {lost} dropped on the backends' links"
+        );
+        assert_eq!(r["complete"].as_bool(), Some(true), "{target}: {r}");
+        assert!(answered > 0, "{target}: the upload passed a {ROUTE_MTU}-byte route without a too-big answer");
+        assert_eq!(lost, 0, "{target}: packets too big for the route were sent on, and dropped past it");
+    }
+}
+
+/// Frames the kernel counts as dropped on `dev` in lab role `role`'s
+/// namespace, received or sent (`ip -s link`).
+fn link_dropped(lab: &Lab, role: &str, dev: &str) -> u64 {
+    let out = std::process::Command::new("ip")
+        .args(["-n", &lab.ns(role), "-j", "-s", "link", "show", "dev", dev])
+        .output()
+        .expect("ip -s link");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("ip -j -s link output");
+    let stats = &v[0]["stats64"];
+    stats["rx"]["dropped"].as_u64().expect("rx dropped") + stats["tx"]["dropped"].as_u64().expect("tx dropped")
 }
