@@ -20,8 +20,7 @@ const DOWNLOAD: u64 = 100 * 1024 * 1024;
 
 fn services(lab: &Lab) -> String {
     let mut s = web("", &[(1, 1), (2, 1), (3, 1)]);
-    let v4: Vec<IpAddr> = lab.backend_addrs().into_iter().map(IpAddr::from).collect();
-    let v6: Vec<IpAddr> = lab.backend_addrs6().into_iter().map(IpAddr::from).collect();
+    let (v4, v6) = (lab.backend_ips(false), lab.backend_ips(true));
     for (name, vip, proto, backends) in [
         ("dsr4", IpAddr::from(DSR_VIP), "tcp", &v4),
         ("dsr6", IpAddr::from(DSR_VIP6), "tcp", &v6),
@@ -37,14 +36,6 @@ fn services(lab: &Lab) -> String {
         }
     }
     s
-}
-
-fn backends_of(lab: &Lab, v6: bool) -> Vec<IpAddr> {
-    if v6 {
-        lab.backend_addrs6().into_iter().map(IpAddr::from).collect()
-    } else {
-        lab.backend_addrs().into_iter().map(IpAddr::from).collect()
-    }
 }
 
 /// What lbd counted for one backend of a service.
@@ -175,7 +166,7 @@ fn dsr_services_balance_exactly_and_their_replies_bypass_the_balancer() {
     for (service, vip, v6) in [("dsr4", IpAddr::from(DSR_VIP), false), ("dsr6", IpAddr::from(DSR_VIP6), true)] {
         let target = SocketAddr::new(vip, PORT).to_string();
         let src: [&str; 2] = if v6 { ["--sources", &sources6] } else { ["--sources-range", sources4] };
-        let addrs = backends_of(&lab, v6);
+        let addrs = lab.backend_ips(v6);
 
         // 1,000 HTTP connections, exact per backend.
         lab.reset_backend_counts().unwrap();
@@ -243,7 +234,7 @@ fn dsr_services_balance_exactly_and_their_replies_bypass_the_balancer() {
     let r =
         lab.client(&["conns", "--target", "10.10.0.100:80", "--count", "1000", "--sources-range", sources4]).unwrap();
     assert_eq!((r["ok"].as_u64(), r["failed"].as_u64()), (Some(1000), Some(0)), "{}", r["errors"]);
-    let v4 = backends_of(&lab, false);
+    let v4 = lab.backend_ips(false);
     let web = counts(&lbd, "web", &v4);
     let ours: Vec<u64> = web.iter().map(|c| c.new_flows).collect();
     let theirs: Vec<u64> = lab.backend_counts().unwrap().iter().zip(&v4).map(|(c, a)| c.at(*a).connections).collect();
@@ -318,7 +309,7 @@ fn dsr_uploads_through_a_generic_mode_gateway_complete() {
     let counter = |name: &str| lbd.status().unwrap()["counters"][name].as_u64().expect(name);
     for (service, vip, v6) in [("dsr4", IpAddr::from(DSR_VIP), false), ("dsr6", IpAddr::from(DSR_VIP6), true)] {
         let target = SocketAddr::new(vip, PORT).to_string();
-        let addrs = backends_of(&lab, v6);
+        let addrs = lab.backend_ips(v6);
         let (too_big, kernel) = (counter("too_big"), counter("kernel_egress"));
         let before: u64 = counts(&lbd, service, &addrs).iter().map(|c| c.bytes_in).sum();
         for way in ["upload", "download"] {

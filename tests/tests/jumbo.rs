@@ -44,19 +44,11 @@ fn services(lab: &Lab) -> String {
         s.push_str(&format!(
             "  - name: {name}\n    vip: \"{vip}\"\n    port: {PORT}\n    protocol: tcp\n    forwarding: dsr\n    backends:\n"
         ));
-        for a in backends_of(lab, v6) {
+        for a in lab.backend_ips(v6) {
             s.push_str(&format!("      - {{ address: \"{a}\" }}\n"));
         }
     }
     s
-}
-
-fn backends_of(lab: &Lab, v6: bool) -> Vec<IpAddr> {
-    if v6 {
-        lab.backend_addrs6().into_iter().map(IpAddr::from).collect()
-    } else {
-        lab.backend_addrs().into_iter().map(IpAddr::from).collect()
-    }
 }
 
 /// The services a bulk transfer goes through: (service, target).
@@ -67,19 +59,6 @@ fn targets() -> [(&'static str, String); 4] {
         ("dsr4", SocketAddr::new(IpAddr::from(DSR_VIP), PORT).to_string()),
         ("dsr6", SocketAddr::new(IpAddr::from(DSR_VIP6), PORT).to_string()),
     ]
-}
-
-/// Every link between the gateway and the backends (and the DSR answers'
-/// way from the backends' switch) at `mtu`.
-fn backend_side(lab: &Lab, mtu: u32) {
-    lab.set_mtu("gw", "eth1", mtu).unwrap();
-    for p in ["p0", "p1", "p2", "p3", "pb"] {
-        lab.set_mtu("sw", p, mtu).unwrap();
-    }
-    lab.set_mtu("rt", "b0", mtu).unwrap();
-    for be in lab.backend_names() {
-        lab.set_mtu(&be, "eth0", mtu).unwrap();
-    }
 }
 
 /// The clients' links at `mtu`: to the gateway, and the DSR answers' way
@@ -99,7 +78,7 @@ fn counter(lbd: &Lbd, name: &str) -> u64 {
 fn counted_in(lbd: &Lbd, lab: &Lab, service: &str) -> (u64, u64) {
     let status = lbd.status().unwrap();
     let v6 = service.ends_with('6');
-    backends_of(lab, v6).iter().fold((0, 0), |(p, b), a| {
+    lab.backend_ips(v6).iter().fold((0, 0), |(p, b), a| {
         let be = Lbd::backend(&status, service, &a.to_string()).unwrap_or_else(|| panic!("{service} {a}"));
         (p + be["packets_in"].as_u64().unwrap(), b + be["bytes_in"].as_u64().unwrap())
     })
@@ -121,7 +100,7 @@ fn jumbo_frames_pass_and_a_narrower_backend_side_is_answered() {
         ..LabSpec::default()
     })
     .expect("lab up");
-    backend_side(&lab, JUMBO);
+    lab.set_backend_side_mtu(JUMBO).unwrap();
     client_side(&lab, JUMBO);
     let sock = socket_for(PREFIX);
     let config = write_config_for(&config_dir(PREFIX), "lbd", &sock, &lab.gw_interfaces(), &services(&lab)).unwrap();
@@ -143,7 +122,7 @@ fn jumbo_frames_pass_and_a_narrower_backend_side_is_answered() {
     let up = wait_for(15, || {
         ["web", "web6", "dsr4", "dsr6"]
             .iter()
-            .all(|s| backends_of(&lab, s.ends_with('6')).iter().all(|a| lbd.backend_state(s, &a.to_string()) == "up"))
+            .all(|s| lab.backend_ips(s.ends_with('6')).iter().all(|a| lbd.backend_state(s, &a.to_string()) == "up"))
             .then_some(())
     });
     assert!(up.is_some(), "backends not up: {}", lbd.status().unwrap()["services"]);
@@ -188,7 +167,7 @@ fn jumbo_frames_pass_and_a_narrower_backend_side_is_answered() {
     // advertise a jumbo MSS (route `advmss`, as hosts on a jumbo segment
     // behind a narrower link do), so the clients send 9,000-byte segments,
     // which the datapath answers.
-    backend_side(&lab, PLAIN);
+    lab.set_backend_side_mtu(PLAIN).unwrap();
     for be in lab.backend_names() {
         for (family, via, table, mss) in [
             ("-4", "10.20.0.1", "main", "8960"),

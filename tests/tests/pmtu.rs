@@ -41,18 +41,6 @@ fn web6(lab: &Lab) -> String {
     s
 }
 
-/// Every link between the gateway and the backends at `mtu`.
-fn backend_side(lab: &Lab, mtu: u32) {
-    lab.set_mtu("gw", "eth1", mtu).unwrap();
-    for p in ["p0", "p1", "p2", "p3", "pb"] {
-        lab.set_mtu("sw", p, mtu).unwrap();
-    }
-    lab.set_mtu("rt", "b0", mtu).unwrap();
-    for be in lab.backend_names() {
-        lab.set_mtu(&be, "eth0", mtu).unwrap();
-    }
-}
-
 /// The gateway's client-side link at `mtu`.
 fn client_side(lab: &Lab, mtu: u32) {
     lab.set_mtu("gw", "eth0", mtu).unwrap();
@@ -85,7 +73,7 @@ fn transfers_across_a_narrower_link_complete_because_icmp_errors_reach_the_sende
 
     // 1. NAT upload: the backends' side narrow; they advertise a 1,460-byte
     // MSS (1,440 in IPv6).
-    backend_side(&lab, NARROW);
+    lab.set_backend_side_mtu(NARROW).unwrap();
     for be in lab.backend_names() {
         lab.ip(&be, &["route", "change", "default", "via", "10.20.0.1", "dev", "eth0", "advmss", "1460"]).unwrap();
         lab.ip(&be, &["-6", "route", "change", "default", "via", "fd00:20::1", "dev", "eth0", "advmss", "1440"])
@@ -131,7 +119,7 @@ fn transfers_across_a_narrower_link_complete_because_icmp_errors_reach_the_sende
     println!("NAT upload across a {NARROW}-byte backend side: {r}, {answered} too-big packets answered");
     assert!(ok(&r), "{r}");
     assert!(answered > 0, "the upload crossed the narrow link without a fragmentation-needed answer");
-    backend_side(&lab, WIDE);
+    lab.set_backend_side_mtu(WIDE).unwrap();
     for be in lab.backend_names() {
         lab.ip(&be, &["route", "change", "default", "via", "10.20.0.1", "dev", "eth0"]).unwrap();
         lab.ip(&be, &["-6", "route", "change", "default", "via", "fd00:20::1", "dev", "eth0"]).unwrap();

@@ -72,7 +72,7 @@
 use std::ffi::OsStr;
 use std::fmt::Write as _;
 use std::fs::File;
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
@@ -441,7 +441,7 @@ impl BackendCounts {
     /// The counters of the service address `addr` (port 8080 in the lab).
     /// Panics when the backend does not serve it (a test comparing with
     /// zeros it never counted would prove nothing).
-    pub fn at(&self, addr: std::net::IpAddr) -> AddressCounts {
+    pub fn at(&self, addr: IpAddr) -> AddressCounts {
         let key = SocketAddr::new(addr, BACKEND_PORT).to_string();
         *self.per_address.get(&key).unwrap_or_else(|| {
             panic!("backend {} does not serve {key} (it serves {:?})", self.name, self.per_address.keys())
@@ -640,6 +640,37 @@ impl Lab {
     /// `[10.20.0.11, 10.20.0.12, ...]`.
     pub fn backend_addrs(&self) -> Vec<Ipv4Addr> {
         (1..=self.spec.backends).map(|i| Ipv4Addr::new(10, 20, 0, 10 + i as u8)).collect()
+    }
+
+    /// The backends' addresses in one family (IPv6 when `v6`).
+    pub fn backend_ips(&self, v6: bool) -> Vec<IpAddr> {
+        if v6 {
+            self.backend_addrs6().into_iter().map(IpAddr::from).collect()
+        } else {
+            self.backend_addrs().into_iter().map(IpAddr::from).collect()
+        }
+    }
+
+    /// Every link between the gateway and the backends at `mtu`, both ends
+    /// of each: the gateway's `eth1` and the switch's port to it, each
+    /// backend's link, and with `dsr` the router's link to the switch
+    /// (the DSR answers' way). The labs whose gateway `eth1` faces the
+    /// backends' switch (`tuned`, `default`, `mixed`).
+    pub fn set_backend_side_mtu(&self, mtu: u32) -> anyhow::Result<()> {
+        if !matches!(self.spec.topology, Topology::Tuned | Topology::Default | Topology::Mixed) {
+            bail!("the {} lab's backend side is not the switch behind eth1", self.spec.topology.name());
+        }
+        self.set_mtu("gw", "eth1", mtu)?;
+        self.set_mtu("sw", "p0", mtu)?;
+        for (i, be) in self.backend_names().iter().enumerate() {
+            self.set_mtu("sw", &format!("p{}", i + 1), mtu)?;
+            self.set_mtu(be, "eth0", mtu)?;
+        }
+        if self.spec.dsr {
+            self.set_mtu("sw", "pb", mtu)?;
+            self.set_mtu("rt", "b0", mtu)?;
+        }
+        Ok(())
     }
 
     /// The extra client source addresses: 10.10.1.1, 10.10.1.2, ...
