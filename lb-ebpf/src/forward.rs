@@ -1008,5 +1008,6 @@ pub(crate) fn fib_params() -> Option<*mut FibParams> {
 }
 
 const _: () = assert!(size_of::<FibParams>().is_multiple_of(8));
-const _: () = assert!(size_of::<FibParams>() <= size_of::<Flow6>());
+// The two words past the parameters (`beyond_ingress_mtu`, `widen`).
+const _: () = assert!(size_of::<FibParams>() + 8 <= size_of::<Flow6>());
 const _: () = assert!(align_of::<FibParams>() <= align_of::<Flow6>());
