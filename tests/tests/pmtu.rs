@@ -82,40 +82,13 @@ fn transfers_across_a_narrower_link_complete_because_icmp_errors_reach_the_sende
     settle();
     // IPv6 first: its packets that fit the narrower link leave by a hop
     // looked up for each (never cached there), with the FIB's MACs.
-    let up = wait_for(15, || {
-        lab.backend_addrs6().iter().all(|a| lbd.backend_state("web6", &a.to_string()) == "up").then_some(())
-    });
-    assert!(up.is_some(), "IPv6 backends not up");
-    let before = counter(&lbd, "too_big");
+    ipv6_backends_up(&lab, &lbd);
     let target6 = format!("[{VIP6}]:80");
-    let r = lab
-        .client(&["upload", "--target", &target6, "--bytes", SIZE, "--timeout-ms", "15000"])
-        .unwrap_or_else(|e| panic!("{target6}: {e:#}\ncounters {}", lbd.status().unwrap()["counters"]));
-    let answered = counter(&lbd, "too_big") - before;
+    let (r, answered) = upload_answered(&lab, &lbd, &target6, "15000");
     println!("IPv6 NAT upload across a {NARROW}-byte backend side: {r}, {answered} too-big packets answered");
     assert!(ok(&r), "{r}");
     assert!(answered > 0, "the IPv6 upload crossed the narrow link without a packet-too-big answer");
-    let before = counter(&lbd, "too_big");
-    let r = lab
-        .client(&["upload", "--target", "10.10.0.100:80", "--bytes", SIZE, "--timeout-ms", "15000"])
-        .unwrap_or_else(|e| {
-            let st = lbd.status().unwrap();
-            panic!(
-                "{e:#}\ncounters {}\npaths {}\n{}",
-                st["counters"],
-                st["paths"],
-                lab.cmd("client", "nstat")
-                    .args(["-az"])
-                    .output()
-                    .map(|o| String::from_utf8_lossy(&o.stdout)
-                        .lines()
-                        .filter(|l| !l.contains(" 0 "))
-                        .collect::<Vec<_>>()
-                        .join("\n"))
-                    .unwrap_or_default()
-            )
-        });
-    let answered = counter(&lbd, "too_big") - before;
+    let (r, answered) = upload_answered(&lab, &lbd, "10.10.0.100:80", "15000");
     println!("NAT upload across a {NARROW}-byte backend side: {r}, {answered} too-big packets answered");
     assert!(ok(&r), "{r}");
     assert!(answered > 0, "the upload crossed the narrow link without a fragmentation-needed answer");
@@ -198,10 +171,7 @@ fn a_route_mtu_below_its_devices_is_enforced() {
     // helper the datapath asks.
     lab.ip("gw", &["-4", "route", "add", "10.20.0.0/25", "dev", "eth1", "mtu", "lock", &mtu]).unwrap();
     lab.ip("gw", &["-6", "route", "add", "fd00:20::/80", "dev", "eth1", "mtu", "lock", &mtu]).unwrap();
-    let up = wait_for(15, || {
-        lab.backend_addrs6().iter().all(|a| lbd.backend_state("web6", &a.to_string()) == "up").then_some(())
-    });
-    assert!(up.is_some(), "IPv6 backends not up");
+    ipv6_backends_up(&lab, &lbd);
     // Frames dropped on the backends' links, either end.
     let dropped = || -> u64 {
         let mut n = 0;
@@ -211,11 +181,9 @@ fn a_route_mtu_below_its_devices_is_enforced() {
         n
     };
     for target in ["10.10.0.100:80".to_string(), format!("[{VIP6}]:80")] {
-        let (before, lost) = (counter(&lbd, "too_big"), dropped());
-        let r = lab
-            .client(&["upload", "--target", &target, "--bytes", SIZE, "--timeout-ms", "20000"])
-            .unwrap_or_else(|e| panic!("{target}: {e:#}\ncounters {}", lbd.status().unwrap()["counters"]));
-        let (answered, lost) = (counter(&lbd, "too_big") - before, dropped() - lost);
+        let lost = dropped();
+        let (r, answered) = upload_answered(&lab, &lbd, &target, "20000");
+        let lost = dropped() - lost;
         println!(
             "upload to {target} across a {ROUTE_MTU}-byte route: {r}, {answered} too-big packets answered, {lost} dropped on the backends' links"
         );
@@ -223,6 +191,40 @@ fn a_route_mtu_below_its_devices_is_enforced() {
         assert!(answered > 0, "{target}: the upload passed a {ROUTE_MTU}-byte route without a too-big answer");
         assert_eq!(lost, 0, "{target}: packets too big for the route were sent on, and dropped past it");
     }
+}
+
+/// Wait (15 s at most) until lbd reports every IPv6 backend of `web6` up.
+fn ipv6_backends_up(lab: &Lab, lbd: &Lbd) {
+    let up = wait_for(15, || {
+        lab.backend_addrs6().iter().all(|a| lbd.backend_state("web6", &a.to_string()) == "up").then_some(())
+    });
+    assert!(up.is_some(), "IPv6 backends not up");
+}
+
+/// A 10 MB upload from the client to `target` (failing after `timeout_ms`,
+/// with lbd's counters and paths and the client's TCP counters), and how
+/// many packets the datapath answered as too big meanwhile.
+fn upload_answered(lab: &Lab, lbd: &Lbd, target: &str, timeout_ms: &str) -> (serde_json::Value, u64) {
+    let before = counter(lbd, "too_big");
+    let r =
+        lab.client(&["upload", "--target", target, "--bytes", SIZE, "--timeout-ms", timeout_ms]).unwrap_or_else(|e| {
+            let st = lbd.status().unwrap();
+            panic!(
+                "{target}: {e:#}\ncounters {}\npaths {}\n{}",
+                st["counters"],
+                st["paths"],
+                lab.cmd("client", "nstat")
+                    .args(["-az"])
+                    .output()
+                    .map(|o| String::from_utf8_lossy(&o.stdout)
+                        .lines()
+                        .filter(|l| !l.contains(" 0 "))
+                        .collect::<Vec<_>>()
+                        .join("\n"))
+                    .unwrap_or_default()
+            )
+        });
+    (r, counter(lbd, "too_big") - before)
 }
 
 /// Frames the kernel counts as dropped on `dev` in lab role `role`'s
