@@ -6,7 +6,7 @@
 #![no_main]
 // Atomic read-modify-write on map values: core's atomic types have no RMW
 // methods on the BPF target, the intrinsics lower to BPF atomic instructions.
-#![feature(core_intrinsics)]
+#![feature(core_intrinsics, asm_experimental_arch)]
 #![expect(internal_features, reason = "core_intrinsics gives the atomic RMW intrinsics the BPF target needs")]
 // Map keys are passed by reference on purpose: a by-value key is one more
 // copy on the 512-byte BPF stack.
@@ -39,7 +39,7 @@ use lb_common::{
     FLOW_COPY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST, Flow,
     FlowKey, HOLD_NEW, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, PROGS, SCRATCH, VIP_ADDRS, VIPS};
+use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 #[xdp]
@@ -93,7 +93,7 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
                 // SAFETY: a tail call with this program's own context; when
                 // the slot is empty (lbd has not filled it yet) it returns
                 // and the packet goes to the kernel.
-                unsafe { PROGS.tail_call(ctx, lb_common::PROG_V6) };
+                unsafe { maps::tail_call::<{ lb_common::PROG_V6 }>(ctx) };
                 return Ok(xdp_action::XDP_PASS);
             }
             parse::Look::Other => {}
@@ -109,10 +109,17 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
                 // SAFETY: a tail call with this program's own context
                 // (ICMP errors about balanced flows); when the slot is
                 // empty it returns and the packet goes to the kernel.
-                unsafe { PROGS.tail_call(ctx, lb_common::PROG_ICMP) };
-            } else if let Some(slot) = parse::vlan_slot(ctx) {
-                // SAFETY: as above (IPv4 in VLAN tags).
-                unsafe { PROGS.tail_call(ctx, slot) };
+                unsafe { maps::tail_call::<{ lb_common::PROG_ICMP }>(ctx) };
+            } else {
+                // IPv4 in VLAN tags: one call site per slot, each with its
+                // constant key (see `maps::tail_call`).
+                match parse::vlan_slot(ctx) {
+                    // SAFETY: as above.
+                    Some(lb_common::PROG_VLAN) => unsafe { maps::tail_call::<{ lb_common::PROG_VLAN }>(ctx) },
+                    // SAFETY: as above.
+                    Some(lb_common::PROG_QINQ) => unsafe { maps::tail_call::<{ lb_common::PROG_QINQ }>(ctx) },
+                    _ => {}
+                }
             }
             return Ok(xdp_action::XDP_PASS);
         }

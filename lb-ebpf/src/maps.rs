@@ -253,6 +253,39 @@ pub(crate) static KEYS6: PerCpuArray<crate::v6::Keys6> = PerCpuArray::with_max_e
 #[map]
 pub(crate) static PROGS: ProgramArray = ProgramArray::with_max_entries(lb_common::TAIL_CALLS.len() as u32, 0);
 
+/// Tail-call `PROGS[SLOT]` (returns only when the slot is empty).
+///
+/// Not `ProgramArray::tail_call`: LLVM merges several of its calls into one
+/// call instruction with the slot chosen before it, and the verifier then
+/// sees a key that is not one constant. The kernel makes a tail call whose
+/// key is a constant a direct jump; any other takes the indirect one,
+/// which on a kernel with retpolines costs about as much as a branch
+/// mispredicted (the IPv6 path's entry was about 7 ns of its 115 so).
+/// Inline assembly is never merged, so each call site keeps its own
+/// constant key, loaded right before the call.
+///
+/// # Safety
+/// `ctx` is the running program's context.
+#[inline(always)]
+pub(crate) unsafe fn tail_call<const SLOT: u32>(ctx: &impl aya_ebpf::EbpfContext) {
+    // SAFETY: helper 12 (bpf_tail_call) with the program's context, a
+    // program array and a key; on return it has clobbered r0-r5 only, as
+    // every helper call.
+    unsafe {
+        core::arch::asm!(
+            "r3 = {slot}",
+            "call 12",
+            slot = const SLOT,
+            inout("r1") ctx.as_ptr() => _,
+            inout("r2") (&raw const PROGS).cast::<u8>() => _,
+            out("r0") _,
+            out("r3") _,
+            out("r4") _,
+            out("r5") _,
+        );
+    }
+}
+
 // Every map's name is the one userspace looks up (lb_common::maps).
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIPS, stringify!(VIPS)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::VIP_ADDRS, stringify!(VIP_ADDRS)));

@@ -301,7 +301,7 @@ fn try_lb(ctx: &XdpContext) -> u32 {
         Err(ParseError::Icmp) => {
             // SAFETY: a tail call with this program's context; returns
             // only if the slot is empty.
-            unsafe { crate::maps::PROGS.tail_call(ctx, lb_common::PROG_ICMP6) };
+            unsafe { crate::maps::tail_call::<{ lb_common::PROG_ICMP6 }>(ctx) };
             return xdp_action::XDP_PASS;
         }
         Err(ParseError::Malformed { daddr }) => return drop_if_vip(daddr, counter::DROP_MALFORMED),
