@@ -1352,8 +1352,9 @@ mod tests {
     /// makes the tail call a direct jump. Where LLVM had merged the call
     /// sites into one call with the key picked before it, every tail call
     /// was an indirect jump, through a retpoline on kernels that use
-    /// them: 13 ns of the IPv6 path's 115 in `cargo xtask bench packet`
-    /// on an AMD EPYC VM. `maps::tail_call` in lb-ebpf keeps them apart.
+    /// them: 6-15 ns of an established IPv6 flow's 110-118 ns in
+    /// `lb-bench packet` on an AMD EPYC VM. `maps::tail_call` in lb-ebpf
+    /// keeps them apart.
     #[test]
     fn every_tail_call_has_a_constant_key_of_its_own() {
         use aya_obj::generated::{

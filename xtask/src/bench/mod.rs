@@ -752,8 +752,14 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
                     "10.10.1.1-10.10.1.250",
                 ],
             )?;
+            let now_failed = r["failed"].as_f64().context("lab-client conns gave no failure count")?;
+            if now_failed > 0.0 {
+                // What went wrong, as the client saw it (a failure fails
+                // the bench, and the count alone says nothing of why).
+                println!("  P4 {method} requests {}-{n}: {now_failed} failed: {}", done + 1, r["errors"]);
+            }
             done = n;
-            failed += r["failed"].as_f64().context("lab-client conns gave no failure count")?;
+            failed += now_failed;
             let counts: Vec<BackendCounts> = lab.backend_counts()?;
             let c: Vec<f64> = counts.iter().map(|c| c.connections as f64).collect();
             let j = jain(&c);
