@@ -815,12 +815,6 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         (*e).state = state;
         (*e).last_seen = now;
     }
-    // The lookup's slot is the one the reply entry just took when there
-    // is one (its probes start where the forward key's do, and it took
-    // the first free slot): tried again, it would cost a count taken and
-    // given back around a compare-and-swap bound to fail, three locked
-    // instructions for nothing. The forward entry then probes for its own.
-    let hint = if dir == DIR_FORWARD { table::NO_SLOT } else { hint };
     // SAFETY: as above.
     if !table::put_flow(key, hint) {
         // The reply entry without its flow would never be swept (the

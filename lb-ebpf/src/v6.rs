@@ -632,12 +632,8 @@ fn new_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> Result<Nat6, u32> {
         if ok && reply {
             forward_entry(pkt, k, DIR_FORWARD, now);
         }
-        // After a reply entry, the lookup's slot is the one it took (see
-        // main.rs's `insert_flow`): the forward entry probes for its own.
         // SAFETY: as above.
-        let hint = if reply { table::NO_SLOT } else { unsafe { (*k).hint } };
-        // SAFETY: as above.
-        let inserted = ok && table::put_flow6(unsafe { &(*k).flow }, hint);
+        let inserted = ok && table::put_flow6(unsafe { &(*k).flow }, unsafe { (*k).hint });
         if ok && reply && !inserted {
             // The reply entry without its flow: taken back (as for IPv4).
             // SAFETY: as above.
