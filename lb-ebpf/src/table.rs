@@ -343,6 +343,16 @@ fn put_at<K: SlotKey, V: Copy>(
         return None;
     }
     let slot = slot_at(table, at)?;
+    // A plain read of the claim first: when the slot has changed since the
+    // lookup (a shared endpoint's reply entry, inserted just before the
+    // forward entry, starts probing at the same slot and takes it; or
+    // another CPU won it), the swap below would fail after the count was
+    // taken, and the count be given back: three locked instructions for
+    // nothing. The lookup has just read this line, so the read is a hit.
+    // SAFETY: a valid map value, read as in `find`.
+    if unsafe { read_volatile(&raw const (*slot).claim) } != old {
+        return None;
+    }
     let value = value()?;
     if claim_and_write(slot, old, tag, fresh, count, key, value) { Some(Put::Done) } else { None }
 }
