@@ -70,7 +70,9 @@ impl Driven for Agent {
         self.apply().map_err(|e| e.to_string())
     }
     fn refresh_devices(&mut self) -> Result<bool, String> {
-        self.dp.refresh_paths().map_err(|e| e.to_string())
+        let changed = self.dp.refresh_paths().map_err(|e| e.to_string());
+        self.check_route_mtus();
+        changed
     }
     type Sweep = SweepRun;
     fn sweep_begin(&mut self) -> SweepRun {

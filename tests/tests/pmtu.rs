@@ -166,10 +166,22 @@ fn a_route_mtu_below_its_devices_is_enforced() {
             .unwrap();
     }
     let mtu = ROUTE_MTU.to_string();
+    // Unlocked first: the kernel's own IPv4 forwarding honours it, the
+    // FIB helper the datapath asks does not (`ip_mtu_from_fib_result`),
+    // so lbd must say so, naming the route (it asks about the routes to
+    // its backends every 5 s).
+    lab.ip("gw", &["-4", "route", "add", "10.20.0.0/25", "dev", "eth1", "mtu", &mtu]).unwrap();
+    let warned = wait_for(15, || {
+        lbd.log_text()
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("not locked") && l.contains("10.20.0.0/25") && l.contains("1400"))
+            .then_some(())
+    });
+    assert!(warned.is_some(), "lbd did not warn about the unlocked route MTU; log:\n{}", lbd.log_text());
     // Locked: the kernel's FIB answers a forwarded packet by a route's
     // own MTU only then (`ip_mtu_from_fib_result`), and so does the FIB
     // helper the datapath asks.
-    lab.ip("gw", &["-4", "route", "add", "10.20.0.0/25", "dev", "eth1", "mtu", "lock", &mtu]).unwrap();
+    lab.ip("gw", &["-4", "route", "change", "10.20.0.0/25", "dev", "eth1", "mtu", "lock", &mtu]).unwrap();
     lab.ip("gw", &["-6", "route", "add", "fd00:20::/80", "dev", "eth1", "mtu", "lock", &mtu]).unwrap();
     ipv6_backends_up(&lab, &lbd);
     // Frames dropped on the backends' links, either end.

@@ -1,7 +1,8 @@
 //! What the network devices of lbd's namespace are, and whether each can
 //! transmit XDP-redirected frames: rtnetlink (RTM_GETLINK) for name, type,
 //! kind, master and state; the netdev generic-netlink family
-//! (NETDEV_CMD_DEV_GET) for the XDP features the kernel reports.
+//! (NETDEV_CMD_DEV_GET) for the XDP features the kernel reports; and the
+//! route the FIB matches for an address, for its MTU (`route`).
 //!
 //! Synchronous, blocking, no runtime: lbd calls it at attach and every few
 //! seconds. Sockets are opened per call, so a call answers for the network
@@ -16,6 +17,9 @@
 //! That means four crates (core, route, generic, sys) whose APIs break
 //! often between releases, to save the smaller half.
 mod netlink;
+mod route;
+
+pub use route::{RouteMtu, route_mtus};
 
 use std::collections::HashMap;
 use std::io;

@@ -49,6 +49,23 @@ pub(super) const IFLA_XDP_SKB_PROG_ID: u16 = 6;
 /// The one program is attached in generic (skb) mode.
 pub(super) const XDP_ATTACHED_SKB: u8 = 2;
 pub(super) const RTEXT_FILTER_SKIP_STATS: u32 = 1 << 3;
+// <linux/rtnetlink.h>: routes
+pub(super) const RTM_NEWROUTE: u16 = 24;
+pub(super) const RTM_GETROUTE: u16 = 26;
+/// struct rtmsg: family, dst_len, src_len, tos, table, protocol, scope,
+/// type (a byte each), flags (u32).
+pub(super) const RTMSG_LEN: usize = 12;
+/// rtm_flags: answer with the FIB entry that matched, not the resolved
+/// destination (4.13+).
+pub(super) const RTM_F_FIB_MATCH: u32 = 0x2000;
+pub(super) const RTA_DST: u16 = 1;
+pub(super) const RTA_OIF: u16 = 4;
+pub(super) const RTA_METRICS: u16 = 8;
+pub(super) const RTA_TABLE: u16 = 15;
+/// Inside RTA_METRICS: the bitmask of locked metrics (bit `RTAX_MTU` for
+/// the MTU), and the MTU.
+pub(super) const RTAX_LOCK: u16 = 1;
+pub(super) const RTAX_MTU: u16 = 2;
 pub(super) const IFF_UP: u32 = 1;
 // <linux/genetlink.h>
 pub(super) const GENL_HDRLEN: usize = 4;

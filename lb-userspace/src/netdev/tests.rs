@@ -1,7 +1,7 @@
 //! Tests of the device reader: encoded answers, and the kernel's own.
 use std::{os::fd::AsRawFd as _, process::Command};
 
-use super::{netlink::*, *};
+use super::{netlink::*, route::parse_route, *};
 
 fn ifinfo(link_type: u16, ifindex: u32, flags: u32) -> Vec<u8> {
     let mut b = vec![0u8; IFINFOMSG_LEN];
@@ -236,8 +236,9 @@ impl Drop for Ns {
 }
 
 impl Ns {
-    fn new() -> Self {
-        let ns = Self(format!("lbt-netdev-{}", std::process::id()));
+    /// A namespace named for `tag` (each test its own: tests run at once).
+    fn new(tag: &str) -> Self {
+        let ns = Self(format!("lbt-{tag}-{}", std::process::id()));
         let _ = Command::new("ip").args(["netns", "del", &ns.0]).output();
         let out = Command::new("ip").args(["netns", "add", &ns.0]).output().unwrap();
         assert!(out.status.success(), "ip netns add {}: {}", ns.0, String::from_utf8_lossy(&out.stderr));
@@ -283,7 +284,7 @@ fn get(ls: &[Link], name: &str) -> Link {
 fn kinds_and_native_redirect_targets_as_the_kernel_reports_them() {
     // SAFETY: geteuid has no preconditions.
     assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root (it creates a network namespace)");
-    let ns = Ns::new();
+    let ns = Ns::new("netdev");
     ns.ip("link add va type veth peer name vb");
     ns.ip("link add br0 type bridge");
     ns.ip("link set va up");
@@ -319,4 +320,84 @@ fn kinds_and_native_redirect_targets_as_the_kernel_reports_them() {
     let ls = ns.links();
     assert_eq!(get(&ls, "vb").master, Some(get(&ls, "br0").ifindex));
     assert!(!get(&ls, "br0").native_xmit());
+}
+
+fn rtmsg(dst_len: u8, table: u8) -> Vec<u8> {
+    let mut b = vec![0u8; RTMSG_LEN];
+    b[0] = libc::AF_INET as u8;
+    b[1] = dst_len;
+    b[4] = table;
+    b
+}
+
+#[test]
+fn a_route_answer_gives_its_prefix_table_device_and_mtu_lock() {
+    let mut body = rtmsg(25, 254);
+    body.extend(attr(RTA_TABLE, &254u32.to_ne_bytes()));
+    body.extend(attr(RTA_DST, &[10, 20, 0, 0]));
+    body.extend(attr(RTA_OIF, &3u32.to_ne_bytes()));
+    let mut metrics = attr(RTAX_LOCK, &(1u32 << RTAX_MTU).to_ne_bytes());
+    metrics.extend(attr(RTAX_MTU, &1400u32.to_ne_bytes()));
+    body.extend(attr(RTA_METRICS | 0x8000, &metrics));
+    let locked = RouteMtu {
+        prefix: std::net::Ipv4Addr::new(10, 20, 0, 0),
+        prefix_len: 25,
+        table: 254,
+        oif: 3,
+        mtu: 1400,
+        locked: true,
+    };
+    assert_eq!(parse_route(&body), Some(Some(locked.clone())));
+    // Another metric locked (the window, bit 3), not the MTU.
+    let mut body = rtmsg(25, 254);
+    body.extend(attr(RTA_DST, &[10, 20, 0, 0]));
+    body.extend(attr(RTA_OIF, &3u32.to_ne_bytes()));
+    let mut metrics = attr(RTAX_LOCK, &(1u32 << 3).to_ne_bytes());
+    metrics.extend(attr(RTAX_MTU, &1400u32.to_ne_bytes()));
+    body.extend(attr(RTA_METRICS, &metrics));
+    assert_eq!(parse_route(&body), Some(Some(RouteMtu { locked: false, ..locked })));
+    // No MTU metric; no attributes at all (a default route has no RTA_DST).
+    let mut body = rtmsg(0, 254);
+    body.extend(attr(RTA_METRICS, &attr(RTAX_LOCK, &0u32.to_ne_bytes())));
+    assert_eq!(parse_route(&body), Some(None));
+    assert_eq!(parse_route(&rtmsg(0, 254)), Some(None));
+    // Not IPv4; too short; a bad attribute length.
+    let mut v6 = rtmsg(0, 254);
+    v6[0] = libc::AF_INET6 as u8;
+    assert_eq!(parse_route(&v6), None);
+    assert_eq!(parse_route(&[2, 0, 0]), None);
+    let mut bad = rtmsg(0, 254);
+    bad.extend([9, 0, 1, 0]);
+    assert_eq!(parse_route(&bad), None);
+}
+
+#[test]
+fn the_kernel_names_a_routes_mtu_and_its_lock() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root (it creates a network namespace)");
+    let ns = Ns::new("route");
+    ns.ip("link add va type veth peer name vb");
+    ns.ip("link set va up");
+    ns.ip("link set vb up");
+    ns.ip("addr add 10.99.0.1/24 dev va");
+    ns.ip("route add 10.98.0.0/24 dev va mtu 1400");
+    ns.ip("route add 10.97.0.0/25 dev va mtu lock 1300");
+    let va = get(&ns.links(), "va").ifindex;
+    let asked = ns.within(|| {
+        let dsts = ["10.98.0.5", "10.97.0.5", "10.99.0.7", "192.0.2.1"].map(|a| a.parse().unwrap());
+        route_mtus(&dsts).unwrap()
+    });
+    let r = |prefix: [u8; 4], prefix_len, mtu, locked| RouteMtu {
+        prefix: prefix.into(),
+        prefix_len,
+        table: 254,
+        oif: va,
+        mtu,
+        locked,
+    };
+    assert_eq!(asked[0], Some(r([10, 98, 0, 0], 24, 1400, false)));
+    assert_eq!(asked[1], Some(r([10, 97, 0, 0], 25, 1300, true)));
+    // A route without an MTU; no route at all.
+    assert_eq!(asked[2], None);
+    assert_eq!(asked[3], None);
 }

@@ -1,0 +1,91 @@
+//! The IPv4 route the kernel's FIB matches for an address, with its MTU
+//! and whether that MTU is locked (RTM_GETROUTE with RTM_F_FIB_MATCH, as
+//! `ip route get fibmatch` asks).
+//!
+//! Why lbd asks: the FIB helper the datapath uses answers by a route's own
+//! MTU only when it is locked (or with `net.ipv4.ip_forward_use_pmtu`),
+//! while the kernel's own IPv4 forwarding honours an unlocked one too. An
+//! unlocked route MTU below its device's therefore binds the packets the
+//! kernel forwards and not the ones XDP forwards; lbd warns about the
+//! routes to its backends that have one.
+use std::net::Ipv4Addr;
+
+use super::{NetdevError, netlink::*};
+
+/// A FIB entry with an MTU of its own.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RouteMtu {
+    /// The route's destination prefix and its length.
+    pub prefix: Ipv4Addr,
+    pub prefix_len: u8,
+    /// The routing table it is in.
+    pub table: u32,
+    /// Its output device (0 when the answer named none: a multipath route).
+    pub oif: u32,
+    pub mtu: u32,
+    /// `mtu lock`.
+    pub locked: bool,
+}
+
+/// For each of `dsts`, the route the FIB matches for it when that route
+/// has an MTU of its own; None when it has none, or there is no route.
+/// One socket for all the questions.
+pub fn route_mtus(dsts: &[Ipv4Addr]) -> Result<Vec<Option<RouteMtu>>, NetdevError> {
+    let mut sock = Socket::open(libc::NETLINK_ROUTE, "route")?;
+    dsts.iter().map(|&dst| ask(&mut sock, dst)).collect()
+}
+
+fn ask(sock: &mut Socket, dst: Ipv4Addr) -> Result<Option<RouteMtu>, NetdevError> {
+    const WHAT: &str = "RTM_GETROUTE (fibmatch)";
+    let mut req = vec![0u8; RTMSG_LEN];
+    req[0] = libc::AF_INET as u8;
+    req[1] = 32;
+    req[8..12].copy_from_slice(&RTM_F_FIB_MATCH.to_ne_bytes());
+    req.extend(attr(RTA_DST, &dst.octets()));
+    let answer = match sock.request(WHAT, RTM_GETROUTE, false, &req) {
+        Ok(a) => a,
+        // No route to it (or a type the FIB answers with an error).
+        Err(NetdevError::Kernel { errno, .. })
+            if [libc::ENETUNREACH, libc::EHOSTUNREACH, libc::EACCES, libc::EINVAL].contains(&errno) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    };
+    match answer.messages.iter().find(|(t, _)| *t == RTM_NEWROUTE) {
+        Some((_, body)) => parse_route(body).ok_or_else(|| malformed(WHAT, "RTM_NEWROUTE payload")),
+        None => Ok(None),
+    }
+}
+
+/// One RTM_NEWROUTE payload (struct rtmsg, then attributes): Some when
+/// the route has an MTU metric; None inside Some(..) for one without.
+pub(super) fn parse_route(body: &[u8]) -> Option<Option<RouteMtu>> {
+    if body.len() < RTMSG_LEN || body[0] != libc::AF_INET as u8 {
+        return None;
+    }
+    let prefix_len = body[1];
+    let mut table = u32::from(body[4]);
+    let (mut prefix, mut oif, mut mtu, mut lock) = (Ipv4Addr::UNSPECIFIED, 0, 0, 0);
+    for (t, v) in attributes(&body[RTMSG_LEN..])? {
+        match t {
+            RTA_DST => prefix = Ipv4Addr::from(<[u8; 4]>::try_from(v).ok()?),
+            RTA_OIF => oif = u32_of(v)?,
+            RTA_TABLE => table = u32_of(v)?,
+            RTA_METRICS => {
+                for (m, mv) in attributes(v)? {
+                    match m {
+                        RTAX_LOCK => lock = u32_of(mv)?,
+                        RTAX_MTU => mtu = u32_of(mv)?,
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    if mtu == 0 {
+        return Some(None);
+    }
+    Some(Some(RouteMtu { prefix, prefix_len, table, oif, mtu, locked: lock & (1 << RTAX_MTU) != 0 }))
+}
