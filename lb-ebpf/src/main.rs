@@ -908,7 +908,7 @@ fn dsr<const L2: usize>(ctx: &XdpContext, pkt: &Packet, nat: Nat, now: u64) -> u
 /// another backend, it is dropped (`stale_or_pass`).
 #[inline(always)]
 fn reply_of_flow(pkt: &Packet, vip: VipKey, no_flow: &mut bool) -> Option<To> {
-    let Some(flow) = table::flow(&client_key(pkt, vip.addr, vip.port)) else {
+    let Some(flow) = table::flow_inlined(&client_key(pkt, vip.addr, vip.port)) else {
         *no_flow = true;
         return None;
     };
