@@ -8,20 +8,19 @@
 //! configuration is rendered to YAML and parsed back), applied, and then
 //! written back to the file atomically, so it survives a restart.
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap},
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     time::{Duration, Instant},
 };
 
 use serde::{Deserialize, Serialize};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::{
     config::{self, BackendConfig, Config, ConfigError, ProbeKind, Problem, ServiceConfig, System},
     dataplane::{BackendRuntime, Dataplane, DataplaneError, SweepReport, SweepRun, monotonic_coarse_secs},
     health::{Checker, Health, HealthMetrics, slow_start_weight},
-    netdev::{self, RouteMtu},
     render,
 };
 
@@ -50,20 +49,6 @@ pub struct Agent {
     /// VIP announcement, while the config has a `bgp:` section (kept by
     /// lbd's announcer loop).
     pub bgp: Option<crate::bgp::BgpStatus>,
-    route_mtus: RouteMtuWatch,
-}
-
-/// How often lbd asks the FIB about the routes to its backends
-/// ([`Agent::check_route_mtus`]).
-const ROUTE_MTU_PERIOD: Duration = Duration::from_secs(5);
-
-/// The check of the backends' routes' MTUs: when it last ran, and the
-/// routes with an unlocked MTU it found then (each warned about once,
-/// while it stays so).
-#[derive(Default)]
-struct RouteMtuWatch {
-    checked: Option<Instant>,
-    warned: BTreeSet<RouteMtu>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -149,7 +134,6 @@ impl Agent {
             last_sweep_ms: None,
             health_metrics: HealthMetrics::default(),
             bgp: None,
-            route_mtus: RouteMtuWatch::default(),
         };
         a.sync_health();
         a
@@ -318,70 +302,17 @@ impl Agent {
         v
     }
 
-    /// Warn about each route to an IPv4 backend that has an MTU of its own,
-    /// below its device's, and not locked: the kernel's IPv4 forwarding
-    /// honours such an MTU, but the FIB helper the datapath asks does not
-    /// (it answers by a route's MTU only when it is locked, or with
-    /// `net.ipv4.ip_forward_use_pmtu`), so the balanced packets to that
-    /// backend are held to the device's MTU alone, and the larger ones are
-    /// lost past the route's narrow part. Every [`ROUTE_MTU_PERIOD`] at
-    /// most (lbd's device refresh calls it); once per route while it
-    /// stays so. One FIB question per backend address: the routes that
-    /// matter, without a dump of a table that may hold a million.
-    pub fn check_route_mtus(&mut self) {
-        let watch = &mut self.route_mtus;
-        if watch.checked.is_some_and(|t| t.elapsed() < ROUTE_MTU_PERIOD) {
-            return;
-        }
-        watch.checked = Some(Instant::now());
-        if std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward_use_pmtu").is_ok_and(|v| v.trim() == "1") {
-            watch.warned.clear();
-            return;
-        }
-        let addrs: Vec<Ipv4Addr> = (self.config.services.iter().flat_map(|s| &s.backends))
+    /// Every IPv4 backend address of the configuration, once each, in
+    /// order: the addresses whose routes lbd checks
+    /// (`netdev::RouteMtuWatch`, outside the state's lock).
+    pub fn ipv4_backends(&self) -> Vec<Ipv4Addr> {
+        let addrs: BTreeSet<Ipv4Addr> = (self.config.services.iter().flat_map(|s| &s.backends))
             .filter_map(|b| match b.address {
                 IpAddr::V4(a) => Some(a),
                 IpAddr::V6(_) => None,
             })
-            .collect::<BTreeSet<_>>()
-            .into_iter()
             .collect();
-        let routes = match netdev::route_mtus(&addrs) {
-            Ok(r) => r,
-            Err(e) => {
-                debug!(error = %e, "asking the FIB for the backends' routes");
-                return;
-            }
-        };
-        let mut found: BTreeMap<RouteMtu, Ipv4Addr> = BTreeMap::new();
-        for (r, addr) in routes.into_iter().zip(addrs) {
-            if let Some(r) = r.filter(|r| !r.locked) {
-                found.entry(r).or_insert(addr);
-            }
-        }
-        let new: Vec<(&RouteMtu, &Ipv4Addr)> = found.iter().filter(|(r, _)| !watch.warned.contains(*r)).collect();
-        if !new.is_empty() {
-            let links = netdev::links().unwrap_or_default();
-            for (r, addr) in new {
-                let dev = links.iter().find(|l| l.ifindex == r.oif);
-                let dev_mtu = dev.map_or(0, |l| l.mtu);
-                if dev_mtu != 0 && r.mtu >= dev_mtu {
-                    continue;
-                }
-                warn!(
-                    route = %format!("{}/{}", r.prefix, r.prefix_len),
-                    table = r.table,
-                    device = dev.map_or("-", |l| l.name.as_str()),
-                    mtu = r.mtu,
-                    device_mtu = dev_mtu,
-                    backend = %addr,
-                    "a route to a backend has an MTU that is not locked: the kernel's forwarding honours it, the XDP \
-                     datapath's FIB lookups do not, so balanced packets to the backend are held to the device's MTU \
-                     only; lock it (ip route change <route> ... mtu lock <mtu>) or set net.ipv4.ip_forward_use_pmtu=1"
-                );
-            }
-        }
-        watch.warned = found.into_keys().collect();
+        addrs.into_iter().collect()
     }
 
     /// Re-read the config file, validate it in full and apply the

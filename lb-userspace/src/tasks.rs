@@ -2,7 +2,8 @@
 //! endpoint and way of probing it, shared by the backends of every
 //! service on it, following configuration changes), the
 //! probe results' way to the state and the reprogramming after them, slow
-//! start, the device watch and the flow sweeper.
+//! start, the device watch, the check of the routes to the backends and
+//! the flow sweeper.
 //!
 //! They drive anything that implements [`Driven`] (the [`Agent`] in lbd, a
 //! recording fake in the tests below), on the periods in [`Periods`], so a
@@ -11,7 +12,7 @@
 //! blocking pool under the lock.
 use std::{
     collections::HashMap,
-    net::SocketAddr,
+    net::{Ipv4Addr, SocketAddr},
     sync::{
         Arc, Mutex, MutexGuard,
         atomic::{AtomicBool, Ordering},
@@ -32,6 +33,7 @@ use crate::{
     config::HealthConfig,
     dataplane::{SweepReport, SweepRun},
     health,
+    netdev::RouteMtuWatch,
 };
 
 /// What the loops need from the running state.
@@ -48,6 +50,8 @@ pub trait Driven: Send + 'static {
     fn reprogram(&mut self) -> Result<(), String>;
     /// Re-read the network devices; true when a forwarding path changed.
     fn refresh_devices(&mut self) -> Result<bool, String>;
+    /// The IPv4 backend addresses whose routes [`watch_devices`] checks.
+    fn ipv4_backends(&self) -> Vec<Ipv4Addr>;
     /// A sweep of the flow tables under way.
     type Sweep: Send + 'static;
     /// Begin expiring idle flows.
@@ -70,9 +74,10 @@ impl Driven for Agent {
         self.apply().map_err(|e| e.to_string())
     }
     fn refresh_devices(&mut self) -> Result<bool, String> {
-        let changed = self.dp.refresh_paths().map_err(|e| e.to_string());
-        self.check_route_mtus();
-        changed
+        self.dp.refresh_paths().map_err(|e| e.to_string())
+    }
+    fn ipv4_backends(&self) -> Vec<Ipv4Addr> {
+        Self::ipv4_backends(self)
     }
     type Sweep = SweepRun;
     fn sweep_begin(&mut self) -> SweepRun {
@@ -92,6 +97,8 @@ pub struct Periods {
     pub slow_start: Duration,
     /// Re-reading the network devices.
     pub devices: Duration,
+    /// Asking the FIB about the routes to the backends.
+    pub routes: Duration,
     /// Expiring idle flows.
     pub sweep: Duration,
 }
@@ -102,6 +109,7 @@ impl Default for Periods {
             supervise: Duration::from_millis(500),
             slow_start: Duration::from_millis(500),
             devices: Duration::from_secs(1),
+            routes: Duration::from_secs(5),
             sweep: Duration::from_secs(5),
         }
     }
@@ -121,6 +129,7 @@ impl Tasks {
             tokio::spawn(reprogram_after_probes(state.clone(), changed)),
             tokio::spawn(slow_start(state.clone(), periods.slow_start)),
             tokio::spawn(watch_devices(state.clone(), periods.devices)),
+            tokio::spawn(watch_routes(state.clone(), periods.routes)),
             tokio::spawn(sweep_flows(state.clone(), periods.sweep)),
         ])
     }
@@ -155,7 +164,12 @@ async fn locked<D: Driven, R: Send + 'static>(
     f: impl FnOnce(&mut D) -> R + Send + 'static,
 ) -> Option<R> {
     let state = state.clone();
-    match tokio::task::spawn_blocking(move || f(&mut lock(&state))).await {
+    blocking(move || f(&mut lock(&state))).await
+}
+
+/// Run `f` on the blocking pool; None when it panicked (logged).
+async fn blocking<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
+    match tokio::task::spawn_blocking(f).await {
         Ok(r) => Some(r),
         Err(e) => {
             warn!(error = %e, "background task failed");
@@ -329,6 +343,59 @@ async fn watch_devices<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
         if let Some(Err(e)) = locked(&state, D::refresh_devices).await {
             warn!(error = %e, "re-reading the network devices failed");
         }
+    }
+}
+
+/// Every period, [`check_routes`] for the configuration's IPv4 backends:
+/// the addresses are taken under the state's lock, the FIB's answers
+/// awaited without it (about 5 ms per 1,000 addresses, which health
+/// transitions and lbctl requests would otherwise wait for).
+async fn watch_routes<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
+    let mut tick = interval(period);
+    let mut watch = RouteMtuWatch::default();
+    loop {
+        tick.tick().await;
+        let Some(backends) = locked(&state, |s| s.ipv4_backends()).await else { continue };
+        // A panicked check loses what was reported: reported again.
+        watch = blocking(move || {
+            check_routes(&mut watch, &backends);
+            watch
+        })
+        .await
+        .unwrap_or_default();
+    }
+}
+
+/// Warn about each route to an IPv4 backend that has an MTU of its own,
+/// below its device's, and not locked: the kernel's IPv4 forwarding
+/// honours such an MTU, but the FIB helper the datapath asks does not (it
+/// answers by a route's MTU only when it is locked, or with
+/// `net.ipv4.ip_forward_use_pmtu`), so the balanced packets to that
+/// backend are held to the device's MTU alone, and the larger ones are
+/// lost past the route's narrow part. Once per route while it stays so.
+/// One FIB question per backend address: the routes that matter, without
+/// a dump of a table that may hold a million.
+fn check_routes(watch: &mut RouteMtuWatch, backends: &[Ipv4Addr]) {
+    let use_pmtu = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward_use_pmtu").is_ok_and(|v| v.trim() == "1");
+    let found = match watch.check(backends, use_pmtu) {
+        Ok(f) => f,
+        Err(e) => {
+            debug!(error = %e, "asking the FIB for the backends' routes");
+            return;
+        }
+    };
+    for r in found {
+        warn!(
+            route = %format!("{}/{}", r.route.prefix, r.route.prefix_len),
+            table = r.route.table,
+            device = r.device,
+            mtu = r.route.mtu,
+            device_mtu = r.device_mtu,
+            backend = %r.backend,
+            "a route to a backend has an MTU that is not locked: the kernel's forwarding honours it, the XDP \
+             datapath's FIB lookups do not, so balanced packets to the backend are held to the device's MTU \
+             only; lock it (ip route change <route> ... mtu lock <mtu>) or set net.ipv4.ip_forward_use_pmtu=1"
+        );
     }
 }
 
@@ -531,6 +598,9 @@ mod tests {
             self.refreshes += 1;
             if self.fail { Err("netlink said no".into()) } else { Ok(false) }
         }
+        fn ipv4_backends(&self) -> Vec<Ipv4Addr> {
+            Vec::new()
+        }
         type Sweep = u32;
         fn sweep_begin(&mut self) -> u32 {
             let parts = self.sweep_parts.max(1);
@@ -554,7 +624,7 @@ mod tests {
 
     fn fast() -> Periods {
         let p = Duration::from_millis(20);
-        Periods { supervise: p, slow_start: p, devices: p, sweep: p }
+        Periods { supervise: p, slow_start: p, devices: p, routes: p, sweep: p }
     }
 
     /// A TCP probe every `interval_ms`, given a second to answer: the

@@ -7,10 +7,13 @@
 //! while the kernel's own IPv4 forwarding honours an unlocked one too. An
 //! unlocked route MTU below its device's therefore binds the packets the
 //! kernel forwards and not the ones XDP forwards; lbd warns about the
-//! routes to its backends that have one.
-use std::net::Ipv4Addr;
+//! routes to its backends that have one ([`RouteMtuWatch`]).
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
 
-use super::{NetdevError, netlink::*};
+use super::{Link, NetdevError, netlink::*, rt_links};
 
 /// A FIB entry with an MTU of its own.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -33,6 +36,76 @@ pub struct RouteMtu {
 pub fn route_mtus(dsts: &[Ipv4Addr]) -> Result<Vec<Option<RouteMtu>>, NetdevError> {
     let mut sock = Socket::open(libc::NETLINK_ROUTE, "route")?;
     dsts.iter().map(|&dst| ask(&mut sock, dst)).collect()
+}
+
+/// A route to a backend whose MTU is below its device's and not locked,
+/// as [`RouteMtuWatch`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnlockedRoute {
+    pub route: RouteMtu,
+    /// The route's device and its MTU ("-" and 0 when the route names no
+    /// single device, or the device was not found).
+    pub device: String,
+    pub device_mtu: u32,
+    /// A backend address the route matched (the lowest).
+    pub backend: Ipv4Addr,
+}
+
+/// The check of the routes to a set of IPv4 backends (lbd's, every few
+/// seconds): which have an unlocked MTU below their device's, each
+/// reported once while it stays so. A route whose MTU is not below its
+/// device's is not remembered: it is judged again at every check, so
+/// that it is reported once the device's MTU grows past it.
+#[derive(Debug, Default)]
+pub struct RouteMtuWatch {
+    /// The routes reported, and still found so at the last check.
+    reported: BTreeSet<RouteMtu>,
+}
+
+impl RouteMtuWatch {
+    /// Ask the FIB about `backends` (blocking: one netlink socket, a
+    /// question per address, and the device list when some route has an
+    /// unlocked MTU) and answer the routes not reported before. Nothing is
+    /// asked when `backends` is empty or `forward_use_pmtu` (the sysctl
+    /// `net.ipv4.ip_forward_use_pmtu`, under which the datapath's FIB
+    /// lookups honour unlocked MTUs too) is set.
+    pub fn check(&mut self, backends: &[Ipv4Addr], forward_use_pmtu: bool) -> Result<Vec<UnlockedRoute>, NetdevError> {
+        if backends.is_empty() || forward_use_pmtu {
+            self.reported.clear();
+            return Ok(Vec::new());
+        }
+        let routes = route_mtus(backends)?;
+        let mut unlocked: BTreeMap<RouteMtu, Ipv4Addr> = BTreeMap::new();
+        for (r, &addr) in routes.into_iter().zip(backends) {
+            if let Some(r) = r.filter(|r| !r.locked) {
+                unlocked.entry(r).or_insert(addr);
+            }
+        }
+        let links = if unlocked.is_empty() { Vec::new() } else { rt_links()? };
+        Ok(self.judge(unlocked, &links))
+    }
+
+    /// [`check`](Self::check)'s verdict on the unlocked routes found
+    /// (`unlocked`, each with a backend it matched) given the devices
+    /// (`links`): the ones below their device's MTU not reported before.
+    pub(super) fn judge(&mut self, unlocked: BTreeMap<RouteMtu, Ipv4Addr>, links: &[Link]) -> Vec<UnlockedRoute> {
+        let mut reported = BTreeSet::new();
+        let mut new = Vec::new();
+        for (route, backend) in unlocked {
+            let dev = links.iter().find(|l| l.ifindex == route.oif);
+            let device_mtu = dev.map_or(0, |l| l.mtu);
+            if device_mtu != 0 && route.mtu >= device_mtu {
+                continue;
+            }
+            if !self.reported.contains(&route) {
+                let device = dev.map_or_else(|| "-".to_owned(), |l| l.name.clone());
+                new.push(UnlockedRoute { route: route.clone(), device, device_mtu, backend });
+            }
+            reported.insert(route);
+        }
+        self.reported = reported;
+        new
+    }
 }
 
 fn ask(sock: &mut Socket, dst: Ipv4Addr) -> Result<Option<RouteMtu>, NetdevError> {

@@ -401,3 +401,74 @@ fn the_kernel_names_a_routes_mtu_and_its_lock() {
     assert_eq!(asked[2], None);
     assert_eq!(asked[3], None);
 }
+
+#[test]
+fn an_unlocked_route_below_its_devices_mtu_is_reported_once_while_it_stays_so() {
+    let dev = |ifindex, name: &str, mtu| Link {
+        ifindex,
+        name: name.into(),
+        kind: Some("veth".into()),
+        link_type: 1,
+        master: None,
+        up: true,
+        mtu,
+        xdp_features: None,
+        xdp_progs: Vec::new(),
+        xdp_generic_prog: None,
+    };
+    let route = |third: u8, oif, mtu| RouteMtu {
+        prefix: std::net::Ipv4Addr::new(10, 20, third, 0),
+        prefix_len: 24,
+        table: 254,
+        oif,
+        mtu,
+        locked: false,
+    };
+    let found = |routes: &[RouteMtu]| -> std::collections::BTreeMap<RouteMtu, std::net::Ipv4Addr> {
+        routes.iter().map(|r| (r.clone(), std::net::Ipv4Addr::new(10, 20, r.prefix.octets()[2], 7))).collect()
+    };
+    let narrow = route(1, 3, 1400);
+    let as_wide = route(2, 4, 1500);
+    let multipath = route(3, 0, 1300);
+    let mut watch = RouteMtuWatch::default();
+    let links = [dev(3, "eth1", 1500), dev(4, "eth2", 1500)];
+    let first = watch.judge(found(&[narrow.clone(), as_wide.clone(), multipath.clone()]), &links);
+    assert_eq!(
+        first,
+        vec![
+            UnlockedRoute {
+                route: narrow.clone(),
+                device: "eth1".into(),
+                device_mtu: 1500,
+                backend: "10.20.1.7".parse().unwrap()
+            },
+            // A route over several devices names none: reported, as
+            // nothing says its MTU is not the narrower one.
+            UnlockedRoute {
+                route: multipath.clone(),
+                device: "-".into(),
+                device_mtu: 0,
+                backend: "10.20.3.7".parse().unwrap()
+            },
+        ]
+    );
+    // The same routes again: nothing new.
+    assert_eq!(watch.judge(found(&[narrow.clone(), as_wide.clone(), multipath.clone()]), &links), vec![]);
+    // eth2's MTU grows past its route's, which was not below it before:
+    // that route is reported now.
+    let grown = [dev(3, "eth1", 1500), dev(4, "eth2", 9000)];
+    let now = watch.judge(found(&[narrow.clone(), as_wide.clone(), multipath.clone()]), &grown);
+    assert_eq!(now.iter().map(|r| &r.route).collect::<Vec<_>>(), vec![&as_wide]);
+    assert_eq!(now[0].device_mtu, 9000);
+    // A route fixed (locked: no longer among the unlocked) and set back
+    // unlocked later is reported again.
+    assert_eq!(watch.judge(found(&[as_wide.clone(), multipath.clone()]), &grown), vec![]);
+    let back = watch.judge(found(&[narrow.clone(), as_wide, multipath]), &grown);
+    assert_eq!(back.iter().map(|r| &r.route).collect::<Vec<_>>(), vec![&narrow]);
+    // Nothing asked, nothing remembered, with no backend or under
+    // ip_forward_use_pmtu.
+    assert_eq!(watch.check(&[], false).unwrap(), vec![]);
+    assert_eq!(watch.judge(found(std::slice::from_ref(&narrow)), &links).len(), 1);
+    assert_eq!(watch.check(&["10.20.1.7".parse().unwrap()], true).unwrap(), vec![]);
+    assert_eq!(watch.judge(found(&[narrow]), &links).len(), 1);
+}
