@@ -50,7 +50,7 @@ pub trait Driven: Send + 'static {
     fn reprogram(&mut self) -> Result<(), String>;
     /// Re-read the network devices; true when a forwarding path changed.
     fn refresh_devices(&mut self) -> Result<bool, String>;
-    /// The IPv4 backend addresses whose routes [`watch_devices`] checks.
+    /// The IPv4 backend addresses whose routes [`watch_routes`] checks.
     fn ipv4_backends(&self) -> Vec<Ipv4Addr>;
     /// A sweep of the flow tables under way.
     type Sweep: Send + 'static;
