@@ -356,6 +356,12 @@ async fn watch_routes<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
     loop {
         tick.tick().await;
         let Some(backends) = locked(&state, |s| s.ipv4_backends()).await else { continue };
+        if backends.is_empty() {
+            // Nothing to ask, and no sysctl to read: forget what was
+            // reported, so that it is reported again if it comes back.
+            watch = RouteMtuWatch::default();
+            continue;
+        }
         // A panicked check loses what was reported: reported again.
         watch = blocking(move || {
             check_routes(&mut watch, &backends);

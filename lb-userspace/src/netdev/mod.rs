@@ -19,7 +19,7 @@
 mod netlink;
 mod route;
 
-pub use route::{RouteMtu, RouteMtuWatch, UnlockedRoute, route_mtus};
+pub use route::{RouteMtu, RouteMtuWatch, UnlockedRoute};
 
 use std::collections::HashMap;
 use std::io;

@@ -16,7 +16,7 @@ use std::{
 use super::{Link, NetdevError, netlink::*, rt_links};
 
 /// A FIB entry with an MTU of its own.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct RouteMtu {
     /// The route's destination prefix and its length.
     pub prefix: Ipv4Addr,
@@ -33,7 +33,7 @@ pub struct RouteMtu {
 /// For each of `dsts`, the route the FIB matches for it when that route
 /// has an MTU of its own; None when it has none, or there is no route.
 /// One socket for all the questions.
-pub fn route_mtus(dsts: &[Ipv4Addr]) -> Result<Vec<Option<RouteMtu>>, NetdevError> {
+pub(super) fn route_mtus(dsts: &[Ipv4Addr]) -> Result<Vec<Option<RouteMtu>>, NetdevError> {
     let mut sock = Socket::open(libc::NETLINK_ROUTE, "route")?;
     dsts.iter().map(|&dst| ask(&mut sock, dst)).collect()
 }
@@ -99,7 +99,7 @@ impl RouteMtuWatch {
             }
             if !self.reported.contains(&route) {
                 let device = dev.map_or_else(|| "-".to_owned(), |l| l.name.clone());
-                new.push(UnlockedRoute { route: route.clone(), device, device_mtu, backend });
+                new.push(UnlockedRoute { route, device, device_mtu, backend });
             }
             reported.insert(route);
         }

@@ -1,7 +1,11 @@
 //! Tests of the device reader: encoded answers, and the kernel's own.
 use std::{os::fd::AsRawFd as _, process::Command};
 
-use super::{netlink::*, route::parse_route, *};
+use super::{
+    netlink::*,
+    route::{parse_route, route_mtus},
+    *,
+};
 
 fn ifinfo(link_type: u16, ifindex: u32, flags: u32) -> Vec<u8> {
     let mut b = vec![0u8; IFINFOMSG_LEN];
@@ -347,7 +351,7 @@ fn a_route_answer_gives_its_prefix_table_device_and_mtu_lock() {
         mtu: 1400,
         locked: true,
     };
-    assert_eq!(parse_route(&body), Some(Some(locked.clone())));
+    assert_eq!(parse_route(&body), Some(Some(locked)));
     // Another metric locked (the window, bit 3), not the MTU.
     let mut body = rtmsg(25, 254);
     body.extend(attr(RTA_DST, &[10, 20, 0, 0]));
@@ -425,19 +429,19 @@ fn an_unlocked_route_below_its_devices_mtu_is_reported_once_while_it_stays_so() 
         locked: false,
     };
     let found = |routes: &[RouteMtu]| -> std::collections::BTreeMap<RouteMtu, std::net::Ipv4Addr> {
-        routes.iter().map(|r| (r.clone(), std::net::Ipv4Addr::new(10, 20, r.prefix.octets()[2], 7))).collect()
+        routes.iter().map(|r| (*r, std::net::Ipv4Addr::new(10, 20, r.prefix.octets()[2], 7))).collect()
     };
     let narrow = route(1, 3, 1400);
     let as_wide = route(2, 4, 1500);
     let multipath = route(3, 0, 1300);
     let mut watch = RouteMtuWatch::default();
     let links = [dev(3, "eth1", 1500), dev(4, "eth2", 1500)];
-    let first = watch.judge(found(&[narrow.clone(), as_wide.clone(), multipath.clone()]), &links);
+    let first = watch.judge(found(&[narrow, as_wide, multipath]), &links);
     assert_eq!(
         first,
         vec![
             UnlockedRoute {
-                route: narrow.clone(),
+                route: narrow,
                 device: "eth1".into(),
                 device_mtu: 1500,
                 backend: "10.20.1.7".parse().unwrap()
@@ -445,7 +449,7 @@ fn an_unlocked_route_below_its_devices_mtu_is_reported_once_while_it_stays_so() 
             // A route over several devices names none: reported, as
             // nothing says its MTU is not the narrower one.
             UnlockedRoute {
-                route: multipath.clone(),
+                route: multipath,
                 device: "-".into(),
                 device_mtu: 0,
                 backend: "10.20.3.7".parse().unwrap()
@@ -453,17 +457,17 @@ fn an_unlocked_route_below_its_devices_mtu_is_reported_once_while_it_stays_so() 
         ]
     );
     // The same routes again: nothing new.
-    assert_eq!(watch.judge(found(&[narrow.clone(), as_wide.clone(), multipath.clone()]), &links), vec![]);
+    assert_eq!(watch.judge(found(&[narrow, as_wide, multipath]), &links), vec![]);
     // eth2's MTU grows past its route's, which was not below it before:
     // that route is reported now.
     let grown = [dev(3, "eth1", 1500), dev(4, "eth2", 9000)];
-    let now = watch.judge(found(&[narrow.clone(), as_wide.clone(), multipath.clone()]), &grown);
+    let now = watch.judge(found(&[narrow, as_wide, multipath]), &grown);
     assert_eq!(now.iter().map(|r| &r.route).collect::<Vec<_>>(), vec![&as_wide]);
     assert_eq!(now[0].device_mtu, 9000);
     // A route fixed (locked: no longer among the unlocked) and set back
     // unlocked later is reported again.
-    assert_eq!(watch.judge(found(&[as_wide.clone(), multipath.clone()]), &grown), vec![]);
-    let back = watch.judge(found(&[narrow.clone(), as_wide, multipath]), &grown);
+    assert_eq!(watch.judge(found(&[as_wide, multipath]), &grown), vec![]);
+    let back = watch.judge(found(&[narrow, as_wide, multipath]), &grown);
     assert_eq!(back.iter().map(|r| &r.route).collect::<Vec<_>>(), vec![&narrow]);
     // Nothing asked, nothing remembered, with no backend or under
     // ip_forward_use_pmtu.
