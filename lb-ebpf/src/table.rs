@@ -305,8 +305,9 @@ pub(crate) fn put<K: SlotKey, V: Copy>(
 }
 
 /// `put` in the slot a lookup of `key` just found (`hint`, as
-/// [`lb_flow_slot`] answers), without probing again. None when that slot
-/// has changed since (another CPU took it): `put` then probes.
+/// [`lb_flow_slot`] answers), without probing again, or, when another
+/// key has taken that free slot since, in the next one if it is free.
+/// None otherwise: `put` then probes.
 ///
 /// Why the lookup's slot is the one: the lookup saw every slot before it
 /// taken by other keys (or removed: then it named the first removed one),
@@ -330,7 +331,8 @@ fn put_at<K: SlotKey, V: Copy>(
     replace: bool,
     hint: u32,
 ) -> Option<Put> {
-    let tag = key.slot_hash(flow_seed()) & SLOT_TAG;
+    let h = key.slot_hash(flow_seed());
+    let tag = h & SLOT_TAG;
     let (at, old, fresh) = if hint & MISS == 0 {
         if !replace {
             return Some(Put::Exists);
@@ -344,17 +346,41 @@ fn put_at<K: SlotKey, V: Copy>(
     }
     let slot = slot_at(table, at)?;
     // A plain read of the claim first: when the slot has changed since the
-    // lookup (a shared endpoint's reply entry, inserted just before the
-    // forward entry, starts probing at the same slot and takes it; or
-    // another CPU won it), the swap below would fail after the count was
-    // taken, and the count be given back: three locked instructions for
-    // nothing. The lookup has just read this line, so the read is a hit.
+    // lookup, the swap below would fail after the count was taken, and the
+    // count be given back: three locked instructions for nothing. The
+    // lookup has just read this line, so the read is a hit.
     // SAFETY: a valid map value, read as in `find`.
-    if unsafe { read_volatile(&raw const (*slot).claim) } != old {
+    let now = unsafe { read_volatile(&raw const (*slot).claim) };
+    if now == old {
+        let value = value()?;
+        return if claim_and_write(slot, old, tag, fresh, count, key, value) { Some(Put::Done) } else { None };
+    }
+    // The free slot was taken since the lookup by another key, whole or
+    // being written: a shared endpoint's reply entry, inserted just
+    // before the forward entry, starts probing at the same slot and takes
+    // it (or another CPU's new flow won it). The lookup saw the key in
+    // none of its slots, and every slot before this one taken, so when
+    // the next slot of the sequence is free, it is where `put` would go:
+    // taken without probing again. Anything else (the slot now holds a
+    // claim with the key's tag, maybe this very key's from another CPU;
+    // it went free again; the next slot is taken, or past the key's
+    // sequence), and `put` probes.
+    let state = now & SLOT_STATE;
+    if !fresh || now & SLOT_TAG == tag || (state != SLOT_READY && state != SLOT_BUSY) {
+        return None;
+    }
+    if at.wrapping_sub(h as u32) & mask >= SLOT_PROBES - 1 {
+        return None;
+    }
+    let next = at.wrapping_add(1) & mask;
+    let slot = slot_at(table, next)?;
+    // SAFETY: as above.
+    let old = unsafe { read_volatile(&raw const (*slot).claim) };
+    if old != SLOT_EMPTY && old != SLOT_TOMB {
         return None;
     }
     let value = value()?;
-    if claim_and_write(slot, old, tag, fresh, count, key, value) { Some(Put::Done) } else { None }
+    if claim_and_write(slot, old, tag, true, count, key, value) { Some(Put::Done) } else { None }
 }
 
 /// Take `slot` from the claim `old` and write `key` and `value` into it,

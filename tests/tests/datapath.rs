@@ -324,6 +324,71 @@ fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_th
     });
 }
 
+/// A shared endpoint's forward entry goes to the slot after its reply
+/// entry when that one is free, without probing again; when another
+/// flow's entry is there, it goes on to the next free slot of its
+/// sequence, and both are found.
+#[test]
+fn a_shared_endpoints_forward_entry_goes_past_a_taken_slot_beside_its_reply_entry() {
+    in_netns(|| {
+        let mut fx = Fixture::new(vec![
+            service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]),
+            service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]),
+        ]);
+        let mask = lb_common::flow_slots(1024) - 1;
+        let seed = fx.dp.flow_seed();
+        let alt = |cport: u16| lb_common::FlowKey { dst_port: 81u16.to_be(), ..key4(cport) };
+        let first = |k: &lb_common::FlowKey| k.slot_hash(seed) as u32 & mask;
+        let reply = |cport: u16| {
+            let k = lb_common::FlowKey {
+                src_addr: u32::from_ne_bytes(BACKEND.octets()),
+                dst_addr: u32::from_ne_bytes(CLIENT.octets()),
+                src_port: 8080u16.to_be(),
+                dst_port: cport.to_be(),
+                ..key4(cport)
+            };
+            k.reply()
+        };
+        // web's flow takes its first slot; alt's client port: one whose
+        // first slot is just before it.
+        assert_eq!(fx.forward(&tcp(CLIENT, 41000, VIP, 80, SYN).bytes()), BACKEND);
+        let web_at = fx.dp.flow_slot(&key4(41000)).unwrap().expect("web's entry");
+        assert_eq!(web_at, first(&key4(41000)));
+        let taken = (1024..u16::MAX)
+            .find(|&p| p != 41000 && (first(&alt(p)) + 1) & mask == web_at)
+            .expect("a client port whose first slot is just before web's entry");
+        // ... and one whose first two slots are free once that flow's
+        // two entries are in (just before web's entry, and just after).
+        let used = [web_at.wrapping_sub(1) & mask, web_at, (web_at + 1) & mask];
+        let free = (1024..u16::MAX)
+            .find(|&p| {
+                let f = first(&alt(p));
+                !used.contains(&f) && !used.contains(&((f + 1) & mask))
+            })
+            .expect("a client port whose first two slots are free");
+        for (cport, past) in [(taken, 2), (free, 1)] {
+            assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 81, SYN).bytes()), BACKEND);
+            let f = first(&alt(cport));
+            assert_eq!(fx.dp.flow_slot(&reply(cport)).unwrap(), Some(f), "port {cport}: the reply entry");
+            assert_eq!(
+                fx.dp.flow_slot(&alt(cport)).unwrap(),
+                Some((f + past) & mask),
+                "port {cport}: the forward entry"
+            );
+            // The flow's next packet finds its entry, and so does the reply.
+            assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 81, ACK).bytes()), BACKEND);
+            let back = Frame { dmac: GW_B_MAC, smac: BACKEND_MAC, ..tcp(BACKEND, 8080, CLIENT, cport, SYN | ACK) };
+            let (action, out) = fx.run(&back.bytes(), fx.if_b);
+            assert_eq!(action, XDP_REDIRECT);
+            let got = Frame::parse(&out).unwrap();
+            assert_eq!((got.src, got.sport, got.dst, got.dport), (VIP, 81, CLIENT, cport));
+        }
+        assert_eq!(fx.dp.flow_slot(&key4(41000)).unwrap(), Some(web_at), "web's entry moved");
+        assert_eq!(fx.entries(), 5, "web's flow, and two entries for each of alt's");
+        assert_eq!(fx.counter("table_full"), 0);
+    });
+}
+
 /// A new flow of a service sharing its backend's endpoint takes two
 /// entries, its reply entry first. When the reply entry takes the table's
 /// last room and the forward entry then finds none, the reply entry is
