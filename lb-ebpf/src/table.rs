@@ -351,10 +351,23 @@ fn put_at<K: SlotKey, V: Copy>(
     // lookup has just read this line, so the read is a hit.
     // SAFETY: a valid map value, read as in `find`.
     let now = unsafe { read_volatile(&raw const (*slot).claim) };
-    if now == old {
-        let value = value()?;
-        return if claim_and_write(slot, old, tag, fresh, count, key, value) { Some(Put::Done) } else { None };
-    }
+    let (slot, old) = if now == old { (slot, old) } else { next_free(table, mask, h, at, now, fresh)? };
+    let value = value()?;
+    if claim_and_write(slot, old, tag, fresh, count, key, value) { Some(Put::Done) } else { None }
+}
+
+/// `put_at`'s way on when the free slot `at` that a lookup of a key
+/// (slot hash `h`) found holds the claim `now` instead: the next slot of
+/// the key's sequence and its claim, when that slot is free.
+#[inline(always)]
+fn next_free<K, V>(
+    table: &impl SlotTable<K, V>,
+    mask: u32,
+    h: u64,
+    at: u32,
+    now: u64,
+    fresh: bool,
+) -> Option<(*mut Slot<K, V>, u64)> {
     // The free slot was taken since the lookup by another key, whole or
     // being written: a shared endpoint's reply entry, inserted just
     // before the forward entry, starts probing at the same slot and takes
@@ -366,21 +379,16 @@ fn put_at<K: SlotKey, V: Copy>(
     // it went free again; the next slot is taken, or past the key's
     // sequence), and `put` probes.
     let state = now & SLOT_STATE;
-    if !fresh || now & SLOT_TAG == tag || (state != SLOT_READY && state != SLOT_BUSY) {
+    if !fresh || now & SLOT_TAG == h & SLOT_TAG || (state != SLOT_READY && state != SLOT_BUSY) {
         return None;
     }
     if at.wrapping_sub(h as u32) & mask >= SLOT_PROBES - 1 {
         return None;
     }
-    let next = at.wrapping_add(1) & mask;
-    let slot = slot_at(table, next)?;
-    // SAFETY: as above.
-    let old = unsafe { read_volatile(&raw const (*slot).claim) };
-    if old != SLOT_EMPTY && old != SLOT_TOMB {
-        return None;
-    }
-    let value = value()?;
-    if claim_and_write(slot, old, tag, true, count, key, value) { Some(Put::Done) } else { None }
+    let slot = slot_at(table, at.wrapping_add(1) & mask)?;
+    // SAFETY: a valid map value, read as in `find`.
+    let claim = unsafe { read_volatile(&raw const (*slot).claim) };
+    (claim == SLOT_EMPTY || claim == SLOT_TOMB).then_some((slot, claim))
 }
 
 /// Take `slot` from the claim `old` and write `key` and `value` into it,

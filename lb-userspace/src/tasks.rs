@@ -356,12 +356,6 @@ async fn watch_routes<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
     loop {
         tick.tick().await;
         let Some(backends) = locked(&state, |s| s.ipv4_backends()).await else { continue };
-        if backends.is_empty() {
-            // Nothing to ask, and no sysctl to read: forget what was
-            // reported, so that it is reported again if it comes back.
-            watch = RouteMtuWatch::default();
-            continue;
-        }
         // A panicked check loses what was reported: reported again.
         watch = blocking(move || {
             check_routes(&mut watch, &backends);
@@ -382,7 +376,7 @@ async fn watch_routes<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
 /// One FIB question per backend address: the routes that matter, without
 /// a dump of a table that may hold a million.
 fn check_routes(watch: &mut RouteMtuWatch, backends: &[Ipv4Addr]) {
-    let use_pmtu = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward_use_pmtu").is_ok_and(|v| v.trim() == "1");
+    let use_pmtu = || std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward_use_pmtu").is_ok_and(|v| v.trim() == "1");
     let found = match watch.check(backends, use_pmtu) {
         Ok(f) => f,
         Err(e) => {

@@ -337,18 +337,15 @@ fn a_shared_endpoints_forward_entry_goes_past_a_taken_slot_beside_its_reply_entr
         ]);
         let mask = lb_common::flow_slots(1024) - 1;
         let seed = fx.dp.flow_seed();
-        let alt = |cport: u16| lb_common::FlowKey { dst_port: 81u16.to_be(), ..key4(cport) };
-        let first = |k: &lb_common::FlowKey| k.slot_hash(seed) as u32 & mask;
-        let reply = |cport: u16| {
-            let k = lb_common::FlowKey {
-                src_addr: u32::from_ne_bytes(BACKEND.octets()),
-                dst_addr: u32::from_ne_bytes(CLIENT.octets()),
-                src_port: 8080u16.to_be(),
-                dst_port: cport.to_be(),
-                ..key4(cport)
-            };
-            k.reply()
+        let addr = |a: Ipv4Addr| u32::from_ne_bytes(a.octets());
+        let alt = |cport: u16| {
+            lb_common::FlowKey::new(addr(CLIENT), addr(VIP), cport.to_be(), 81u16.to_be(), lb_common::PROTO_TCP)
         };
+        let reply = |cport: u16| {
+            lb_common::FlowKey::new(addr(BACKEND), addr(CLIENT), 8080u16.to_be(), cport.to_be(), lb_common::PROTO_TCP)
+                .reply()
+        };
+        let first = |k: &lb_common::FlowKey| k.slot_hash(seed) as u32 & mask;
         // web's flow takes its first slot; alt's client port: one whose
         // first slot is just before it.
         assert_eq!(fx.forward(&tcp(CLIENT, 41000, VIP, 80, SYN).bytes()), BACKEND);

@@ -66,11 +66,16 @@ impl RouteMtuWatch {
     /// Ask the FIB about `backends` (blocking: one netlink socket, a
     /// question per address, and the device list when some route has an
     /// unlocked MTU) and answer the routes not reported before. Nothing is
-    /// asked when `backends` is empty or `forward_use_pmtu` (the sysctl
-    /// `net.ipv4.ip_forward_use_pmtu`, under which the datapath's FIB
-    /// lookups honour unlocked MTUs too) is set.
-    pub fn check(&mut self, backends: &[Ipv4Addr], forward_use_pmtu: bool) -> Result<Vec<UnlockedRoute>, NetdevError> {
-        if backends.is_empty() || forward_use_pmtu {
+    /// asked when `backends` is empty, or when `forward_use_pmtu` (asked
+    /// only then: whether the sysctl `net.ipv4.ip_forward_use_pmtu`, under
+    /// which the datapath's FIB lookups honour unlocked MTUs too, is set)
+    /// says so.
+    pub fn check(
+        &mut self,
+        backends: &[Ipv4Addr],
+        forward_use_pmtu: impl FnOnce() -> bool,
+    ) -> Result<Vec<UnlockedRoute>, NetdevError> {
+        if backends.is_empty() || forward_use_pmtu() {
             self.reported.clear();
             return Ok(Vec::new());
         }

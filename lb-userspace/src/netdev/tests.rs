@@ -471,8 +471,8 @@ fn an_unlocked_route_below_its_devices_mtu_is_reported_once_while_it_stays_so() 
     assert_eq!(back.iter().map(|r| &r.route).collect::<Vec<_>>(), vec![&narrow]);
     // Nothing asked, nothing remembered, with no backend or under
     // ip_forward_use_pmtu.
-    assert_eq!(watch.check(&[], false).unwrap(), vec![]);
+    assert_eq!(watch.check(&[], || false).unwrap(), vec![]);
     assert_eq!(watch.judge(found(std::slice::from_ref(&narrow)), &links).len(), 1);
-    assert_eq!(watch.check(&["10.20.1.7".parse().unwrap()], true).unwrap(), vec![]);
+    assert_eq!(watch.check(&["10.20.1.7".parse().unwrap()], || true).unwrap(), vec![]);
     assert_eq!(watch.judge(found(&[narrow]), &links).len(), 1);
 }
