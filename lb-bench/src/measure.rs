@@ -24,7 +24,7 @@ use aya::{
     programs::{ProgramFd, TestRun as _, TestRunOptions, Xdp},
 };
 use lb_common::{FLOW_ESTABLISHED, FLOW_REPLIED, FlowKey, FlowKey6};
-use lb_testkit::{Frame, Frame6};
+use lb_testkit::{Frame, Frame6, xdp_ctx};
 use lb_userspace::{
     config::{Config, XdpMode},
     dataplane::{BENCH_OBJECT, Dataplane, delete_flow_keys, drain_flow_map, words6},
@@ -1245,15 +1245,6 @@ fn other_cpu(cpu: usize) -> usize {
         .flatten()
         .map_or(n, |v| usize::try_from(v).unwrap_or(n));
     (0..online).find(|&c| c != cpu).unwrap_or(cpu)
-}
-
-/// The `xdp_md` context of a BPF_PROG_TEST_RUN: a frame of `len` bytes
-/// (`data_end`) received on `ifindex` (`ingress_ifindex`).
-fn xdp_ctx(len: usize, ifindex: u32) -> [u8; 24] {
-    let mut ctx = [0u8; 24];
-    ctx[4..8].copy_from_slice(&(len as u32).to_ne_bytes());
-    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
-    ctx
 }
 
 /// The source and destination addresses of an IPv4 or IPv6 frame, read

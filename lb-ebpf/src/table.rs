@@ -456,15 +456,24 @@ fn next_free<K, V>(
 /// the slots read are the ones the insert's probe has just read.
 #[inline(always)]
 fn keep_reachable<K, V>(table: &impl SlotTable<K, V>, mask: u32, start: u32, at: u32) {
-    let before = at.wrapping_sub(start) & mask;
-    for j in 1..SLOT_PROBES {
-        if j > before {
+    put_back_removed(table, mask, at.wrapping_sub(1), at.wrapping_sub(start) & mask);
+}
+
+/// The `n` slots `top`, `top - 1`, ... (at most a probe sequence's) that
+/// are empty made removed again: both sides of the race described at
+/// [`keep_reachable`] and [`clear_run`]. By compare-and-swap, so an
+/// insert that took one of them meanwhile keeps it.
+#[inline(always)]
+fn put_back_removed<K, V>(table: &impl SlotTable<K, V>, mask: u32, top: u32, n: u32) {
+    for j in 0..SLOT_PROBES {
+        if j >= n {
             break;
         }
-        let Some(s) = slot_at(table, at.wrapping_sub(j) & mask) else { break };
-        // SAFETY: a valid map value; the claim read as in `find`, and
-        // changed only from empty to removed by compare-and-swap (an
-        // insert that took the empty slot meanwhile keeps it).
+        let Some(s) = slot_at(table, top.wrapping_sub(j) & mask) else { break };
+        // SAFETY: a valid map value; the claim read as in `find` (a
+        // plain read first: the slots are in cache, a locked instruction
+        // on a taken one would be wasted), changed only from empty to
+        // removed.
         unsafe {
             if read_volatile(&raw const (*s).claim) == SLOT_EMPTY {
                 atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
@@ -652,22 +661,8 @@ fn clear_run<K, V>(table: &impl SlotTable<K, V>, mask: u32, at: u32) {
         cleared += 1;
     }
     // SAFETY: as above.
-    if cleared == 0 || unsafe { read_volatile(&raw const (*next).claim) } == SLOT_EMPTY {
-        return;
-    }
-    for j in 0..SLOT_PROBES {
-        if j >= cleared {
-            break;
-        }
-        let Some(s) = slot_at(table, at.wrapping_sub(j) & mask) else { break };
-        // SAFETY: as above.
-        unsafe {
-            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-                &raw mut (*s).claim,
-                SLOT_EMPTY,
-                SLOT_TOMB,
-            )
-        };
+    if cleared > 0 && unsafe { read_volatile(&raw const (*next).claim) } != SLOT_EMPTY {
+        put_back_removed(table, mask, at, cleared);
     }
 }
 

@@ -7,10 +7,20 @@
 //! a frame built here has checksums a second implementation agrees with.
 //!
 //! [`sysctl`] changes a kernel setting for a benchmark's run and puts it
-//! back, also after a kill.
+//! back, also after a kill. [`xdp_ctx`] is the context both hand to
+//! `BPF_PROG_TEST_RUN`.
 pub mod frame;
 pub mod frame6;
 pub mod sysctl;
 
 pub use frame::{Frame, L4Checksum, ParseError, Proto};
 pub use frame6::Frame6;
+
+/// The `xdp_md` context of a BPF_PROG_TEST_RUN: a frame of `len` bytes
+/// (`data_end`) received on `ifindex` (`ingress_ifindex`).
+pub fn xdp_ctx(len: usize, ifindex: u32) -> [u8; 24] {
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(len as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx
+}

@@ -224,9 +224,7 @@ impl Fixture {
 
     /// Run one frame as if received on `ifindex`; returns (action, output).
     pub fn run(&self, frame: &[u8], ifindex: u32) -> (u32, Vec<u8>) {
-        let mut ctx = [0u8; 24];
-        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes()); // data_end
-        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes()); // ingress_ifindex
+        let ctx = lb_testkit::xdp_ctx(frame.len(), ifindex);
         let mut out = vec![0u8; frame.len() + 256];
         let res = self
             .dp

@@ -1100,9 +1100,7 @@ fn a_full_table_routes_new_flows_by_hash_and_never_evicts_established_ones() {
 /// frame's destination address. aya's `test_run` needs the `Program`,
 /// hence the raw `BPF_PROG_TEST_RUN` here.
 fn run_by_fd(prog_fd: i32, frame: &[u8], ifindex: u32) -> Ipv4Addr {
-    let mut ctx = [0u8; 24];
-    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
-    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    let ctx = lb_testkit::xdp_ctx(frame.len(), ifindex);
     let mut out = vec![0u8; frame.len() + 256];
     // union bpf_attr's test member: prog_fd, retval, data_size_in,
     // data_size_out, data_in, data_out, repeat, duration, ctx_size_in,
