@@ -90,6 +90,17 @@ fn feature(lab: &Lab, role: &str, dev: &str, name: &str) -> String {
         .to_owned()
 }
 
+/// Packets be1's eth0 took through its NAPI receive queue (veth's
+/// `rx_queue_0_xdp_packets`, which counts GRO-mode receives too).
+fn be1_napi_packets(lab: &Lab) -> u64 {
+    let out = output(lab.cmd("be1", "ethtool").args(["-S", "eth0"]));
+    out.lines()
+        .find_map(|l| l.trim().strip_prefix("rx_queue_0_xdp_packets: "))
+        .unwrap_or_else(|| panic!("no rx_queue_0_xdp_packets in be1's ethtool -S eth0:\n{out}"))
+        .parse()
+        .expect("number")
+}
+
 /// A counter of the gateway's /proc/net/snmp, e.g. ("Ip", "ForwDatagrams").
 fn snmp(lab: &Lab, section: &str, field: &str) -> u64 {
     let snmp = output(lab.cmd("gw", "cat").arg("/proc/net/snmp"));
@@ -143,6 +154,14 @@ fn check(t: Topology) {
     if t != Topology::Tuned {
         assert_eq!(feature(&lab, "client", "eth0", "generic-receive-offload"), "off", "{name}: client eth0 GRO");
     }
+    // Tuned: each backend polls one receive queue (GRO on its eth0, TSO
+    // off on the switch port that sends to it), as behind a NIC.
+    let (be_gro, port_tso) = if t == Topology::Tuned { ("on", "off") } else { ("off", "on") };
+    assert_eq!(feature(&lab, "be1", "eth0", "generic-receive-offload"), be_gro, "{name}: be1 eth0 GRO");
+    if matches!(t, Topology::Tuned | Topology::Default) {
+        assert_eq!(feature(&lab, "sw", "p1", "tcp-segmentation-offload"), port_tso, "{name}: switch port p1 TSO");
+    }
+    let napi_before = be1_napi_packets(&lab);
 
     // The mixed topology's peer XDP program: pinned, attached in native mode to p0.
     let pin = Path::new(BPFFS).join(format!("{PREFIX}-peer-xdp"));
@@ -161,6 +180,15 @@ fn check(t: Topology) {
         assert!(body.starts_with(&format!("backend=be{} ", i + 1)), "{name}: {addr} answered {body:?}");
     }
     let fwd = snmp(&lab, "Ip", "ForwDatagrams") - before;
+    // The path be1's packets took: its NAPI queue in tuned (request,
+    // handshake and close at least), the backlog of the sending CPU in
+    // the others.
+    let napi = be1_napi_packets(&lab) - napi_before;
+    if t == Topology::Tuned {
+        assert!(napi >= 4, "{name}: be1 took only {napi} packets through its NAPI queue");
+    } else {
+        assert_eq!(napi, 0, "{name}: be1 took {napi} packets through a NAPI queue");
+    }
     // At least the handshake, request, response and close of each connection.
     assert!(fwd >= 2 * 6, "{name}: the gateway forwarded only {fwd} packets");
     // From an extra source address as well (the gateway routes the /16 back).

@@ -124,7 +124,9 @@ const MAX_CLIENT_SOURCES: usize = 255 * 254;
 pub enum Topology {
     /// Client veth, backend veth into a switch namespace's bridge; TX
     /// checksum offload off on the senders, GRO on on the gateway's veth
-    /// peers (what native XDP redirects on veth need).
+    /// peers (what native XDP redirects on veth need) and on the
+    /// backends' eth0, TSO off on the switch's backend ports (so that each
+    /// backend polls one receive queue, as behind a NIC).
     Tuned,
     /// The same wiring, kernel-default offloads.
     Default,
@@ -187,7 +189,7 @@ impl Topology {
     pub fn describe(self) -> &'static str {
         match self {
             Self::Tuned => {
-                "veth to the client, veth to a switch bridge; senders' TX checksum off, GRO on the gateway's veth peers"
+                "veth to the client, veth to a switch bridge; senders' TX checksum off, GRO on the gateway's veth peers and the backends' eth0"
             }
             Self::Default => "veth to the client, veth to a switch bridge; kernel-default offloads",
             Self::BridgeBackend => "veth to the client; the backends on ports of a bridge br0 inside the gateway",
@@ -1159,6 +1161,21 @@ impl Lab {
             }
             if topo == Topology::Tuned {
                 self.ns_exec(&role, "ethtool", &["-K", "eth0", "tx", "off"])?;
+                // Each backend takes its packets in one receive queue,
+                // polled on one CPU at a time, as a NIC's queue (RSS keeps
+                // a flow on one) does: GRO on eth0 puts its veth in NAPI
+                // mode, and the switch port's TSO off makes every packet
+                // eligible for it (veth passes a packet from a device with
+                // TSO on to the backlog of the CPU that sent it). Without
+                // this, a connection's handshake ACK and its request, sent
+                // by the gateway from two CPUs, reached the backend's TCP
+                // on two CPUs at once, and about one connection in
+                // 250,000 was reset by the backend kernel's socket-table
+                // lookup race (the request met the listener: the kind
+                // Linux 1532ed0d0753, "inet: Avoid ehash lookup race in
+                // inet_ehash_insert()", closes for one window).
+                self.ns_exec(&role, "ethtool", &["-K", "eth0", "gro", "on"])?;
+                self.ns_exec("sw", "ethtool", &["-K", &format!("p{i}"), "tso", "off"])?;
             }
         }
         for idx in 0..n {
