@@ -1170,7 +1170,7 @@ impl Lab {
                 // this, a connection's handshake ACK and its request, sent
                 // by the gateway from two CPUs, reached the backend's TCP
                 // on two CPUs at once, and about one connection in
-                // 250,000 was reset by the backend kernel's socket-table
+                // 200,000 was reset by the backend kernel's socket-table
                 // lookup race (the request met the listener: the kind
                 // Linux 1532ed0d0753, "inet: Avoid ehash lookup race in
                 // inet_ehash_insert()", closes for one window).

@@ -660,7 +660,8 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
                 }
                 // The XDP run time: a separate short cell with
                 // bpf_stats on, in the first repetition only when short
-                // (20 s of the bench in the other two).
+                // (16 s of the bench in the other two: 2 s for each of
+                // 2 methods and 2 loads).
                 if *b == Balancer::Ours && load.rate.is_none() && (full || rep == 0) {
                     let short = Load { secs: 2, ..load.clone() };
                     let x = run_load(env, *b, &short, Measure::XdpTime).with_context(|| key.clone())?;
