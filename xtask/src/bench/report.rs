@@ -55,10 +55,12 @@ pub(super) fn report(r: &Value, dir: &Path) -> anyhow::Result<String> {
     let _ = writeln!(md, "# Benchmark report\n");
     let _ = writeln!(
         md,
-        "Kernel {}, {} CPUs, {} run. Raw numbers: [results.json](results.json). \
+        "Kernel {}, {} CPUs ({}), code of commit {}, {} run. Raw numbers: [results.json](results.json). \
 Every figure below was measured in this one run on this machine; figures on a shared 2-core machine move 10-20% from run to run, hence medians.\n",
         r["kernel"].as_str().unwrap_or("?"),
         r["cpus"],
+        r["cpu_model"].as_str().unwrap_or("CPU not recorded"),
+        r["commit"].as_str().unwrap_or("not recorded"),
         if r["full"] == true { "full" } else { "short" }
     );
     if let Some(p) = r.get("packet") {
