@@ -143,7 +143,7 @@ pub(crate) fn report(
     let table_share = table_shares(&medians, tx_med);
 
     let (release, uname) = kernel_release();
-    let model = cpu_model();
+    let model = lb_testkit::cpu_model().unwrap_or_else(|| "?".into());
     println!();
     println!(
         "Per-packet cost through BPF_PROG_TEST_RUN: {} rounds x {} repeats, CPU {cpu} ({model}), kernel {release}",
@@ -338,18 +338,6 @@ fn kernel_release() -> (String, String) {
         }
         Err(_) => ("?".into(), "?".into()),
     }
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_owned())
-        })
-        .unwrap_or_else(|| "?".into())
 }
 
 pub(crate) fn read_trim(path: &str) -> String {

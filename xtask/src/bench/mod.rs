@@ -70,7 +70,7 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
     let mut results = json!({
         "kernel": String::from_utf8_lossy(&Command::new("uname").arg("-r").output()?.stdout).trim(),
         "cpus": std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
-        "cpu_model": cpu_model(),
+        "cpu_model": lb_testkit::cpu_model(),
         "commit": source_commit(),
         "full": opts.full,
     });
@@ -121,20 +121,6 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
         bail!("requests failed through our balancer (outside the breakpoint search):\n  {}", failed.join("\n  "));
     }
     Ok(())
-}
-
-/// The CPU's model name (`/proc/cpuinfo`): floor multiples depend on it
-/// (return thunks, memory) as much as on anything the code does.
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 /// The commit the measured code comes from, "-dirty" when the work tree
