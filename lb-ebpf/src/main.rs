@@ -167,7 +167,9 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
         // (see `lb_packet_flow_slot`). A reply entry's match never leads
         // to a new flow, so the key a new flow is inserted by is the
         // packet's own, unmarked.
-        hint = table::lb_packet_flow_slot(&raw mut key, u32::from(from_backend));
+        let opening = if is_syn(&pkt) { table::PACKET_OPENING } else { 0 };
+        let from = if from_backend { table::PACKET_FROM_BACKEND } else { 0 };
+        hint = table::lb_packet_flow_slot(&raw mut key, from | opening);
         if let Some(flow) = table::flow_at(hint) {
             if is_syn(&pkt) && syn_held(state_of(flow), now) {
                 return Ok(xdp_action::XDP_DROP);
@@ -367,13 +369,13 @@ pub(crate) fn filter_has(bit: u32) -> bool {
 /// Whether the address filter has bit `a` or bit `b` set: one lookup for
 /// both reads (the pre-checks of a packet's two addresses).
 #[inline(always)]
-pub(crate) fn filter_has_either(a: u32, b: u32) -> bool {
+fn filter_has_either(a: u32, b: u32) -> bool {
     ADDR_BITMAP.get_ptr(0).is_none_or(|f| bit_in(f, a) || bit_in(f, b))
 }
 
 /// Bit `bit` of the filter value at `f`.
 #[inline(always)]
-fn bit_in(f: *const lb_common::AddrFilter, bit: u32) -> bool {
+pub(crate) fn bit_in(f: *const lb_common::AddrFilter, bit: u32) -> bool {
     let (word, mask) = lb_common::filter_word(bit);
     // SAFETY: `f` is the map's one value, valid while the program runs; a
     // plain word read through the pointer (no reference to a value lbd

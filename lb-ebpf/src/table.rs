@@ -95,8 +95,23 @@ pub(crate) fn slot_at<K, V>(table: &impl SlotTable<K, V>, at: u32) -> Option<*mu
 /// slot holds a removed entry), or `NO_SLOT` when there is no such slot
 /// (all the key's slots taken) or another CPU was writing a slot with the
 /// key's tag (maybe this very key: the full insert waits for it).
+///
+/// `ahead` (an IPv4 TCP SYN, a connection's opening): the lines of the
+/// key's second slot are loaded too, together with the first slot's. A
+/// new flow with a reply entry (a backend endpoint shared with another
+/// service) takes two slots side by side, the reply entry the first and
+/// the flow's own the next; without this, the second slot's lines came
+/// only at that second insert, after the first one's locked
+/// instructions, which wait for every earlier load: a second memory miss
+/// after the first. On an Intel Xeon VM (1 December 2026, seven
+/// alternating pairs of `lb-bench packet` runs, empty table) such a new
+/// flow cost 21-145 ns more than a one-insert new flow of the same run
+/// with it, against 213-352 ns without; the established flow (which does
+/// not look ahead) moved within its noise. Loaded for every packet, it
+/// made the established flow look some ns dearer (three pairs), hence
+/// openings only.
 #[inline(always)]
-pub(crate) fn find<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: &K) -> u32 {
+pub(crate) fn find<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: &K, ahead: bool) -> u32 {
     let h = key.slot_hash(flow_seed());
     let want = (h & SLOT_TAG) | SLOT_READY;
     let writer = (h & SLOT_TAG) | SLOT_BUSY;
@@ -105,6 +120,9 @@ pub(crate) fn find<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: 
     // writer held a slot with the key's tag.
     let mut free = NO_SLOT;
     let mut busy = false;
+    if ahead && let Some(next) = slot_at(table, start.wrapping_add(1) & mask) {
+        touch_slot(next);
+    }
     // Verifier: a bounded loop.
     for j in 0..SLOT_PROBES {
         let at = start.wrapping_add(j) & mask;
@@ -164,6 +182,15 @@ fn touch_lines<K, V>(slot: *mut Slot<K, V>) {
     }
     // SAFETY: as above; the slot's last word.
     unsafe { read_volatile(words.add(last)) };
+}
+
+/// Every cache line of `slot`, its first word's included (as
+/// [`touch_lines`]).
+#[inline(always)]
+fn touch_slot<K, V>(slot: *mut Slot<K, V>) {
+    // SAFETY: a valid map value, aligned; a discarded read.
+    unsafe { read_volatile(slot.cast::<u64>()) };
+    touch_lines(slot);
 }
 
 /// Copy a `T` (a whole number of words `W`: u64 for every key and value
@@ -798,12 +825,12 @@ pub(crate) extern "C" fn lb_flow_slot(key: *const FlowKey) -> u32 {
     // SAFETY: a global function's pointer argument may be null (the
     // verifier makes it check); otherwise it points at a whole key.
     let Some(key) = (unsafe { key.as_ref() }) else { return NO_SLOT };
-    find(&FLOW_SLOTS, flow_mask(), key)
+    find(&FLOW_SLOTS, flow_mask(), key, false)
 }
 
 /// The lookup of a packet's own 5-tuple (`key`), the one every packet
-/// makes. A packet from a backend's address (`from_backend` not 0) is
-/// looked up as a reply entry's key first (marked [`KEY_REPLY`]: its
+/// makes. A packet from a backend's address ([`PACKET_FROM_BACKEND`] in
+/// `flags`) is looked up as a reply entry's key first (marked [`KEY_REPLY`]: its
 /// probes start on the destination's side, the client's, beside its
 /// flow's forward entry), and, when that misses, unmarked, as the
 /// packet's own (the backend a client of a VIP, through the gateway).
@@ -813,41 +840,52 @@ pub(crate) extern "C" fn lb_flow_slot(key: *const FlowKey) -> u32 {
 /// spilled a register left undefined on one path (which the verifier
 /// refuses), and with two call sites the verifier walked the rest of the
 /// program once for each. The caller's mark on its stack key made LLVM
-/// do the same, hence the flag.
+/// do the same, hence the flag. A connection's opening
+/// ([`PACKET_OPENING`]) has its second slot loaded too (see [`find`]).
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub(crate) extern "C" fn lb_packet_flow_slot(key: *mut FlowKey, from_backend: u32) -> u32 {
+pub(crate) extern "C" fn lb_packet_flow_slot(key: *mut FlowKey, flags: u32) -> u32 {
     // SAFETY: as in `lb_flow_slot`; the caller's key, written in place.
     let Some(key) = (unsafe { key.as_mut() }) else { return NO_SLOT };
-    key.set_reply(from_backend != 0);
-    reply_first(&FLOW_SLOTS, flow_mask(), key)
+    key.set_reply(flags & PACKET_FROM_BACKEND != 0);
+    reply_first(&FLOW_SLOTS, flow_mask(), key, flags & PACKET_OPENING != 0)
 }
+
+/// [`lb_packet_flow_slot`]'s flags: the packet comes from a backend's
+/// address; ...
+pub(crate) const PACKET_FROM_BACKEND: u32 = 1;
+/// ... it opens a connection (a TCP SYN): the lookup loads the next slot
+/// too (`find`'s `ahead`).
+pub(crate) const PACKET_OPENING: u32 = 2;
 
 /// [`lb_packet_flow_slot`] for IPv6, whose key (in a per-CPU scratch
 /// slot, not on the stack) comes marked already when the packet is from
 /// a backend's address: a flag argument kept alive to the call grew the
-/// IPv6 program's frame past the verifier's combined stack limit.
+/// IPv6 program's frame past the verifier's combined stack limit. No
+/// look-ahead for a connection's opening (see [`find`]): with the flag
+/// for it, LLVM made two call sites of this function, and the established
+/// IPv6 flow measured dearer in 5 of 6 alternating pairs of runs.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub(crate) extern "C" fn lb_packet_flow_slot6(key: *mut FlowKey6) -> u32 {
     // SAFETY: as in `lb_packet_flow_slot`.
     let Some(key) = (unsafe { key.as_mut() }) else { return NO_SLOT };
-    reply_first(&FLOW_SLOTS6, flow_mask6(), key)
+    reply_first(&FLOW_SLOTS6, flow_mask6(), key, false)
 }
 
 /// `key`'s slot in `table` (as [`find`]), looked up first as marked (a
 /// reply entry's) when it comes marked, then, on a miss, unmarked; the
 /// key is left as it was found.
 #[inline(always)]
-fn reply_first<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: &mut K) -> u32 {
+fn reply_first<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: &mut K, opening: bool) -> u32 {
     if key.is_reply() {
-        let at = find(table, mask, key);
+        let at = find(table, mask, key, false);
         if at < MISS {
             return at;
         }
         key.set_reply(false);
     }
-    find(table, mask, key)
+    find(table, mask, key, opening)
 }
 
 /// Remove `key`'s entry, which this program invocation has just inserted:
@@ -876,7 +914,7 @@ pub(crate) extern "C" fn lb_take_back6(key: *const FlowKey6) -> u32 {
 /// [`lb_take_back`]'s work for either table.
 #[inline(always)]
 fn take_back<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, count: Count, key: &K) -> u32 {
-    let at = find(table, mask, key);
+    let at = find(table, mask, key, false);
     if at >= MISS {
         return 0;
     }
@@ -889,7 +927,7 @@ fn take_back<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, count: Coun
 pub(crate) extern "C" fn lb_flow_slot6(key: *const FlowKey6) -> u32 {
     // SAFETY: as in `lb_flow_slot`.
     let Some(key) = (unsafe { key.as_ref() }) else { return NO_SLOT };
-    find(&FLOW_SLOTS6, flow_mask6(), key)
+    find(&FLOW_SLOTS6, flow_mask6(), key, false)
 }
 
 /// [`put_flow`]'s global function: `value` inserted as `key`'s entry,
