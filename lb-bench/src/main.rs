@@ -371,6 +371,7 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
                 "one_cpu_median_ns": one,
                 "two_cpus_median_ns": both,
                 "ratio": both / one,
+                "reruns": sc.reruns.iter().map(|&(round, lost)| serde_json::json!({"round": round, "lost": lost})).collect::<Vec<_>>(),
             }));
         }
     }

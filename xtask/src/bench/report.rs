@@ -235,6 +235,15 @@ left by XDP redirect as a new flow counted on one of the service's backends: {wh
                 f(&t["ratio"]),
                 f(&t["one_cpu_median_ns"])
             );
+            // A run in which the two CPUs raced for one slot and a flow
+            // lost it was made again (see lb-bench's `both_cpus`).
+            for r in t["reruns"].as_array().into_iter().flatten() {
+                let _ = writeln!(
+                    md,
+                    "  - round {}: {} new flows lost their slot to the other CPU (a compare-and-swap race; routed without an entry, or not inserted), so that run was made again",
+                    r["round"], r["lost"]
+                );
+            }
         }
         let _ = writeln!(md);
     }
