@@ -790,7 +790,9 @@ impl Bench {
         }
         let n = 2 * u64::from(repeat);
         // The flows that lost a race: routed without an entry (the
-        // datapath), or not inserted (the table alone).
+        // datapath; the count also takes in flows over the flood rate,
+        // as the check before it did: such a run is made again too, and
+        // the message names the race), or not inserted (the table alone).
         let lost = if item.prog == Prog::Lb {
             self.stateless_count()? - stateless0
         } else {
