@@ -977,11 +977,26 @@ impl Bench {
         // Checked single run (inserts the flow of an established case).
         let c0 = self.new_flow_counter()?;
         let i0 = self.table_inserts()?;
+        let e0 = self.dp.flow_counts()?.0;
         let once = self.run(item, 1)?;
         let c1 = self.new_flow_counter()?;
         let i1 = self.table_inserts()?;
         if new_flow {
             ensure!(c1 == c0 + 1, "{}: harness counter moved by {} in one run", item.label, c1 - c0);
+        }
+        if item.prog == Prog::Lb && item.via == Via::Harness(MODE_NEW_TCP) {
+            // The SYN loads its key's second slot early exactly for a VIP
+            // whose new flows take two entries (the reply-entry hint): the
+            // path timed is the one its label names.
+            let added = self.dp.flow_counts()?.0 - e0;
+            let f = Frame::parse(&item.frame).with_context(|| format!("{}: the case's frame", item.label))?;
+            let hinted = self.dp.in_reply_hint(f.dst, f.dport)?;
+            ensure!(
+                hinted == (added == 2),
+                "{}: a new flow added {added} flow-table entries, and its VIP's reply-entry hint is {}",
+                item.label,
+                if hinted { "set" } else { "clear" }
+            );
         }
         // A fresh 5-tuple is never in its table; a hit's may be already
         // (put there by an earlier round sharing the fill).

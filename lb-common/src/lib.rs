@@ -200,6 +200,7 @@ pub mod maps {
     pub const KEYS6: &str = "KEYS6";
     pub const FLOW_COUNT: &str = "FLOW_COUNT";
     pub const FLOW_SEED: &str = "FLOW_SEED";
+    pub const REPLY_HINT: &str = "REPLY_HINT";
 
     /// Maps that older builds pinned and this one has no use for: removed
     /// from the pin path once this build's program is attached: the
@@ -209,7 +210,7 @@ pub mod maps {
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 30] = [
+    pub const ALL: [&str; 31] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -240,6 +241,7 @@ pub mod maps {
         CLOCK,
         FLOW_COUNT,
         FLOW_SEED,
+        REPLY_HINT,
     ];
 
     /// `a == b`, usable in a constant (the datapath's compile-time check).
@@ -1284,6 +1286,29 @@ pub fn addr_filter_bit(addr: u32) -> u32 {
     addr.wrapping_mul(0x9e37_79b1) >> (32 - ADDR_FILTER_BITS.trailing_zeros())
 }
 
+/// Bits in the reply-entry hint (a power of two, below
+/// [`ADDR_FILTER_BITS`]).
+pub const REPLY_HINT_BITS: u32 = 1 << 10;
+
+/// The reply-entry hint: bit [`reply_hint_bit`] of every IPv4 TCP VIP
+/// (address and port) whose service keeps reply entries
+/// ([`SVC_F_REPLY_ENTRY`]), in [`filter_word`]'s layout. A TCP SYN to such
+/// a VIP has its flow lookup load the key's second slot early, where that
+/// flow's forward entry goes after its reply entry. Only a hint: a bit
+/// wrongly set or clear costs time, never a wrong answer. 128 bytes, two
+/// cache lines, so that the read stays in cache.
+pub type ReplyHint = [u64; (REPLY_HINT_BITS / 64) as usize];
+
+/// A VIP's bit in the [`ReplyHint`]: its address and port (both in
+/// network order, as in the packet) through [`addr_filter_bit`]'s
+/// multiplicative hash, the port folded into the address's last two
+/// octets (the word's top half), top bits kept. Services on one address
+/// and different ports get their own bits.
+#[inline(always)]
+pub fn reply_hint_bit(addr: u32, port: u16) -> u32 {
+    (addr ^ (u32::from(port) << 16)).wrapping_mul(0x9e37_79b1) >> (32 - REPLY_HINT_BITS.trailing_zeros())
+}
+
 /// [`Flow::state`]: the client sent a FIN.
 pub const FLOW_FIN_CLIENT: u64 = 1;
 /// [`Flow::state`]: the backend sent a FIN.
@@ -1454,6 +1479,32 @@ mod tests {
             seen[bit] = true;
         }
         assert!(collisions <= 196, "{collisions} of 4096 spread addresses landed on a bit already taken");
+    }
+
+    /// The reply-entry hint's bits are in range, and the ports of one
+    /// address spread over the hint: services on one VIP address and
+    /// ports in a row get bits of their own.
+    #[test]
+    fn the_reply_hint_bit_is_within_the_hint_and_tells_ports_apart() {
+        let addr = u32::from_ne_bytes([10, 10, 0, 100]);
+        let mut seen = [false; REPLY_HINT_BITS as usize];
+        for port in 80u16..112 {
+            let bit = reply_hint_bit(addr, port.to_be());
+            assert!(bit < REPLY_HINT_BITS, "bit {bit} of port {port}");
+            assert!(!seen[bit as usize], "port {port} shares bit {bit} with a lower port of its address");
+            seen[bit as usize] = true;
+        }
+        let mut words = [false; REPLY_HINT_BITS as usize / 64];
+        let mut x = 0x8765_4321u32;
+        for _ in 0..4096 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            let bit = reply_hint_bit(x, 443u16.to_be());
+            assert!(bit < REPLY_HINT_BITS, "bit {bit} of {x:#x}");
+            words[filter_word(bit).0] = true;
+        }
+        assert!(words.iter().all(|&w| w), "a word of the hint no address reaches");
     }
 
     #[test]

@@ -39,10 +39,14 @@ use lb_common::{
     FLOW_COPY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST, Flow,
     FlowKey, HOLD_NEW, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
 };
-use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, SCRATCH, VIP_ADDRS, VIPS};
+use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, REPLY_HINT, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
+// Always inlined into the section's entry point (the macro's outer
+// function): LLVM's heuristic stopped doing so when the SYN's reply-entry
+// hint was added, which put a BPF-to-BPF call before every packet.
 #[xdp]
+#[inline(always)]
 pub(crate) fn lb_xdp(ctx: XdpContext) -> u32 {
     match try_lb::<{ parse::ETH_HLEN }>(&ctx) {
         Ok(action) => action,
@@ -83,6 +87,11 @@ const fn tagged(l2: usize) -> bool {
     l2 != parse::ETH_HLEN
 }
 
+// Always inlined: it holds the tail calls to the tagged programs, which
+// the verifier refuses in a BPF-to-BPF function returning anything but an
+// int (LLVM's own heuristic stopped inlining it into `lb_xdp` when the
+// SYN's reply-entry hint was added).
+#[inline(always)]
 fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
     if !tagged(L2) {
         match parse::first_look(ctx) {
@@ -166,8 +175,9 @@ fn try_lb<const L2: usize>(ctx: &XdpContext) -> Result<u32, ()> {
         // A packet from a backend's address: its reply entry's first
         // (see `lb_packet_flow_slot`). A reply entry's match never leads
         // to a new flow, so the key a new flow is inserted by is the
-        // packet's own, unmarked.
-        let opening = if is_syn(&pkt) { table::PACKET_OPENING } else { 0 };
+        // packet's own, unmarked. A SYN to a VIP whose new flows take two
+        // entries side by side loads the second slot with the first.
+        let opening = if is_syn(&pkt) && reply_hint(pkt.daddr, pkt.dport) { table::PACKET_OPENING } else { 0 };
         let from = if from_backend { table::PACKET_FROM_BACKEND } else { 0 };
         hint = table::lb_packet_flow_slot(&raw mut key, from | opening);
         if let Some(flow) = table::flow_at(hint) {
@@ -382,6 +392,18 @@ pub(crate) fn bit_in(f: *const lb_common::AddrFilter, bit: u32) -> bool {
     // writes), in bounds as `addr_filter_bit` is below ADDR_FILTER_BITS.
     let w = unsafe { (*f)[word] };
     w & mask != 0
+}
+
+/// Whether (`addr`, `port`), a TCP SYN's destination, may be a VIP whose
+/// service keeps reply entries: its bit in the reply-entry hint
+/// (`REPLY_HINT`, see `lb_common::ReplyHint`).
+#[inline(always)]
+fn reply_hint(addr: u32, port: u16) -> bool {
+    let (word, mask) = lb_common::filter_word(lb_common::reply_hint_bit(addr, port));
+    // SAFETY: the map's one value, valid while the program runs; a plain
+    // word read through the pointer (no reference to a value lbd writes),
+    // in bounds as `reply_hint_bit` is below REPLY_HINT_BITS.
+    REPLY_HINT.get_ptr(0).is_some_and(|h| unsafe { (*h)[word] } & mask != 0)
 }
 
 #[inline(always)]

@@ -14,7 +14,7 @@ use aya_ebpf::{
 use lb_common::{
     AddrFilter, Backend, BackendStats, ClockCache, Conns, EndpointKey, FLOW_ARRAY_ELEMENTS, FLOW_ARRAY_ELEMENTS6,
     Flood, Flow, Flow6, FlowBucket, FlowBucket6, MAX_BACKENDS, MAX_ENDPOINTS, MAX_NETDEVS, MAX_SERVICES, NextHop,
-    RateWindow, Service, Vip6Key, VipKey, counter,
+    RateWindow, ReplyHint, Service, Vip6Key, VipKey, counter,
 };
 
 /// (VIP, port, protocol) -> service and the location of its live selection table.
@@ -140,6 +140,13 @@ pub(crate) fn flow_mask6() -> u32 {
 /// packet that is none of our business.
 #[map]
 pub(crate) static ADDR_BITMAP: Array<AddrFilter> = Array::with_max_entries(1, 0);
+
+/// The reply-entry hint (`lb_common::ReplyHint`), written by lbd with
+/// the services: which IPv4 VIP addresses have a service whose new flows
+/// take two entries side by side, so that a SYN's lookup loads the
+/// second slot too (`table::find`'s `ahead`).
+#[map]
+pub(crate) static REPLY_HINT: Array<ReplyHint> = Array::with_max_entries(1, 0);
 
 /// Per-backend counters, per CPU.
 #[map]
@@ -319,4 +326,5 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::KEYS6, stringify!(K
 const _: () = assert!(lb_common::maps::same(lb_common::maps::CLOCK, stringify!(CLOCK)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOW_COUNT, stringify!(FLOW_COUNT)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOW_SEED, stringify!(FLOW_SEED)));
-const _: () = assert!(lb_common::maps::ALL.len() == 30);
+const _: () = assert!(lb_common::maps::same(lb_common::maps::REPLY_HINT, stringify!(REPLY_HINT)));
+const _: () = assert!(lb_common::maps::ALL.len() == 31);

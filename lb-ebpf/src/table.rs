@@ -96,11 +96,12 @@ pub(crate) fn slot_at<K, V>(table: &impl SlotTable<K, V>, at: u32) -> Option<*mu
 /// (all the key's slots taken) or another CPU was writing a slot with the
 /// key's tag (maybe this very key: the full insert waits for it).
 ///
-/// `ahead` (an IPv4 TCP SYN, a connection's opening): the lines of the
-/// key's second slot are loaded too, together with the first slot's. A
-/// new flow with a reply entry (a backend endpoint shared with another
-/// service) takes two slots side by side, the reply entry the first and
-/// the flow's own the next; without this, the second slot's lines came
+/// `ahead` (an IPv4 TCP SYN to a VIP whose service keeps reply entries,
+/// by lbd's reply-entry hint): the lines of the key's second slot are
+/// loaded too, together with the first slot's. A new flow with a reply
+/// entry (a backend endpoint shared with another service) takes two
+/// slots side by side, the reply entry the first and the flow's own the
+/// next; without this, the second slot's lines came
 /// only at that second insert, after the first one's locked
 /// instructions, which wait for every earlier load: a second memory miss
 /// after the first. On an Intel Xeon VM (1 December 2026, seven
@@ -109,10 +110,9 @@ pub(crate) fn slot_at<K, V>(table: &impl SlotTable<K, V>, at: u32) -> Option<*mu
 /// with it, against 213-352 ns without; the established flow (which does
 /// not look ahead) moved within its noise. Loaded for every packet, it
 /// made the established flow look some ns dearer (three pairs), hence
-/// openings only. A one-insert new flow's SYN loads the second slot for
-/// nothing, and measured dearer in 8 of 11 pairs (medians some tens of
-/// ns up; README): confining this to VIPs with shared endpoints is not
-/// done yet.
+/// openings only; and for every SYN, a one-insert new flow (which loads
+/// the second slot for nothing) measured dearer in 8 of 11 pairs, hence
+/// only the SYNs of VIPs whose flows take two entries (README).
 #[inline(always)]
 pub(crate) fn find<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: &K, ahead: bool) -> u32 {
     let h = key.slot_hash(flow_seed());
@@ -843,8 +843,9 @@ pub(crate) extern "C" fn lb_flow_slot(key: *const FlowKey) -> u32 {
 /// spilled a register left undefined on one path (which the verifier
 /// refuses), and with two call sites the verifier walked the rest of the
 /// program once for each. The caller's mark on its stack key made LLVM
-/// do the same, hence the flag. A connection's opening
-/// ([`PACKET_OPENING`]) has its second slot loaded too (see [`find`]).
+/// do the same, hence the flag. A connection's opening to a VIP whose
+/// flows take two entries ([`PACKET_OPENING`]) has its second slot loaded
+/// too (see [`find`]).
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub(crate) extern "C" fn lb_packet_flow_slot(key: *mut FlowKey, flags: u32) -> u32 {
@@ -857,8 +858,8 @@ pub(crate) extern "C" fn lb_packet_flow_slot(key: *mut FlowKey, flags: u32) -> u
 /// [`lb_packet_flow_slot`]'s flags: the packet comes from a backend's
 /// address; ...
 pub(crate) const PACKET_FROM_BACKEND: u32 = 1;
-/// ... it opens a connection (a TCP SYN): the lookup loads the next slot
-/// too (`find`'s `ahead`).
+/// ... it opens a connection (a TCP SYN) to a VIP whose new flows take
+/// two entries: the lookup loads the next slot too (`find`'s `ahead`).
 pub(crate) const PACKET_OPENING: u32 = 2;
 
 /// [`lb_packet_flow_slot`] for IPv6, whose key (in a per-CPU scratch

@@ -324,6 +324,54 @@ fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_th
     });
 }
 
+/// The reply-entry hint (a TCP SYN to a VIP with its bit loads its flow's
+/// second slot early) names exactly the IPv4 TCP VIPs whose services keep
+/// reply entries, port by port on one address, and follows the
+/// configuration: a service that stops sharing its endpoint, or is
+/// removed, takes its bit with it. A DSR service never keeps reply
+/// entries.
+#[test]
+fn the_reply_entry_hint_names_the_vips_whose_flows_take_two_entries() {
+    in_netns(|| {
+        // One address: web (80) owns 10.20.0.11:8080 (listed first), alt
+        // (81) shares it, other (82) has an endpoint of its own.
+        let ports = [80, 81, 82];
+        let bit = |port: u16| lb_common::reply_hint_bit(u32::from(VIP).to_be(), port.to_be());
+        assert!(
+            bit(80) != bit(81) && bit(81) != bit(82) && bit(80) != bit(82),
+            "the test's three VIPs share a hint bit: pick other ports"
+        );
+        let web = service("web", 80, Protocol::Tcp, &[(BACKEND, 8080)]);
+        let alt = service("alt", 81, Protocol::Tcp, &[(BACKEND, 8080)]);
+        let other = service("other", 82, Protocol::Tcp, &[(BACKEND, 9090)]);
+        let mut fx = Fixture::new(vec![web.clone(), alt.clone(), other.clone()]);
+        let hinted = |fx: &Fixture| ports.map(|p| fx.dp.in_reply_hint(VIP, p).expect("read the reply-entry hint"));
+        assert_eq!(hinted(&fx), [false, true, false], "only alt keeps reply entries");
+        // Its flows do take two entries (web's one), and go both ways.
+        assert_eq!(fx.forward(&tcp(CLIENT, 42000, VIP, 80, SYN).bytes()), BACKEND);
+        assert_eq!(fx.entries(), 1);
+        assert_eq!(fx.forward(&tcp(CLIENT, 42001, VIP, 81, SYN).bytes()), BACKEND);
+        assert_eq!(fx.entries(), 3, "a flow of the service sharing the endpoint has a reply entry");
+        let back = Frame { dmac: GW_B_MAC, smac: BACKEND_MAC, ..tcp(BACKEND, 8080, CLIENT, 42001, SYN | ACK) };
+        let (action, out) = fx.run(&back.bytes(), fx.if_b);
+        assert_eq!(action, XDP_REDIRECT);
+        let got = Frame::parse(&out).unwrap();
+        assert_eq!((got.src, got.sport), (VIP, 81), "alt's reply left as from another VIP");
+        // By DSR, alt needs no reply entry: its bit goes.
+        fx.dp.apply_admin(&[web.clone(), dsr(alt.clone()), other.clone()]).unwrap();
+        assert_eq!(hinted(&fx), [false, false, false], "a DSR service keeps no reply entries");
+        // alt alone owns the endpoint, no bit; with web back (listed
+        // first, but alt keeps the endpoint it owns), web's VIP gets it.
+        fx.dp.apply_admin(std::slice::from_ref(&alt)).unwrap();
+        assert_eq!(hinted(&fx), [false, false, false], "alt owns its endpoint now");
+        fx.dp.apply_admin(&[web, alt, other]).unwrap();
+        assert_eq!(hinted(&fx), [true, false, false], "web shares the endpoint alt owns");
+        // Nothing configured: nothing hinted.
+        fx.dp.apply_admin(&[]).unwrap();
+        assert_eq!(hinted(&fx), [false, false, false]);
+    });
+}
+
 /// A shared endpoint's forward entry goes to the slot after its reply
 /// entry when that one is free, without probing again; when another
 /// flow's entry is there, it goes on to the next free slot of its

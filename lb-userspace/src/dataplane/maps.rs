@@ -147,6 +147,7 @@ pub(super) struct Maps {
     pub(super) vips: HashMap<MapData, VipKey, Service>,
     pub(super) vip_addrs: HashMap<MapData, u32, u32>,
     pub(super) addr_filter: Array<MapData, lb_common::AddrFilter>,
+    pub(super) reply_hint: Array<MapData, lb_common::ReplyHint>,
     pub(super) backends: Array<MapData, Backend>,
     pub(super) select: Array<MapData, SelectWord>,
     /// The shared round-robin positions: advanced by the datapath, written
@@ -205,6 +206,7 @@ impl Maps {
             vips: take(ebpf, names::VIPS)?,
             vip_addrs: take(ebpf, names::VIP_ADDRS)?,
             addr_filter: take(ebpf, names::ADDR_FILTER)?,
+            reply_hint: take(ebpf, names::REPLY_HINT)?,
             backends: take(ebpf, names::BACKENDS)?,
             select: take(ebpf, names::SELECT)?,
             seq: take(ebpf, names::SEQ)?,

@@ -276,6 +276,8 @@ pub struct Dataplane {
     known_backends: HashSet<IpAddr>,
     /// What ADDR_FILTER holds; None until this process first wrote it.
     filter: Option<Box<lb_common::AddrFilter>>,
+    /// What REPLY_HINT holds; None until this process first wrote it.
+    reply_hint: Option<lb_common::ReplyHint>,
     /// What ENDPOINTS holds.
     endpoints: HashMap<endpoints::Key, endpoints::Key>,
     /// What NETDEVS holds, and the path report derived with it.
@@ -866,6 +868,7 @@ impl Dataplane {
             ncpus,
             known_backends: HashSet::new(),
             filter: None,
+            reply_hint: None,
             netdevs: BTreeMap::new(),
             netdevs_written: false,
             paths: Vec::new(),
@@ -1163,6 +1166,16 @@ impl Dataplane {
     pub fn in_filter(&self, addr: IpAddr) -> Result<bool, DataplaneError> {
         let (word, mask) = lb_common::filter_word(program::filter_bit(addr));
         let words = self.maps.addr_filter.get(&0, 0).map_err(map_err(names::ADDR_FILTER))?;
+        Ok(words[word] & mask != 0)
+    }
+
+    /// Whether the IPv4 TCP VIP (`addr`, `port`)'s bit is set in the
+    /// reply-entry hint the datapath reads (read from the map): a SYN to
+    /// it loads its second flow slot early (see `lb_common::ReplyHint`).
+    pub fn in_reply_hint(&self, addr: std::net::Ipv4Addr, port: u16) -> Result<bool, DataplaneError> {
+        let bit = lb_common::reply_hint_bit(u32::from(addr).to_be(), port.to_be());
+        let (word, mask) = lb_common::filter_word(bit);
+        let words = self.maps.reply_hint.get(&0, 0).map_err(map_err(names::REPLY_HINT))?;
         Ok(words[word] & mask != 0)
     }
 

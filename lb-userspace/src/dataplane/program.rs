@@ -396,10 +396,31 @@ impl Dataplane {
         Ok(())
     }
 
+    /// Make REPLY_HINT hold the bits of exactly the IPv4 TCP VIPs whose
+    /// services keep reply entries (only a TCP SYN reads the hint): one
+    /// write of its one value when a word changes (the first write after
+    /// (re)loading always).
+    fn write_reply_hint(&mut self) -> Result<(), DataplaneError> {
+        let mut words: lb_common::ReplyHint = [0; _];
+        for s in self.services.values().filter(|s| s.reply_entry && s.key.proto == lb_common::PROTO_TCP) {
+            if let IpAddr::V4(a) = s.key.addr {
+                let bit = lb_common::reply_hint_bit(u32::from(a).to_be(), s.key.port.to_be());
+                let (word, mask) = lb_common::filter_word(bit);
+                words[word] |= mask;
+            }
+        }
+        if self.reply_hint != Some(words) {
+            self.maps.reply_hint.set(0, words, 0).map_err(map_err(names::REPLY_HINT))?;
+            self.reply_hint = Some(words);
+        }
+        Ok(())
+    }
+
     fn sync_vip_addrs(&mut self) -> Result<(), DataplaneError> {
         let mut all: HashSet<IpAddr> = self.services.values().map(|s| s.key.addr).collect();
         all.extend(self.known_backends.iter().copied());
         self.write_filter(&all)?;
+        self.write_reply_hint()?;
         let want: HashSet<IpAddr> = self.services.values().map(|s| s.key.addr).collect();
         let want4: HashSet<u32> = want
             .iter()
