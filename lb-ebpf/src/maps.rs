@@ -142,8 +142,8 @@ pub(crate) fn flow_mask6() -> u32 {
 pub(crate) static ADDR_BITMAP: Array<AddrFilter> = Array::with_max_entries(1, 0);
 
 /// The reply-entry hint (`lb_common::ReplyHint`), written by lbd with
-/// the services: which IPv4 VIP addresses have a service whose new flows
-/// take two entries side by side, so that a SYN's lookup loads the
+/// the services: which IPv4 TCP VIPs (address and port) have new flows
+/// that take two entries side by side, so that a SYN's lookup loads the
 /// second slot too (`table::find`'s `ahead`).
 #[map]
 pub(crate) static REPLY_HINT: Array<ReplyHint> = Array::with_max_entries(1, 0);
