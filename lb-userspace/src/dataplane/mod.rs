@@ -277,7 +277,7 @@ pub struct Dataplane {
     /// What ADDR_FILTER holds; None until this process first wrote it.
     filter: Option<Box<lb_common::AddrFilter>>,
     /// What REPLY_HINT holds; None until this process first wrote it.
-    reply_hint: Option<lb_common::ReplyHint>,
+    reply_hint: Option<Box<lb_common::ReplyHint>>,
     /// What ENDPOINTS holds.
     endpoints: HashMap<endpoints::Key, endpoints::Key>,
     /// What NETDEVS holds, and the path report derived with it.
@@ -1164,9 +1164,8 @@ impl Dataplane {
     /// reads (read from the map): a packet between two addresses without
     /// it is passed before any other map is read.
     pub fn in_filter(&self, addr: IpAddr) -> Result<bool, DataplaneError> {
-        let (word, mask) = lb_common::filter_word(program::filter_bit(addr));
         let words = self.maps.addr_filter.get(&0, 0).map_err(map_err(names::ADDR_FILTER))?;
-        Ok(words[word] & mask != 0)
+        Ok(program::has_bit(&words, program::filter_bit(addr)))
     }
 
     /// Whether the IPv4 TCP VIP (`addr`, `port`)'s bit is set in the
@@ -1174,9 +1173,8 @@ impl Dataplane {
     /// it loads its second flow slot early (see `lb_common::ReplyHint`).
     pub fn in_reply_hint(&self, addr: std::net::Ipv4Addr, port: u16) -> Result<bool, DataplaneError> {
         let bit = lb_common::reply_hint_bit(u32::from(addr).to_be(), port.to_be());
-        let (word, mask) = lb_common::filter_word(bit);
         let words = self.maps.reply_hint.get(&0, 0).map_err(map_err(names::REPLY_HINT))?;
-        Ok(words[word] & mask != 0)
+        Ok(program::has_bit(&words, bit))
     }
 
     /// The IPv4 flow-table entry of `key` (as on the wire), if there is one.

@@ -379,41 +379,24 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Make ADDR_FILTER hold exactly `addrs`: one write of its one value
-    /// when a word changes.
+    /// Make ADDR_FILTER hold exactly `addrs`' bits.
     fn write_filter(&mut self, addrs: &HashSet<IpAddr>) -> Result<(), DataplaneError> {
-        let mut words: Box<lb_common::AddrFilter> = Box::new([0; _]);
-        for &a in addrs {
-            let (word, mask) = lb_common::filter_word(filter_bit(a));
-            words[word] |= mask;
-        }
-        // The first write after (re)loading goes out whatever it holds: an
-        // adopted map may hold bits this process has not recorded.
-        if self.filter.as_ref() != Some(&words) {
-            self.maps.addr_filter.set(0, *words, 0).map_err(map_err(names::ADDR_FILTER))?;
-            self.filter = Some(words);
-        }
-        Ok(())
+        let words = bit_words(addrs.iter().map(|&a| filter_bit(a)));
+        write_words(&mut self.maps.addr_filter, &mut self.filter, words, names::ADDR_FILTER)
     }
 
     /// Make REPLY_HINT hold the bits of exactly the IPv4 TCP VIPs whose
-    /// services keep reply entries (only a TCP SYN reads the hint): one
-    /// write of its one value when a word changes (the first write after
-    /// (re)loading always).
+    /// services keep reply entries (only a TCP SYN reads the hint).
     fn write_reply_hint(&mut self) -> Result<(), DataplaneError> {
-        let mut words: lb_common::ReplyHint = [0; _];
-        for s in self.services.values().filter(|s| s.reply_entry && s.key.proto == lb_common::PROTO_TCP) {
-            if let IpAddr::V4(a) = s.key.addr {
-                let bit = lb_common::reply_hint_bit(u32::from(a).to_be(), s.key.port.to_be());
-                let (word, mask) = lb_common::filter_word(bit);
-                words[word] |= mask;
-            }
-        }
-        if self.reply_hint != Some(words) {
-            self.maps.reply_hint.set(0, words, 0).map_err(map_err(names::REPLY_HINT))?;
-            self.reply_hint = Some(words);
-        }
-        Ok(())
+        let bits =
+            self.services.values().filter(|s| s.reply_entry && s.key.proto == lb_common::PROTO_TCP).filter_map(|s| {
+                match s.key.addr {
+                    IpAddr::V4(a) => Some(lb_common::reply_hint_bit(u32::from(a).to_be(), s.key.port.to_be())),
+                    IpAddr::V6(_) => None,
+                }
+            });
+        let words = bit_words(bits);
+        write_words(&mut self.maps.reply_hint, &mut self.reply_hint, words, names::REPLY_HINT)
     }
 
     fn sync_vip_addrs(&mut self) -> Result<(), DataplaneError> {
@@ -432,6 +415,41 @@ impl Dataplane {
         sync_set(&mut self.maps.vip_addrs6, &want6, names::VIP_ADDRS6)?;
         Ok(())
     }
+}
+
+/// A bit set in `lb_common::filter_word`'s layout (ADDR_FILTER's and
+/// REPLY_HINT's value) with exactly `bits` set. Boxed: the address filter
+/// is 8 KiB.
+fn bit_words<const N: usize>(bits: impl IntoIterator<Item = u32>) -> Box<[u64; N]> {
+    let mut words = Box::new([0; N]);
+    for bit in bits {
+        let (word, mask) = lb_common::filter_word(bit);
+        words[word] |= mask;
+    }
+    words
+}
+
+/// Whether `bit` is set in `words` (`lb_common::filter_word`'s layout).
+pub(super) fn has_bit(words: &[u64], bit: u32) -> bool {
+    let (word, mask) = lb_common::filter_word(bit);
+    words[word] & mask != 0
+}
+
+/// Make the one value of `map` (a bit set) `words`: one write, only when a
+/// word differs from `held`, what this process last wrote. The first write
+/// after (re)loading goes out whatever it holds: an adopted map may hold
+/// bits this process has not recorded.
+fn write_words<const N: usize>(
+    map: &mut aya::maps::Array<aya::maps::MapData, [u64; N]>,
+    held: &mut Option<Box<[u64; N]>>,
+    words: Box<[u64; N]>,
+    name: &'static str,
+) -> Result<(), DataplaneError> {
+    if held.as_ref() != Some(&words) {
+        map.set(0, *words, 0).map_err(map_err(name))?;
+        *held = Some(words);
+    }
+    Ok(())
 }
 
 /// Make a set-like hash map (keys, value 1) hold exactly `want`.
@@ -555,6 +573,23 @@ mod tests {
                 AppliedBackend { id: i as u32 + 1, runtime: BackendRuntime::admin(&config), config }
             })
             .collect()
+    }
+
+    /// The bit sets lbd writes (the address filter, the reply-entry hint)
+    /// hold exactly the bits given, each in the word and position the
+    /// datapath reads (`lb_common::filter_word`), and nothing else.
+    #[test]
+    fn bit_words_set_exactly_the_bits_given() {
+        let bits = [0, 1, 63, 64, 130, 1023];
+        let words: Box<lb_common::ReplyHint> = bit_words(bits);
+        for bit in 0..lb_common::REPLY_HINT_BITS {
+            assert_eq!(has_bit(&*words, bit), bits.contains(&bit), "bit {bit}");
+        }
+        assert_eq!(words[0], 0b11 | 1 << 63);
+        assert_eq!(words[1], 1);
+        assert_eq!(words[2], 1 << 2);
+        assert_eq!(words[15], 1 << 63);
+        assert_eq!(words.iter().map(|w| w.count_ones()).sum::<u32>(), bits.len() as u32);
     }
 
     /// What the table says about the address family: round-robin
