@@ -1268,6 +1268,18 @@ pub const fn filter_word(bit: u32) -> (usize, u64) {
     ((bit / 64) as usize, 1u64 << (bit % 64))
 }
 
+/// Whether bit `bit` is set in a bit set of [`filter_word`]'s layout
+/// (the address filter, the reply-entry hint), `word(i)` reading its word
+/// `i`: the one test lbd and the datapath share. The caller supplies the
+/// read because they hold the set differently: lbd a copy it owns, the
+/// datapath only a raw pointer to a map value that lbd may be writing
+/// (no reference to it may exist).
+#[inline(always)]
+pub fn bit_is_set(bit: u32, word: impl FnOnce(usize) -> u64) -> bool {
+    let (i, mask) = filter_word(bit);
+    word(i) & mask != 0
+}
+
 /// The filter bit of an IPv4 address (network order): an address whose bit
 /// is clear is neither a VIP nor a backend, and its packets skip the maps.
 ///

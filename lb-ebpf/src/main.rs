@@ -383,15 +383,17 @@ fn filter_has_either(a: u32, b: u32) -> bool {
     ADDR_BITMAP.get_ptr(0).is_none_or(|f| bit_in(f, a) || bit_in(f, b))
 }
 
-/// Bit `bit` of the filter value at `f`.
+/// Bit `bit` of the bit set at `f`, a map's one value (the address filter
+/// or the reply-entry hint).
 #[inline(always)]
-pub(crate) fn bit_in(f: *const lb_common::AddrFilter, bit: u32) -> bool {
-    let (word, mask) = lb_common::filter_word(bit);
-    // SAFETY: `f` is the map's one value, valid while the program runs; a
-    // plain word read through the pointer (no reference to a value lbd
-    // writes), in bounds as `addr_filter_bit` is below ADDR_FILTER_BITS.
-    let w = unsafe { (*f)[word] };
-    w & mask != 0
+pub(crate) fn bit_in<const N: usize>(f: *const [u64; N], bit: u32) -> bool {
+    lb_common::bit_is_set(bit, |word| {
+        // SAFETY: `f` is the map's one value, valid while the program
+        // runs; a plain word read through the pointer (no reference to a
+        // value lbd writes), in bounds as both maps' bit functions stay
+        // below their sets' sizes (`ADDR_FILTER_BITS`, `REPLY_HINT_BITS`).
+        unsafe { (*f)[word] }
+    })
 }
 
 /// Whether (`addr`, `port`), a TCP SYN's destination, may be a VIP whose
@@ -399,11 +401,7 @@ pub(crate) fn bit_in(f: *const lb_common::AddrFilter, bit: u32) -> bool {
 /// (`REPLY_HINT`, see `lb_common::ReplyHint`).
 #[inline(always)]
 fn reply_hint(addr: u32, port: u16) -> bool {
-    let (word, mask) = lb_common::filter_word(lb_common::reply_hint_bit(addr, port));
-    // SAFETY: the map's one value, valid while the program runs; a plain
-    // word read through the pointer (no reference to a value lbd writes),
-    // in bounds as `reply_hint_bit` is below REPLY_HINT_BITS.
-    REPLY_HINT.get_ptr(0).is_some_and(|h| unsafe { (*h)[word] } & mask != 0)
+    REPLY_HINT.get_ptr(0).is_some_and(|h| bit_in(h, lb_common::reply_hint_bit(addr, port)))
 }
 
 #[inline(always)]

@@ -38,15 +38,10 @@ impl Dataplane {
             self.remove_service(&name)?;
         }
         // New addresses enter the filter before anything can send to them.
-        let mut addrs: HashSet<IpAddr> = self.services.values().map(|s| s.key.addr).collect();
         for s in services {
-            addrs.insert(s.vip);
-            for b in &s.backends {
-                self.known_backends.insert(b.address);
-            }
+            self.known_backends.extend(s.backends.iter().map(|b| b.address));
         }
-        addrs.extend(self.known_backends.iter().copied());
-        self.write_filter(&addrs)?;
+        self.write_filter(services.iter().map(|s| s.vip))?;
         // Endpoints before tables: a reply finds its flow from the first
         // flow on a new backend on.
         let endpoints = self.write_endpoints(services)?;
@@ -379,38 +374,35 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Make ADDR_FILTER hold exactly `addrs`' bits.
-    fn write_filter(&mut self, addrs: &HashSet<IpAddr>) -> Result<(), DataplaneError> {
-        let words = bit_words(addrs.iter().map(|&a| filter_bit(a)));
+    /// Make ADDR_FILTER hold exactly the bits of the services' VIPs, of
+    /// every backend address lbd knows, and of `more`.
+    fn write_filter(&mut self, more: impl IntoIterator<Item = IpAddr>) -> Result<(), DataplaneError> {
+        let vips = self.services.values().map(|s| s.key.addr);
+        let words = bit_words(vips.chain(self.known_backends.iter().copied()).chain(more).map(filter_bit));
         write_words(&mut self.maps.addr_filter, &mut self.filter, words, names::ADDR_FILTER)
     }
 
     /// Make REPLY_HINT hold the bits of exactly the IPv4 TCP VIPs whose
     /// services keep reply entries (only a TCP SYN reads the hint).
     fn write_reply_hint(&mut self) -> Result<(), DataplaneError> {
-        let bits =
-            self.services.values().filter(|s| s.reply_entry && s.key.proto == lb_common::PROTO_TCP).filter_map(|s| {
-                match s.key.addr {
-                    IpAddr::V4(a) => Some(lb_common::reply_hint_bit(u32::from(a).to_be(), s.key.port.to_be())),
-                    IpAddr::V6(_) => None,
-                }
-            });
+        let bits = self.services.values().filter_map(|s| match s.key.addr {
+            IpAddr::V4(a) if s.reply_entry && s.key.proto == lb_common::PROTO_TCP => {
+                Some(lb_common::reply_hint_bit(u32::from(a).to_be(), s.key.port.to_be()))
+            }
+            _ => None,
+        });
         let words = bit_words(bits);
         write_words(&mut self.maps.reply_hint, &mut self.reply_hint, words, names::REPLY_HINT)
     }
 
     fn sync_vip_addrs(&mut self) -> Result<(), DataplaneError> {
-        let mut all: HashSet<IpAddr> = self.services.values().map(|s| s.key.addr).collect();
-        all.extend(self.known_backends.iter().copied());
-        self.write_filter(&all)?;
+        self.write_filter(std::iter::empty())?;
         self.write_reply_hint()?;
-        let want: HashSet<IpAddr> = self.services.values().map(|s| s.key.addr).collect();
-        let want4: HashSet<u32> = want
-            .iter()
-            .filter_map(|a| if let IpAddr::V4(a) = a { Some(u32::from(*a).to_be()) } else { None })
-            .collect();
+        let vips = || self.services.values().map(|s| s.key.addr);
+        let want4: HashSet<u32> =
+            vips().filter_map(|a| if let IpAddr::V4(a) = a { Some(u32::from(a).to_be()) } else { None }).collect();
         let want6: HashSet<[u32; 4]> =
-            want.iter().filter_map(|a| if let IpAddr::V6(a) = a { Some(words6(a)) } else { None }).collect();
+            vips().filter_map(|a| if let IpAddr::V6(a) = a { Some(words6(&a)) } else { None }).collect();
         sync_set(&mut self.maps.vip_addrs, &want4, names::VIP_ADDRS)?;
         sync_set(&mut self.maps.vip_addrs6, &want6, names::VIP_ADDRS6)?;
         Ok(())
@@ -429,10 +421,10 @@ fn bit_words<const N: usize>(bits: impl IntoIterator<Item = u32>) -> Box<[u64; N
     words
 }
 
-/// Whether `bit` is set in `words` (`lb_common::filter_word`'s layout).
+/// Whether `bit` is set in `words` (`lb_common::filter_word`'s layout),
+/// by the test the datapath makes (`lb_common::bit_is_set`).
 pub(super) fn has_bit(words: &[u64], bit: u32) -> bool {
-    let (word, mask) = lb_common::filter_word(bit);
-    words[word] & mask != 0
+    lb_common::bit_is_set(bit, |word| words[word])
 }
 
 /// Make the one value of `map` (a bit set) `words`: one write, only when a
