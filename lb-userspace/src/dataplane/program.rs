@@ -385,12 +385,12 @@ impl Dataplane {
     /// Make REPLY_HINT hold the bits of exactly the IPv4 TCP VIPs whose
     /// services keep reply entries (only a TCP SYN reads the hint).
     fn write_reply_hint(&mut self) -> Result<(), DataplaneError> {
-        let bits = self.services.values().filter_map(|s| match s.key.addr {
-            IpAddr::V4(a) if s.reply_entry && s.key.proto == lb_common::PROTO_TCP => {
-                Some(lb_common::reply_hint_bit(u32::from(a).to_be(), s.key.port.to_be()))
-            }
-            _ => None,
-        });
+        let bits = self
+            .services
+            .values()
+            .filter(|s| s.reply_entry && s.key.proto == lb_common::PROTO_TCP)
+            .filter_map(|s| s.key.v4())
+            .map(|k| lb_common::reply_hint_bit(k.addr, k.port));
         let words = bit_words(bits);
         write_words(&mut self.maps.reply_hint, &mut self.reply_hint, words, names::REPLY_HINT)
     }
@@ -398,11 +398,8 @@ impl Dataplane {
     fn sync_vip_addrs(&mut self) -> Result<(), DataplaneError> {
         self.write_filter(std::iter::empty())?;
         self.write_reply_hint()?;
-        let vips = || self.services.values().map(|s| s.key.addr);
-        let want4: HashSet<u32> =
-            vips().filter_map(|a| if let IpAddr::V4(a) = a { Some(u32::from(a).to_be()) } else { None }).collect();
-        let want6: HashSet<[u32; 4]> =
-            vips().filter_map(|a| if let IpAddr::V6(a) = a { Some(words6(&a)) } else { None }).collect();
+        let want4: HashSet<u32> = self.services.values().filter_map(|s| s.key.v4()).map(|k| k.addr).collect();
+        let want6: HashSet<[u32; 4]> = self.services.values().filter_map(|s| s.key.v6()).map(|k| k.addr).collect();
         sync_set(&mut self.maps.vip_addrs, &want4, names::VIP_ADDRS)?;
         sync_set(&mut self.maps.vip_addrs6, &want6, names::VIP_ADDRS6)?;
         Ok(())
