@@ -31,6 +31,63 @@ pub fn wait_for<T>(secs: u64, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     }
 }
 
+/// How long lbd may go without using CPU or writing a log line before a
+/// wait for it gives up: a start or restart that is stuck, not slow.
+const STALL: Duration = Duration::from_secs(20);
+/// The longest a wait for a working lbd lasts (one that spins forever).
+const WORKING_LIMIT: Duration = Duration::from_secs(300);
+
+/// Tells a slow lbd from a stuck one. A start verifies the programs and
+/// makes the flow tables, seconds of CPU time that stretch several times
+/// over when other tests and processes share the cores; a fixed deadline
+/// fails such a start for being slow. Progress is lbd's CPU time (user and
+/// system: the kernel's verifier counts as lbd's system time) or its log
+/// growing.
+struct Progress {
+    pid: u32,
+    log: PathBuf,
+    seen: (u64, u64),
+    since: Instant,
+}
+
+impl Progress {
+    fn new(pid: u32, log: &Path) -> Self {
+        let mut me = Self { pid, log: log.to_owned(), seen: (0, 0), since: Instant::now() };
+        me.seen = me.now();
+        me
+    }
+
+    /// lbd's state and CPU ticks, fields 3, 14 and 15 of /proc/PID/stat
+    /// (utime + stime), counted after the command name's closing
+    /// parenthesis (a name may hold spaces); None once lbd has exited
+    /// (a zombie, or reaped).
+    fn stat(&self) -> Option<u64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?;
+        let rest = stat.get(stat.rfind(')')? + 1..)?;
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if *fields.first()? == "Z" {
+            return None;
+        }
+        Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+    }
+
+    /// (CPU ticks, log bytes) now.
+    fn now(&self) -> (u64, u64) {
+        let bytes = std::fs::metadata(&self.log).map_or(0, |m| m.len());
+        (self.stat().unwrap_or(0), bytes)
+    }
+
+    /// How long since lbd last used CPU or logged.
+    fn idle(&mut self) -> Duration {
+        let now = self.now();
+        if now != self.seen {
+            self.seen = now;
+            self.since = Instant::now();
+        }
+        self.since.elapsed()
+    }
+}
+
 /// Write a lab config for lbd: `services_yaml` is the `services:` list
 /// (already indented as list items). Returns the file path.
 /// The config says nothing about `xdp_mode`: lbd's default (`auto`) is
@@ -194,16 +251,42 @@ impl Lbd {
             .spawn()
             .context("starting lbd")?;
         let mut me = Self { child: Some(child), socket: socket.to_owned(), log, bin_dir };
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let what = format!("answering on {}", socket.display());
+        if let Err(e) = me.wait_working(&what, |me| me.lbctl(&["status", "--json"]).ok()) {
+            let status = me.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            return Err(match status {
+                Some(status) => e.context(format!("lbd exited during start-up with {status}")),
+                None => e,
+            });
+        }
+        Ok(me)
+    }
+
+    /// Poll `f` every 100 ms until it returns Some, while lbd works
+    /// towards it: fails when lbd exits, when it has used no CPU and
+    /// logged nothing for [`STALL`], or after [`WORKING_LIMIT`] in all.
+    /// `what` names the awaited state in the error.
+    fn wait_working<T>(&self, what: &str, mut f: impl FnMut(&Self) -> Option<T>) -> anyhow::Result<T> {
+        let pid = self.pid().context("lbd already stopped")?;
+        let mut progress = Progress::new(pid, &self.log);
+        let started = Instant::now();
         loop {
-            if let Some(status) = me.child.as_mut().expect("child").try_wait()? {
-                bail!("lbd exited during start-up with {status}; log:\n{}", me.log_text());
+            if let Some(v) = f(self) {
+                return Ok(v);
             }
-            if me.lbctl(&["status", "--json"]).is_ok() {
-                return Ok(me);
+            if progress.stat().is_none() {
+                bail!("lbd exited before {what}; log:\n{}", self.log_text());
             }
-            if Instant::now() > deadline {
-                bail!("lbd did not answer on {} within 20 s; log:\n{}", socket.display(), me.log_text());
+            let idle = progress.idle();
+            if idle > STALL {
+                bail!(
+                    "lbd stuck before {what}: no CPU time used and no log line for {} s; log:\n{}",
+                    idle.as_secs(),
+                    self.log_text()
+                );
+            }
+            if started.elapsed() > WORKING_LIMIT {
+                bail!("lbd still not {what} after {} s of work; log:\n{}", WORKING_LIMIT.as_secs(), self.log_text());
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -296,31 +379,32 @@ impl Lbd {
 
     /// Graceful restart (SIGUSR2: lbd re-executes itself, same pid) and
     /// wait until the new instance answers with a new program id.
+    /// Waits while lbd works (see `wait_working`): a restart verifies
+    /// the programs again and may migrate the pinned maps.
     pub fn restart(&self) -> anyhow::Result<u64> {
         let before = self.program_id().context("no program id before restart")?;
         self.signal(libc::SIGUSR2)?;
-        wait_for(20, || self.program_id().filter(|&id| id != before)).with_context(|| {
-            format!("lbd did not come back with a new program after SIGUSR2; log:\n{}", self.log_text())
-        })
+        self.wait_working("back with a new program after SIGUSR2", |me| me.program_id().filter(|&id| id != before))
     }
 
-    /// SIGTERM and wait (up to 10 s) for the exit status.
+    /// SIGTERM and wait for the exit status. lbd acts on SIGTERM once its
+    /// start is over, so the wait lasts while lbd works, as a start's
+    /// does (`wait_working`); then SIGKILL, and the control socket lbd
+    /// had no chance to remove is removed.
     pub fn stop(&mut self) -> anyhow::Result<ExitStatus> {
-        let Some(mut child) = self.child.take() else { bail!("lbd already stopped") };
+        let pid = self.pid().context("lbd already stopped")?;
         // SAFETY: plain kill(2) on our own child.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = child.try_wait()? {
-                return Ok(status);
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                bail!("lbd did not exit within 10 s of SIGTERM; log:\n{}", self.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        // Ends in an error either way: lbd exited, or it did not.
+        let waited = self.wait_working("exiting after SIGTERM", |_| None::<()>).expect_err("never Some");
+        let mut child = self.child.take().context("lbd already stopped")?;
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
         }
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+        Err(waited)
     }
 }
 

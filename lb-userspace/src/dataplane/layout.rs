@@ -386,6 +386,7 @@ impl Dataplane {
     /// Copy what the set-aside maps of layout `from` (1 to 5) in `dir` hold
     /// into this datapath's fresh maps (see the module documentation).
     pub(super) fn migrate_from(&mut self, from: u32, dir: &Path) -> Result<Migration, DataplaneError> {
+        let started = std::time::Instant::now();
         let at = |name: &str| dir.join(name);
         if from == 1 {
             let vips: HashMap<MapData, VipKey, ServiceV1> = open(&at(names::VIPS), names::VIPS)?;
@@ -463,7 +464,13 @@ impl Dataplane {
         }
         let (flows, flows6) = old_flow_maps(from, dir)?;
         let (done, copied) = self.copy_flows(from, &flows, flows6.as_ref(), None)?;
-        info!(flows = done.inserted, from, to = LAYOUT_VERSION, "migrating the pinned datapath: maps copied");
+        info!(
+            flows = done.inserted,
+            from,
+            to = LAYOUT_VERSION,
+            ms = started.elapsed().as_millis() as u64,
+            "migrating the pinned datapath: maps copied"
+        );
         Ok(Migration {
             from,
             dir: dir.to_path_buf(),
