@@ -57,10 +57,10 @@ impl Progress {
         me
     }
 
-    /// lbd's state and CPU ticks, fields 3, 14 and 15 of /proc/PID/stat
-    /// (utime + stime), counted after the command name's closing
-    /// parenthesis (a name may hold spaces); None once lbd has exited
-    /// (a zombie, or reaped).
+    /// lbd's CPU ticks (utime + stime, fields 14 and 15 of
+    /// /proc/PID/stat, counted after the command name's closing
+    /// parenthesis: a name may hold spaces); None once lbd has exited
+    /// (its state, field 3, is Z, or it was reaped).
     fn stat(&self) -> Option<u64> {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?;
         let rest = stat.get(stat.rfind(')')? + 1..)?;

@@ -531,10 +531,10 @@ fn memory_hint(e: DataplaneError, config: &Config) -> DataplaneError {
 /// Load (verify) the programs `names` of `ebpf`, several at once: one
 /// thread per CPU, up to one per program, each taking the next program
 /// of the list (put the largest first). The verifier is most of a
-/// start's time (on a 2-core AMD EPYC VM, one after the other, the
-/// loads took 6.5 s of an 11.6 s migrating start, the IPv6 balancer 2.3 s
-/// of it), and separate loads verify in parallel for a privileged loader. Each load is retried
-/// on EAGAIN (see [`retry_eagain`]).
+/// start's time (on a 2-core AMD EPYC VM, loaded one after the other
+/// under strace, 6.5 s of an 11.6 s migrating start, the IPv6 balancer
+/// 2.3 s of it), and separate loads verify in parallel for a privileged
+/// loader. Each load is retried on EAGAIN (see [`retry_eagain`]).
 fn load_programs(ebpf: &mut Ebpf, names: &[&str]) -> Result<(), DataplaneError> {
     let mut todo: Vec<(usize, &mut Program)> = ebpf
         .programs_mut()
@@ -570,8 +570,14 @@ fn load_programs(ebpf: &mut Ebpf, names: &[&str]) -> Result<(), DataplaneError> 
     })
 }
 
-/// Run `load` again while it fails with EAGAIN, up to five times in all
-/// (see [`load_xdp`]).
+/// Run `load` (a program's load) again while the kernel answers EAGAIN,
+/// up to five times in all (libbpf does the same). The verifier gives up
+/// with EAGAIN when a signal is pending for the loading thread (a child's
+/// SIGCHLD, a SIGHUP meant for lbd's handler), which says nothing of the
+/// program: a test binary whose other threads ran commands failed a load
+/// that way beside a CPU-bound process, where verifying takes longer.
+/// (aya 0.14's load does not retry; the retry belongs there, and lives
+/// here until aya can be upgraded.)
 fn retry_eagain(mut load: impl FnMut() -> Result<(), ProgramError>) -> Result<(), DataplaneError> {
     const ATTEMPTS: u32 = 5;
     let mut attempt = 1;
