@@ -53,7 +53,7 @@ struct Progress {
 impl Progress {
     fn new(pid: u32, log: &Path) -> Self {
         let mut me = Self { pid, log: log.to_owned(), seen: (0, 0), since: Instant::now() };
-        me.seen = me.now();
+        me.seen = me.now().unwrap_or_default();
         me
     }
 
@@ -71,20 +71,20 @@ impl Progress {
         Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
     }
 
-    /// (CPU ticks, log bytes) now.
-    fn now(&self) -> (u64, u64) {
+    /// (CPU ticks, log bytes) now; None once lbd has exited.
+    fn now(&self) -> Option<(u64, u64)> {
         let bytes = std::fs::metadata(&self.log).map_or(0, |m| m.len());
-        (self.stat().unwrap_or(0), bytes)
+        Some((self.stat()?, bytes))
     }
 
-    /// How long since lbd last used CPU or logged.
-    fn idle(&mut self) -> Duration {
-        let now = self.now();
+    /// How long since lbd last used CPU or logged; None once it has exited.
+    fn idle(&mut self) -> Option<Duration> {
+        let now = self.now()?;
         if now != self.seen {
             self.seen = now;
             self.since = Instant::now();
         }
-        self.since.elapsed()
+        Some(self.since.elapsed())
     }
 }
 
@@ -274,10 +274,9 @@ impl Lbd {
             if let Some(v) = f(self) {
                 return Ok(v);
             }
-            if progress.stat().is_none() {
+            let Some(idle) = progress.idle() else {
                 bail!("lbd exited before {what}; log:\n{}", self.log_text());
-            }
-            let idle = progress.idle();
+            };
             if idle > STALL {
                 bail!(
                     "lbd stuck before {what}: no CPU time used and no log line for {} s; log:\n{}",
