@@ -164,17 +164,28 @@ impl<B: Buckets> FlowTable<B> {
 /// Make the arrays of the array of maps `name` in `ebpf` (just created by
 /// the loader, empty), `per` elements of `B` each, named `array_name`,
 /// and put them in it, a batch at a time. The outer array holds them
-/// from then on. Returns how many arrays that was. An error is the loader's kind for a map it could
-/// not create, under the outer array's name (the caller says what takes
-/// the memory). Public for lb-bench, whose table alone is made the same
-/// way.
+/// from then on. Returns how many arrays that was. An error is the
+/// loader's kind for a map it could not create, under the outer array's
+/// name (the caller says what takes the memory). Public for lb-bench,
+/// whose table alone is made the same way.
+///
+/// The batches are made on one thread per CPU: each array is a syscall
+/// that allocates and charges its memory, and each batch's update waits
+/// for an RCU grace period, and neither holds a lock the others wait for
+/// (a table of 1M flows is thousands of arrays: 1.2 s on one thread on a
+/// 2-core VM). Every thread is joined before the first error is returned;
+/// arrays already put in stay in the outer array, which the caller drops.
 pub fn fill_arrays<B: aya::Pod>(ebpf: &mut Ebpf, name: &str, array_name: &str, per: u32) -> Result<u32, MapError> {
     let outer = ebpf.map(name).ok_or_else(|| MapError::InvalidName { name: name.to_owned() })?;
     let aya::maps::Map::ArrayOfMaps(outer) = outer else {
         return Err(MapError::InvalidName { name: name.to_owned() });
     };
     let n = outer.info()?.max_entries();
-    for first in (0..n).step_by(FILL_BATCH as usize) {
+    let outer = outer.fd().as_fd();
+    let batches = n.div_ceil(FILL_BATCH);
+    let next = std::sync::atomic::AtomicU32::new(0);
+    let fill_batch = |b: u32| -> Result<(), MapError> {
+        let first = b * FILL_BATCH;
         let arrays = (first..n.min(first + FILL_BATCH))
             .map(|_| {
                 named_array::<B>(array_name, per).map_err(|e| match e {
@@ -184,10 +195,34 @@ pub fn fill_arrays<B: aya::Pod>(ebpf: &mut Ebpf, name: &str, array_name: &str, p
             })
             .collect::<Result<Vec<_>, _>>()?;
         let fds: Vec<_> = arrays.iter().map(|a| aya::maps::IterableMap::map(a).fd().as_fd()).collect();
-        super::set_inner_maps(outer.fd().as_fd(), first, &fds).map_err(|io_error| {
+        super::set_inner_maps(outer, first, &fds).map_err(|io_error| {
             MapError::SyscallError(aya::sys::SyscallError { call: "bpf_map_update_batch", io_error })
-        })?;
-    }
+        })
+    };
+    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(batches as usize);
+    std::thread::scope(|s| {
+        let threads: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| -> Result<(), MapError> {
+                    loop {
+                        let b = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if b >= batches {
+                            return Ok(());
+                        }
+                        // After an error, the other threads stop at their
+                        // next batch.
+                        if let Err(e) = fill_batch(b) {
+                            next.store(batches, std::sync::atomic::Ordering::Relaxed);
+                            return Err(e);
+                        }
+                    }
+                })
+            })
+            .collect();
+        let results: Vec<_> =
+            threads.into_iter().map(|t| t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect();
+        results.into_iter().collect::<Result<(), _>>()
+    })?;
     Ok(n)
 }
 
