@@ -543,27 +543,47 @@ fn load_programs(ebpf: &mut Ebpf, names: &[&str]) -> Result<(), DataplaneError> 
     if todo.len() != names.len() {
         return Err(ProgramError::NotLoaded.into());
     }
-    // Popped from the end: the first named goes first.
-    todo.sort_by_key(|(at, _)| std::cmp::Reverse(*at));
-    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(todo.len());
-    let queue = std::sync::Mutex::new(todo);
-    let next = || queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
+    // The first named goes first.
+    todo.sort_by_key(|(at, _)| *at);
+    let todo: Vec<_> = todo.into_iter().map(|(_, prog)| std::sync::Mutex::new(prog)).collect();
+    on_cpus(todo.len(), |i| {
+        // Each task's own program: the lock is never contended.
+        let mut prog = todo[i].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &mut **prog {
+            Program::Xdp(p) => retry_eagain(|| p.load()),
+            Program::SchedClassifier(p) => retry_eagain(|| p.load()),
+            _ => Err(ProgramError::UnexpectedProgramType.into()),
+        }
+    })
+}
+
+/// Run `work` for each task 0..`tasks`, on one thread per CPU (at most one
+/// per task), in order of the tasks' numbers: each thread takes the next
+/// task left. After a task fails, no thread starts another; every thread is
+/// joined before the first error is returned, and a panic in one is
+/// resumed here. For a start's work that the kernel does in parallel for
+/// us (verifying programs, making maps).
+pub(crate) fn on_cpus<E: Send>(tasks: usize, work: impl Fn(usize) -> Result<(), E> + Sync) -> Result<(), E> {
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(tasks);
     std::thread::scope(|s| {
         let threads: Vec<_> = (0..workers)
             .map(|_| {
-                s.spawn(|| -> Result<(), DataplaneError> {
-                    while let Some((_, prog)) = next() {
-                        match prog {
-                            Program::Xdp(p) => retry_eagain(|| p.load())?,
-                            Program::SchedClassifier(p) => retry_eagain(|| p.load())?,
-                            _ => return Err(ProgramError::UnexpectedProgramType.into()),
+                s.spawn(|| {
+                    loop {
+                        let i = next.fetch_add(1, Relaxed);
+                        if i >= tasks {
+                            return Ok(());
+                        }
+                        if let Err(e) = work(i) {
+                            next.store(tasks, Relaxed);
+                            return Err(e);
                         }
                     }
-                    Ok(())
                 })
             })
             .collect();
-        // Every thread is joined before the first error is returned.
         let results: Vec<_> =
             threads.into_iter().map(|t| t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect();
         results.into_iter().collect()
@@ -1280,6 +1300,34 @@ pub fn backend_key(addr: IpAddr, port: u16) -> u64 {
 mod tests {
     use super::*;
     use crate::config::{Environment, parse};
+
+    #[test]
+    fn on_cpus_runs_every_task_once_and_stops_at_an_error() {
+        use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+        let runs: Vec<AtomicU32> = (0..100).map(|_| AtomicU32::new(0)).collect();
+        assert_eq!(
+            on_cpus(runs.len(), |i| {
+                runs[i].fetch_add(1, Relaxed);
+                Ok::<_, usize>(())
+            }),
+            Ok(())
+        );
+        assert!(runs.iter().all(|r| r.load(Relaxed) == 1));
+        // No tasks: nothing runs, and no thread is needed.
+        assert_eq!(on_cpus(0, |_| Err(0)), Ok(()));
+        // A task that fails: its error comes back. When every task fails,
+        // each thread stops at its first: no more tasks start than there
+        // are threads.
+        assert_eq!(on_cpus(1, |i| Err(i + 7)), Err(7));
+        let started = AtomicU32::new(0);
+        let threads = std::thread::available_parallelism().map_or(1, usize::from) as u32;
+        let failed = on_cpus(1000, |i| {
+            started.fetch_add(1, Relaxed);
+            Err(i)
+        });
+        assert!(failed.is_err_and(|i| i < 1000));
+        assert!(started.load(Relaxed) <= threads, "{} tasks started on {threads} threads", started.load(Relaxed));
+    }
 
     struct AnyInterface;
     impl Environment for AnyInterface {
