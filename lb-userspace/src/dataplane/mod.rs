@@ -563,7 +563,7 @@ fn load_programs(ebpf: &mut Ebpf, names: &[&str]) -> Result<(), DataplaneError> 
 /// joined before the first error is returned, and a panic in one is
 /// resumed here. For a start's work that the kernel does in parallel for
 /// us (verifying programs, making maps).
-pub(crate) fn on_cpus<E: Send>(tasks: usize, work: impl Fn(usize) -> Result<(), E> + Sync) -> Result<(), E> {
+fn on_cpus<E: Send>(tasks: usize, work: impl Fn(usize) -> Result<(), E> + Sync) -> Result<(), E> {
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
     let next = AtomicUsize::new(0);
     let workers = std::thread::available_parallelism().map_or(1, usize::from).min(tasks);
