@@ -1,10 +1,18 @@
 //! A SYN flood against a small flow table, in the lab (issue 12): a table
-//! of 16,384 connections takes SYNs from spoofed sources at twice its size
+//! of 8,192 connections takes SYNs from spoofed sources at twice its size
 //! per second for 20 s, while 50 keep-alive connections exchange a request
 //! every 2 s and new connections keep arriving. The live connections must
 //! all complete on the backend they started on, new ones must succeed, and
 //! the metrics must show the flood (flows routed without an entry,
 //! half-open flows expired). Needs root; one lab at a time.
+//!
+//! The table was 16,384 (a flood of 32,768 SYNs/s) until a slower 2-core
+//! VM with a CPU-bound process beside the test sent only 24,419/s: every
+//! SYN also costs the gateway's datapath, a backend's SYN-ACK and the
+//! gateway's blackhole, all on the same two CPUs, so the flood was held
+//! by the machine, not by the sender. What the test is about is the
+//! ratio (twice the table per second, as the issue asks), which half the
+//! table keeps at a rate such a machine reaches.
 #![expect(unused_crate_dependencies, reason = "each test file uses part of the lab crate's dependencies")]
 use std::{collections::BTreeMap, process::Command, time::Duration};
 
@@ -15,7 +23,7 @@ use lb_tests::{
 };
 
 const PREFIX: &str = "lbt-flood";
-const TABLE: u64 = 16_384;
+const TABLE: u64 = 8_192;
 const FLOOD_MS: u64 = 20_000;
 const TABLE6: u64 = 1_024;
 
