@@ -182,9 +182,8 @@ pub fn fill_arrays<B: aya::Pod>(ebpf: &mut Ebpf, name: &str, array_name: &str, p
     };
     let n = outer.info()?.max_entries();
     let outer = outer.fd().as_fd();
-    let batches = n.div_ceil(FILL_BATCH);
-    super::on_cpus(batches as usize, |b| {
-        let first = b as u32 * FILL_BATCH;
+    super::on_cpus(0..n.div_ceil(FILL_BATCH), |b| {
+        let first = b * FILL_BATCH;
         let arrays = (first..n.min(first + FILL_BATCH))
             .map(|_| {
                 named_array::<B>(array_name, per).map_err(|e| match e {

@@ -545,42 +545,45 @@ fn load_programs(ebpf: &mut Ebpf, names: &[&str]) -> Result<(), DataplaneError> 
     }
     // The first named goes first.
     todo.sort_by_key(|(at, _)| *at);
-    let todo: Vec<_> = todo.into_iter().map(|(_, prog)| std::sync::Mutex::new(prog)).collect();
-    on_cpus(todo.len(), |i| {
-        // Each task's own program: the lock is never contended.
-        let mut prog = todo[i].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match &mut **prog {
-            Program::Xdp(p) => retry_eagain(|| p.load()),
-            Program::SchedClassifier(p) => retry_eagain(|| p.load()),
-            _ => Err(ProgramError::UnexpectedProgramType.into()),
-        }
+    on_cpus(todo.into_iter().map(|(_, prog)| prog), |prog| match prog {
+        Program::Xdp(p) => retry_eagain(|| p.load()),
+        Program::SchedClassifier(p) => retry_eagain(|| p.load()),
+        _ => Err(ProgramError::UnexpectedProgramType.into()),
     })
 }
 
-/// Run `work` for each task 0..`tasks`, on one thread per CPU (at most one
-/// per task), in order of the tasks' numbers: each thread takes the next
-/// task left. After a task fails, no thread starts another; every thread is
-/// joined before the first error is returned, and a panic in one is
-/// resumed here. For a start's work that the kernel does in parallel for
-/// us (verifying programs, making maps).
-fn on_cpus<E: Send>(tasks: usize, work: impl Fn(usize) -> Result<(), E> + Sync) -> Result<(), E> {
-    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-    let next = AtomicUsize::new(0);
-    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(tasks);
+/// Run `work` on each of `tasks`, on one thread per CPU (at most one per
+/// task), in the tasks' order: each thread takes the next task left.
+/// After a task fails, no thread starts another; every thread is joined
+/// before the first error is returned, and a panic in one is resumed
+/// here. For a start's work that the kernel does in parallel for us
+/// (verifying programs, making maps).
+fn on_cpus<T: Send, E: Send>(
+    tasks: impl IntoIterator<Item = T>,
+    work: impl Fn(T) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    let tasks: Vec<T> = tasks.into_iter().collect();
+    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(tasks.len());
+    let queue = std::sync::Mutex::new(tasks.into_iter());
+    let failed = AtomicBool::new(false);
+    let next = || {
+        if failed.load(Relaxed) {
+            return None;
+        }
+        queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).next()
+    };
     std::thread::scope(|s| {
         let threads: Vec<_> = (0..workers)
             .map(|_| {
                 s.spawn(|| {
-                    loop {
-                        let i = next.fetch_add(1, Relaxed);
-                        if i >= tasks {
-                            return Ok(());
-                        }
-                        if let Err(e) = work(i) {
-                            next.store(tasks, Relaxed);
+                    while let Some(task) = next() {
+                        if let Err(e) = work(task) {
+                            failed.store(true, Relaxed);
                             return Err(e);
                         }
                     }
+                    Ok(())
                 })
             })
             .collect();
@@ -1306,7 +1309,7 @@ mod tests {
         use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
         let runs: Vec<AtomicU32> = (0..100).map(|_| AtomicU32::new(0)).collect();
         assert_eq!(
-            on_cpus(runs.len(), |i| {
+            on_cpus(0..runs.len(), |i| {
                 runs[i].fetch_add(1, Relaxed);
                 Ok::<_, usize>(())
             }),
@@ -1314,14 +1317,14 @@ mod tests {
         );
         assert!(runs.iter().all(|r| r.load(Relaxed) == 1));
         // No tasks: nothing runs, and no thread is needed.
-        assert_eq!(on_cpus(0, |_| Err(0)), Ok(()));
+        assert_eq!(on_cpus(0..0, |_| Err(0)), Ok(()));
         // A task that fails: its error comes back. When every task fails,
         // each thread stops at its first: no more tasks start than there
         // are threads.
-        assert_eq!(on_cpus(1, |i| Err(i + 7)), Err(7));
+        assert_eq!(on_cpus([7], Err), Err(7));
         let started = AtomicU32::new(0);
         let threads = std::thread::available_parallelism().map_or(1, usize::from) as u32;
-        let failed = on_cpus(1000, |i| {
+        let failed = on_cpus(0..1000, |i| {
             started.fetch_add(1, Relaxed);
             Err(i)
         });
