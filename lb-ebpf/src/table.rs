@@ -8,7 +8,11 @@
 //! floor (XDP_PASS) was 33.5 ns. The kernel's map hashes with a helper,
 //! walks a bucket list, and on insert pops a free-list element and takes
 //! the bucket's lock: three or more cold cache lines for a new flow where
-//! this touches one or two.
+//! this touches one or two. That was an AMD VM's. On an Intel Xeon VM
+//! with a large L3 (260 MB as it reports; 3 December 2026) the kernel
+//! hash's new entry cost less in runs of few cases (237.5-343.5 against
+//! 303.5-437.5 ns, four runs), its 64 MB bucket array apparently staying
+//! cached, and more in the full bench (630.0 against 356.5 ns).
 //!
 //! What that costs in exchange, and how it is kept safe:
 //! - Removal is the sweeper's (`sweep.rs`), and, for the one entry it has
