@@ -136,7 +136,8 @@ fn main() {
         Cmd::Bench { part, full } => need_root("cargo xtask bench")
             .and_then(|()| ensure_setup())
             .and_then(|()| setup::debian(bench::PACKAGES))
-            .and_then(|()| build())
+            // No debug build: the bench builds and runs release binaries
+            // only (`bench::bench`).
             .and_then(|()| {
                 let parts = match part {
                     None => vec![bench::Part::Packet, bench::Part::E2e, bench::Part::Scenarios],

@@ -59,6 +59,11 @@ pub(crate) struct Options {
     pub full: bool,
 }
 
+/// Where `cargo build --release` puts the binaries the bench runs.
+fn release_dir() -> PathBuf {
+    bin_dir().with_file_name("release")
+}
+
 fn out_dir() -> PathBuf {
     workspace_root().join("target/bench")
 }
@@ -75,16 +80,23 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
         "full": opts.full,
     });
     // The release binaries the parts run, in one build: lb-bench (its
-    // control-plane and sweeper timings are userspace code) and the load
-    // generator. One cargo run builds their shared dependencies once, in
-    // parallel, where two in a row left a CPU idle through the second's
-    // own crates.
+    // control-plane and sweeper timings are userspace code), and for the
+    // lab the load generator, the backends' server, lbd and lbctl. One
+    // cargo run builds their shared dependencies once, in parallel, where
+    // two in a row left a CPU idle through the second's own crates.
+    //
+    // The lab's binaries are release builds, as an operator runs them.
+    // Until 3 December 2026 the lab ran the debug builds of the backends'
+    // server and of lbd (`target/debug`, built for the tests): an
+    // unoptimised HTTP server behind every balancer and behind `direct`,
+    // whose CPU per request was part of every cell's.
     let mut bins = Vec::new();
     if opts.parts.contains(&Part::Packet) {
         bins.extend(["-p", "lb-bench", "--bin", "lb-bench"]);
     }
     if opts.parts.contains(&Part::E2e) || opts.parts.contains(&Part::Scenarios) {
-        bins.extend(["-p", "lb-tests", "--bin", "lab-client"]);
+        bins.extend(["-p", "lb-tests", "--bin", "lab-client", "--bin", "lab-backend"]);
+        bins.extend(["-p", "lb-userspace", "--bin", "lbd", "--bin", "lbctl"]);
     }
     if !bins.is_empty() {
         run(cargo().args(["build", "--release"]).args(&bins))?;
@@ -94,11 +106,11 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
         elapsed("per-packet part", t0);
     }
     if opts.parts.contains(&Part::E2e) || opts.parts.contains(&Part::Scenarios) {
-        let lab = Lab::up(LabSpec { prefix: PREFIX.into(), bin_dir: bin_dir(), ..LabSpec::default() })?;
+        let lab = Lab::up(LabSpec { prefix: PREFIX.into(), bin_dir: release_dir(), ..LabSpec::default() })?;
         let env = Env::new(&lab)?;
         // (lab-client, the open-loop load generator and the P4 study's
-        // client, is a release build, built above, optimised as wrk is: a
-        // debug build held a whole CPU and set the P4 pace.)
+        // client, is optimised as wrk is: a debug build held a whole CPU
+        // and set the P4 pace.)
         // The published evaluations first: the per-packet part leaves the
         // machine settling for about ten seconds, and what they measure
         // first, the P4 study's shares of 100,000 new connections between
@@ -193,7 +205,7 @@ fn our_failures(r: &Value) -> Vec<String> {
 
 fn packet(full: bool) -> anyhow::Result<Value> {
     println!("== per-packet cost (BPF_PROG_TEST_RUN) ==");
-    let exe = workspace_root().join("target/release/lb-bench");
+    let exe = release_dir().join("lb-bench");
     let json_path = out_dir().join("packet.json");
     // Short: 500,000 repeats a sample (about 0.1-0.5 s each, far above
     // the clock's resolution); with 1,000,000 the whole short bench took
@@ -527,7 +539,7 @@ fn run_load(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result
 fn load_commands(lab: &Lab, parts: &[(String, u32)], load: &Load) -> Vec<Command> {
     if let Some(rate) = load.rate {
         let targets: Vec<&str> = parts.iter().map(|(t, _)| t.as_str()).collect();
-        let mut cmd = lab.cmd("client", workspace_root().join("target/release/lab-client"));
+        let mut cmd = lab.cmd("client", release_dir().join("lab-client"));
         cmd.args(["paced", "--target", &targets.join(","), "--connections", &load.connections.to_string()]).args([
             "--rate",
             &format!("{rate:.0}"),
@@ -791,7 +803,7 @@ fn scenarios(env: &Env, full: bool) -> anyhow::Result<Value> {
         let t0 = Instant::now();
         for n in sizes {
             let r = lab.client_from(
-                &workspace_root().join("target/release/lab-client"),
+                &release_dir().join("lab-client"),
                 &[
                     "conns",
                     "--target",

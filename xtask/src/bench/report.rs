@@ -204,7 +204,18 @@ arrays; timed from userspace on the measuring CPU, a pointer chase through every
     if let Some(c) = p.get("control") {
         let ms = f(&c["weight_change_median_ms"]);
         let what = format!("weight change on a 65,537-entry Maglev table live in {ms:.2} ms (median; at most 10 ms)");
-        let _ = writeln!(md, "Control plane: {what}.\n");
+        // The verdict is the median's; the slowest change is printed beside
+        // it, so that a change that stalled (seen on the shared VMs: 41 and
+        // 82 ms, once in tens of changes each) is in the report, not only
+        // in the raw numbers.
+        let all: Vec<f64> = c["weight_change_ms"].as_array().map(|a| a.iter().map(f).collect()).unwrap_or_default();
+        let slowest = all.iter().copied().fold(f64::NAN, f64::max);
+        let over = all.iter().filter(|&&m| m > 10.0).count();
+        let _ = writeln!(
+            md,
+            "Control plane: {what}. The slowest of the {} changes took {slowest:.2} ms; {over} of them took over 10 ms.\n",
+            all.len()
+        );
         verdicts.push((what, ms <= 10.0));
         let (sent, lost) = (&c["packets_during_changes"], &c["packets_lost_during_changes"]);
         let what = format!(
