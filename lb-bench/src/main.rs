@@ -47,10 +47,12 @@
 //! Modules: `netns` (the namespace, the thread's place in it), `cases` (what
 //! is measured; frames from `lb-testkit`), `measure` (runs and checks),
 //! `memory` (one random load in memory of the flow table's size, timed from
-//! userspace on the same CPU), `report` (figures, table, JSON). Signals are caught with `signal-hook`.
+//! userspace on the same CPU), `cold` (single runs after the caches are
+//! evicted), `report` (figures, table, JSON). Signals are caught with `signal-hook`.
 //! The benchmark programs come from lb-userspace's build script
 //! (`lb_userspace::dataplane::BENCH_OBJECT`).
 mod cases;
+mod cold;
 mod measure;
 mod memory;
 mod netns;
@@ -121,6 +123,10 @@ pub struct PacketArgs {
     /// datapath case (0: measure with an empty table only).
     #[arg(long, default_value_t = FILL)]
     pub fill: u32,
+    /// Single runs per case with cold caches (an established flow, a new
+    /// flow, a packet not to a VIP, each beside its base; 0: none).
+    #[arg(long, default_value_t = 300)]
+    pub cold_runs: usize,
 }
 
 fn main() {
@@ -219,6 +225,93 @@ fn packet(args: PacketArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cold-cache runs (see `cold`) of the measured cases among an
+/// established flow, a maglev new flow and a packet not to a VIP (empty
+/// table), each against its base, at each depth of eviction; printed, and
+/// returned for the JSON. `out` holds the rounds' figures, for the warm
+/// ones beside.
+fn cold_caches(b: &mut Bench, items: &[cases::Item], args: &PacketArgs, out: &Value) -> anyhow::Result<Value> {
+    const PAIRS: [(&str, &str); 3] =
+        [("tcp_established", "harness_restore"), ("new_maglev", "harness_new"), ("non_vip", "floor_pass")];
+    let find = |key: &str| items.iter().find(|i| i.key == key && i.fill == 0);
+    let pairs: Vec<_> = PAIRS.iter().filter_map(|&(c, base)| Some((find(c)?, find(base)?))).collect();
+    if args.cold_runs == 0 || pairs.is_empty() {
+        return Ok(Value::Null);
+    }
+    let median_of = |key: &str| {
+        out["cases"].as_array().and_then(|c| c.iter().find(|c| c["key"] == key)).and_then(|c| c["median_ns"].as_f64())
+    };
+    let tx = median_of("floor_tx").context("the XDP_TX floor's median")?;
+    let pass = median_of("floor_pass").context("the XDP_PASS floor's median")?;
+    let mut levels = Vec::new();
+    for depth in [cold::Depth::Private, cold::Depth::All] {
+        let Some(ev) = cold::Evictor::new(b.cpu(), depth) else {
+            println!(
+                "cold caches, {}: sysfs lists no cache of that kind for CPU {}; not measured",
+                depth.name(),
+                b.cpu()
+            );
+            continue;
+        };
+        let t0 = std::time::Instant::now();
+        let colds = cold::measure(b, &ev, &pairs, args.cold_runs)?;
+        println!(
+            "cold caches, {}: single runs, each after reading {} KB on the measuring CPU, {} of each case alternating with its base ({:.1} s):",
+            depth.name(),
+            ev.bytes() >> 10,
+            args.cold_runs,
+            t0.elapsed().as_secs_f64()
+        );
+        let mut cases = Vec::new();
+        for c in &colds {
+            let over = c.over_base_ns();
+            // The same difference in the rounds: the case's cost (the
+            // harness already taken out) over the XDP_PASS floor.
+            let warm_over = median_of(c.key).map(|w| w - pass);
+            println!(
+                "  - {}: {:.1} ns (p10-p90 {:.1}-{:.1}), its base ({}) {:.1} ns: {over:.1} ns over it = {:.1}x floor_tx{}",
+                c.label,
+                report::median(&c.case_ns),
+                cold::quantile(&c.case_ns, 0.1),
+                cold::quantile(&c.case_ns, 0.9),
+                c.base_label,
+                report::median(&c.base_ns),
+                over / tx,
+                warm_over.map_or_else(String::new, |w| format!(
+                    "; warm, in the rounds, {w:.1} ns over floor_pass ({:.1}x that)",
+                    over / w
+                ))
+            );
+            cases.push(serde_json::json!({
+                "key": c.key,
+                "name": c.label,
+                "base_key": c.base_key,
+                "base_name": c.base_label,
+                "median_ns": report::median(&c.case_ns),
+                "p10_ns": cold::quantile(&c.case_ns, 0.1),
+                "p90_ns": cold::quantile(&c.case_ns, 0.9),
+                "base_median_ns": report::median(&c.base_ns),
+                "base_p10_ns": cold::quantile(&c.base_ns, 0.1),
+                "base_p90_ns": cold::quantile(&c.base_ns, 0.9),
+                "over_base_ns": over,
+                "over_base_x_floor_tx": over / tx,
+                "warm_over_floor_pass_ns": warm_over,
+                "runs_ns": c.case_ns,
+                "base_runs_ns": c.base_ns,
+            }));
+        }
+        levels.push(serde_json::json!({
+            "depth": depth.key(),
+            "name": depth.name(),
+            "evict_bytes": ev.bytes(),
+            "runs": args.cold_runs,
+            "seconds": t0.elapsed().as_secs_f64(),
+            "cases": cases,
+        }));
+    }
+    Ok(Value::Array(levels))
+}
+
 /// The measuring thread: makes its namespace, pins itself, runs every round.
 fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> anyhow::Result<Value> {
     private_netns().context("setting up the benchmark's network namespace")?;
@@ -311,6 +404,7 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
         "random_load_huge_pages_median_ns": huge,
         "random_load_huge_pages_x_floor_tx": huge.map(|h| h / tx),
     });
+    out["cold"] = cold_caches(&mut b, &items, args, &out)?;
     let (arrays, in_vmalloc) = b.split_arrays;
     println!(
         "floor_split: {arrays} arrays of {} KB, {}",

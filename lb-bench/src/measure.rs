@@ -361,6 +361,13 @@ impl Bench {
 
     /// One BPF_PROG_TEST_RUN of `item` with `repeat` repeats.
     fn run(&mut self, item: &Item, repeat: u32) -> anyhow::Result<RunOut> {
+        self.run_after(item, repeat, &mut || {})
+    }
+
+    /// [`Self::run`], with `before` called just before the syscall, after
+    /// every map read of the run's own checks (the cold-cache runs evict
+    /// the caches there).
+    fn run_after(&mut self, item: &Item, repeat: u32, before: &mut dyn FnMut()) -> anyhow::Result<RunOut> {
         let prog: &Xdp = match item.via {
             Via::Direct => match item.prog {
                 Prog::FloorPass => xdp(&self.bench, "floor_pass")?,
@@ -381,6 +388,7 @@ impl Bench {
         let mut out = vec![0u8; item.frame.len() + 256];
         ensure!(!self.stop.load(Ordering::Relaxed), "interrupted");
         let stateless_before = self.stateless_count()?;
+        before();
         let t0 = Instant::now();
         let res = prog
             .test_run(TestRunOptions {
@@ -805,6 +813,11 @@ impl Bench {
         Ok(Ok(both))
     }
 
+    /// The CPU the measuring thread is pinned to.
+    pub(crate) const fn cpu(&self) -> usize {
+        self.cpu
+    }
+
     /// Whether the machine has a CPU besides the measuring one (this
     /// thread is pinned: its own affinity says one).
     pub(crate) fn has_another_cpu(&self) -> bool {
@@ -930,6 +943,17 @@ impl Bench {
     /// Run `item` once (checked), then time it with `repeat` repeats and
     /// check that every repeat took the intended path.
     pub(crate) fn measure(&mut self, item: &Item, repeat: u32) -> anyhow::Result<Sample> {
+        self.measure_after(item, repeat, &mut || {})
+    }
+
+    /// [`Self::measure`], with `before` called just before the timed run's
+    /// syscall (see [`Self::run_after`]).
+    pub(crate) fn measure_after(
+        &mut self,
+        item: &Item,
+        repeat: u32,
+        before: &mut dyn FnMut(),
+    ) -> anyhow::Result<Sample> {
         let table = item.prog.table_alone();
         // Empty the case's table and fill it with `item.fill` flows, unless
         // it holds just that already (a case other than a new-flow one adds
@@ -1008,7 +1032,7 @@ impl Bench {
             None => None,
         };
         let global0 = self.dp.counters()?;
-        let timed = self.run(item, repeat)?;
+        let timed = self.run_after(item, repeat, before)?;
         let c2 = self.new_flow_counter()?;
         let i2 = self.table_inserts()?;
         if new_flow {

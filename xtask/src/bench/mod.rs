@@ -217,8 +217,12 @@ fn packet(full: bool) -> anyhow::Result<Value> {
     // most of it new-flow runs and the table refills after them.
     // Short: 4 rounds; 5 made the short bench 12 min 39 s from a fresh
     // clone on a slow day of this kind of machine (builds included).
-    let (rounds, repeat) = if full { ("15", "5000000") } else { ("4", "500000") };
-    run(Command::new(&exe).args(["packet", "--rounds", rounds, "--repeat", repeat, "--json"]).arg(&json_path))?;
+    // Cold-cache runs: single runs, a few seconds in all (see lb-bench's
+    // `cold`).
+    let (rounds, repeat, cold) = if full { ("15", "5000000", "1000") } else { ("4", "500000", "300") };
+    run(Command::new(&exe)
+        .args(["packet", "--rounds", rounds, "--repeat", repeat, "--cold-runs", cold, "--json"])
+        .arg(&json_path))?;
     Ok(serde_json::from_str(&std::fs::read_to_string(&json_path)?)?)
 }
 

@@ -258,6 +258,38 @@ left by XDP redirect as a new flow counted on one of the service's backends: {wh
         }
         let _ = writeln!(md);
     }
+    if let Some(levels) = p["cold"].as_array().filter(|l| !l.is_empty()) {
+        let _ = writeln!(
+            md,
+            "With cold caches (not judged: the targets are the rounds'). The rounds time one packet over and over, with everything it touches in the caches; a gateway does other work between two packets of a flow. Here each case is single runs (one repeat each, so no harness restores the frame), each after reading a buffer on the measuring CPU: twice its private caches (L1 and L2 evicted; the last-level cache keeps what it held), or four times its last-level cache (every cache and the data TLB evicted). Each case alternates with its base, the same way in with nothing to do (the harness in front of `floor_pass`, or `floor_pass` itself for a case run directly), evicted the same way; the difference is the program's own cost. Every run is checked as the rounds' are. Medians, p10-p90 beside; what a gateway sees lies between the depths (the e2e part's `XDP ns/req` is the lab's figure).\n"
+        );
+        let _ = writeln!(
+            md,
+            "| depth | case | median ns | p10-p90 ns | base | base median ns | over base ns | x floor_tx | warm, over floor_pass ns | x warm |\n|---|---|---:|---:|---|---:|---:|---:|---:|---:|"
+        );
+        for l in levels {
+            for c in l["cases"].as_array().into_iter().flatten() {
+                let over = f(&c["over_base_ns"]);
+                let warm = c["warm_over_floor_pass_ns"].as_f64();
+                let _ = writeln!(
+                    md,
+                    "| {} ({} KB read) | {} | {:.1} | {:.1}-{:.1} | {} | {:.1} | {over:.1} | {:.1} | {} | {} |",
+                    l["name"].as_str().unwrap_or("?"),
+                    l["evict_bytes"].as_u64().unwrap_or(0) >> 10,
+                    c["name"].as_str().unwrap_or("?"),
+                    f(&c["median_ns"]),
+                    f(&c["p10_ns"]),
+                    f(&c["p90_ns"]),
+                    c["base_name"].as_str().unwrap_or("?"),
+                    f(&c["base_median_ns"]),
+                    f(&c["over_base_x_floor_tx"]),
+                    warm.map_or_else(|| "-".to_owned(), |w| format!("{w:.1}")),
+                    warm.map_or_else(|| "-".to_owned(), |w| format!("{:.1}", over / w)),
+                );
+            }
+        }
+        let _ = writeln!(md);
+    }
     if let Some(sw) = p.get("sweeper") {
         let _ = writeln!(
             md,
