@@ -20,7 +20,7 @@
 //! (`Bench::measure_after`).
 use anyhow::Context as _;
 
-use crate::{cases::Item, measure::Bench, report::median};
+use crate::{cases::Item, measure::Bench};
 
 /// The least the whole-cache eviction reads, whatever the caches say.
 const MIN_EVICT_ALL: usize = 32 << 20;
@@ -120,57 +120,33 @@ fn parse_size(s: &str) -> Option<usize> {
 }
 
 /// One case's cold runs and its base's, in ns each.
-pub(crate) struct Cold {
-    pub key: &'static str,
-    pub label: String,
-    pub base_key: &'static str,
-    pub base_label: String,
+pub(crate) struct Cold<'a> {
+    pub case: &'a Item,
+    pub base: &'a Item,
     pub case_ns: Vec<f64>,
     pub base_ns: Vec<f64>,
 }
 
-impl Cold {
-    /// The program's own cold cost: the case's median over its base's.
-    pub(crate) fn over_base_ns(&self) -> f64 {
-        median(&self.case_ns) - median(&self.base_ns)
-    }
-}
-
-/// The `q`-quantile of `v` (nearest rank).
-pub(crate) fn quantile(v: &[f64], q: f64) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((s.len() - 1) as f64 * q).round() as usize;
-    s[i]
-}
-
 /// `runs` cold runs of every (case, base) pair, interleaved: case, base,
 /// next pair, ... so that drift during the measurement falls on both.
-pub(crate) fn measure(b: &mut Bench, ev: &Evictor, pairs: &[(&Item, &Item)], runs: usize) -> anyhow::Result<Vec<Cold>> {
-    let mut out: Vec<Cold> = pairs
+pub(crate) fn measure<'a>(
+    b: &mut Bench,
+    ev: &Evictor,
+    pairs: &[(&'a Item, &'a Item)],
+    runs: usize,
+) -> anyhow::Result<Vec<Cold<'a>>> {
+    let mut out: Vec<Cold<'a>> = pairs
         .iter()
-        .map(|(c, base)| Cold {
-            key: c.key,
-            label: c.label.clone(),
-            base_key: base.key,
-            base_label: base.label.clone(),
-            case_ns: Vec::with_capacity(runs),
-            base_ns: Vec::with_capacity(runs),
-        })
+        .map(|&(case, base)| Cold { case, base, case_ns: Vec::with_capacity(runs), base_ns: Vec::with_capacity(runs) })
         .collect();
     for run in 0..runs {
-        for (i, (case, base)) in pairs.iter().enumerate() {
-            let c = b
-                .measure_after(case, 1, &mut || ev.evict())
-                .with_context(|| format!("cold run {run}, {}", case.label))?;
-            let f = b
-                .measure_after(base, 1, &mut || ev.evict())
-                .with_context(|| format!("cold run {run}, {}", base.label))?;
-            out[i].case_ns.push(c.ns);
-            out[i].base_ns.push(f.ns);
+        for c in &mut out {
+            for (item, ns) in [(c.case, &mut c.case_ns), (c.base, &mut c.base_ns)] {
+                let s = b
+                    .measure_after(item, 1, &mut || ev.evict())
+                    .with_context(|| format!("cold run {run}, {}", item.label))?;
+                ns.push(s.ns);
+            }
         }
     }
     Ok(out)
@@ -191,6 +167,7 @@ mod tests {
 
     #[test]
     fn quantiles_by_nearest_rank() {
+        use crate::report::quantile;
         let v = [5.0, 1.0, 3.0, 2.0, 4.0];
         assert_eq!(quantile(&v, 0.0), 1.0);
         assert_eq!(quantile(&v, 0.5), 3.0);

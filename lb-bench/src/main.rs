@@ -229,8 +229,8 @@ fn packet(args: PacketArgs) -> anyhow::Result<()> {
 /// established flow, a maglev new flow and a packet not to a VIP (empty
 /// table), each against its base, at each depth of eviction; printed, and
 /// returned for the JSON. `out` holds the rounds' figures, for the warm
-/// ones beside.
-fn cold_caches(b: &mut Bench, items: &[cases::Item], args: &PacketArgs, out: &Value) -> anyhow::Result<Value> {
+/// ones beside; `tx` is the run's XDP_TX floor.
+fn cold_caches(b: &mut Bench, items: &[cases::Item], args: &PacketArgs, out: &Value, tx: f64) -> anyhow::Result<Value> {
     const PAIRS: [(&str, &str); 3] =
         [("tcp_established", "harness_restore"), ("new_maglev", "harness_new"), ("non_vip", "floor_pass")];
     let find = |key: &str| items.iter().find(|i| i.key == key && i.fill == 0);
@@ -238,11 +238,7 @@ fn cold_caches(b: &mut Bench, items: &[cases::Item], args: &PacketArgs, out: &Va
     if args.cold_runs == 0 || pairs.is_empty() {
         return Ok(Value::Null);
     }
-    let median_of = |key: &str| {
-        out["cases"].as_array().and_then(|c| c.iter().find(|c| c["key"] == key)).and_then(|c| c["median_ns"].as_f64())
-    };
-    let tx = median_of("floor_tx").context("the XDP_TX floor's median")?;
-    let pass = median_of("floor_pass").context("the XDP_PASS floor's median")?;
+    let pass = report::case_median(out, "floor_pass").context("the XDP_PASS floor's median")?;
     let mut levels = Vec::new();
     for depth in [cold::Depth::Private, cold::Depth::All] {
         let Some(ev) = cold::Evictor::new(b.cpu(), depth) else {
@@ -264,18 +260,16 @@ fn cold_caches(b: &mut Bench, items: &[cases::Item], args: &PacketArgs, out: &Va
         );
         let mut cases = Vec::new();
         for c in &colds {
-            let over = c.over_base_ns();
+            let (median, p10, p90) = report::spread(&c.case_ns);
+            let (base_median, base_p10, base_p90) = report::spread(&c.base_ns);
+            let over = median - base_median;
             // The same difference in the rounds: the case's cost (the
             // harness already taken out) over the XDP_PASS floor.
-            let warm_over = median_of(c.key).map(|w| w - pass);
+            let warm_over = report::case_median(out, c.case.key).map(|w| w - pass);
             println!(
-                "  - {}: {:.1} ns (p10-p90 {:.1}-{:.1}), its base ({}) {:.1} ns: {over:.1} ns over it = {:.1}x floor_tx{}",
-                c.label,
-                report::median(&c.case_ns),
-                cold::quantile(&c.case_ns, 0.1),
-                cold::quantile(&c.case_ns, 0.9),
-                c.base_label,
-                report::median(&c.base_ns),
+                "  - {}: {median:.1} ns (p10-p90 {p10:.1}-{p90:.1}), its base ({}) {base_median:.1} ns: {over:.1} ns over it = {:.1}x floor_tx{}",
+                c.case.label,
+                c.base.label,
                 over / tx,
                 warm_over.map_or_else(String::new, |w| format!(
                     "; warm, in the rounds, {w:.1} ns over floor_pass ({:.1}x that)",
@@ -283,16 +277,16 @@ fn cold_caches(b: &mut Bench, items: &[cases::Item], args: &PacketArgs, out: &Va
                 ))
             );
             cases.push(serde_json::json!({
-                "key": c.key,
-                "name": c.label,
-                "base_key": c.base_key,
-                "base_name": c.base_label,
-                "median_ns": report::median(&c.case_ns),
-                "p10_ns": cold::quantile(&c.case_ns, 0.1),
-                "p90_ns": cold::quantile(&c.case_ns, 0.9),
-                "base_median_ns": report::median(&c.base_ns),
-                "base_p10_ns": cold::quantile(&c.base_ns, 0.1),
-                "base_p90_ns": cold::quantile(&c.base_ns, 0.9),
+                "key": c.case.key,
+                "name": c.case.label,
+                "base_key": c.base.key,
+                "base_name": c.base.label,
+                "median_ns": median,
+                "p10_ns": p10,
+                "p90_ns": p90,
+                "base_median_ns": base_median,
+                "base_p10_ns": base_p10,
+                "base_p90_ns": base_p90,
                 "over_base_ns": over,
                 "over_base_x_floor_tx": over / tx,
                 "warm_over_floor_pass_ns": warm_over,
@@ -379,11 +373,7 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
     // load in memory the size of the IPv4 flow table.
     let bytes = lb_common::flow_slots(b.conntrack_max) as usize * size_of::<lb_common::FlowSlot>();
     let mem = memory::random_load(bytes, args.rounds.max(3) as usize)?;
-    let tx = out["cases"]
-        .as_array()
-        .and_then(|c| c.iter().find(|c| c["key"] == "floor_tx"))
-        .and_then(|c| c["median_ns"].as_f64())
-        .context("the XDP_TX floor's median")?;
+    let tx = report::case_median(&out, "floor_tx").context("the XDP_TX floor's median")?;
     let small = report::median(&mem.small_pages_ns);
     let huge = mem.huge_pages_ns.as_deref().map(report::median);
     println!(
@@ -404,7 +394,7 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
         "random_load_huge_pages_median_ns": huge,
         "random_load_huge_pages_x_floor_tx": huge.map(|h| h / tx),
     });
-    out["cold"] = cold_caches(&mut b, &items, args, &out)?;
+    out["cold"] = cold_caches(&mut b, &items, args, &out, tx)?;
     let (arrays, in_vmalloc) = b.split_arrays;
     println!(
         "floor_split: {arrays} arrays of {} KB, {}",

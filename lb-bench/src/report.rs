@@ -317,6 +317,26 @@ pub(crate) fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// The `q`-quantile of `v` (nearest rank); NaN when `v` is empty.
+pub(crate) fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s[((s.len() - 1) as f64 * q).round() as usize]
+}
+
+/// The median of `v` with its 10th and 90th percentiles.
+pub(crate) fn spread(v: &[f64]) -> (f64, f64, f64) {
+    (median(v), quantile(v, 0.1), quantile(v, 0.9))
+}
+
+/// The median of the case `key` in `report`'s output, if it was measured.
+pub(crate) fn case_median(out: &Value, key: &str) -> Option<f64> {
+    out["cases"].as_array()?.iter().find(|c| c["key"] == key)?["median_ns"].as_f64()
+}
+
 fn min(v: &[f64]) -> f64 {
     v.iter().copied().fold(f64::INFINITY, f64::min)
 }
