@@ -7,7 +7,11 @@
 //! dependency: it installs the two when missing, then replaces itself with
 //! `cargo run --package xtask` and the same arguments (exec, so signals and
 //! the exit status are xtask's own). `setup` it does itself, whole.
-use std::{os::unix::process::CommandExt as _, process::Command};
+use std::{
+    os::unix::process::CommandExt as _,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 // The library's dependencies: the binary uses them only through it.
 use {anyhow as _, libc as _};
@@ -34,6 +38,22 @@ fn main() {
         std::process::exit(1);
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    // The bench runs a release build of xtask, made with the binaries it
+    // runs (see `BENCH_BUILD`). Not for a user who is not root: xtask
+    // refuses the bench then, and should not build for minutes first.
+    if xtask_boot::is_root() && xtask_boot::is_release_bench(&args) {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root");
+        eprintln!("xtask: building the bench's release binaries (xtask among them)");
+        if let Err(e) = xtask_boot::run(Command::new(&cargo).current_dir(root).args(xtask_boot::BENCH_BUILD)) {
+            eprintln!("xtask: {e:#}");
+            std::process::exit(1);
+        }
+        let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+        let xtask = target.join("release/xtask");
+        let e = Command::new(&xtask).args(args).exec();
+        eprintln!("xtask: could not run {}: {e}", xtask.display());
+        std::process::exit(1);
+    }
     let e = Command::new(cargo).args(["run", "--quiet", "--package", "xtask", "--"]).args(args).exec();
     eprintln!("xtask: could not run `cargo run --package xtask`: {e}");
     std::process::exit(1);

@@ -79,28 +79,23 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
         "commit": source_commit(),
         "full": opts.full,
     });
-    // The release binaries the parts run, in one build: lb-bench (its
-    // control-plane and sweeper timings are userspace code), and for the
-    // lab the load generator, the backends' server, lbd and lbctl. One
-    // cargo run builds their shared dependencies once, in parallel, where
-    // two in a row left a CPU idle through the second's own crates.
+    // The release binaries the parts run, all of them whatever the parts,
+    // in one build: lb-bench (its control-plane and sweeper timings are
+    // userspace code), and for the lab the load generator, the backends'
+    // server, lbd and lbctl. One cargo run builds their shared dependencies
+    // once, in parallel, where two in a row left a CPU idle through the
+    // second's own crates.
     //
     // The lab's binaries are release builds, as an operator runs them.
     // Until 3 December 2026 the lab ran the debug builds of the backends'
     // server and of lbd (`target/debug`, built for the tests): an
     // unoptimised HTTP server behind every balancer and behind `direct`,
     // whose CPU per request was part of every cell's.
-    let mut bins = Vec::new();
-    if opts.parts.contains(&Part::Packet) {
-        bins.extend(["-p", "lb-bench", "--bin", "lb-bench"]);
-    }
-    if opts.parts.contains(&Part::E2e) || opts.parts.contains(&Part::Scenarios) {
-        bins.extend(["-p", "lb-tests", "--bin", "lab-client", "--bin", "lab-backend"]);
-        bins.extend(["-p", "lb-userspace", "--bin", "lbd", "--bin", "lbctl"]);
-    }
-    if !bins.is_empty() {
-        run(cargo().args(["build", "--release"]).args(&bins))?;
-    }
+    //
+    // Through `cargo xtask`, xtask-boot made this build already, before it
+    // ran this (release) xtask: the same arguments, so nothing is built
+    // again here.
+    run(cargo().args(xtask_boot::BENCH_BUILD))?;
     if opts.parts.contains(&Part::Packet) {
         results["packet"] = packet(opts.full)?;
         elapsed("per-packet part", t0);
