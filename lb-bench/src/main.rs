@@ -71,7 +71,7 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::Value;
 
 use crate::{
-    cases::{CONNTRACK_MAX, FILL, Prog, full, is_ipv6, items},
+    cases::{CONNTRACK_MAX, FILL, Item, Prog, full, is_ipv6, items, new_flow_case},
     measure::{Bench, NoRoom, Sample},
     netns::{pin_thread, private_netns},
     report::{HostInfo, read_trim, report},
@@ -98,6 +98,12 @@ pub struct PacketArgs {
     /// Repeats per BPF_PROG_TEST_RUN call.
     #[arg(long, default_value_t = 1_000_000)]
     pub repeat: u32,
+    /// Repeats per call of a new-flow case (default: half of --repeat, at
+    /// least 1,000). A new flow costs about ten times an established one,
+    /// so its run is still several times longer than theirs, and the
+    /// rounds' time is mostly new-flow runs and taking their flows out.
+    #[arg(long)]
+    pub new_flow_repeat: Option<u32>,
     /// Write every round of every case, medians and ratios to this file.
     #[arg(long, value_name = "OUT.json")]
     pub json: Option<PathBuf>,
@@ -146,6 +152,18 @@ const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 /// more entries (a new flow of a service with shared endpoints takes two),
 /// so that no insert ever finds the table full (it would then measure the
 /// stateless path).
+impl PacketArgs {
+    /// The repeats of a new-flow case's run.
+    pub(crate) fn new_flow_repeat(&self) -> u32 {
+        self.new_flow_repeat.unwrap_or((self.repeat / 2).max(1000)).min(self.repeat)
+    }
+
+    /// The repeats of `item`'s run in a measured round.
+    fn repeat_of(&self, item: &Item) -> u32 {
+        if new_flow_case(item) { self.new_flow_repeat() } else { self.repeat }
+    }
+}
+
 fn conntrack_max(args: &PacketArgs) -> anyhow::Result<u32> {
     let need = args.fill.saturating_add(args.repeat.saturating_mul(2)).saturating_add(16);
     match args.conntrack_max {
@@ -161,6 +179,7 @@ fn packet(args: PacketArgs) -> anyhow::Result<()> {
     ensure!(lb_userspace::is_root(), "lb-bench packet needs root (BPF programs, network namespaces)");
     ensure!(args.rounds >= 1, "--rounds must be at least 1");
     ensure!((1..=1 << 25).contains(&args.repeat), "--repeat must be between 1 and 2^25");
+    ensure!(args.new_flow_repeat != Some(0), "--new-flow-repeat must be at least 1");
     conntrack_max(&args)?;
     // The first SIGINT/SIGTERM asks the measuring thread to stop between
     // runs; a second one ends the process at once (a run can take seconds
@@ -230,7 +249,7 @@ fn packet(args: PacketArgs) -> anyhow::Result<()> {
 /// table), each against its base, at each depth of eviction; printed, and
 /// returned for the JSON. `out` holds the rounds' figures, for the warm
 /// ones beside; `tx` is the run's XDP_TX floor.
-fn cold_caches(b: &mut Bench, items: &[cases::Item], args: &PacketArgs, out: &Value, tx: f64) -> anyhow::Result<Value> {
+fn cold_caches(b: &mut Bench, items: &[Item], args: &PacketArgs, out: &Value, tx: f64) -> anyhow::Result<Value> {
     const PAIRS: [(&str, &str); 3] =
         [("tcp_established", "harness_restore"), ("new_maglev", "harness_new"), ("non_vip", "floor_pass")];
     let find = |key: &str| items.iter().find(|i| i.key == key && i.fill == 0);
@@ -330,18 +349,19 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
         items.extend(twins);
     }
     eprintln!(
-        "lb-bench packet: {} cases, {} rounds (+1 warm-up) of {} repeats, pinned to CPU {cpu}",
+        "lb-bench packet: {} cases, {} rounds (+1 warm-up) of {} repeats ({} for a new flow), pinned to CPU {cpu}",
         items.len(),
         args.rounds,
-        args.repeat
+        args.repeat,
+        args.new_flow_repeat()
     );
     let warm = (args.repeat / 10).max(1000).min(args.repeat);
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); items.len()];
     // Runs made again because a few new flows found no slot (`NoRoom`).
     let mut reruns: Vec<Value> = Vec::new();
     for round in 0..=args.rounds {
-        let repeat = if round == 0 { warm } else { args.repeat };
         for (i, item) in items.iter().enumerate() {
+            let repeat = if round == 0 { warm } else { args.repeat_of(item) };
             let s = match b.measure(item, repeat).map_err(anyhow::Error::downcast::<NoRoom>) {
                 Err(Ok(no_room)) => {
                     eprintln!("\nround {round}: {no_room}; run again");
@@ -438,7 +458,7 @@ fn measure_all(args: &PacketArgs, host: &HostInfo, stop: Arc<AtomicBool>) -> any
     let mut scaling = Vec::new();
     if b.has_another_cpu() {
         for key in ["new_maglev", "split_new"] {
-            let sc = b.new_flows_on_two_cpus(key, args.rounds.max(3) as usize, args.repeat)?;
+            let sc = b.new_flows_on_two_cpus(key, args.rounds.max(3) as usize, args.new_flow_repeat())?;
             let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
             let one = report::median(&sc.one);
             let both = report::median(&sc.both.iter().map(|r| mean(r)).collect::<Vec<_>>());

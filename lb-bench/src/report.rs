@@ -146,8 +146,10 @@ pub(crate) fn report(
     let model = lb_testkit::cpu_model().unwrap_or_else(|| "?".into());
     println!();
     println!(
-        "Per-packet cost through BPF_PROG_TEST_RUN: {} rounds x {} repeats, CPU {cpu} ({model}), kernel {release}",
-        rounds, args.repeat
+        "Per-packet cost through BPF_PROG_TEST_RUN: {} rounds x {} repeats ({} for a new flow), CPU {cpu} ({model}), kernel {release}",
+        rounds,
+        args.repeat,
+        args.new_flow_repeat()
     );
     println!(
         "Each case: harness -> program, minus the harness's own cost (harness -> floor_pass, minus floor_pass);\n\
@@ -212,6 +214,7 @@ pub(crate) fn report(
     return value and output checked before and after timing, counters show every repeat took the intended path.",
         "rounds": rounds,
         "repeat": args.repeat,
+        "repeat_new_flow": args.new_flow_repeat(),
         "cpu": cpu,
         "cpu_model": model,
         "cpus_online": read_trim("/sys/devices/system/cpu/online"),

@@ -212,6 +212,9 @@ fn packet(full: bool) -> anyhow::Result<Value> {
     // most of it new-flow runs and the table refills after them.
     // Short: 4 rounds; 5 made the short bench 12 min 39 s from a fresh
     // clone on a slow day of this kind of machine (builds included).
+    // A new-flow case runs half the repeats (lb-bench's default): 250,000
+    // in the short run, still 0.3 s or more a sample, where 500,000 made
+    // new-flow runs and taking their flows out most of a round.
     // Cold-cache runs: single runs, a few seconds in all (see lb-bench's
     // `cold`).
     let (rounds, repeat, cold) = if full { ("15", "5000000", "1000") } else { ("4", "500000", "300") };
@@ -667,6 +670,10 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
     // more than 12 with its release build, against its bound of 12).
     let secs = if full { 20 } else { 3 };
     let reps = if full { 5 } else { 3 };
+    // The XDP program's own time per request, from the kernel's run time
+    // over the requests: 1 s (short) is 9,000-55,000 requests here, and
+    // its 4 cells took 8 s of the bench at 2 s.
+    let xdp_secs = if full { 2 } else { 1 };
     let loads = [
         (NEW_CONN, Load { connections: 10, close: true, secs, rate: None }),
         (KEEP_ALIVE, Load { connections: 50, close: false, secs, rate: None }),
@@ -707,10 +714,10 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
                 }
                 // The XDP run time: a separate short cell with
                 // bpf_stats on, in the first repetition only when short
-                // (16 s of the bench in the other two: 2 s for each of
-                // 2 methods and 2 loads).
+                // (it took 16 s of the bench in the other two: 2 s for
+                // each of 2 methods and 2 loads).
                 if *b == Balancer::Ours && load.rate.is_none() && (full || rep == 0) {
-                    let short = Load { secs: 2, ..load.clone() };
+                    let short = Load { secs: xdp_secs, ..load.clone() };
                     let x = run_load(env, *b, &short, Measure::XdpTime).with_context(|| key.clone())?;
                     r["xdp_ns_per_request"] = x["xdp_ns_per_request"].clone();
                 }
@@ -743,7 +750,9 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
             "reps": rs.len(), "datapath": sum_datapath(rs),
         }));
     }
-    Ok(json!({ "secs_per_run": secs, "reps": reps, "paced_rps": paced_rate, "runs": runs, "summary": summary }))
+    Ok(
+        json!({ "secs_per_run": secs, "reps": reps, "xdp_cell_secs": xdp_secs, "paced_rps": paced_rate, "runs": runs, "summary": summary }),
+    )
 }
 
 /// lbd's status when `running` is our balancer (None for the others).

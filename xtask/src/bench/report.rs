@@ -88,8 +88,9 @@ fn packet_section(md: &mut String, p: &Value, dir: &Path, verdicts: &mut Vec<(St
         md,
         "Each repeat sees the original frame: a harness program restores it, lets its stores reach the cache and \
 tail-calls the program under test; the harness's own cost (measured on the XDP_PASS floor) is subtracted. A case \
-whose frame the program passes untouched (not a VIP, in either family) runs directly, as the floors do. Median of the rounds, \
-min-max beside.\n"
+whose frame the program passes untouched (not a VIP, in either family) runs directly, as the floors do. Median of the {} rounds \
+({} repeats a run, {} for a new flow), min-max beside.\n",
+        p["rounds"], p["repeat"], p["repeat_new_flow"]
     );
     let _ = writeln!(
         md,
@@ -311,11 +312,11 @@ fn e2e_section(md: &mut String, e: &Value, dir: &Path, verdicts: &mut Vec<(Strin
         "{} s per run, {} interleaved repetitions, medians. `direct` is the floor: the same load spread over the same three backends without a balancer \
 (three wrk processes, one per backend, the connections split between them, routed through the gateway's kernel; its p50 is their request-weighted mean and its p99 the worst of the three). \
 CPU is whole-machine busy time per request from /proc/stat (on veth an XDP balancer's work runs in the sender's softirq, so compare against `direct`). \
-kernel.bpf_stats_enabled is off in every throughput cell; `XDP ns/req` is the XDP program's own run time, measured in a separate 2 s cell with it on (in the first repetition only, unless `--full`). \
+kernel.bpf_stats_enabled is off in every throughput cell; `XDP ns/req` is the XDP program's own run time, measured in a separate {} s cell with it on (in the first repetition only, unless `--full`). \
 Hash methods: ours Maglev over the 5-tuple, HAProxy `balance hash src_port` (consistent), nginx `hash $remote_addr$remote_port consistent`. \
 What differs: HAProxy hashes the client port alone and ours adds the VIP address and port; with one client address and one VIP in the lab, all three hash what varies between connections, the client port. \
 wrk runs from one client address, so the lab's servers and proxies keep no TIME_WAIT sockets (`tcp_max_tw_buckets=0`): otherwise each cell's SYNs collide with the previous cell's 4-tuples.\n",
-        e["secs_per_run"], e["reps"]
+        e["secs_per_run"], e["reps"], e["xdp_cell_secs"]
     );
     let summary = e["summary"].as_array().cloned().unwrap_or_default();
     for load in LOADS {
