@@ -48,7 +48,8 @@ fn main() {
             eprintln!("xtask: {e:#}");
             std::process::exit(1);
         }
-        let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+        // A relative CARGO_TARGET_DIR is the build's, which ran in `root`.
+        let target = root.join(std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| "target".into(), PathBuf::from));
         let xtask = target.join("release/xtask");
         let e = Command::new(&xtask).args(args).exec();
         eprintln!("xtask: could not run {}: {e}", xtask.display());
