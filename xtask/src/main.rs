@@ -47,18 +47,19 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Release build of lbd and lbctl, installed with shell completions, man
-    /// pages, the systemd unit and (if none exists) an example configuration.
     /// Benchmarks: per-packet cost, end to end against HAProxy and nginx,
     /// the published evaluations; report in target/bench/report.md.
     Bench {
-        /// Only this part (default: all three).
+        /// Only this part (default: all three; `fuzz` only when named).
         #[arg(value_enum)]
         part: Option<BenchPart>,
-        /// The long versions (default: short, under 10 minutes in all).
+        /// The long versions (default: short, meant to take under 12
+        /// minutes in all on a 2-core machine, its release build included).
         #[arg(long)]
         full: bool,
     },
+    /// Release build of lbd and lbctl, installed with shell completions, man
+    /// pages, the systemd unit and (if none exists) an example configuration.
     Install {
         /// Installation prefix: binaries in PREFIX/bin, completions and man pages in PREFIX/share.
         #[arg(long, default_value = "/usr/local")]
