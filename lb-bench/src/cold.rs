@@ -164,14 +164,4 @@ mod tests {
         assert_eq!(parse_size("8X"), None);
         assert_eq!(parse_size(""), None);
     }
-
-    #[test]
-    fn quantiles_by_nearest_rank() {
-        use crate::report::quantile;
-        let v = [5.0, 1.0, 3.0, 2.0, 4.0];
-        assert_eq!(quantile(&v, 0.0), 1.0);
-        assert_eq!(quantile(&v, 0.5), 3.0);
-        assert_eq!(quantile(&v, 1.0), 5.0);
-        assert!(quantile(&[], 0.5).is_nan());
-    }
 }

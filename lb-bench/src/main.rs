@@ -148,10 +148,6 @@ fn main() {
 
 const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
-/// Flow table size: 4M connections, more when the fill and one run make
-/// more entries (a new flow of a service with shared endpoints takes two),
-/// so that no insert ever finds the table full (it would then measure the
-/// stateless path).
 impl PacketArgs {
     /// The repeats of a new-flow case's run.
     pub(crate) fn new_flow_repeat(&self) -> u32 {
@@ -164,6 +160,10 @@ impl PacketArgs {
     }
 }
 
+/// Flow table size: 4M connections, more when the fill and one run make
+/// more entries (a new flow of a service with shared endpoints takes two),
+/// so that no insert ever finds the table full (it would then measure the
+/// stateless path).
 fn conntrack_max(args: &PacketArgs) -> anyhow::Result<u32> {
     let need = args.fill.saturating_add(args.repeat.saturating_mul(2)).saturating_add(16);
     match args.conntrack_max {

@@ -369,7 +369,16 @@ pub(crate) fn read_trim(path: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::table_shares;
+    use super::{quantile, table_shares};
+
+    #[test]
+    fn quantiles_by_nearest_rank() {
+        let v = [5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(quantile(&v, 0.0), 1.0);
+        assert_eq!(quantile(&v, 0.5), 3.0);
+        assert_eq!(quantile(&v, 1.0), 5.0);
+        assert!(quantile(&[], 0.5).is_nan());
+    }
 
     #[test]
     fn a_split_this_run_does_not_resolve_is_said_not_printed_as_a_negative_rest() {

@@ -7,11 +7,7 @@
 //! dependency: it installs the two when missing, then replaces itself with
 //! `cargo run --package xtask` and the same arguments (exec, so signals and
 //! the exit status are xtask's own). `setup` it does itself, whole.
-use std::{
-    os::unix::process::CommandExt as _,
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{os::unix::process::CommandExt as _, process::Command};
 
 // The library's dependencies: the binary uses them only through it.
 use {anyhow as _, libc as _};
@@ -42,15 +38,14 @@ fn main() {
     // runs (see `BENCH_BUILD`). Not for a user who is not root: xtask
     // refuses the bench then, and should not build for minutes first.
     if xtask_boot::is_root() && xtask_boot::is_release_bench(&args) {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root");
         eprintln!("xtask: building the bench's release binaries (xtask among them)");
-        if let Err(e) = xtask_boot::run(Command::new(&cargo).current_dir(root).args(xtask_boot::BENCH_BUILD)) {
+        let mut build = Command::new(&cargo);
+        build.current_dir(xtask_boot::workspace_root()).args(xtask_boot::BENCH_BUILD);
+        if let Err(e) = xtask_boot::run(&mut build) {
             eprintln!("xtask: {e:#}");
             std::process::exit(1);
         }
-        // A relative CARGO_TARGET_DIR is the build's, which ran in `root`.
-        let target = root.join(std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| "target".into(), PathBuf::from));
-        let xtask = target.join("release/xtask");
+        let xtask = xtask_boot::target_dir().join("release/xtask");
         let e = Command::new(&xtask).args(args).exec();
         eprintln!("xtask: could not run {}: {e}", xtask.display());
         std::process::exit(1);

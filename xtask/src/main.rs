@@ -4,7 +4,7 @@ mod install;
 
 use std::{
     io::Write as _,
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::{Command, Stdio},
 };
 
@@ -14,7 +14,7 @@ use lb_tests::{
     lab::{Lab, LabSpec, Topology},
     lbd::Lbd,
 };
-use xtask_boot::{self as setup, is_root, run};
+use xtask_boot::{self as setup, is_root, run, workspace_root};
 
 #[derive(Parser)]
 #[command(about = "Build, set up, demo and test the XDP load balancer")]
@@ -181,10 +181,6 @@ fn ensure_setup() -> anyhow::Result<()> {
     setup::setup().context("setting up the build and test environment")
 }
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
-}
-
 fn cargo() -> Command {
     let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     c.current_dir(workspace_root());
@@ -193,7 +189,7 @@ fn cargo() -> Command {
 
 /// Where `cargo build` (dev profile) puts binaries.
 fn bin_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace_root().join("target"), PathBuf::from).join("debug")
+    setup::target_dir().join("debug")
 }
 
 fn build() -> anyhow::Result<()> {

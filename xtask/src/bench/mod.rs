@@ -25,7 +25,7 @@ use lb_tests::{
 };
 use serde_json::{Value, json};
 
-use crate::{bin_dir, cargo, run, workspace_root};
+use crate::{cargo, run, workspace_root};
 
 mod fuzz;
 mod report;
@@ -61,7 +61,7 @@ pub(crate) struct Options {
 
 /// Where `cargo build --release` puts the binaries the bench runs.
 fn release_dir() -> PathBuf {
-    bin_dir().with_file_name("release")
+    xtask_boot::target_dir().join("release")
 }
 
 fn out_dir() -> PathBuf {
@@ -714,8 +714,7 @@ fn e2e(env: &Env, full: bool) -> anyhow::Result<Value> {
                 }
                 // The XDP run time: a separate short cell with
                 // bpf_stats on, in the first repetition only when short
-                // (it took 16 s of the bench in the other two: 2 s for
-                // each of 2 methods and 2 loads).
+                // (4 cells a repetition: 2 methods, 2 loads).
                 if *b == Balancer::Ours && load.rate.is_none() && (full || rep == 0) {
                     let short = Load { secs: xdp_secs, ..load.clone() };
                     let x = run_load(env, *b, &short, Measure::XdpTime).with_context(|| key.clone())?;
