@@ -49,9 +49,10 @@ pub fn target_dir() -> PathBuf {
 /// build too, so that a bench from nothing compiles the workspace's
 /// dependencies once (release) instead of twice (debug for xtask, then
 /// release for the binaries): 3 min 35 s to 4 min 1 s from nothing
-/// against about 5 min 20 s on a 2-core VM. The same arguments each time, because cargo unifies a
-/// dependency's features over the packages one run selects: a run with
-/// fewer packages would build some crates (nix, signal-hook) again.
+/// against about 5 min 20 s on a 2-core VM. The same arguments each
+/// time, because cargo unifies a dependency's features over the packages
+/// one run selects: a run with fewer packages would build some crates
+/// (nix, signal-hook) again.
 pub const BENCH_BUILD: &[&str] = &[
     "build",
     "--release",

@@ -14,7 +14,7 @@ use lb_tests::{
     lab::{Lab, LabSpec, Topology},
     lbd::Lbd,
 };
-use xtask_boot::{self as setup, is_root, run, workspace_root};
+use xtask_boot::{self as setup, is_root, run, target_dir, workspace_root};
 
 #[derive(Parser)]
 #[command(about = "Build, set up, demo and test the XDP load balancer")]
@@ -189,7 +189,7 @@ fn cargo() -> Command {
 
 /// Where `cargo build` (dev profile) puts binaries.
 fn bin_dir() -> PathBuf {
-    setup::target_dir().join("debug")
+    target_dir().join("debug")
 }
 
 fn build() -> anyhow::Result<()> {

@@ -25,7 +25,7 @@ use lb_tests::{
 };
 use serde_json::{Value, json};
 
-use crate::{cargo, run, workspace_root};
+use crate::{cargo, run, target_dir, workspace_root};
 
 mod fuzz;
 mod report;
@@ -61,7 +61,7 @@ pub(crate) struct Options {
 
 /// Where `cargo build --release` puts the binaries the bench runs.
 fn release_dir() -> PathBuf {
-    xtask_boot::target_dir().join("release")
+    target_dir().join("release")
 }
 
 fn out_dir() -> PathBuf {
