@@ -201,6 +201,9 @@ pub mod maps {
     pub const FLOW_COUNT: &str = "FLOW_COUNT";
     pub const FLOW_SEED: &str = "FLOW_SEED";
     pub const REPLY_HINT: &str = "REPLY_HINT";
+    pub const FLOW_CREDIT: &str = "FLOW_CREDIT";
+    pub const CONNS_CPU: &str = "CONNS_CPU";
+    pub const CONNS_SUM: &str = "CONNS_SUM";
 
     /// Maps that older builds pinned and this one has no use for: removed
     /// from the pin path once this build's program is attached: the
@@ -210,7 +213,7 @@ pub mod maps {
 
     /// Every map of the datapath; all of them live in bpffs under the pin
     /// path (aya-log's ring buffer and the read-only globals do not).
-    pub const ALL: [&str; 31] = [
+    pub const ALL: [&str; 34] = [
         VIPS,
         VIP_ADDRS,
         ADDR_FILTER,
@@ -242,6 +245,9 @@ pub mod maps {
         FLOW_COUNT,
         FLOW_SEED,
         REPLY_HINT,
+        FLOW_CREDIT,
+        CONNS_CPU,
+        CONNS_SUM,
     ];
 
     /// `a == b`, usable in a constant (the datapath's compile-time check).
@@ -398,8 +404,42 @@ pub mod counter {
 /// the selection tables' entries packed four to an element of `SELECT`
 /// ([`SelectWord`]); 7: the flow tables' slots in arrays of 30 KB held
 /// by an array of maps ([`FLOW_ARRAY_ELEMENTS`]), their sizes in
-/// `FLOW_SEED` beside the seed ([`FLOW_SEED_SLOTS`]).
-pub const LAYOUT_VERSION: u32 = 7;
+/// `FLOW_SEED` beside the seed ([`FLOW_SEED_SLOTS`]); 8: three maps
+/// more, for counts kept per CPU (`FLOW_CREDIT`: each CPU's share of
+/// `FLOW_COUNT`, see [`flow_credit_batch`]; `CONNS_CPU`: the connection
+/// counts of the flows marked [`FLOW_CONNS_CPU`]; `CONNS_SUM`: their sums,
+/// written by lbd for least-conn), and the mark. Everything layout 7
+/// pinned keeps its bytes and its meaning (an entry without the mark is
+/// counted in `CONNS`, as every layout-7 entry was), so lbd takes a
+/// layout-7 datapath up in place: it adopts the maps, creates the three
+/// new ones and writes 8.
+pub const LAYOUT_VERSION: u32 = 8;
+
+/// The last layout that lbd takes up in place, without a migration: its
+/// maps are this layout's but for the ones this layout added.
+pub const LAYOUT_IN_PLACE_FROM: u32 = 7;
+
+/// Room a CPU takes from the shared entry count (`FLOW_COUNT`) at a time,
+/// for a flow table that holds at most `limit` entries: its inserts then
+/// draw on that share (`FLOW_CREDIT`, per CPU) and write no shared word,
+/// where one shared atomic add per new flow moved the counter's cache line
+/// between CPUs on every new flow. What the CPUs hold unused counts as
+/// taken: the table may refuse a new flow with up to `batch - 1` entries
+/// free per other CPU. So the batch is a 4,096th of the limit, at most 64:
+/// at most 63 entries short per other CPU (0.02% of a 262,144-entry table
+/// on 2 CPUs, 1.5% on 64), and for a limit under 8,192 it is 1: every
+/// insert takes from the shared count, exact, as before layout 8.
+#[inline(always)]
+pub const fn flow_credit_batch(limit: u32) -> u64 {
+    let b = limit >> 12;
+    if b < 2 {
+        1
+    } else if b > 64 {
+        64
+    } else {
+        b as u64
+    }
+}
 
 /// Entries of `FLOW_SEED`: the slot hash's seed (0), and the slots of
 /// the IPv4 (1) and the IPv6 flow table (2), which an adopting lbd
@@ -581,11 +621,12 @@ pub struct Backend {
     pub _pad2: u32,
 }
 
-/// Active-flow accounting of one backend, in a global (not per-CPU) array
-/// updated with atomic adds by the datapath. Active flows =
-/// `opened - closed - expired`, where `expired` lives in a separate array
-/// written only by userspace (flows that ended without FIN/RST and timed
-/// out), so no counter ever has two kinds of writer.
+/// Active-flow accounting of one backend: in the shared `CONNS` (atomic
+/// adds) for flows without [`FLOW_CONNS_CPU`], in `CONNS_CPU` (each CPU's
+/// copy) for flows with it. Active flows = `opened - closed - expired`
+/// over both, where `expired` lives in a separate array written only by
+/// userspace (flows that ended without FIN/RST and timed out), so no
+/// counter ever has two kinds of writer.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Conns {
@@ -1351,6 +1392,17 @@ pub const FLOW_REOPENED: u64 = 32;
 /// SYN on a half-open copy for the copy's own, retransmitted: the older
 /// layouts kept no [`Flow::syn_seq`] to tell.
 pub const FLOW_COPY: u64 = 64;
+/// [`Flow::state`]: the flow's opening is counted in `CONNS_CPU` (this
+/// CPU's copy, a plain add), and so is its close, on whichever CPU sees
+/// it; without it, in the shared `CONNS` (atomic adds). Set when the
+/// entry is made, for every service but the least-conn and least-time
+/// ones, whose scheduler reads each candidate's count on every new flow
+/// and so needs one word that is always up to date; kept by every later
+/// change of the state (a reopen, a reset taken back), so a flow's close
+/// always comes off the count its opening went to. Entries of layout 7
+/// and copies of older layouts' flows have it clear: they were counted in
+/// `CONNS`.
+pub const FLOW_CONNS_CPU: u64 = 128;
 
 /// A TCP flow is closed once either side reset it or both sides sent a FIN.
 /// A new SYN on a closed flow's 5-tuple is a new connection and is scheduled
@@ -1462,6 +1514,23 @@ mod tests {
     use core::mem::{align_of, size_of};
 
     use super::*;
+
+    /// A CPU's share of a flow table's room: exact (1) for small tables,
+    /// a 4,096th of the limit above, never more than 64; the room the
+    /// other CPUs may hold unused stays a small part of the table.
+    #[test]
+    fn the_flow_credit_batch_is_a_small_part_of_the_table() {
+        assert_eq!(flow_credit_batch(0), 1);
+        assert_eq!(flow_credit_batch(32), 1);
+        assert_eq!(flow_credit_batch(8_191), 1);
+        assert_eq!(flow_credit_batch(8_192), 2);
+        assert_eq!(flow_credit_batch(262_144), 64);
+        assert_eq!(flow_credit_batch(u32::MAX), 64);
+        for limit in [8_192u32, 65_536, 262_144, 1_000_000, 16_777_216] {
+            let held = (flow_credit_batch(limit) - 1) * 63;
+            assert!(held * 64 <= u64::from(limit), "{limit}: 64 CPUs may hold {held} entries unused");
+        }
+    }
 
     /// The address filter tells addresses apart: none of a /16 share a
     /// bit, and 4,096 addresses spread over the whole space (a fixed

@@ -36,8 +36,9 @@ use forward::Hop;
 use forward::Way;
 use lb_common::{
     BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, DIR_RETIRED, EndpointKey,
-    FLOW_COPY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED, FLOW_RST, Flow,
-    FlowKey, HOLD_NEW, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit, counter, flow_closed,
+    FLOW_CONNS_CPU, FLOW_COPY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED,
+    FLOW_RST, Flow, FlowKey, HOLD_NEW, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit,
+    counter, flow_closed,
 };
 use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, REPLY_HINT, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
@@ -310,7 +311,7 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     // retransmission, reaches a live backend, which resets it fast).
     let down = backend_down(nat.backend_id);
     if down && !flow_closed(state) {
-        stats::flow_closed(nat.backend_id);
+        stats::flow_closed(nat.backend_id, state);
     }
     // A SYN on it is a new connection, unless it retransmits the entry's
     // own (`resumed`).
@@ -466,7 +467,7 @@ pub(crate) fn track_close(state: *mut u64, backend_id: u32, tcp_flags: u8, proto
     // SAFETY: a valid, aligned u64 inside a map value.
     let old = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(state, bit) };
     if !flow_closed(old) && flow_closed(old | bit) {
-        stats::flow_closed(backend_id);
+        stats::flow_closed(backend_id, old);
     }
 }
 
@@ -495,10 +496,12 @@ pub(crate) fn resumed(state: *mut u64, seen: u64, dir: u8, syn_seq: u8, seq: u8,
     // Compare-and-swap: when another CPU changed the state since it was
     // read (the same SYN twice at once), that CPU took the entry up.
     // SAFETY: a valid, aligned u64 inside a map value.
-    let (_, won) =
-        unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(state, seen, 0) };
+    // The state starts over but for the count its opening goes to.
+    let (_, won) = unsafe {
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(state, seen, seen & FLOW_CONNS_CPU)
+    };
     if won {
-        stats::flow_opened(backend_id);
+        stats::flow_opened(backend_id, seen);
     }
     true
 }
@@ -566,12 +569,16 @@ pub(crate) fn syn_on_open(state: *mut u64, seen: u64, syn_seq: *mut u8, seq: u8,
 fn renew(state: *mut u64, seen: u64, backend_id: u32) -> bool {
     // SAFETY: a valid, aligned u64 inside a map value.
     let (_, won) = unsafe {
-        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(state, seen, seen & FLOW_REOPENED)
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+            state,
+            seen,
+            seen & (FLOW_REOPENED | FLOW_CONNS_CPU),
+        )
     };
     if won {
-        stats::flow_closed(backend_id);
+        stats::flow_closed(backend_id, seen);
         stats::new_flow(backend_id);
-        stats::flow_opened(backend_id);
+        stats::flow_opened(backend_id, seen);
     }
     won
 }
@@ -590,13 +597,13 @@ pub(crate) fn reopen(state: *mut u64, backend_id: u32) {
     // is neither established nor reopened for a few instructions: a sweep
     // that judged it then finds it changed and leaves it.
     // SAFETY: a valid, aligned u64 inside a map value.
-    let old = unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(state, FLOW_REPLIED) };
+    let old = unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(state, FLOW_REPLIED | FLOW_CONNS_CPU) };
     set_state(state, FLOW_REOPENED);
     if !flow_closed(old) {
-        stats::flow_closed(backend_id);
+        stats::flow_closed(backend_id, old);
     }
     stats::new_flow(backend_id);
-    stats::flow_opened(backend_id);
+    stats::flow_opened(backend_id, old);
 }
 
 /// A migration is copying the old datapath's last flows (`Flood::hold_until`).
@@ -790,7 +797,7 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
     let Some(backend) = (if id == BACKEND_NONE { None } else { BACKENDS.get(id) }) else {
         return Insert::NoBackend;
     };
-    let state = opening_state(pkt.proto, pkt.tcp_flags);
+    let state = opening_state(pkt.proto, pkt.tcp_flags) | stats::conns_class(svc.scheduler);
     // One buffer for both entries, in this CPU's scratch slot rather than
     // on the stack (56 bytes the 512-byte stack has no room for).
     let Some(e) = SCRATCH.get_ptr_mut(0) else {
@@ -853,9 +860,9 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
     if pkt.proto != PROTO_TCP || is_syn(pkt) {
         stats::new_flow(id);
     }
-    stats::flow_opened(id);
+    stats::flow_opened(id, state);
     if flow_closed(state) {
-        stats::flow_closed(id);
+        stats::flow_closed(id, state);
     }
     Insert::Done(Nat { backend_id: id, addr: backend.addr, port: backend.port })
 }

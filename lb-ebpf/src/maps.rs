@@ -74,6 +74,15 @@ pub(crate) type FlowTable<B, const N: usize> = ArrayOfMaps<btf_maps::Array<B, N>
 #[map]
 pub(crate) static FLOW_COUNT: Array<u64> = Array::with_max_entries(2, 0);
 
+/// Room for entries (0: IPv4, 1: IPv6) this CPU took from `FLOW_COUNT`
+/// and has not used yet (`lb_common::flow_credit_batch`): counted there as
+/// taken, so that the limit still holds. Only an XDP run on a packet
+/// uses it (`table::Count::take`): the sweeper, run by lbd through
+/// BPF_PROG_TEST_RUN, may be interrupted by a packet on its CPU between
+/// two instructions, so its inserts and removals go to `FLOW_COUNT` itself.
+#[map]
+pub(crate) static FLOW_CREDIT: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+
 /// Entries the IPv4 flow table may hold (`conntrack_max`), set by lbd when
 /// it loads the program (read-only data, as the masks).
 #[unsafe(no_mangle)]
@@ -156,10 +165,25 @@ pub(crate) static BACKEND_STATS: PerCpuArray<BackendStats> = PerCpuArray::with_m
 #[map]
 pub(crate) static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
 
-/// Per-backend opened/closed flow counts (global, atomic adds), for
-/// least-connections scheduling and the active-flows figure.
+/// Per-backend opened/closed flow counts (global, atomic adds) of the
+/// flows without `FLOW_CONNS_CPU`: the least-conn and least-time
+/// services' (their schedulers read them on every new flow), and flows
+/// made before layout 8. With `CONNS_CPU`, the active-flows figure.
 #[map]
 pub(crate) static CONNS: Array<Conns> = Array::with_max_entries(MAX_BACKENDS, 0);
+
+/// Per-backend opened/closed flow counts of the flows marked
+/// `FLOW_CONNS_CPU`, per CPU: a new flow's opening writes only its own
+/// CPU's line. lbd sums them (the active-flows figure, and `CONNS_SUM`).
+#[map]
+pub(crate) static CONNS_CPU: PerCpuArray<Conns> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// `CONNS_CPU` summed over the CPUs, per backend, written by lbd once a
+/// second: what least-conn adds to a candidate's `CONNS` for its flows
+/// counted per CPU (a service that became least-conn, or a backend
+/// endpoint another service shares), a second late at most.
+#[map]
+pub(crate) static CONNS_SUM: Array<Conns> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// Per-backend count of flows that expired idle, written only by userspace.
 #[map]
@@ -327,4 +351,7 @@ const _: () = assert!(lb_common::maps::same(lb_common::maps::CLOCK, stringify!(C
 const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOW_COUNT, stringify!(FLOW_COUNT)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOW_SEED, stringify!(FLOW_SEED)));
 const _: () = assert!(lb_common::maps::same(lb_common::maps::REPLY_HINT, stringify!(REPLY_HINT)));
-const _: () = assert!(lb_common::maps::ALL.len() == 31);
+const _: () = assert!(lb_common::maps::same(lb_common::maps::FLOW_CREDIT, stringify!(FLOW_CREDIT)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::CONNS_CPU, stringify!(CONNS_CPU)));
+const _: () = assert!(lb_common::maps::same(lb_common::maps::CONNS_SUM, stringify!(CONNS_SUM)));
+const _: () = assert!(lb_common::maps::ALL.len() == 34);

@@ -84,7 +84,7 @@ impl Item for SweepItem {
     fn slot_of(key: &FlowKey) -> u32 {
         table::lb_flow_slot(key)
     }
-    const COUNT: table::Count = table::Count::V4;
+    const COUNT: table::Count = table::Count::V4Shared;
 }
 
 impl Item for SweepItem6 {
@@ -104,7 +104,7 @@ impl Item for SweepItem6 {
     fn slot_of(key: &FlowKey6) -> u32 {
         table::lb_flow_slot6(key)
     }
-    const COUNT: table::Count = table::Count::V6;
+    const COUNT: table::Count = table::Count::V6Shared;
 }
 
 fn try_sweep(ctx: &XdpContext) -> Option<()> {
@@ -167,7 +167,7 @@ impl Insert for InsertItem {
     type Key = FlowKey;
     type Value = Flow;
     fn put(key: *const FlowKey, value: *const Flow, replace: u32) -> u32 {
-        table::lb_put_flow(key, value, replace, table::NO_SLOT)
+        table::lb_put_flow(key, value, replace | table::PUT_SWEPT, table::NO_SLOT)
     }
     fn parts(item: *mut Self) -> (*const FlowKey, *mut Flow, *mut u32, u32) {
         // SAFETY: the fields' addresses are taken, and the item (inside
@@ -190,7 +190,7 @@ impl Insert for InsertItem6 {
     type Key = FlowKey6;
     type Value = Flow6;
     fn put(key: *const FlowKey6, value: *const Flow6, replace: u32) -> u32 {
-        table::lb_put_flow6(key, value, replace, table::NO_SLOT)
+        table::lb_put_flow6(key, value, replace | table::PUT_SWEPT, table::NO_SLOT)
     }
     fn parts(item: *mut Self) -> (*const FlowKey6, *mut Flow6, *mut u32, u32) {
         // SAFETY: as for `InsertItem`.
@@ -276,7 +276,7 @@ fn merge_into(live: &Live, old: &OldView, now: u64) -> u32 {
         // Closed by halves the two programs saw apart (neither counted
         // it); a close the old program saw whole it counted.
         if !flow_closed(old.state) && !flow_closed(before) && flow_closed(before | add) {
-            stats::flow_closed(old.backend_id);
+            stats::flow_closed_swept(old.backend_id, before);
         }
         merged = true;
     }
@@ -323,10 +323,10 @@ fn replace<I: Insert>(
         return INSERT_EXISTS;
     }
     if !flow_closed(copied) && flow_closed(now) {
-        stats::close_taken_back(live.backend_id);
+        stats::close_taken_back(live.backend_id, now);
     }
     if !flow_closed(view.state) && flow_closed(state) {
-        stats::flow_closed(view.backend_id);
+        stats::flow_closed_swept(view.backend_id, state);
     }
     INSERT_REPLACED
 }

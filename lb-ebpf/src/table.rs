@@ -54,12 +54,12 @@ use core::{
 
 use lb_common::{
     Flow, Flow6, FlowKey, FlowKey6, SLOT_BUCKET, SLOT_BUSY, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG,
-    SLOT_TOMB, Slot, SlotKey,
+    SLOT_TOMB, Slot, SlotKey, flow_credit_batch,
 };
 
 use crate::maps::{
-    FLOW_COUNT, FLOW_SLOTS, FLOW_SLOTS6, FlowTable, SCRATCH, SCRATCH6, flow_limit, flow_limit6, flow_mask, flow_mask6,
-    flow_seed,
+    FLOW_COUNT, FLOW_CREDIT, FLOW_SLOTS, FLOW_SLOTS6, FlowTable, SCRATCH, SCRATCH6, flow_limit, flow_limit6, flow_mask,
+    flow_mask6, flow_seed,
 };
 
 /// Reads of a claim a writer holds (`SLOT_BUSY`) before an insert gives
@@ -219,32 +219,89 @@ pub(crate) unsafe fn copy_words<T, W: Copy>(dst: *mut T, src: *const T) {
 }
 
 /// A flow table's entry count (`FLOW_COUNT`) and its limit
-/// (`conntrack_max`, `conntrack_max_ipv6`).
+/// (`conntrack_max`, `conntrack_max_ipv6`), as a packet's XDP run uses
+/// them (`V4`, `V6`: with this CPU's share, `FLOW_CREDIT`), or the shared
+/// count only (`V4Shared`, `V6Shared`): the sweeper's (see `FLOW_CREDIT`
+/// on why), and a packet's taking back of the reply entry it has just
+/// made (rare, and in a frame with no room for the share's logic: the
+/// balancer's deepest chain of calls is at the verifier's 512 bytes).
 #[derive(Clone, Copy)]
 pub(crate) enum Count {
     V4,
     V6,
+    V4Shared,
+    V6Shared,
 }
 
 impl Count {
+    /// The table's index in `FLOW_COUNT` and `FLOW_CREDIT`.
+    #[inline(always)]
+    fn index(self) -> u32 {
+        match self {
+            Self::V4 | Self::V4Shared => 0,
+            Self::V6 | Self::V6Shared => 1,
+        }
+    }
+
     #[inline(always)]
     fn word(self) -> Option<*mut u64> {
-        FLOW_COUNT.get_ptr_mut(self as u32)
+        FLOW_COUNT.get_ptr_mut(self.index())
+    }
+
+    /// This CPU's share of the count, for a packet's XDP run (None for
+    /// the sweeper's).
+    #[inline(always)]
+    fn credit(self) -> Option<*mut u64> {
+        match self {
+            Self::V4 | Self::V6 => FLOW_CREDIT.get_ptr_mut(self.index()),
+            Self::V4Shared | Self::V6Shared => None,
+        }
+    }
+
+    #[inline(always)]
+    fn limit(self) -> u64 {
+        u64::from(match self {
+            Self::V4 | Self::V4Shared => flow_limit(),
+            Self::V6 | Self::V6Shared => flow_limit6(),
+        })
     }
 
     /// Room for one more entry, taken; false when the table holds its
-    /// limit. (One shared count: an atomic add per new entry, exact under
-    /// any number of CPUs inserting at once.)
+    /// limit. A packet's run takes it from this CPU's share, and when that
+    /// is used up, takes a new share from the shared count (one atomic add
+    /// for `flow_credit_batch` entries); when no whole share is left, or
+    /// for the sweeper, one entry's room from the shared count, which
+    /// stays exact under any number of CPUs inserting at once.
     #[inline(always)]
     pub(crate) fn take(self) -> bool {
         let Some(w) = self.word() else { return false };
+        let limit = self.limit();
+        if let Some(c) = self.credit() {
+            // SAFETY: this CPU's slot of a per-CPU map; only packets' runs
+            // use it, and one does not interrupt another on its CPU. Plain
+            // loads and stores.
+            unsafe {
+                if *c > 0 {
+                    *c -= 1;
+                    return true;
+                }
+            }
+            let batch = flow_credit_batch(limit as u32);
+            if batch > 1 {
+                // SAFETY: a valid, aligned u64 of a map value; atomic RMW.
+                let before = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(w, batch) };
+                if before + batch <= limit {
+                    // SAFETY: as above.
+                    unsafe { *c = batch - 1 };
+                    return true;
+                }
+                // SAFETY: as above.
+                unsafe { atomic_xsub::<u64, u64, { AtomicOrdering::SeqCst }>(w, batch) };
+            }
+        }
         // SAFETY: a valid, aligned u64 of a map value; atomic RMW only.
         let before = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(w, 1) };
-        let limit = match self {
-            Self::V4 => flow_limit(),
-            Self::V6 => flow_limit6(),
-        };
-        if before < u64::from(limit) {
+        if before < limit {
             return true;
         }
         // SAFETY: as above.
@@ -252,9 +309,20 @@ impl Count {
         false
     }
 
-    /// Room for one entry given back (an entry removed, or a claim lost).
+    /// Room for one entry given back (an entry removed, or a claim lost):
+    /// to this CPU's share on a packet's run, while it holds less than a
+    /// whole one, else to the shared count.
     #[inline(always)]
     pub(crate) fn give_back(self) {
+        if let Some(c) = self.credit() {
+            // SAFETY: as in `take`.
+            unsafe {
+                if *c + 1 < flow_credit_batch(self.limit() as u32) {
+                    *c += 1;
+                    return;
+                }
+            }
+        }
         if let Some(w) = self.word() {
             // SAFETY: as in `take`.
             unsafe { atomic_xsub::<u64, u64, { AtomicOrdering::SeqCst }>(w, 1) };
@@ -653,8 +721,8 @@ pub(crate) fn remove_if<K: SlotKey, V>(
     }
     count.give_back();
     match count {
-        Count::V4 => lb_clear_removed(at),
-        Count::V6 => lb_clear_removed6(at),
+        Count::V4 | Count::V4Shared => lb_clear_removed(at),
+        Count::V6 | Count::V6Shared => lb_clear_removed6(at),
     };
     true
 }
@@ -907,7 +975,7 @@ fn reply_first<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: &mut
 pub(crate) extern "C" fn lb_take_back(key: *const FlowKey) -> u32 {
     // SAFETY: as in `lb_flow_slot`.
     let Some(key) = (unsafe { key.as_ref() }) else { return 0 };
-    take_back(&FLOW_SLOTS, flow_mask(), Count::V4, key)
+    take_back(&FLOW_SLOTS, flow_mask(), Count::V4Shared, key)
 }
 
 /// [`lb_take_back`] for IPv6.
@@ -916,7 +984,7 @@ pub(crate) extern "C" fn lb_take_back(key: *const FlowKey) -> u32 {
 pub(crate) extern "C" fn lb_take_back6(key: *const FlowKey6) -> u32 {
     // SAFETY: as in `lb_flow_slot`.
     let Some(key) = (unsafe { key.as_ref() }) else { return 0 };
-    take_back(&FLOW_SLOTS6, flow_mask6(), Count::V6, key)
+    take_back(&FLOW_SLOTS6, flow_mask6(), Count::V6Shared, key)
 }
 
 /// [`lb_take_back`]'s work for either table.
@@ -939,9 +1007,11 @@ pub(crate) extern "C" fn lb_flow_slot6(key: *const FlowKey6) -> u32 {
 }
 
 /// [`put_flow`]'s global function: `value` inserted as `key`'s entry,
-/// or, with `replace` set, put in place of the one `key` has; `hint`: a
-/// lookup's answer for `key` (`NO_SLOT`: none). Answers what `put` did as
-/// a number (`Put as u32`).
+/// or, with `replace` ([`PUT_REPLACE`]) set, put in place of the one
+/// `key` has; with [`PUT_SWEPT`] set too, for the sweeper (its room taken
+/// from the shared count only: see `Count`). `hint`: a lookup's answer
+/// for `key` (`NO_SLOT`: none). Answers what `put` did as a number (`Put
+/// as u32`).
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub(crate) extern "C" fn lb_put_flow(key: *const FlowKey, value: *const Flow, replace: u32, hint: u32) -> u32 {
@@ -950,7 +1020,8 @@ pub(crate) extern "C" fn lb_put_flow(key: *const FlowKey, value: *const Flow, re
     if value.is_null() {
         return Put::Full as u32;
     }
-    put(&FLOW_SLOTS, flow_mask, Count::V4, key, || Some(value), replace != 0, hint) as u32
+    let count = if replace & PUT_SWEPT != 0 { Count::V4Shared } else { Count::V4 };
+    put(&FLOW_SLOTS, flow_mask, count, key, || Some(value), replace & PUT_REPLACE != 0, hint) as u32
 }
 
 /// [`put_flow6`]'s global function (as `lb_put_flow`).
@@ -962,5 +1033,11 @@ pub(crate) extern "C" fn lb_put_flow6(key: *const FlowKey6, value: *const Flow6,
     if value.is_null() {
         return Put::Full as u32;
     }
-    put(&FLOW_SLOTS6, flow_mask6, Count::V6, key, || Some(value), replace != 0, hint) as u32
+    let count = if replace & PUT_SWEPT != 0 { Count::V6Shared } else { Count::V6 };
+    put(&FLOW_SLOTS6, flow_mask6, count, key, || Some(value), replace & PUT_REPLACE != 0, hint) as u32
 }
+
+/// [`lb_put_flow`]'s `replace` flags: the entry `key` has is replaced ...
+pub(crate) const PUT_REPLACE: u32 = 1;
+/// ... and the insert is the sweeper's.
+pub(crate) const PUT_SWEPT: u32 = 2;

@@ -581,7 +581,7 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
     let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
     let down = backend_down(nat.backend_id);
     if down && !flow_closed(state) {
-        stats::flow_closed(nat.backend_id);
+        stats::flow_closed(nat.backend_id, state);
     }
     if down || (pkt.is_syn() && flow_closed(state)) {
         return None;
@@ -692,15 +692,16 @@ fn plan_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> u32 {
 #[inline(never)]
 fn settle_flow(pkt: &Packet6, k: *mut Keys6, inserted: bool) -> u32 {
     // SAFETY: this CPU's scratch slots; plain loads.
-    let (id, reply_entry) = unsafe { ((*k).nat.backend_id, (*k).svc.flags & SVC_F_REPLY_ENTRY != 0) };
+    let (id, reply_entry, scheduler) =
+        unsafe { ((*k).nat.backend_id, (*k).svc.flags & SVC_F_REPLY_ENTRY != 0, (*k).svc.scheduler) };
     if inserted {
-        let state = opening_state(pkt.proto, pkt.tcp_flags);
+        let state = opening_state(pkt.proto, pkt.tcp_flags) | stats::conns_class(scheduler);
         if pkt.proto != PROTO_TCP || pkt.is_syn() {
             stats::new_flow(id);
         }
-        stats::flow_opened(id);
+        stats::flow_opened(id, state);
         if flow_closed(state) {
-            stats::flow_closed(id);
+            stats::flow_closed(id, state);
         }
         return PLAN_NAT;
     }
@@ -837,7 +838,7 @@ fn forward_entry(pkt: &Packet6, k: *mut Keys6, dir: u8, now: u64) {
         copy_addr6(&raw mut (*e).nat_addr, &raw const (*k).nat.addr);
         (*e).nat_port = (*k).nat.port;
         (*e).dir = dir;
-        (*e).state = opening_state(pkt.proto, pkt.tcp_flags);
+        (*e).state = opening_state(pkt.proto, pkt.tcp_flags) | stats::conns_class((*k).svc.scheduler);
         (*e).last_seen = now;
     }
 }

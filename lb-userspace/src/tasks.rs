@@ -52,6 +52,9 @@ pub trait Driven: Send + 'static {
     fn refresh_devices(&mut self) -> Result<bool, String>;
     /// The IPv4 backend addresses whose routes [`watch_routes`] checks.
     fn ipv4_backends(&self) -> Vec<Ipv4Addr>;
+    /// Sum each backend's connection counts kept per CPU where least-conn
+    /// reads them (`Dataplane::sum_conns`).
+    fn sum_conns(&mut self) -> Result<(), String>;
     /// A sweep of the flow tables under way.
     type Sweep: Send + 'static;
     /// Begin expiring idle flows.
@@ -75,6 +78,9 @@ impl Driven for Agent {
     }
     fn refresh_devices(&mut self) -> Result<bool, String> {
         self.dp.refresh_paths().map_err(|e| e.to_string())
+    }
+    fn sum_conns(&mut self) -> Result<(), String> {
+        self.dp.sum_conns().map_err(|e| e.to_string())
     }
     fn ipv4_backends(&self) -> Vec<Ipv4Addr> {
         Self::ipv4_backends(self)
@@ -101,6 +107,8 @@ pub struct Periods {
     pub routes: Duration,
     /// Expiring idle flows.
     pub sweep: Duration,
+    /// Summing the connection counts kept per CPU for least-conn.
+    pub conns: Duration,
 }
 
 impl Default for Periods {
@@ -111,6 +119,7 @@ impl Default for Periods {
             devices: Duration::from_secs(1),
             routes: Duration::from_secs(5),
             sweep: Duration::from_secs(5),
+            conns: Duration::from_secs(1),
         }
     }
 }
@@ -131,6 +140,7 @@ impl Tasks {
             tokio::spawn(watch_devices(state.clone(), periods.devices)),
             tokio::spawn(watch_routes(state.clone(), periods.routes)),
             tokio::spawn(sweep_flows(state.clone(), periods.sweep)),
+            tokio::spawn(sum_conns(state.clone(), periods.conns)),
         ])
     }
 
@@ -342,6 +352,18 @@ async fn watch_devices<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
         tick.tick().await;
         if let Some(Err(e)) = locked(&state, D::refresh_devices).await {
             warn!(error = %e, "re-reading the network devices failed");
+        }
+    }
+}
+
+/// Every period, [`Driven::sum_conns`]: least-conn sees a backend's flows
+/// counted per CPU (`lb_common::FLOW_CONNS_CPU`) that much late at most.
+async fn sum_conns<D: Driven>(state: Arc<Mutex<D>>, period: Duration) {
+    let mut tick = interval(period);
+    loop {
+        tick.tick().await;
+        if let Some(Err(e)) = locked(&state, D::sum_conns).await {
+            warn!(error = %e, "summing the per-CPU connection counts failed");
         }
     }
 }
@@ -601,6 +623,9 @@ mod tests {
         fn ipv4_backends(&self) -> Vec<Ipv4Addr> {
             Vec::new()
         }
+        fn sum_conns(&mut self) -> Result<(), String> {
+            Ok(())
+        }
         type Sweep = u32;
         fn sweep_begin(&mut self) -> u32 {
             let parts = self.sweep_parts.max(1);
@@ -624,7 +649,7 @@ mod tests {
 
     fn fast() -> Periods {
         let p = Duration::from_millis(20);
-        Periods { supervise: p, slow_start: p, devices: p, routes: p, sweep: p }
+        Periods { supervise: p, slow_start: p, devices: p, routes: p, sweep: p, conns: p }
     }
 
     /// A TCP probe every `interval_ms`, given a second to answer: the

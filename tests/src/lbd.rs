@@ -455,6 +455,34 @@ pub fn pinned_words(maps: &Path, name: &str) -> Vec<u64> {
     entries.iter().map(|e| word(name, &e["value"])).collect()
 }
 
+/// The connection counts (`lb_common::Conns`: opened, closed) the array
+/// `name` pinned in `maps` holds, summed over its entries and, for a
+/// per-CPU array, over every CPU's copy.
+pub fn pinned_conns(maps: &Path, name: &str) -> (u64, u64) {
+    let out =
+        Command::new("bpftool").args(["-j", "map", "dump", "pinned"]).arg(maps.join(name)).output().expect("bpftool");
+    assert!(out.status.success(), "bpftool map dump {name}: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
+    let entries = v.as_array().unwrap_or_else(|| panic!("{name} dump: {v}"));
+    let values = entries.iter().flat_map(|e| match e["values"].as_array() {
+        Some(per_cpu) => per_cpu.iter().map(|c| &c["value"]).collect::<Vec<_>>(),
+        None => vec![&e["value"]],
+    });
+    let mut sum = (0, 0);
+    for value in values {
+        let bytes: Vec<u8> = value
+            .as_array()
+            .unwrap_or_else(|| panic!("{name} dump: {value}"))
+            .iter()
+            .map(|b| u8::from_str_radix(b.as_str().expect("hex byte").trim_start_matches("0x"), 16).expect("hex byte"))
+            .collect();
+        assert_eq!(bytes.len(), 16, "{name} value of {bytes:?}");
+        sum.0 += u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+        sum.1 += u64::from_le_bytes(bytes[8..].try_into().expect("8 bytes"));
+    }
+    sum
+}
+
 /// The name of each array the pinned array of maps `name` holds (by
 /// `bpftool map show`), in the order of its entries; entries without one
 /// are not listed.

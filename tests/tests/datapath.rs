@@ -1353,15 +1353,19 @@ fn close(fx: &Fixture, cport: u16, b: Ipv4Addr) {
 
 /// A migration's first copy of the flows on `ports`, as lbd makes it: the
 /// entries this datapath made stand in for the old program's, and are put
-/// back as the first copy inserts them, marked `FLOW_COPY`. Returns the
-/// flows as the old program had them, which the late copy's `copied`
-/// record keeps.
+/// back as the first copy inserts them, marked `FLOW_COPY`, and without
+/// the mark of a flow counted per CPU (`FLOW_CONNS_CPU`): every layout a
+/// migration copies from counted its flows in `CONNS`. (lbd's active
+/// counts add both kinds, so the flows opened here per CPU and closed as
+/// copies still sum to none.) Returns the flows as the old program had
+/// them, which the late copy's `copied` record keeps.
 fn first_copy(fx: &Fixture, ports: impl IntoIterator<Item = u16>) -> std::collections::HashMap<u16, lb_common::Flow> {
     let mut copies = std::collections::HashMap::new();
     for p in ports {
         let f = fx.dp.flow(&key4(p)).unwrap().expect("an entry");
         let removed = fx.dp.remove_unchanged(&[sweep_item(fx, key4(p), &f)]).unwrap();
         assert_eq!(removed[0].removed, 1, "{p}");
+        let f = lb_common::Flow { state: f.state & !lb_common::FLOW_CONNS_CPU, ..f };
         let copy = lb_common::Flow { state: f.state | lb_common::FLOW_COPY, ..f };
         assert_eq!(fx.dp.insert_flows(&[(key4(p), copy)]).unwrap().inserted, 1, "{p}");
         copies.insert(p, f);
@@ -1827,7 +1831,13 @@ fn a_late_copy_leaves_a_later_connection_the_new_program_saw_whole() {
         close(&fx, 48_000, later);
         assert_eq!(total(&fx), before + 1);
         let live = entry(48_000);
-        assert_eq!(live.state, FLOW_REPLIED | EST | CLOSED, "the later connection's, unmarked");
+        // Unmarked (no `FLOW_COPY`), and counted per CPU, as this
+        // datapath counts a round-robin service's new flows.
+        assert_eq!(
+            live.state,
+            FLOW_REPLIED | EST | CLOSED | lb_common::FLOW_CONNS_CPU,
+            "the later connection's, unmarked"
+        );
         // The old program's view of the tuple: a connection of its own
         // after the copy's, half-open, on another backend than the later
         // connection's.

@@ -20,7 +20,7 @@ use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
     lab::{Lab, LabSpec},
     lbd::{
-        Lbd, kill_once_pinned, pinned_layout, pinned_seed, wait_for, write_config, write_config_with,
+        Lbd, kill_once_pinned, pinned_conns, pinned_layout, pinned_seed, wait_for, write_config, write_config_with,
         xdp_program_in_use,
     },
 };
@@ -58,6 +58,12 @@ fn v5_lbd(lab: &Lab) -> PathBuf {
 /// xtask test` built it.
 fn v6_lbd(lab: &Lab) -> PathBuf {
     release_lbd(lab, "LB_UPGRADE_FROM_V6_LBD", "upgrade-from-v6", "the layout-6 release's")
+}
+
+/// The layout-7 release's lbd (before the counts kept per CPU): where
+/// `cargo xtask test` built it.
+fn v7_lbd(lab: &Lab) -> PathBuf {
+    release_lbd(lab, "LB_UPGRADE_FROM_V7_LBD", "upgrade-from-v7", "the layout-7 release's")
 }
 
 /// An older release's lbd, which `cargo xtask test` builds into
@@ -486,6 +492,83 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     emptied_then_stopped(&lab, &mut lbd, &bin);
 }
 
+/// The maps layout 8 added to layout 7's (`dataplane::layout::ADDED`).
+const ADDED_IN_8: [&str; 3] = ["FLOW_CREDIT", "CONNS_CPU", "CONNS_SUM"];
+
+#[test]
+fn an_upgrade_from_layout_7_takes_its_maps_up_in_place_and_counts_per_cpu_from_then_on() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-upgrade7";
+    // `alt` schedules by least connections: its flows stay counted in the
+    // shared counts, `web`'s (round robin) go to the per-CPU ones.
+    let services = web_and_alt("least-conn");
+    let Staged { lab, lbd, sock, config, bin, exe, maps } = start_release_with(prefix, v7_lbd, &services);
+    assert_eq!(pinned_layout(&maps), 7, "not the layout-7 release");
+    for name in ADDED_IN_8 {
+        assert!(!maps.join(name).exists(), "the layout-7 release pinned {name}");
+    }
+    lab.reset_backend_counts().unwrap();
+
+    // A take-up that cannot attach everywhere (a bridge in forced native
+    // mode) is undone: the pinned datapath says layout 7 again, the maps
+    // it added go, and the old lbd adopts its datapath as it was.
+    let before = lbd.program_id().unwrap();
+    let mut lbd = lbd;
+    lbd.kill().unwrap();
+    let bridge = "lbtbr7";
+    lab.ip("gw", &["link", "add", bridge, "type", "bridge"]).unwrap();
+    lab.ip("gw", &["link", "set", bridge, "up"]).unwrap();
+    let bad = write_config_with(
+        &config_dir(prefix),
+        "bad",
+        &sock,
+        &["eth0".into(), "eth1".into(), bridge.into()],
+        "conntrack_max: 262144\nxdp_mode: native\n",
+        &services,
+    )
+    .unwrap();
+    let err = Lbd::start_binary(&lab, &lab.spec.bin_dir.join("lbd"), &bad, &sock)
+        .err()
+        .expect("the new lbd started with a bridge in forced native mode");
+    let text = format!("{err:#}");
+    assert!(text.contains("taking it up in place"), "{text}");
+    assert!(text.contains("the take-up of the pinned datapath was undone"), "{text}");
+    assert_eq!(pinned_layout(&maps), 7, "the undone take-up left its layout version");
+    for name in ADDED_IN_8 {
+        assert!(!maps.join(name).exists(), "the undone take-up left {name} pinned");
+    }
+    for iface in ["eth0", "eth1"] {
+        assert_eq!(xdp_program_in_use(&lab, iface), before, "the failed take-up replaced the old program on {iface}");
+    }
+    let mut lbd = Lbd::start_binary(&lab, &exe, &config, &sock).unwrap();
+    assert!(lbd.log_text().contains("adopted the pinned datapath"), "{}", lbd.log_text());
+    let old_program = lbd.program_id().unwrap();
+
+    // The take-up under load: nothing fails, no live connection moves,
+    // every count carries on (the upgrade's own checks), and then every
+    // backend's active count returns to 0 as the connections close,
+    // whichever program counted their opening and their close.
+    upgrade_under_load_as(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:81", false);
+    let log = lbd.log_text();
+    assert!(log.contains("taking it up in place"), "{log}");
+    assert!(!log.contains("migrating the pinned"), "{log}");
+    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
+    for name in ADDED_IN_8 {
+        assert!(maps.join(name).exists(), "{name} was not pinned");
+    }
+    let counts = lab.connections_served().unwrap();
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
+    // From the take-up on, `web`'s new flows were counted per CPU, `alt`'s
+    // in the shared counts (which also hold what the old program counted).
+    let (per_cpu, shared) = (pinned_conns(&maps, "CONNS_CPU"), pinned_conns(&maps, "CONNS"));
+    println!("connection counts (opened, closed): per CPU {per_cpu:?}, shared {shared:?}");
+    assert!(per_cpu.0 > 0, "no flow was counted per CPU: {per_cpu:?}");
+    assert!(shared.0 > 0, "no flow was counted in the shared counts: {shared:?}");
+    emptied_then_stopped(&lab, &mut lbd, &bin);
+}
+
 /// Once every connection has closed, the table empties (its entries go
 /// after the closed-flow linger, 10 s, at the next sweep, every 5 s);
 /// `alt` still serves; a SIGTERM stops lbd and leaves no pins; the staged
@@ -563,6 +646,21 @@ impl Drop for StopLoads<'_> {
 /// does (README, "Shared endpoints"), and that is not what an upgrade test
 /// is about.
 fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_program: u64, long_target: &str) {
+    upgrade_under_load_as(lab, lbd, bin, exe, old_program, long_target, true);
+}
+
+/// [`upgrade_under_load`], where `migrating` says whether the new build
+/// migrates the maps (copies the flows, first and late) or takes them up
+/// in place (nothing to copy: the checks of the late copy are left out).
+fn upgrade_under_load_as(
+    lab: &Lab,
+    lbd: &mut Lbd,
+    bin: &Path,
+    exe: &Path,
+    old_program: u64,
+    long_target: &str,
+    migrating: bool,
+) {
     let stop = bin.join("load-stop");
     // Left by an earlier run that failed.
     let _ = std::fs::remove_file(&stop);
@@ -611,16 +709,18 @@ fn upgrade_under_load(lab: &Lab, lbd: &mut Lbd, bin: &Path, exe: &Path, old_prog
         assert_eq!(r["failed"], 0, "{r}");
         assert_eq!(r["switched"], 0, "a live connection changed backend: {r}");
     });
-    let log = lbd.log_text();
-    let done = log.lines().find(|l| l.contains("migrated the pinned datapath")).unwrap_or_else(|| panic!("{log}"));
-    let field = |name: &str| -> u64 {
-        let at = done.find(&format!("{name}=")).unwrap_or_else(|| panic!("no {name} in {done}"));
-        done[at + name.len() + 1..].split(' ').next().unwrap().parse().unwrap()
-    };
-    assert!(field("late_flows") > 0, "no flow was made between the two copies: {done}");
-    println!("{done}");
-    let changed = field("merged_flows") + field("replaced_flows");
-    assert!(changed > 0, "no copied flow changed between the two copies: {done}");
+    if migrating {
+        let log = lbd.log_text();
+        let done = log.lines().find(|l| l.contains("migrated the pinned datapath")).unwrap_or_else(|| panic!("{log}"));
+        let field = |name: &str| -> u64 {
+            let at = done.find(&format!("{name}=")).unwrap_or_else(|| panic!("no {name} in {done}"));
+            done[at + name.len() + 1..].split(' ').next().unwrap().parse().unwrap()
+        };
+        assert!(field("late_flows") > 0, "no flow was made between the two copies: {done}");
+        println!("{done}");
+        let changed = field("merged_flows") + field("replaced_flows");
+        assert!(changed > 0, "no copied flow changed between the two copies: {done}");
+    }
     // Closed flows linger 10 s; sweeps run every 1 to 5 s.
     let entries = || lbd.status().ok().and_then(|s| s["flood"]["flow_entries"].as_u64());
     let left = wait_for(25, || entries().filter(|&n| n == 0));

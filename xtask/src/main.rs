@@ -378,6 +378,7 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     let v4_lbd = build_upgrade_from(UPGRADE_FROM_V4, "upgrade-from-v4")?;
     let v5_lbd = build_upgrade_from(UPGRADE_FROM_V5, "upgrade-from-v5")?;
     let v6_lbd = build_upgrade_from(UPGRADE_FROM_V6, "upgrade-from-v6")?;
+    let v7_lbd = build_upgrade_from(UPGRADE_FROM_V7, "upgrade-from-v7")?;
     let result = run(cargo()
         .args(["test", "--no-fail-fast"])
         .args(extra)
@@ -387,7 +388,8 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         .env("LB_UPGRADE_FROM_V3_LBD", v3_lbd)
         .env("LB_UPGRADE_FROM_V4_LBD", v4_lbd)
         .env("LB_UPGRADE_FROM_V5_LBD", v5_lbd)
-        .env("LB_UPGRADE_FROM_V6_LBD", v6_lbd));
+        .env("LB_UPGRADE_FROM_V6_LBD", v6_lbd)
+        .env("LB_UPGRADE_FROM_V7_LBD", v7_lbd));
     // The labs' bpf filesystem, once no lab (the user's own included)
     // has anything pinned in it.
     if let Err(e) = lb_tests::lab::release_bpffs() {
@@ -419,6 +421,10 @@ const UPGRADE_FROM_V5: &str = "4622c4472bcece7828d860160c51003b2d95e2bc";
 /// The release the sixth upgrade test upgrades from: the last commit of
 /// layout 6 (each flow table one big array).
 const UPGRADE_FROM_V6: &str = "0aeaa9d4b82e9c8b5dc518ee20a38edd850c632c";
+
+/// The release the seventh upgrade test upgrades from: the last commit of
+/// layout 7 (entry and connection counts in shared words only).
+const UPGRADE_FROM_V7: &str = "89292715ea1976990305219f0411426b92040d98";
 
 /// Build the lbd of commit `commit` from this repository's history, once,
 /// into target/`name` (its source is extracted with `git archive`);

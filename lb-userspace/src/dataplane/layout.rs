@@ -40,8 +40,8 @@ use std::{
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuValues};
 use lb_common::{
     Backend, BackendStats, Conns, CountsAdd, DIR_REPLY, EndpointKey, FLOW_COPY, FLOW_ESTABLISHED, FLOW_REPLIED, Flow,
-    Flow6, FlowKey, FlowKey6, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET, SLOT_READY, SLOT_STATE, Service,
-    Slot, SlotKey, Vip6Key, VipKey, maps as names,
+    Flow6, FlowKey, FlowKey6, LAYOUT_IN_PLACE_FROM, LAYOUT_VERSION, MAX_BACKENDS, MAX_SERVICES, SLOT_BUCKET,
+    SLOT_READY, SLOT_STATE, Service, Slot, SlotKey, Vip6Key, VipKey, maps as names,
 };
 use tracing::{info, warn};
 
@@ -149,8 +149,8 @@ pub(super) fn unfinished(pin: &Path, maps_dir: &Path) -> Result<Option<Unfinishe
 /// what to do.
 pub(super) fn judge(found: u32, pin: &Path) -> Result<bool, DataplaneError> {
     match found {
-        LAYOUT_VERSION => Ok(false),
-        1..LAYOUT_VERSION => Ok(true),
+        LAYOUT_IN_PLACE_FROM..=LAYOUT_VERSION => Ok(false),
+        1..LAYOUT_IN_PLACE_FROM => Ok(true),
         v if v > LAYOUT_VERSION => Err(DataplaneError::Layout(format!(
             "the datapath pinned at {} has map layout version {v}, newer than this lbd's ({LAYOUT_VERSION}); \
              nothing was changed. Run the lbd version that pinned it, or, to start over without its flows, \
@@ -160,13 +160,46 @@ pub(super) fn judge(found: u32, pin: &Path) -> Result<bool, DataplaneError> {
         ))),
         v => Err(DataplaneError::Layout(format!(
             "the datapath pinned at {} has map layout version {v}, which this lbd cannot migrate \
-             (it migrates from versions 1 to {}); nothing was changed. Upgrade through a release that knows it, \
+             (it takes up versions 1 to {}); nothing was changed. Upgrade through a release that knows it, \
              or, to start over without its flows, stop that lbd, remove {} and start this one",
             pin.display(),
             LAYOUT_VERSION - 1,
             pin.display()
         ))),
     }
+}
+
+/// The maps this layout added to [`LAYOUT_IN_PLACE_FROM`]'s, which an
+/// lbd taking such a datapath up in place creates beside its maps.
+pub(super) const ADDED: [&str; 3] = [names::FLOW_CREDIT, names::CONNS_CPU, names::CONNS_SUM];
+
+/// Remove the maps a take-up in place added under `maps_dir` (it failed
+/// before its program ran: nothing uses them).
+pub(super) fn remove_added(maps_dir: &Path) {
+    for name in ADDED {
+        let path = maps_dir.join(name);
+        if let Err(e) = std::fs::remove_file(&path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(path = %path.display(), error = %e, "removing a map the failed start added");
+        }
+    }
+}
+
+/// Undo a take-up in place of the datapath pinned in `maps_dir`, of layout
+/// `from`, whose program was never swapped in: its `LAYOUT` says `from`
+/// again, so that its own lbd adopts it, and the maps added go.
+pub(super) fn give_back(maps_dir: &Path, from: u32) {
+    let path = maps_dir.join(names::LAYOUT);
+    match open::<Array<MapData, u32>>(&path, names::LAYOUT) {
+        Ok(mut layout) => {
+            if let Err(e) = layout.set(0, from, 0) {
+                warn!(error = %e, "writing the pinned datapath's layout version back");
+            }
+        }
+        Err(e) => warn!(error = %e, "opening the pinned datapath's layout version"),
+    }
+    remove_added(maps_dir);
 }
 
 /// The directory old maps are moved to during a migration from `version`.
@@ -494,6 +527,11 @@ impl Dataplane {
     /// from an earlier start, the new maps are in use: they stay, and the
     /// next start finishes the migration.
     pub fn abandon_migration(&mut self) {
+        if let (Some(pin), Some(from), false) = (&self.pin, self.taken_up_from, self.swapped) {
+            give_back(&pin.join("maps"), from);
+            info!(from, "the take-up of the pinned datapath was undone: it keeps its layout");
+            self.taken_up_from = None;
+        }
         let (Some(pin), Some(m)) = (&self.pin, &self.migration) else { return };
         if self.swapped || !m.fresh {
             info!(dir = %m.dir.display(), "the migration of the pinned datapath is left for the next start to finish");

@@ -187,8 +187,16 @@ pub(super) struct Maps {
     /// The datapath's per-CPU idle-clock cache; held so that every map is
     /// taken and checked at load.
     pub(super) _clock: PerCpuArray<MapData, ClockCache>,
-    /// Entries per flow table (0: IPv4, 1: IPv6), counted by the datapath.
+    /// Entries per flow table (0: IPv4, 1: IPv6), counted by the datapath,
+    /// with the room each CPU took and has not used yet ...
     pub(super) flow_count: Array<MapData, u64>,
+    /// ... which is here, per CPU.
+    pub(super) flow_credit: PerCpuArray<MapData, u64>,
+    /// Connection counts per backend of the flows counted per CPU
+    /// (`lb_common::FLOW_CONNS_CPU`) ...
+    pub(super) conns_cpu: PerCpuArray<MapData, Conns>,
+    /// ... and their sums, as least-conn reads them (written by lbd).
+    pub(super) conns_sum: Array<MapData, Conns>,
 }
 
 impl<B: Buckets> FlowTable<B> {
@@ -234,6 +242,9 @@ impl Maps {
             _keys6: take_raw(ebpf, names::KEYS6)?,
             _clock: take(ebpf, names::CLOCK)?,
             flow_count: take(ebpf, names::FLOW_COUNT)?,
+            flow_credit: take(ebpf, names::FLOW_CREDIT)?,
+            conns_cpu: take(ebpf, names::CONNS_CPU)?,
+            conns_sum: take(ebpf, names::CONNS_SUM)?,
         })
     }
 }

@@ -20,7 +20,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{IterableMap as _, MapData, MapError, PerCpuArray},
+    maps::{IterableMap as _, MapData, MapError, PerCpuArray, PerCpuValues},
     programs::{Program, ProgramError, Xdp, links::LinkError},
     util::nr_cpus,
 };
@@ -297,6 +297,10 @@ pub struct Dataplane {
     flow_seed: u64,
     /// A migration from an older pinned layout, finished after attaching.
     migration: Option<layout::Migration>,
+    /// The older layout of the pinned datapath this one took up in place
+    /// (`lb_common::LAYOUT_IN_PLACE_FROM`), given back if it never swaps
+    /// its program in.
+    taken_up_from: Option<u32>,
     /// Whether this process swapped its program into a link a previous
     /// lbd pinned (from then on the running datapath is this build's).
     swapped: bool,
@@ -674,6 +678,8 @@ impl Dataplane {
         // migration that did not finish (its flows are copied again).
         let mut migrate_from: Option<(u32, PathBuf)> = None;
         let mut resume_from: Option<(u32, PathBuf)> = None;
+        // A datapath of an older layout that this one takes up in place.
+        let mut taken_up: Option<u32> = None;
         // An older version's global-counter map, which this one replaces
         // (see below): kept open, its counts copied once the new one exists.
         let mut old_counters: Option<PerCpuArray<MapData, u64>> = None;
@@ -720,6 +726,14 @@ impl Dataplane {
                     migrate_from = Some((found, aside));
                 } else {
                     resume_from = layout::aside_with_flows(pin);
+                    taken_up = (found != LAYOUT_VERSION).then_some(found);
+                    if let Some(from) = taken_up {
+                        info!(
+                            from,
+                            to = LAYOUT_VERSION,
+                            "the pinned datapath has an older map layout: taking it up in place"
+                        );
+                    }
                 }
             }
             std::fs::create_dir_all(maps_dir)
@@ -841,9 +855,19 @@ impl Dataplane {
                         let _ = std::fs::remove_dir_all(maps_dir);
                         let _ = std::fs::remove_dir(pin);
                     }
+                    // One that took up an older layout: the maps it added.
+                    if let (Some(_), Some(maps_dir)) = (taken_up, &maps_dir) {
+                        layout::remove_added(maps_dir);
+                    }
                 })?;
                 let resume = resume_from.as_ref().map(|(v, d)| (*v, d.as_path()));
-                let mut dp = Self::build(config, pin, ebpf, ncpus, tables, adopting, None, resume)?;
+                let mut dp =
+                    Self::build(config, pin, ebpf, ncpus, tables, adopting, None, resume).inspect_err(|_| {
+                        if let (Some(from), Some(maps_dir)) = (taken_up, &maps_dir) {
+                            layout::give_back(maps_dir, from);
+                        }
+                    })?;
+                dp.taken_up_from = taken_up;
                 if let Some(old) = &old_counters {
                     dp.copy_counters(old)?;
                 }
@@ -935,6 +959,7 @@ impl Dataplane {
             conntrack_max_ipv6,
             flow_seed,
             migration: None,
+            taken_up_from: None,
             swapped: false,
             interfaces: Vec::new(),
             requested: crate::config::XdpMode::Auto,
@@ -1185,6 +1210,8 @@ impl Dataplane {
         self.maps.flows6.clear()?;
         for family in 0..2 {
             self.maps.flow_count.set(family, 0, 0).map_err(map_err(names::FLOW_COUNT))?;
+            let zero = PerCpuValues::try_from(vec![0u64; self.ncpus]).expect("one value per CPU");
+            self.maps.flow_credit.set(family, zero, 0).map_err(map_err(names::FLOW_CREDIT))?;
         }
         Ok(held4 + held6)
     }
@@ -1246,8 +1273,15 @@ impl Dataplane {
     /// Entries in the IPv4 and the IPv6 flow table, as the datapath counts
     /// them against `conntrack_max`.
     pub fn flow_counts(&self) -> Result<(u64, u64), DataplaneError> {
-        let c = &self.maps.flow_count;
-        Ok((c.get(&0, 0).map_err(map_err(names::FLOW_COUNT))?, c.get(&1, 0).map_err(map_err(names::FLOW_COUNT))?))
+        // The count less the room the CPUs took and have not used (read
+        // one after the other: while flows come and go, a figure of a
+        // moment, as any count read during traffic).
+        let held = |family: u32| -> Result<u64, DataplaneError> {
+            let count = self.maps.flow_count.get(&family, 0).map_err(map_err(names::FLOW_COUNT))?;
+            let credit = self.maps.flow_credit.get(&family, 0).map_err(map_err(names::FLOW_CREDIT))?;
+            Ok(count.saturating_sub(credit.iter().sum()))
+        };
+        Ok((held(0)?, held(1)?))
     }
 
     /// The seed of the flow tables' slot hash (tests: where a key's
@@ -1266,13 +1300,41 @@ impl Dataplane {
         find_slot(&self.maps.flows6, self.flow_seed, key).map(|f| f.map(|(at, _)| at))
     }
 
-    /// Active flows of a backend: opened - closed - expired.
+    /// Active flows of a backend: opened - closed - expired, its counts
+    /// shared (`CONNS`) and per CPU (`CONNS_CPU`) together.
     pub fn active_flows(&self, id: u32) -> Result<u64, DataplaneError> {
-        let conns = &self.maps.conns;
-        let expired = &self.maps.expired;
-        let c = conns.get(&id, 0).map_err(map_err(names::CONNS))?;
-        let e = expired.get(&id, 0).map_err(map_err(names::EXPIRED))?;
+        let c = self.conns_of(id)?;
+        let e = self.maps.expired.get(&id, 0).map_err(map_err(names::EXPIRED))?;
         Ok(c.opened.saturating_sub(c.closed).saturating_sub(e))
+    }
+
+    /// Backend `id`'s connection counts: the shared ones and every CPU's.
+    fn conns_of(&self, id: u32) -> Result<lb_common::Conns, DataplaneError> {
+        let mut c = self.maps.conns.get(&id, 0).map_err(map_err(names::CONNS))?;
+        let s = self.per_cpu_conns(id)?;
+        c.opened += s.opened;
+        c.closed += s.closed;
+        Ok(c)
+    }
+
+    /// Backend `id`'s counts per CPU (`CONNS_CPU`), summed.
+    fn per_cpu_conns(&self, id: u32) -> Result<lb_common::Conns, DataplaneError> {
+        let per = self.maps.conns_cpu.get(&id, 0).map_err(map_err(names::CONNS_CPU))?;
+        Ok(per.iter().fold(lb_common::Conns::default(), |a, c| lb_common::Conns {
+            opened: a.opened + c.opened,
+            closed: a.closed + c.closed,
+        }))
+    }
+
+    /// Write what each backend in use counted per CPU, summed, where
+    /// least-conn reads it (`CONNS_SUM`): lbd's tasks do it once a second.
+    pub fn sum_conns(&mut self) -> Result<(), DataplaneError> {
+        let ids: Vec<u32> = self.services.values().flat_map(|s| s.backends.iter().map(|b| b.id)).collect();
+        for id in ids {
+            let sum = self.per_cpu_conns(id)?;
+            self.maps.conns_sum.set(id, sum, 0).map_err(map_err(names::CONNS_SUM))?;
+        }
+        Ok(())
     }
 }
 

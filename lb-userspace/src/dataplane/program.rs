@@ -170,6 +170,11 @@ impl Dataplane {
             for &bid in &fresh {
                 expired.set(bid, 0, 0).map_err(map_err(names::EXPIRED))?;
             }
+            for &bid in &fresh {
+                let zeros = PerCpuValues::try_from(vec![Conns::default(); self.ncpus]).expect("one value per CPU");
+                self.maps.conns_cpu.set(bid, zeros, 0).map_err(map_err(names::CONNS_CPU))?;
+                self.maps.conns_sum.set(bid, Conns::default(), 0).map_err(map_err(names::CONNS_SUM))?;
+            }
         }
         {
             let arr = &mut self.maps.backends;
