@@ -470,12 +470,7 @@ pub fn pinned_conns(maps: &Path, name: &str) -> (u64, u64) {
     });
     let mut sum = (0, 0);
     for value in values {
-        let bytes: Vec<u8> = value
-            .as_array()
-            .unwrap_or_else(|| panic!("{name} dump: {value}"))
-            .iter()
-            .map(|b| u8::from_str_radix(b.as_str().expect("hex byte").trim_start_matches("0x"), 16).expect("hex byte"))
-            .collect();
+        let bytes = hex_bytes(name, value);
         assert_eq!(bytes.len(), 16, "{name} value of {bytes:?}");
         sum.0 += u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
         sum.1 += u64::from_le_bytes(bytes[8..].try_into().expect("8 bytes"));
@@ -502,16 +497,21 @@ pub fn pinned_inner_names(maps: &Path, name: &str) -> Vec<String> {
 
 /// One value of a bpftool dump: a number when the map has BTF, else its
 /// bytes as hex strings.
-fn word(name: &str, value: &serde_json::Value) -> u64 {
-    if let Some(n) = value.as_u64() {
-        return n;
-    }
-    let mut bytes: Vec<u8> = value
+/// A map value as `bpftool -j` prints it without BTF: hex bytes.
+fn hex_bytes(name: &str, value: &serde_json::Value) -> Vec<u8> {
+    value
         .as_array()
         .unwrap_or_else(|| panic!("{name} dump: {value}"))
         .iter()
         .map(|b| u8::from_str_radix(b.as_str().expect("hex byte").trim_start_matches("0x"), 16).expect("hex byte"))
-        .collect();
+        .collect()
+}
+
+fn word(name: &str, value: &serde_json::Value) -> u64 {
+    if let Some(n) = value.as_u64() {
+        return n;
+    }
+    let mut bytes = hex_bytes(name, value);
     assert!(matches!(bytes.len(), 4 | 8), "{name} value of {bytes:?}");
     bytes.resize(8, 0);
     u64::from_le_bytes(bytes.try_into().expect("8 bytes"))

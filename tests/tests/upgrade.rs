@@ -147,22 +147,8 @@ fn an_upgrade_across_a_changed_layout_under_load_fails_nothing_and_a_newer_layou
     let before = lbd.program_id().unwrap();
     lbd.kill().unwrap();
     let bridge = "lbtbr1";
-    lab.ip("gw", &["link", "add", bridge, "type", "bridge"]).unwrap();
-    lab.ip("gw", &["link", "set", bridge, "up"]).unwrap();
-    let bad = write_config_with(
-        &config_dir(prefix),
-        "bad",
-        &sock,
-        &["eth0".into(), "eth1".into(), bridge.into()],
-        "conntrack_max: 262144\nxdp_mode: native\n",
-        &web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]),
-    )
-    .unwrap();
-    let err = Lbd::start_binary(&lab, &lab.spec.bin_dir.join("lbd"), &bad, &sock)
-        .err()
-        .expect("the new lbd started with a bridge in forced native mode");
-    let text = format!("{err:#}");
-    assert!(text.contains(&format!("attaching XDP to {bridge}")), "{text}");
+    let services = web("    scheduler: rr\n", &[(1, 1), (2, 1), (3, 1)]);
+    let text = start_with_a_bridge(&lab, prefix, &sock, bridge, &services);
     assert!(text.contains("the migration was undone"), "{text}");
     for iface in ["eth0", "eth1"] {
         assert_eq!(xdp_program_in_use(&lab, iface), before, "the failed upgrade replaced the old program on {iface}");
@@ -492,6 +478,30 @@ fn an_upgrade_from_one_array_flow_tables_keeps_every_flow_in_small_arrays() {
     emptied_then_stopped(&lab, &mut lbd, &bin);
 }
 
+/// This build's lbd started on the lab of `prefix` (whose lbd was killed,
+/// its datapath left running) with a bridge (`bridge`, made here) beside
+/// the lab's interfaces in forced native mode, which it cannot attach to:
+/// the start fails there, and what it said is returned.
+fn start_with_a_bridge(lab: &Lab, prefix: &str, sock: &Path, bridge: &str, services: &str) -> String {
+    lab.ip("gw", &["link", "add", bridge, "type", "bridge"]).unwrap();
+    lab.ip("gw", &["link", "set", bridge, "up"]).unwrap();
+    let bad = write_config_with(
+        &config_dir(prefix),
+        "bad",
+        sock,
+        &["eth0".into(), "eth1".into(), bridge.into()],
+        "conntrack_max: 262144\nxdp_mode: native\n",
+        services,
+    )
+    .unwrap();
+    let err = Lbd::start_binary(lab, &lab.spec.bin_dir.join("lbd"), &bad, sock)
+        .err()
+        .expect("the new lbd started with a bridge in forced native mode");
+    let text = format!("{err:#}");
+    assert!(text.contains(&format!("attaching XDP to {bridge}")), "{text}");
+    text
+}
+
 /// The maps layout 8 added to layout 7's (`dataplane::layout::ADDED`).
 const ADDED_IN_8: [&str; 3] = ["FLOW_CREDIT", "CONNS_CPU", "CONNS_SUM"];
 
@@ -503,7 +513,7 @@ fn an_upgrade_from_layout_7_takes_its_maps_up_in_place_and_counts_per_cpu_from_t
     // `alt` schedules by least connections: its flows stay counted in the
     // shared counts, `web`'s (round robin) go to the per-CPU ones.
     let services = web_and_alt("least-conn");
-    let Staged { lab, lbd, sock, config, bin, exe, maps } = start_release_with(prefix, v7_lbd, &services);
+    let Staged { lab, mut lbd, sock, config, bin, exe, maps } = start_release_with(prefix, v7_lbd, &services);
     assert_eq!(pinned_layout(&maps), 7, "not the layout-7 release");
     for name in ADDED_IN_8 {
         assert!(!maps.join(name).exists(), "the layout-7 release pinned {name}");
@@ -514,24 +524,8 @@ fn an_upgrade_from_layout_7_takes_its_maps_up_in_place_and_counts_per_cpu_from_t
     // mode) is undone: the pinned datapath says layout 7 again, the maps
     // it added go, and the old lbd adopts its datapath as it was.
     let before = lbd.program_id().unwrap();
-    let mut lbd = lbd;
     lbd.kill().unwrap();
-    let bridge = "lbtbr7";
-    lab.ip("gw", &["link", "add", bridge, "type", "bridge"]).unwrap();
-    lab.ip("gw", &["link", "set", bridge, "up"]).unwrap();
-    let bad = write_config_with(
-        &config_dir(prefix),
-        "bad",
-        &sock,
-        &["eth0".into(), "eth1".into(), bridge.into()],
-        "conntrack_max: 262144\nxdp_mode: native\n",
-        &services,
-    )
-    .unwrap();
-    let err = Lbd::start_binary(&lab, &lab.spec.bin_dir.join("lbd"), &bad, &sock)
-        .err()
-        .expect("the new lbd started with a bridge in forced native mode");
-    let text = format!("{err:#}");
+    let text = start_with_a_bridge(&lab, prefix, &sock, "lbtbr7", &services);
     assert!(text.contains("taking it up in place"), "{text}");
     assert!(text.contains("the take-up of the pinned datapath was undone"), "{text}");
     assert_eq!(pinned_layout(&maps), 7, "the undone take-up left its layout version");
