@@ -1,7 +1,7 @@
 //! Per-CPU counters: plain adds, no atomics needed (each CPU owns its copy).
 use core::intrinsics::{AtomicOrdering, atomic_xadd, atomic_xsub};
 
-use lb_common::{FLOW_CONNS_CPU, SCHED_LEAST_CONN, SCHED_LEAST_TIME};
+use lb_common::{Conns, FLOW_CONNS_CPU, SCHED_LEAST_CONN, SCHED_LEAST_TIME};
 
 use crate::maps::{BACKEND_STATS, CONNS, CONNS_CPU, CONNS_SUM, COUNTERS, EXPIRED};
 
@@ -105,13 +105,19 @@ pub(crate) fn flow_closed(id: u32, state: u64) {
     count_conn(id, state, true);
 }
 
+/// Backend `id`'s counts that a flow whose state is `state` is counted
+/// in: this CPU's copy (`CONNS_CPU`) or the shared one (`CONNS`).
+#[inline(always)]
+fn conns_of(id: u32, state: u64) -> Option<*mut Conns> {
+    if per_cpu(state) { CONNS_CPU.get_ptr_mut(id) } else { CONNS.get_ptr_mut(id) }
+}
+
 /// [`flow_closed`] for the sweeper (`lb_sweep`, run by lbd through
 /// BPF_PROG_TEST_RUN): a packet on its CPU may interrupt it between two
 /// instructions, so this CPU's copy takes an atomic add too.
 #[inline(always)]
 pub(crate) fn flow_closed_swept(id: u32, state: u64) {
-    let c = if per_cpu(state) { CONNS_CPU.get_ptr_mut(id) } else { CONNS.get_ptr_mut(id) };
-    if let Some(c) = c {
+    if let Some(c) = conns_of(id, state) {
         // SAFETY: aligned u64 inside a map value; atomic RMW only.
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).closed, 1) };
     }
@@ -123,8 +129,7 @@ pub(crate) fn flow_closed_swept(id: u32, state: u64) {
 /// the sweeper, as [`flow_closed_swept`].
 #[inline(always)]
 pub(crate) fn close_taken_back(id: u32, state: u64) {
-    let c = if per_cpu(state) { CONNS_CPU.get_ptr_mut(id) } else { CONNS.get_ptr_mut(id) };
-    if let Some(c) = c {
+    if let Some(c) = conns_of(id, state) {
         // SAFETY: aligned u64 inside a map value.
         unsafe { atomic_xsub::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).closed, 1) };
     }
