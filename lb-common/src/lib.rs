@@ -40,6 +40,17 @@ pub const SCHED_LEAST_CONN: u32 = 3;
 /// different weights are compared on (active + 1) per unit of weight.
 pub const SCHED_LEAST_TIME: u32 = 4;
 
+/// Whether `scheduler` (a `SCHED_*`) reads its candidates' active-flow
+/// counts on every new flow (least-conn, least-time). Its flows are
+/// counted in the shared `CONNS`, not per CPU ([`FLOW_CONNS_CPU`]), and
+/// lbd writes the per-CPU sums of its backends' older flows to
+/// `CONNS_SUM` for it to add.
+#[inline(always)]
+#[must_use]
+pub const fn reads_conns(scheduler: u32) -> bool {
+    scheduler == SCHED_LEAST_CONN || scheduler == SCHED_LEAST_TIME
+}
+
 /// [`Service::flags`]: the service has no backend able to take new flows;
 /// new flows are dropped and counted.
 pub const SVC_F_NO_BACKEND: u32 = 1;

@@ -1,7 +1,7 @@
 //! Per-CPU counters: plain adds, no atomics needed (each CPU owns its copy).
 use core::intrinsics::{AtomicOrdering, atomic_xadd, atomic_xsub};
 
-use lb_common::{Conns, FLOW_CONNS_CPU, SCHED_LEAST_CONN, SCHED_LEAST_TIME};
+use lb_common::{Conns, FLOW_CONNS_CPU, reads_conns};
 
 use crate::maps::{BACKEND_STATS, CONNS, CONNS_CPU, CONNS_SUM, COUNTERS, EXPIRED};
 
@@ -58,10 +58,10 @@ fn per_cpu(state: u64) -> bool {
 
 /// The state bit a new flow of a service scheduled by `scheduler` is
 /// counted by: per CPU, but for the schedulers that read the counts on
-/// every new flow (see `lb_common::FLOW_CONNS_CPU`).
+/// every new flow (`lb_common::reads_conns`).
 #[inline(always)]
 pub(crate) fn conns_class(scheduler: u32) -> u64 {
-    if scheduler == SCHED_LEAST_CONN || scheduler == SCHED_LEAST_TIME { 0 } else { FLOW_CONNS_CPU }
+    if reads_conns(scheduler) { 0 } else { FLOW_CONNS_CPU }
 }
 
 /// Add 1 to `opened` or `closed` (`closed`) of backend `id`'s count that

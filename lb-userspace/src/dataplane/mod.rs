@@ -1330,11 +1330,12 @@ impl Dataplane {
     /// counted per CPU, summed, where their pick reads it (`CONNS_SUM`;
     /// no other scheduler reads it): lbd's tasks do it once a second.
     pub fn sum_conns(&mut self) -> Result<(), DataplaneError> {
-        let by_counts = |s: &&AppliedService| {
-            matches!(s.config.scheduler, crate::sched::Scheduler::LeastConn | crate::sched::Scheduler::LeastTime)
-        };
-        let ids: Vec<u32> =
-            self.services.values().filter(by_counts).flat_map(|s| s.backends.iter().map(|b| b.id)).collect();
+        let ids: Vec<u32> = self
+            .services
+            .values()
+            .filter(|s| lb_common::reads_conns(s.config.scheduler.datapath_id()))
+            .flat_map(|s| s.backends.iter().map(|b| b.id))
+            .collect();
         for id in ids {
             let sum = self.per_cpu_conns(id)?;
             self.maps.conns_sum.set(id, sum, 0).map_err(map_err(names::CONNS_SUM))?;
