@@ -423,8 +423,13 @@ pub mod counter {
 /// pinned keeps its bytes and its meaning (an entry without the mark is
 /// counted in `CONNS`, as every layout-7 entry was), so lbd takes a
 /// layout-7 datapath up in place: it adopts the maps, creates the three
-/// new ones and writes 8.
-pub const LAYOUT_VERSION: u32 = 8;
+/// new ones and writes 8; 9: a generation in a flow-table slot's claim
+/// word ([`SLOT_GEN`]), bumped by a replacement in place. Layouts 7 and 8
+/// wrote claims of generation 0, which read the same, so both are taken
+/// up in place; a layout-8 datapath's program, which compares whole
+/// claims, would miss a replaced entry, so an lbd of layout 8 refuses a
+/// datapath of 9.
+pub const LAYOUT_VERSION: u32 = 9;
 
 /// The last layout that lbd takes up in place, without a migration: its
 /// maps are this layout's but for the ones this layout added.
@@ -778,7 +783,18 @@ pub struct Flow6 {
 /// [`SLOT_BUSY`] while one CPU writes the entry or [`SLOT_READY`] once it
 /// is whole. A writer takes a slot by compare-and-swap of the claim and
 /// publishes it with an atomic add (a full barrier), after the key and
-/// value; a reader compares the claim first and the key only on a match.
+/// value; a reader compares the claim first (its tag and state bits,
+/// [`SLOT_MATCH`]) and the key only on a match.
+///
+/// Between the state and the tag, a whole or busy entry's claim holds a
+/// generation ([`SLOT_GEN`], layout 9): an entry replaced in place (a new
+/// connection on a closed flow's 5-tuple) takes its claim with the next
+/// generation, so the claim never returns to a value it held. The
+/// sweeper's removal, a compare-and-swap from the claim it read before it
+/// checked the entry, then fails when the entry was replaced in between,
+/// however late its swap comes (its CPU taken by an interrupt, say);
+/// before, the replaced entry's claim was the old one's again, and the
+/// new connection's entry was removed (its next packets scheduled anew).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Slot<K, V> {
@@ -818,6 +834,16 @@ pub const SLOT_TOMB: u64 = 3;
 pub const SLOT_STATE: u64 = 3;
 /// The tag bits of a claim word (the high half of the key's hash).
 pub const SLOT_TAG: u64 = !0 << 32;
+/// The generation bits of a claim word (see [`Slot`]): 0 in a new entry,
+/// one more (wrapping within these bits) each time the entry is replaced
+/// in place. Layouts before 9 wrote none, so their claims read as
+/// generation 0.
+pub const SLOT_GEN: u64 = !(SLOT_TAG | SLOT_STATE);
+/// One generation, in a claim word.
+pub const SLOT_GEN_ONE: u64 = SLOT_STATE + 1;
+/// The bits of a claim word a lookup compares: the tag and the state, not
+/// the generation.
+pub const SLOT_MATCH: u64 = SLOT_TAG | SLOT_STATE;
 /// Slots a lookup or an insert probes at most: bounds the loops. At the
 /// table's fill of at most one half (two slots per `conntrack_max`),
 /// linear probing's clusters leave a run of 32 taken slots about once in

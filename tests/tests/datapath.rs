@@ -1172,17 +1172,36 @@ fn run_by_fd(prog_fd: i32, frame: &[u8], ifindex: u32) -> Ipv4Addr {
 
 #[test]
 fn a_new_entry_stays_found_while_the_sweeper_removes_entries_beside_it() {
-    in_netns(|| {
-        // A new entry that takes the empty slot after an entry the sweeper
-        // is removing must not be hidden by the sweeper emptying the run
-        // of removed slots before it. Round robin over six backends: a
-        // flow whose entry went missing after its SYN has its next packet
-        // hashed, most often elsewhere. A small table, so that new entries
-        // often go right after an entry being removed; no rate limit,
-        // nothing expires but closed flows. Before the fix (table.rs,
-        // `clear_run` and `keep_reachable`) this lost about one flow's
-        // entry in 250,000 and failed 5 of 6 runs; a race, so a run that
-        // passes proves nothing alone.
+    // A new entry that takes the empty slot after an entry the sweeper is
+    // removing must not be hidden by the sweeper emptying the run of
+    // removed slots before it. A new client address a round: no tuple is
+    // reused. Before the fix (table.rs, `clear_run` and `keep_reachable`)
+    // this lost about one flow's entry in 250,000 and failed 5 of 6 runs;
+    // a race, so a run that passes proves nothing alone.
+    new_flows_beside_a_sweeper(false);
+}
+
+#[test]
+fn a_new_connection_on_a_closed_flows_tuple_keeps_its_entry_while_the_sweeper_removes_the_old_one() {
+    // A client reusing its ports: each SYN finds its tuple's closed entry
+    // (or none, once the sweeper removed it) and replaces it in place,
+    // while the sweeper, judging that closed entry, removes it. The
+    // sweeper's removal must fail when the entry was replaced between its
+    // check and its compare-and-swap of the claim (which a replacement
+    // puts back as it was, but for the claim's generation: `table.rs`).
+    new_flows_beside_a_sweeper(true);
+}
+
+/// New flows on CPU 1 (SYN, then its next packet, which must go where the
+/// SYN went, then a reset: closed, the sweeper's to remove) while the
+/// sweeper runs without pause on CPU 0. Round robin over six backends: a
+/// flow whose entry went missing after its SYN has its next packet
+/// scheduled anew, most often elsewhere. A small table, so that new
+/// entries often go right beside entries being removed; no rate limit,
+/// nothing expires but closed flows. `reuse`: the same client address
+/// and ports every round, so that SYNs replace closed entries.
+fn new_flows_beside_a_sweeper(reuse: bool) {
+    in_netns(move || {
         let backends: Vec<(Ipv4Addr, u16)> = (11..17).map(|i| (Ipv4Addr::new(10, 20, 0, i), 8080)).collect();
         let mut fx =
             Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
@@ -1196,8 +1215,6 @@ fn a_new_entry_stays_found_while_the_sweeper_removes_entries_beside_it() {
         };
         let if_a = fx.if_a;
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        // New flows on CPU 1: SYN, then its next packet, which must go
-        // where the SYN went, then a reset (closed: the sweeper's to remove).
         let worker = {
             let stop = stop.clone();
             std::thread::spawn(move || {
@@ -1206,15 +1223,26 @@ fn a_new_entry_stays_found_while_the_sweeper_removes_entries_beside_it() {
                 nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
                 let (mut flows, mut moved) = (0u64, Vec::new());
                 'run: for round in 0u32.. {
-                    // A new client address a round: no tuple is reused.
-                    let client = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + round);
-                    for first in (10_000..10_480u16).step_by(12) {
+                    let client =
+                        Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + if reuse { 0 } else { round });
+                    // Reused, 24 ports: fewer than the table holds, so that every
+                    // SYN finds its tuple's closed entry unless it was removed.
+                    let ports = if reuse { 10_000..10_024u16 } else { 10_000..10_480 };
+                    for first in ports.step_by(12) {
                         if stop.load(std::sync::atomic::Ordering::Relaxed) {
                             break 'run;
                         }
                         // 12 at a time, so that the table holds some.
-                        let syns: Vec<Frame> =
-                            (first..first + 12).map(|cport| Frame::tcp(client, cport, VIP, 80, SYN)).collect();
+                        // Each round's SYNs with a sequence number of their own, as a
+                        // client's new connections have: a reused tuple's SYN is
+                        // then a new connection, not its reset handshake resumed
+                        // (`resumed`, which keeps the entry and its backend).
+                        let syns: Vec<Frame> = (first..first + 12)
+                            .map(|cport| Frame {
+                                seq: round.wrapping_mul(0x0101_0101),
+                                ..Frame::tcp(client, cport, VIP, 80, SYN)
+                            })
+                            .collect();
                         let went: Vec<Ipv4Addr> =
                             syns.iter().map(|syn| run_by_fd(prog_fd, &syn.bytes(), if_a)).collect();
                         for (syn, &b) in syns.iter().zip(&went) {

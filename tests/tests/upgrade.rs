@@ -502,7 +502,7 @@ fn start_with_a_bridge(lab: &Lab, prefix: &str, sock: &Path, bridge: &str, servi
     text
 }
 
-/// The maps layout 8 added to layout 7's (`dataplane::layout::ADDED`).
+/// The maps layout 8 added to layout 7's (`dataplane::layout::added_since`).
 const ADDED_IN_8: [&str; 3] = ["FLOW_CREDIT", "CONNS_CPU", "CONNS_SUM"];
 
 #[test]

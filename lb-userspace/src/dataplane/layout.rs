@@ -169,14 +169,21 @@ pub(super) fn judge(found: u32, pin: &Path) -> Result<bool, DataplaneError> {
     }
 }
 
-/// The maps this layout added to [`LAYOUT_IN_PLACE_FROM`]'s, which an
-/// lbd taking such a datapath up in place creates beside its maps.
-pub(super) const ADDED: [&str; 3] = [names::FLOW_CREDIT, names::CONNS_CPU, names::CONNS_SUM];
+/// The maps layout 8 added to [`LAYOUT_IN_PLACE_FROM`]'s (layout 9 added
+/// none), which an lbd taking a layout-7 datapath up in place creates
+/// beside its maps.
+const ADDED_BY_8: [&str; 3] = [names::FLOW_CREDIT, names::CONNS_CPU, names::CONNS_SUM];
 
-/// Remove the maps a take-up in place added under `maps_dir` (it failed
-/// before its program ran: nothing uses them).
-pub(super) fn remove_added(maps_dir: &Path) {
-    for name in ADDED {
+/// The maps a take-up in place of a datapath of layout `from` adds.
+pub(super) fn added_since(from: u32) -> &'static [&'static str] {
+    if from < 8 { &ADDED_BY_8 } else { &[] }
+}
+
+/// Remove the maps a take-up in place of a datapath of layout `from`
+/// added under `maps_dir` (it failed before its program ran: nothing uses
+/// them). A layout-8 datapath's own maps stay: its program uses them.
+pub(super) fn remove_added(maps_dir: &Path, from: u32) {
+    for name in added_since(from) {
         let path = maps_dir.join(name);
         if let Err(e) = std::fs::remove_file(&path)
             && e.kind() != std::io::ErrorKind::NotFound
@@ -199,7 +206,7 @@ pub(super) fn give_back(maps_dir: &Path, from: u32) {
         }
         Err(e) => warn!(error = %e, "opening the pinned datapath's layout version"),
     }
-    remove_added(maps_dir);
+    remove_added(maps_dir, from);
 }
 
 /// The directory old maps are moved to during a migration from `version`.

@@ -26,9 +26,9 @@ use aya::{
 };
 use lb_common::{
     BACKEND_F_V6, BackendStats, Flood, Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, LAYOUT_VERSION,
-    MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG,
-    SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, SweepItem6, TAIL_CALLS, counter, flow_slots, maps as names,
-    select_elements, select_slot,
+    MAX_BACKENDS, MAX_SERVICES, SELECT_LANES, SLOT_BUCKET, SLOT_EMPTY, SLOT_MATCH, SLOT_PROBES, SLOT_READY, SLOT_STATE,
+    SLOT_TAG, SWEEP_BY_KEY, SWEEP_PROGRAM, Slot, SlotKey, SweepItem, SweepItem6, TAIL_CALLS, counter, flow_slots,
+    maps as names, select_elements, select_slot,
 };
 use tracing::{info, warn};
 
@@ -397,7 +397,8 @@ where
         if s.claim == SLOT_EMPTY {
             return Ok(None);
         }
-        if s.claim == want && s.key.same(key) {
+        // The claim's generation aside (`lb_common::SLOT_GEN`).
+        if s.claim & SLOT_MATCH == want && s.key.same(key) {
             return Ok(Some((at, s)));
         }
     }
@@ -856,8 +857,8 @@ impl Dataplane {
                         let _ = std::fs::remove_dir(pin);
                     }
                     // One that took up an older layout: the maps it added.
-                    if let (Some(_), Some(maps_dir)) = (taken_up, &maps_dir) {
-                        layout::remove_added(maps_dir);
+                    if let (Some(from), Some(maps_dir)) = (taken_up, &maps_dir) {
+                        layout::remove_added(maps_dir, from);
                     }
                 })?;
                 let resume = resume_from.as_ref().map(|(v, d)| (*v, d.as_path()));
