@@ -127,19 +127,33 @@ pub(crate) struct Cold<'a> {
     pub base_ns: Vec<f64>,
 }
 
+/// Runs of every pair made before a time budget may end the measurement.
+pub(crate) const MIN_RUNS: usize = 50;
+
 /// `runs` cold runs of every (case, base) pair, interleaved: case, base,
-/// next pair, ... so that drift during the measurement falls on both.
+/// next pair, ... so that drift during the measurement falls on both; or
+/// fewer, but at least [`MIN_RUNS`], when `budget` (if any) has passed.
+/// The budget is for the whole-cache depth on a machine whose sysfs gives
+/// a large last-level cache: one eviction there reads four times it (2 GB
+/// on an Intel VM that gives 504 MB), and 300 runs of three pairs took
+/// about four minutes of a short bench (4 December 2026). The runs of
+/// each case are its `case_ns.len()`.
 pub(crate) fn measure<'a>(
     b: &mut Bench,
     ev: &Evictor,
     pairs: &[(&'a Item, &'a Item)],
     runs: usize,
+    budget: Option<std::time::Duration>,
 ) -> anyhow::Result<Vec<Cold<'a>>> {
+    let t0 = std::time::Instant::now();
     let mut out: Vec<Cold<'a>> = pairs
         .iter()
         .map(|&(case, base)| Cold { case, base, case_ns: Vec::with_capacity(runs), base_ns: Vec::with_capacity(runs) })
         .collect();
     for run in 0..runs {
+        if run >= MIN_RUNS && budget.is_some_and(|d| t0.elapsed() >= d) {
+            break;
+        }
         for c in &mut out {
             for (item, ns) in [(c.case, &mut c.case_ns), (c.base, &mut c.base_ns)] {
                 let s = b

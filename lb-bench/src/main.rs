@@ -133,6 +133,11 @@ pub struct PacketArgs {
     /// flow, a packet not to a VIP, each beside its base; 0: none).
     #[arg(long, default_value_t = 300)]
     pub cold_runs: usize,
+    /// A time budget for each depth's cold runs, in seconds (0: none): past
+    /// it, no more runs are made once every pair has made
+    /// `cold::MIN_RUNS`. The report gives the runs made.
+    #[arg(long, default_value_t = 0)]
+    pub cold_seconds: u64,
 }
 
 fn main() {
@@ -269,13 +274,19 @@ fn cold_caches(b: &mut Bench, items: &[Item], args: &PacketArgs, out: &Value, tx
             continue;
         };
         let t0 = std::time::Instant::now();
-        let colds = cold::measure(b, &ev, &pairs, args.cold_runs)?;
+        let budget = (args.cold_seconds > 0).then(|| std::time::Duration::from_secs(args.cold_seconds));
+        let colds = cold::measure(b, &ev, &pairs, args.cold_runs, budget)?;
+        let runs = colds.first().map_or(0, |c| c.case_ns.len());
         println!(
-            "cold caches, {}: single runs, each after reading {} KB on the measuring CPU, {} of each case alternating with its base ({:.1} s):",
+            "cold caches, {}: single runs, each after reading {} KB on the measuring CPU, {runs} of each case alternating with its base ({:.1} s{}):",
             depth.name(),
             ev.bytes() >> 10,
-            args.cold_runs,
-            t0.elapsed().as_secs_f64()
+            t0.elapsed().as_secs_f64(),
+            if runs < args.cold_runs {
+                format!("; {} asked, the {} s budget reached", args.cold_runs, args.cold_seconds)
+            } else {
+                String::new()
+            }
         );
         let mut cases = Vec::new();
         for c in &colds {
@@ -317,7 +328,8 @@ fn cold_caches(b: &mut Bench, items: &[Item], args: &PacketArgs, out: &Value, tx
             "depth": depth.key(),
             "name": depth.name(),
             "evict_bytes": ev.bytes(),
-            "runs": args.cold_runs,
+            "runs": runs,
+            "runs_asked": args.cold_runs,
             "seconds": t0.elapsed().as_secs_f64(),
             "cases": cases,
         }));

@@ -215,11 +215,15 @@ fn packet(full: bool) -> anyhow::Result<Value> {
     // A new-flow case runs half the repeats (lb-bench's default): 250,000
     // in the short run, still 0.3 s or more a sample, where 500,000 made
     // new-flow runs and taking their flows out most of a round.
-    // Cold-cache runs: single runs, a few seconds in all (see lb-bench's
-    // `cold`).
-    let (rounds, repeat, cold) = if full { ("15", "5000000", "1000") } else { ("4", "500000", "300") };
+    // Cold-cache runs: single runs, a few seconds in all where sysfs gives
+    // a last-level cache of tens of MB; the short run gives each depth 45 s
+    // at most, as a VM that gives 504 MB took about four minutes for the
+    // whole-cache depth's 300 (see lb-bench's `cold`).
+    let (rounds, repeat, cold, cold_seconds) =
+        if full { ("15", "5000000", "1000", "0") } else { ("4", "500000", "300", "45") };
     run(Command::new(&exe)
-        .args(["packet", "--rounds", rounds, "--repeat", repeat, "--cold-runs", cold, "--json"])
+        .args(["packet", "--rounds", rounds, "--repeat", repeat, "--cold-runs", cold])
+        .args(["--cold-seconds", cold_seconds, "--json"])
         .arg(&json_path))?;
     Ok(serde_json::from_str(&std::fs::read_to_string(&json_path)?)?)
 }

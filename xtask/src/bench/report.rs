@@ -274,9 +274,10 @@ left by XDP redirect as a new flow counted on one of the service's backends: {wh
                 let warm = c["warm_over_floor_pass_ns"].as_f64();
                 let _ = writeln!(
                     md,
-                    "| {} ({} KB read) | {} | {:.1} | {:.1}-{:.1} | {} | {:.1} | {over:.1} | {:.1} | {} | {} |",
+                    "| {} ({} KB read, {} runs) | {} | {:.1} | {:.1}-{:.1} | {} | {:.1} | {over:.1} | {:.1} | {} | {} |",
                     l["name"].as_str().unwrap_or("?"),
                     l["evict_bytes"].as_u64().unwrap_or(0) >> 10,
+                    l["runs"].as_u64().unwrap_or(0),
                     c["name"].as_str().unwrap_or("?"),
                     f(&c["median_ns"]),
                     f(&c["p10_ns"]),
