@@ -432,7 +432,8 @@ pub mod counter {
 pub const LAYOUT_VERSION: u32 = 9;
 
 /// The last layout that lbd takes up in place, without a migration: its
-/// maps are this layout's but for the ones this layout added.
+/// maps are this layout's but for the ones layout 8 added (layout 9 added
+/// none).
 pub const LAYOUT_IN_PLACE_FROM: u32 = 7;
 
 /// Room a CPU takes from the shared entry count (`FLOW_COUNT`) at a time,
