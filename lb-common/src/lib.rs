@@ -1441,6 +1441,17 @@ pub const FLOW_COPY: u64 = 64;
 /// and copies of older layouts' flows have it clear: they were counted in
 /// `CONNS`.
 pub const FLOW_CONNS_CPU: u64 = 128;
+/// State bit: the sweeper (`lb_sweep`) is removing the entry. Set by a
+/// compare-and-swap from the state it judged the entry by, between that
+/// check and its swap of the slot's claim, and cleared again if the swap
+/// fails (the entry was replaced meanwhile). A packet that finds it takes
+/// its flow up as a new one, and a SYN that would take the entry up in
+/// place (a reset handshake resumed, a half-open or established entry's
+/// tuple reused) and finds it set after its read does the same, without
+/// counting anything: so the sweeper's removal and such a SYN exclude
+/// each other on the state word (before layout 9, a SYN between the
+/// sweeper's check and its swap lost its new connection's entry).
+pub const FLOW_DOOMED: u64 = 256;
 
 /// A TCP flow is closed once either side reset it or both sides sent a FIN.
 /// A new SYN on a closed flow's 5-tuple is a new connection and is scheduled

@@ -36,9 +36,9 @@ use forward::Hop;
 use forward::Way;
 use lb_common::{
     BACKEND_F_DOWN, BACKEND_NONE, ClockCache, DIR_DSR, DIR_FLOW, DIR_FORWARD, DIR_REPLY, DIR_RETIRED, EndpointKey,
-    FLOW_CONNS_CPU, FLOW_COPY, FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED, FLOW_REPLIED,
-    FLOW_RST, Flow, FlowKey, HOLD_NEW, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey, addr_filter_bit,
-    counter, flow_closed,
+    FLOW_CONNS_CPU, FLOW_COPY, FLOW_DOOMED, FLOW_ESTABLISHED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, FLOW_REOPENED,
+    FLOW_REPLIED, FLOW_RST, Flow, FlowKey, HOLD_NEW, PROTO_TCP, SVC_F_DSR, SVC_F_REPLY_ENTRY, Service, VipKey,
+    addr_filter_bit, counter, flow_closed,
 };
 use maps::{ADDR_BITMAP, BACKENDS, CLOCK, ENDPOINTS, FLOOD, NEW_FLOW_RATE, REPLY_HINT, SCRATCH, VIP_ADDRS, VIPS};
 use parse::{Packet, ParseError, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
@@ -321,8 +321,8 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     {
         return None;
     }
-    if is_syn(pkt) && !flow_closed(state) {
-        syn_on_open4(pkt, flow, state);
+    if is_syn(pkt) && !flow_closed(state) && !syn_on_open4(pkt, flow, state) {
+        return None;
     }
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
     // The client speaking again after the backend answered completes the
@@ -487,14 +487,22 @@ pub(crate) fn track_close(state: *mut u64, backend_id: u32, tcp_flags: u8, proto
 /// and reuses their ports is common). A new connection on a tuple whose
 /// handshake was reset has another sequence number, the same low byte
 /// once in 256; it goes uncounted then, on the backend the closed entry
-/// named. True when the entry is taken up.
+/// named. True when the entry is taken up; false too when the sweeper is
+/// removing it (`lb_common::FLOW_DOOMED`, in `seen` or set since): the SYN
+/// is then a new flow.
 #[inline(always)]
 pub(crate) fn resumed(state: *mut u64, seen: u64, dir: u8, syn_seq: u8, seq: u8, backend_id: u32) -> bool {
-    if seen & (FLOW_RST | FLOW_ESTABLISHED) != FLOW_RST || syn_seq != seq || dir == DIR_RETIRED || dir == DIR_REPLY {
+    if seen & (FLOW_RST | FLOW_ESTABLISHED | FLOW_DOOMED) != FLOW_RST
+        || syn_seq != seq
+        || dir == DIR_RETIRED
+        || dir == DIR_REPLY
+    {
         return false;
     }
     // Compare-and-swap: when another CPU changed the state since it was
-    // read (the same SYN twice at once), that CPU took the entry up.
+    // read (the same SYN twice at once), that CPU took the entry up; when
+    // the sweeper did (`FLOW_DOOMED`), the entry is going, and the SYN is
+    // a new connection.
     // SAFETY: a valid, aligned u64 inside a map value.
     // The state starts over but for the count its opening goes to.
     let (_, won) = unsafe {
@@ -503,7 +511,15 @@ pub(crate) fn resumed(state: *mut u64, seen: u64, dir: u8, syn_seq: u8, seq: u8,
     if won {
         stats::flow_opened(backend_id, seen);
     }
-    true
+    won || !doomed(state)
+}
+
+/// Whether the sweeper is removing the entry whose state word is `state`
+/// (`lb_common::FLOW_DOOMED`), read afresh.
+#[inline(always)]
+fn doomed(state: *const u64) -> bool {
+    // SAFETY: a valid, aligned u64 inside a map value (see `known_flow`).
+    unsafe { core::ptr::read_volatile(state) & FLOW_DOOMED != 0 }
 }
 
 /// [`resumed`] for an IPv4 entry, in a call of its own: the known-flow
@@ -519,11 +535,11 @@ fn resumed4(pkt: &Packet, flow: *mut Flow, seen: u64) -> bool {
 /// [`syn_on_open`] for an IPv4 entry, in a call of its own (see
 /// `resumed4`).
 #[inline(never)]
-fn syn_on_open4(pkt: &Packet, flow: *mut Flow, seen: u64) {
+fn syn_on_open4(pkt: &Packet, flow: *mut Flow, seen: u64) -> bool {
     // SAFETY: a valid, aligned map value; only fields' addresses are taken
     // and an integer loaded.
     let (syn_seq, backend_id) = unsafe { (&raw mut (*flow).syn_seq, (*flow).backend_id) };
-    syn_on_open(state_of(flow), seen, syn_seq, pkt.seq_lo(), backend_id);
+    syn_on_open(state_of(flow), seen, syn_seq, pkt.seq_lo(), backend_id)
 }
 
 /// A SYN (its sequence number's low byte `seq`) on an entry that is not
@@ -542,20 +558,33 @@ fn syn_on_open4(pkt: &Packet, flow: *mut Flow, seen: u64) {
 /// exception: older layouts kept no byte (0 in the copy), so a SYN on a
 /// half-open copy is taken for a retransmission, as before. Once in 256
 /// a new connection's SYN has the same byte, and goes uncounted.
+///
+/// False when the sweeper is removing the entry (`lb_common::FLOW_DOOMED`,
+/// in `seen` or set since): nothing was counted, and the SYN is taken up
+/// as a new flow.
 #[inline(always)]
-pub(crate) fn syn_on_open(state: *mut u64, seen: u64, syn_seq: *mut u8, seq: u8, backend_id: u32) {
+pub(crate) fn syn_on_open(state: *mut u64, seen: u64, syn_seq: *mut u8, seq: u8, backend_id: u32) -> bool {
+    if seen & FLOW_DOOMED != 0 {
+        return false;
+    }
     if seen & FLOW_ESTABLISHED != 0 {
-        reopen(state, backend_id);
+        if !reopen(state, backend_id) {
+            return false;
+        }
     } else if seen & FLOW_COPY != 0
         // SAFETY: a byte inside a valid map value.
         || unsafe { *syn_seq } == seq
-        || !renew(state, seen, backend_id)
     {
-        return;
+        return true;
+    } else if !renew(state, seen, backend_id) {
+        // Another CPU renewed it (the same SYN twice at once), or the
+        // sweeper is removing it.
+        return !doomed(state);
     }
     // SAFETY: as above; a plain store of a byte. Another CPU taking the
     // same SYN at once writes the same byte.
     unsafe { *syn_seq = seq };
+    true
 }
 
 /// A new connection on a half-open entry's tuple (see `syn_on_open`): the
@@ -590,20 +619,28 @@ fn renew(state: *mut u64, seen: u64, backend_id: u32) -> bool {
 /// live connection; it is counted as one: the old connection closed, the
 /// new one opened and new. Its handshake and close are tracked afresh
 /// (`FLOW_REOPENED` in place of the handshake and FIN bits: see there).
+/// False, with nothing counted, when the sweeper is removing the entry
+/// (`lb_common::FLOW_DOOMED`, kept by the change).
 #[inline(always)]
-pub(crate) fn reopen(state: *mut u64, backend_id: u32) {
+pub(crate) fn reopen(state: *mut u64, backend_id: u32) -> bool {
     // Atomic, as other CPUs OR bits in: the old value says whether a close
     // raced this SYN and was counted already. Between the two, the entry
     // is neither established nor reopened for a few instructions: a sweep
     // that judged it then finds it changed and leaves it.
     // SAFETY: a valid, aligned u64 inside a map value.
-    let old = unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(state, FLOW_REPLIED | FLOW_CONNS_CPU) };
+    let old = unsafe {
+        atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(state, FLOW_REPLIED | FLOW_CONNS_CPU | FLOW_DOOMED)
+    };
+    if old & FLOW_DOOMED != 0 {
+        return false;
+    }
     set_state(state, FLOW_REOPENED);
     if !flow_closed(old) {
         stats::flow_closed(backend_id, old);
     }
     stats::new_flow(backend_id);
     stats::flow_opened(backend_id, old);
+    true
 }
 
 /// A migration is copying the old datapath's last flows (`Flood::hold_until`).

@@ -12,16 +12,16 @@
 //! Run by lbd through BPF_PROG_TEST_RUN, never attached: the "frame" is
 //! the request, and the program marks in it what it removed.
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-use core::intrinsics::{AtomicOrdering, atomic_or, atomic_xadd};
+use core::intrinsics::{AtomicOrdering, atomic_and, atomic_cxchg, atomic_or, atomic_xadd};
 use core::{
     mem::size_of,
     ptr::{addr_of, addr_of_mut, read_volatile},
 };
 use lb_common::{
-    COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_COPY, FLOW_REOPENED, Flow, Flow6, FlowKey, FlowKey6, INSERT_BATCH,
-    INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, MERGED_BITS,
-    SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SlotKey, SweepHeader, SweepItem, SweepItem6,
-    flow_closed,
+    COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_COPY, FLOW_DOOMED, FLOW_REOPENED, Flow, Flow6, FlowKey, FlowKey6,
+    INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERT_REPLACED, INSERTED, InsertItem, InsertItem6,
+    MERGED_BITS, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SlotKey, SweepHeader, SweepItem,
+    SweepItem6, flow_closed,
 };
 
 use crate::{
@@ -54,6 +54,11 @@ trait Item {
     /// # Safety
     /// `v` points at a flow-table value.
     unsafe fn now(v: *const Self::Value) -> (u64, u64);
+    /// The entry's state word.
+    ///
+    /// # Safety
+    /// `v` points at a flow-table value.
+    unsafe fn state(v: *mut Self::Value) -> *mut u64;
     /// Mark the item removed.
     ///
     /// # Safety
@@ -77,6 +82,10 @@ impl Item for SweepItem {
         // referenced) while other CPUs may write them.
         unsafe { (read_volatile(addr_of!((*v).state)), read_volatile(addr_of!((*v).last_seen))) }
     }
+    unsafe fn state(v: *mut Flow) -> *mut u64 {
+        // SAFETY: the caller's promise; an address, nothing read.
+        unsafe { addr_of_mut!((*v).state) }
+    }
     unsafe fn mark(item: *mut Self) {
         // SAFETY: the caller's promise; a store through the raw pointer.
         unsafe { addr_of_mut!((*item).removed).write(1) };
@@ -96,6 +105,10 @@ impl Item for SweepItem6 {
     unsafe fn now(v: *const Flow6) -> (u64, u64) {
         // SAFETY: as above.
         unsafe { (read_volatile(addr_of!((*v).state)), read_volatile(addr_of!((*v).last_seen))) }
+    }
+    unsafe fn state(v: *mut Flow6) -> *mut u64 {
+        // SAFETY: as above.
+        unsafe { addr_of_mut!((*v).state) }
     }
     unsafe fn mark(item: *mut Self) {
         // SAFETY: as above.
@@ -395,6 +408,36 @@ fn add_counts(ctx: &XdpContext, count: u32) -> Option<()> {
     Some(())
 }
 
+/// Mark the entry `v` as being removed (`FLOW_DOOMED`) if its state is
+/// still `state`, by compare-and-swap, and its last packet still `seen`
+/// (read after the mark: a packet that wrote it since takes the mark off
+/// again). True when marked. A SYN that takes the entry up in place
+/// changes its state by an atomic operation too, so of the two exactly
+/// one wins: the sweeper's swap fails, or the SYN sees the mark and
+/// takes its flow up as a new one (main.rs, `syn_on_open`).
+///
+/// # Safety
+/// `v` points at a flow-table value.
+#[inline(always)]
+unsafe fn doom<I: Item>(v: *mut I::Value, state: u64, seen: u64) -> bool {
+    // SAFETY: the caller's promise; an aligned u64 inside it.
+    let s = unsafe { I::state(v) };
+    // SAFETY: as above.
+    let (_, won) = unsafe {
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(s, state, state | FLOW_DOOMED)
+    };
+    if !won {
+        return false;
+    }
+    // SAFETY: as above.
+    if unsafe { I::now(v) }.1 != seen {
+        // SAFETY: as above.
+        unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(s, !FLOW_DOOMED) };
+        return false;
+    }
+    true
+}
+
 /// Remove the entry of each of the request's `count` items (at most `N`)
 /// from `table` if it is as the item says it was judged, and mark the item.
 #[inline(always)]
@@ -415,10 +458,20 @@ fn remove_unchanged<I: Item, const N: usize>(
         let (key, at, state, seen) = unsafe { (*item).judged() };
         let removed = if at == SWEEP_BY_KEY {
             let at = I::slot_of(&key);
-            at & table::MISS == 0 && table::remove_if(slots, mask, I::COUNT, at, &key, |_| true)
+            at & table::MISS == 0 && table::remove_if(slots, mask, I::COUNT, at, &key, |_| true, |_| {})
         } else {
             // SAFETY: `remove_if` hands over a value of the table.
-            table::remove_if(slots, mask, I::COUNT, at, &key, |v| unsafe { I::now(v) } == (state, seen))
+            table::remove_if(
+                slots,
+                mask,
+                I::COUNT,
+                at,
+                &key,
+                |v| unsafe { doom::<I>(v, state, seen) },
+                |v| unsafe {
+                    atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(I::state(v), !FLOW_DOOMED);
+                },
+            )
         };
         if removed {
             // SAFETY: inside the frame (above).

@@ -49,11 +49,12 @@
 //!   a few instructions, as before between its check and the kernel's
 //!   delete: a packet on another CPU that writes the entry in place then
 //!   (its timestamp, its state bits) is not seen (its flow is judged
-//!   again at the next sweep, if it still has an entry). That includes
-//!   the SYNs that take an entry up in place (`resumed`, `renew`,
-//!   `reopen` in main.rs): when the sweeper is removing that very entry
-//!   (past its linger or timeout) at that moment, the new connection
-//!   loses it (README, "Failed requests"). A CPU holding a pointer to
+//!   again at the next sweep, if it still has an entry). A SYN that
+//!   takes an entry up in place (`resumed`, `renew`, `reopen` in
+//!   main.rs) is the exception: it and the sweeper's removal exclude
+//!   each other on the state word (`lb_common::FLOW_DOOMED`, which the
+//!   sweeper sets by compare-and-swap before it swaps the claim:
+//!   `sweep.rs`, `doom`). A CPU holding a pointer to
 //!   an entry while the sweeper removes it, and another CPU's insert
 //!   takes the slot, may write its timestamp or state bits into the new
 //!   entry: as with the kernel's preallocated hash, whose freed elements
@@ -717,12 +718,14 @@ impl Seen {
     }
 }
 
-/// Remove the entry in slot `at` if it is `key`'s and `unchanged` says
-/// its value is as the sweeper judged it (and give its room back to
-/// `count`); then, when the slot after it is empty, turn the run of
-/// removed slots that ends here back to empty ([`clear_run`], in the
-/// table of `count`'s family, which is `table`). True when the entry was
-/// removed.
+/// Remove the entry in slot `at` if it is `key`'s and `take` says its
+/// value is as the sweeper judged it (and marks it: `lb_common::FLOW_DOOMED`)
+/// (and give its room back to `count`); then, when the slot after it is
+/// empty, turn the run of removed slots that ends here back to empty
+/// ([`clear_run`], in the table of `count`'s family, which is `table`).
+/// When the swap of the claim fails (the entry was replaced since its
+/// claim was read), `undo` takes the mark off again. True when the entry
+/// was removed.
 #[inline(always)]
 pub(crate) fn remove_if<K: SlotKey, V>(
     table: &impl SlotTable<K, V>,
@@ -730,7 +733,8 @@ pub(crate) fn remove_if<K: SlotKey, V>(
     count: Count,
     at: u32,
     key: &K,
-    unchanged: impl Fn(*const V) -> bool,
+    take: impl Fn(*mut V) -> bool,
+    undo: impl Fn(*mut V),
 ) -> bool {
     let Some(slot) = slot_at(table, at & mask) else { return false };
     let want = (key.slot_hash(flow_seed()) & SLOT_TAG) | SLOT_READY;
@@ -741,7 +745,7 @@ pub(crate) fn remove_if<K: SlotKey, V>(
         // replaced since (a replacement takes the next generation), even
         // by one that ended before the swap (the claim READY again).
         let claim = read_volatile(&raw const (*slot).claim);
-        if claim & SLOT_MATCH != want || !(*slot).key.same(key) || !unchanged(&raw const (*slot).value) {
+        if claim & SLOT_MATCH != want || !(*slot).key.same(key) || !take(&raw mut (*slot).value) {
             return false;
         }
         let (_, won) = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
@@ -750,6 +754,7 @@ pub(crate) fn remove_if<K: SlotKey, V>(
             SLOT_TOMB,
         );
         if !won {
+            undo(&raw mut (*slot).value);
             return false;
         }
     }
@@ -1028,7 +1033,7 @@ fn take_back<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, count: Coun
     if at >= MISS {
         return 0;
     }
-    u32::from(remove_if(table, mask, count, at, key, |_| true))
+    u32::from(remove_if(table, mask, count, at, key, |_| true, |_| {}))
 }
 
 /// [`flow6`]'s global function.

@@ -586,8 +586,8 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
     if down || (pkt.is_syn() && flow_closed(state)) {
         return None;
     }
-    if pkt.is_syn() {
-        syn_on_open6(pkt, flow, state);
+    if pkt.is_syn() && !syn_on_open6(pkt, flow, state) {
+        return None;
     }
     track_close(state_of(flow), nat.backend_id, pkt.tcp_flags, pkt.proto, FLOW_FIN_CLIENT);
     let dsr = dir == DIR_DSR;
@@ -617,11 +617,11 @@ fn resumed6(pkt: &Packet6, flow: *mut Flow6) {
 /// `syn_on_open` for an IPv6 entry, in a call of its own (see
 /// `resumed4`).
 #[inline(never)]
-fn syn_on_open6(pkt: &Packet6, flow: *mut Flow6, seen: u64) {
+fn syn_on_open6(pkt: &Packet6, flow: *mut Flow6, seen: u64) -> bool {
     // SAFETY: a valid, aligned map value; only fields' addresses are taken
     // and an integer loaded.
     let (syn_seq, backend_id) = unsafe { (&raw mut (*flow).syn_seq, (*flow).backend_id) };
-    syn_on_open(state_of(flow), seen, syn_seq, pkt.seq_lo(), backend_id);
+    syn_on_open(state_of(flow), seen, syn_seq, pkt.seq_lo(), backend_id)
 }
 
 /// A new flow: planned in a frame of its own (`plan_flow`), its entries
