@@ -5,9 +5,12 @@
 //! Each goes only if its slot still holds that key with both: a flow that
 //! saw a packet since, or an entry made anew for the same 5-tuple by a
 //! client reusing its port, stays. The removal itself is a
-//! compare-and-swap of the slot's claim (`table::remove_if`); between the
-//! check of the value and it lie a few instructions on one CPU, and it
-//! costs one run per batch of flows instead of syscalls per flow.
+//! compare-and-swap of the slot's claim (`table::remove_if`), from the
+//! claim read before the check (a replacement bumps its generation), after
+//! the entry's state is marked (`doom`: a SYN that would take the entry up
+//! in place sees the mark, or the mark's swap fails); between the check
+//! of the last packet's time and it lie a few instructions on one CPU,
+//! and it costs one run per batch of flows instead of syscalls per flow.
 //!
 //! Run by lbd through BPF_PROG_TEST_RUN, never attached: the "frame" is
 //! the request, and the program marks in it what it removed.
