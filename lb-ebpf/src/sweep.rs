@@ -413,11 +413,18 @@ fn add_counts(ctx: &XdpContext, count: u32) -> Option<()> {
 
 /// Mark the entry `v` as being removed (`FLOW_DOOMED`) if its state is
 /// still `state`, by compare-and-swap, and its last packet still `seen`
-/// (read after the mark: a packet that wrote it since takes the mark off
-/// again). True when marked. A SYN that takes the entry up in place
-/// changes its state by an atomic operation too, so of the two exactly
-/// one wins: the sweeper's swap fails, or the SYN sees the mark and
-/// takes its flow up as a new one (main.rs, `syn_on_open`).
+/// (read after the mark: when a packet wrote it since, the mark comes off
+/// again and the entry stays). True when marked. A SYN that takes the
+/// entry up in place changes its state by an atomic operation too, so of
+/// the two exactly one wins: the sweeper's swap fails, or the SYN sees
+/// the mark and takes its flow up as a new one (main.rs, `syn_on_open`).
+///
+/// Left open: a SYN that saw the mark and replaced the entry as a new
+/// flow before the sweeper's swap of the claim (its CPU interrupted
+/// between the two) makes that swap fail; when the marked entry's
+/// connection was not closed yet (a half-open or idle one), no one then
+/// counts it closed (the replacement counts only the new one), and its
+/// backend's active count stays one too high.
 ///
 /// # Safety
 /// `v` points at a flow-table value.
