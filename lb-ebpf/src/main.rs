@@ -707,7 +707,7 @@ pub(crate) fn set_state(state: *mut u64, bit: u64) {
 
 /// The state word of a flow entry (the one field several CPUs write).
 #[inline(always)]
-fn state_of(flow: *mut Flow) -> *mut u64 {
+pub(crate) fn state_of(flow: *mut Flow) -> *mut u64 {
     // SAFETY: only the field's address is taken.
     unsafe { &raw mut (*flow).state }
 }

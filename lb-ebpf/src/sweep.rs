@@ -57,11 +57,8 @@ trait Item {
     /// # Safety
     /// `v` points at a flow-table value.
     unsafe fn now(v: *const Self::Value) -> (u64, u64);
-    /// The entry's state word.
-    ///
-    /// # Safety
-    /// `v` points at a flow-table value.
-    unsafe fn state(v: *mut Self::Value) -> *mut u64;
+    /// The entry's state word (the datapath's `state_of`).
+    fn state(v: *mut Self::Value) -> *mut u64;
     /// Mark the item removed.
     ///
     /// # Safety
@@ -85,9 +82,8 @@ impl Item for SweepItem {
         // referenced) while other CPUs may write them.
         unsafe { (read_volatile(addr_of!((*v).state)), read_volatile(addr_of!((*v).last_seen))) }
     }
-    unsafe fn state(v: *mut Flow) -> *mut u64 {
-        // SAFETY: the caller's promise; an address, nothing read.
-        unsafe { addr_of_mut!((*v).state) }
+    fn state(v: *mut Flow) -> *mut u64 {
+        crate::state_of(v)
     }
     unsafe fn mark(item: *mut Self) {
         // SAFETY: the caller's promise; a store through the raw pointer.
@@ -109,9 +105,8 @@ impl Item for SweepItem6 {
         // SAFETY: as above.
         unsafe { (read_volatile(addr_of!((*v).state)), read_volatile(addr_of!((*v).last_seen))) }
     }
-    unsafe fn state(v: *mut Flow6) -> *mut u64 {
-        // SAFETY: as above.
-        unsafe { addr_of_mut!((*v).state) }
+    fn state(v: *mut Flow6) -> *mut u64 {
+        crate::v6::state_of(v)
     }
     unsafe fn mark(item: *mut Self) {
         // SAFETY: as above.
@@ -430,9 +425,8 @@ fn add_counts(ctx: &XdpContext, count: u32) -> Option<()> {
 /// `v` points at a flow-table value.
 #[inline(always)]
 unsafe fn doom<I: Item>(v: *mut I::Value, state: u64, seen: u64) -> bool {
-    // SAFETY: the caller's promise; an aligned u64 inside it.
-    let s = unsafe { I::state(v) };
-    // SAFETY: as above.
+    let s = I::state(v);
+    // SAFETY: the caller's promise: an aligned u64 inside a flow-table value.
     let (_, won) = unsafe {
         atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(s, state, state | FLOW_DOOMED)
     };
@@ -442,10 +436,20 @@ unsafe fn doom<I: Item>(v: *mut I::Value, state: u64, seen: u64) -> bool {
     // SAFETY: as above.
     if unsafe { I::now(v) }.1 != seen {
         // SAFETY: as above.
-        unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(s, !FLOW_DOOMED) };
+        unsafe { undoom::<I>(v) };
         return false;
     }
     true
+}
+
+/// Take the sweeper's mark (`doom`) off the entry `v` again.
+///
+/// # Safety
+/// `v` points at a flow-table value.
+#[inline(always)]
+unsafe fn undoom<I: Item>(v: *mut I::Value) {
+    // SAFETY: the caller's promise: an aligned u64 inside a flow-table value.
+    unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(I::state(v), !FLOW_DOOMED) };
 }
 
 /// Remove the entry of each of the request's `count` items (at most `N`)
@@ -478,9 +482,7 @@ fn remove_unchanged<I: Item, const N: usize>(
                 at,
                 &key,
                 |v| unsafe { doom::<I>(v, state, seen) },
-                |v| unsafe {
-                    atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(I::state(v), !FLOW_DOOMED);
-                },
+                |v| unsafe { undoom::<I>(v) },
             )
         };
         if removed {

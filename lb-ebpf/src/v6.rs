@@ -541,7 +541,7 @@ fn to_gateway(ctx: &XdpContext, pkt: &Packet6) -> bool {
 }
 
 #[inline(always)]
-fn state_of(flow: *mut Flow6) -> *mut u64 {
+pub(crate) fn state_of(flow: *mut Flow6) -> *mut u64 {
     // SAFETY: only the field's address is taken.
     unsafe { &raw mut (*flow).state }
 }
