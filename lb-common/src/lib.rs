@@ -1175,11 +1175,20 @@ pub struct SweepItem {
     /// The entry's `state` and `last_seen` as the sweeper read them.
     pub state: u64,
     pub last_seen: u64,
-    /// Set to 1 by the program when it removed the entry.
+    /// Set to 1 by the program when it removed the entry, and to
+    /// [`SWEEP_CLOSED`] when it did not, but the entry's close is the
+    /// sweeper's to count all the same.
     pub removed: u32,
     /// The entry's slot in the flow table, or [`SWEEP_BY_KEY`].
     pub slot: u32,
 }
+
+/// [`SweepItem::removed`]: the entry was not removed, but `lb_sweep` had
+/// marked it ([`FLOW_DOOMED`]) on the way, and while it was marked, the
+/// connection it was judged open for was closed or replaced by a new
+/// entry: the datapath counts no close of a marked entry, so the sweeper
+/// counts this one (as it counts a removed flow that was open).
+pub const SWEEP_CLOSED: u32 = 2;
 
 /// One IPv6 flow the sweeper would remove; see [`SweepHeader`].
 #[repr(C)]
@@ -1450,7 +1459,11 @@ pub const FLOW_CONNS_CPU: u64 = 128;
 /// tuple reused) and finds it set after its read does the same, without
 /// counting anything: so the sweeper's removal and such a SYN exclude
 /// each other on the state word (before layout 9, a SYN between the
-/// sweeper's check and its swap lost its new connection's entry).
+/// sweeper's check and its swap lost its new connection's entry). While
+/// it is set, the entry's close is the sweeper's to count: the datapath
+/// counts none (a FIN or reset, a new entry replacing it), and the
+/// sweeper counts the close when its removal goes through, or when the
+/// mark comes off a closed or replaced entry ([`SWEEP_CLOSED`]).
 pub const FLOW_DOOMED: u64 = 256;
 
 /// A TCP flow is closed once either side reset it or both sides sent a FIN.

@@ -308,11 +308,10 @@ fn known_flow(pkt: &Packet, flow: *mut Flow, now: u64) -> Option<To> {
     let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
     // A fresh SYN on a closed flow's tuple is a new connection; a flow
     // whose backend went down is re-dispatched (its next packet, e.g. a
-    // retransmission, reaches a live backend, which resets it fast).
+    // retransmission, reaches a live backend, which resets it fast). Its
+    // close is counted by the new entry that replaces this one
+    // (`table::Entry`), once, or by its expiry if none does.
     let down = backend_down(nat.backend_id);
-    if down && !flow_closed(state) {
-        stats::flow_closed(nat.backend_id, state);
-    }
     // A SYN on it is a new connection, unless it retransmits the entry's
     // own (`resumed`).
     if down
@@ -466,7 +465,10 @@ pub(crate) fn track_close(state: *mut u64, backend_id: u32, tcp_flags: u8, proto
     // SeqCst: the old value is used, see select.rs on relaxed atomics.
     // SAFETY: a valid, aligned u64 inside a map value.
     let old = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(state, bit) };
-    if !flow_closed(old) && flow_closed(old | bit) {
+    // Not while the sweeper is removing the entry (`FLOW_DOOMED`): its
+    // close is then the sweeper's to count, whether the removal goes
+    // through or not (`sweep.rs`, `undoom`).
+    if !flow_closed(old) && flow_closed(old | bit) && old & FLOW_DOOMED == 0 {
         stats::flow_closed(backend_id, old);
     }
 }

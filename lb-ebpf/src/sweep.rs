@@ -11,6 +11,9 @@
 //! in place sees the mark, or the mark's swap fails); between the check
 //! of the last packet's time and it lie a few instructions on one CPU,
 //! and it costs one run per batch of flows instead of syscalls per flow.
+//! While the mark is on, the entry's close is the sweeper's to count
+//! (`undoom`), so that a reset, a new entry or the removal that meet on
+//! one flow count its connection closed once.
 //!
 //! Run by lbd through BPF_PROG_TEST_RUN, never attached: the "frame" is
 //! the request, and the program marks in it what it removed.
@@ -23,8 +26,8 @@ use core::{
 use lb_common::{
     COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_COPY, FLOW_DOOMED, FLOW_REOPENED, Flow, Flow6, FlowKey, FlowKey6,
     INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERT_REPLACED, INSERTED, InsertItem, InsertItem6,
-    MERGED_BITS, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SlotKey, SweepHeader, SweepItem,
-    SweepItem6, flow_closed,
+    MERGED_BITS, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_CLOSED, SWEEP_COUNTS, SWEEP_INSERT, SlotKey,
+    SweepHeader, SweepItem, SweepItem6, flow_closed,
 };
 
 use crate::{
@@ -59,11 +62,11 @@ trait Item {
     unsafe fn now(v: *const Self::Value) -> (u64, u64);
     /// The entry's state word (the datapath's `state_of`).
     fn state(v: *mut Self::Value) -> *mut u64;
-    /// Mark the item removed.
+    /// Mark the item removed (1) or closed here (`SWEEP_CLOSED`).
     ///
     /// # Safety
     /// `item` points at a whole item inside the frame.
-    unsafe fn mark(item: *mut Self);
+    unsafe fn mark(item: *mut Self, how: u32);
     /// The slot of `key`'s entry (`table::MISS` set, or `table::NO_SLOT`:
     /// none), by the table's global lookup.
     fn slot_of(key: &Self::Key) -> u32;
@@ -85,9 +88,9 @@ impl Item for SweepItem {
     fn state(v: *mut Flow) -> *mut u64 {
         crate::state_of(v)
     }
-    unsafe fn mark(item: *mut Self) {
+    unsafe fn mark(item: *mut Self, how: u32) {
         // SAFETY: the caller's promise; a store through the raw pointer.
-        unsafe { addr_of_mut!((*item).removed).write(1) };
+        unsafe { addr_of_mut!((*item).removed).write(how) };
     }
     fn slot_of(key: &FlowKey) -> u32 {
         table::lb_flow_slot(key)
@@ -108,9 +111,9 @@ impl Item for SweepItem6 {
     fn state(v: *mut Flow6) -> *mut u64 {
         crate::v6::state_of(v)
     }
-    unsafe fn mark(item: *mut Self) {
+    unsafe fn mark(item: *mut Self, how: u32) {
         // SAFETY: as above.
-        unsafe { addr_of_mut!((*item).removed).write(1) };
+        unsafe { addr_of_mut!((*item).removed).write(how) };
     }
     fn slot_of(key: &FlowKey6) -> u32 {
         table::lb_flow_slot6(key)
@@ -414,17 +417,18 @@ fn add_counts(ctx: &XdpContext, count: u32) -> Option<()> {
 /// the two exactly one wins: the sweeper's swap fails, or the SYN sees
 /// the mark and takes its flow up as a new one (main.rs, `syn_on_open`).
 ///
-/// Left open: a SYN that saw the mark and replaced the entry as a new
-/// flow before the sweeper's swap of the claim (its CPU interrupted
-/// between the two) makes that swap fail; when the marked entry's
-/// connection was not closed yet (a half-open or idle one), no one then
-/// counts it closed (the replacement counts only the new one), and its
-/// backend's active count stays one too high.
+/// While the mark is on, the datapath counts no close of the entry (a
+/// FIN or reset, `track_close`; a new entry replacing it,
+/// `table::Entry`): it is the sweeper's, counted when the removal goes
+/// through (lbd counts an open flow it removed as expired), or when the
+/// mark comes off again ([`undoom`]). `item` is the request's item, told
+/// by `undoom`.
 ///
 /// # Safety
-/// `v` points at a flow-table value.
+/// `v` points at a flow-table value, `item` at a whole item inside the
+/// frame.
 #[inline(always)]
-unsafe fn doom<I: Item>(v: *mut I::Value, state: u64, seen: u64) -> bool {
+unsafe fn doom<I: Item>(v: *mut I::Value, state: u64, seen: u64, item: *mut I) -> bool {
     let s = I::state(v);
     // SAFETY: the caller's promise: an aligned u64 inside a flow-table value.
     let (_, won) = unsafe {
@@ -436,20 +440,46 @@ unsafe fn doom<I: Item>(v: *mut I::Value, state: u64, seen: u64) -> bool {
     // SAFETY: as above.
     if unsafe { I::now(v) }.1 != seen {
         // SAFETY: as above.
-        unsafe { undoom::<I>(v) };
+        unsafe { undoom::<I>(v, state, item) };
         return false;
     }
     true
 }
 
-/// Take the sweeper's mark (`doom`) off the entry `v` again.
+/// Take the sweeper's mark (`doom`) off the entry `v` again, the removal
+/// given up (a packet came since the entry was judged by `state`, or its
+/// claim changed), and tell the request's `item` ([`SWEEP_CLOSED`]) when
+/// the connection the entry was judged open for closed while it was
+/// marked, which no one else counted:
+/// - the state the mark comes off has a close in it (a FIN or reset, or
+///   `table::Entry`'s both FINs: a new entry replacing it, which found
+///   the mark, is being written);
+/// - or it has no mark at all: the slot holds a new entry already, which
+///   replaced the marked one (the mark is set by this sweeper alone and
+///   taken off here alone, and a new entry is written without it).
+///
+/// A new entry that found no mark counts the old one's close itself, and
+/// then the state the mark comes off here is the old entry's, not closed
+/// by the replacement yet: nothing told. So exactly one side counts, as
+/// the one atomic operation on the state word that came first says.
+///
+/// Left open: when a new entry replaced the judged one between lbd's
+/// read and this run, with the very state it was judged by (a fresh
+/// entry's, the judged one half-open too), the mark lands on the new
+/// entry; its last packet then differs (the judged one was idle past a
+/// timeout), and the mark comes off again. Only a close of the new entry
+/// inside those few instructions is then told, as the judged flow's.
 ///
 /// # Safety
-/// `v` points at a flow-table value.
+/// As `doom`.
 #[inline(always)]
-unsafe fn undoom<I: Item>(v: *mut I::Value) {
+unsafe fn undoom<I: Item>(v: *mut I::Value, state: u64, item: *mut I) {
     // SAFETY: the caller's promise: an aligned u64 inside a flow-table value.
-    unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(I::state(v), !FLOW_DOOMED) };
+    let was = unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(I::state(v), !FLOW_DOOMED) };
+    if !flow_closed(state) && (was & FLOW_DOOMED == 0 || flow_closed(was)) {
+        // SAFETY: the caller's promise.
+        unsafe { I::mark(item, SWEEP_CLOSED) };
+    }
 }
 
 /// Remove the entry of each of the request's `count` items (at most `N`)
@@ -481,13 +511,13 @@ fn remove_unchanged<I: Item, const N: usize>(
                 I::COUNT,
                 at,
                 &key,
-                |v| unsafe { doom::<I>(v, state, seen) },
-                |v| unsafe { undoom::<I>(v) },
+                |v| unsafe { doom::<I>(v, state, seen, item) },
+                |v| unsafe { undoom::<I>(v, state, item) },
             )
         };
         if removed {
             // SAFETY: inside the frame (above).
-            unsafe { I::mark(item) };
+            unsafe { I::mark(item, 1) };
         }
     }
     Some(())

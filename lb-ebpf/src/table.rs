@@ -60,14 +60,15 @@
 //!   entry: as with the kernel's preallocated hash, whose freed elements
 //!   were reused at once.
 use core::{
-    intrinsics::{AtomicOrdering, atomic_cxchg, atomic_xadd, atomic_xsub},
+    intrinsics::{AtomicOrdering, atomic_cxchg, atomic_or, atomic_xadd, atomic_xsub},
     mem::size_of,
     ptr::read_volatile,
 };
 
 use lb_common::{
-    Flow, Flow6, FlowKey, FlowKey6, SLOT_BUCKET, SLOT_BUSY, SLOT_EMPTY, SLOT_GEN, SLOT_GEN_ONE, SLOT_MATCH,
-    SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG, SLOT_TOMB, Slot, SlotKey, flow_credit_batch,
+    DIR_REPLY, FLOW_DOOMED, FLOW_FIN_BACKEND, FLOW_FIN_CLIENT, Flow, Flow6, FlowKey, FlowKey6, SLOT_BUCKET, SLOT_BUSY,
+    SLOT_EMPTY, SLOT_GEN, SLOT_GEN_ONE, SLOT_MATCH, SLOT_PROBES, SLOT_READY, SLOT_STATE, SLOT_TAG, SLOT_TOMB, Slot,
+    SlotKey, flow_closed, flow_credit_batch,
 };
 
 use crate::maps::{
@@ -248,6 +249,12 @@ pub(crate) enum Count {
 }
 
 impl Count {
+    /// Whether this is a packet's put (the datapath's), not the sweeper's.
+    #[inline(always)]
+    fn datapaths(self) -> bool {
+        matches!(self, Self::V4 | Self::V6)
+    }
+
     /// The table's index in `FLOW_COUNT` and `FLOW_CREDIT`.
     #[inline(always)]
     fn index(self) -> u32 {
@@ -366,7 +373,7 @@ pub(crate) enum Put {
 /// take 512 bytes at most, and every value kept across the loop's map
 /// lookups (helper calls) costs a stack slot.
 #[inline(always)]
-pub(crate) fn put<K: SlotKey, V: Copy>(
+pub(crate) fn put<K: SlotKey, V: Copy + Entry>(
     table: &impl SlotTable<K, V>,
     mask: impl Fn() -> u32,
     count: Count,
@@ -476,7 +483,7 @@ pub(crate) fn put<K: SlotKey, V: Copy>(
 /// window between its probe and its swap, a few instructions shorter).
 /// The second entry is then never found, and goes when it is idle.
 #[inline(always)]
-fn put_at<K: SlotKey, V: Copy>(
+fn put_at<K: SlotKey, V: Copy + Entry>(
     table: &impl SlotTable<K, V>,
     mask: u32,
     count: Count,
@@ -603,6 +610,58 @@ fn put_back_removed<K, V>(table: &impl SlotTable<K, V>, mask: u32, top: u32, n: 
     }
 }
 
+/// A flow-table value that a packet's new entry replaces (both
+/// families).
+pub(crate) trait Entry {
+    /// Close the entry at `v`, which a packet's new entry is about to
+    /// overwrite (its slot's claim held: `claim_and_write`), and count
+    /// its connection closed unless that was counted already: by the
+    /// packet that closed it, or, when the sweeper is removing it
+    /// (`FLOW_DOOMED`), by the sweeper (`sweep.rs`, `undoom`). The one
+    /// place the close of an open entry that goes this way is counted: a
+    /// flow re-dispatched from a backend that went down, a SYN that found
+    /// the sweeper's mark, the entry of a new flow whose packets came on
+    /// two CPUs at once, the second replacing the first's.
+    ///
+    /// An atomic OR of both FIN bits, which says whether it closed the
+    /// entry: a packet closing it on another CPU at the same moment, or
+    /// the sweeper marking it, see it closed, as this sees theirs.
+    ///
+    /// # Safety
+    /// `v` points at a flow-table value.
+    unsafe fn close_replaced(v: *mut Self);
+}
+
+/// [`Entry::close_replaced`] of an entry with the state word `state`
+/// (`dir`, `backend_id`: its direction and backend, read first: its words
+/// are overwritten only once this returns). A reply entry counts nothing:
+/// its forward entry holds the connection's state.
+#[inline(always)]
+fn close_replaced(state: *mut u64, dir: u8, backend_id: u32) {
+    let closing = FLOW_FIN_CLIENT | FLOW_FIN_BACKEND;
+    // SAFETY: an aligned u64 inside a flow-table value (the caller's).
+    let old = unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(state, closing) };
+    if dir != DIR_REPLY && !flow_closed(old) && old & FLOW_DOOMED == 0 {
+        crate::stats::flow_closed(backend_id, old);
+    }
+}
+
+impl Entry for Flow {
+    unsafe fn close_replaced(v: *mut Self) {
+        // SAFETY: the caller's promise; plain loads of integers.
+        let (dir, backend_id) = unsafe { ((*v).dir, (*v).backend_id) };
+        close_replaced(crate::state_of(v), dir, backend_id);
+    }
+}
+
+impl Entry for Flow6 {
+    unsafe fn close_replaced(v: *mut Self) {
+        // SAFETY: as above.
+        let (dir, backend_id) = unsafe { ((*v).dir, (*v).backend_id) };
+        close_replaced(crate::v6::state_of(v), dir, backend_id);
+    }
+}
+
 /// Take `slot` from the claim `old` (its tag and state: a whole entry's
 /// claim also holds a generation) and write `key` and `value` into it,
 /// publishing it once whole (`tag`: the key's tag, in a claim's high
@@ -611,7 +670,7 @@ fn put_back_removed<K, V>(table: &impl SlotTable<K, V>, mask: u32, top: u32, n: 
 /// generation). False when the table holds its limit or the slot's claim
 /// is no longer `old`.
 #[inline(always)]
-fn claim_and_write<K, V>(
+fn claim_and_write<K, V: Entry>(
     slot: *mut Slot<K, V>,
     old: u64,
     tag: u64,
@@ -653,6 +712,9 @@ fn claim_and_write<K, V>(
                 count.give_back();
             }
             return false;
+        }
+        if !fresh && count.datapaths() {
+            V::close_replaced(&raw mut (*slot).value);
         }
         copy_words::<_, u64>(&raw mut (*slot).key, key);
         copy_words::<_, u64>(&raw mut (*slot).value, value);

@@ -579,10 +579,9 @@ fn known_flow(pkt: &Packet6, flow: *mut Flow6, k: *mut Keys6, now: u64) -> Optio
     }
     // SAFETY: a valid, aligned u64 inside a map value (see main.rs).
     let state = unsafe { core::ptr::read_volatile(&raw const (*flow).state) };
+    // A flow whose backend went down: its close is counted by the entry
+    // that replaces this one (`table::Entry`), or by its expiry.
     let down = backend_down(nat.backend_id);
-    if down && !flow_closed(state) {
-        stats::flow_closed(nat.backend_id, state);
-    }
     if down || (pkt.is_syn() && flow_closed(state)) {
         return None;
     }

@@ -279,6 +279,16 @@ impl Fixture {
         self.dp.backend_stats(b.id).unwrap().new_flows
     }
 
+    /// Connections of `service`, all its backends together: (opened,
+    /// closed, expired), unclamped.
+    pub fn connection_counts(&self, service: &str) -> (u64, u64, u64) {
+        let s = self.dp.services().find(|s| s.config.name == service).unwrap();
+        s.backends
+            .iter()
+            .map(|b| self.dp.connection_counts(b.id).unwrap())
+            .fold((0, 0, 0), |a, c| (a.0 + c.0, a.1 + c.1, a.2 + c.2))
+    }
+
     /// Active flows of `service`, all its backends together.
     pub fn active_flows(&self, service: &str) -> u64 {
         let s = self.dp.services().find(|s| s.config.name == service).unwrap();

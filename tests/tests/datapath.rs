@@ -833,6 +833,107 @@ fn a_down_backends_late_packets_for_a_re_dispatched_flow_are_dropped_not_leaked(
     });
 }
 
+/// Mark `down` (and only those) of the round-robin fixture's backends
+/// down, as the health checks do.
+fn set_down(fx: &mut Fixture, down: &[Ipv4Addr]) {
+    let services = vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &RR_BACKENDS)];
+    let down: Vec<IpAddr> = down.iter().map(|&a| IpAddr::from(a)).collect();
+    fx.dp
+        .apply(&services, &|_, b| BackendRuntime {
+            weight: if down.contains(&b.address) { 0 } else { b.admin_weight() },
+            down: down.contains(&b.address),
+        })
+        .unwrap();
+}
+
+/// The connection counts of the round-robin fixture's backend `b`:
+/// (opened, closed, expired).
+fn counts_of(fx: &Fixture, b: Ipv4Addr) -> (u64, u64, u64) {
+    let s = fx.dp.services().find(|s| s.config.name == "web").unwrap();
+    let id = s.backends.iter().find(|x| x.config.address == IpAddr::from(b)).unwrap().id;
+    fx.dp.connection_counts(id).unwrap()
+}
+
+/// A flow whose backend went down is counted closed on that backend once,
+/// when a new entry on a live backend replaces its entry. While there is
+/// no live backend to take it, its packets are dropped and nothing is
+/// counted: when its backend comes back, the flow goes on, still active
+/// (each such packet used to count it closed again, and the backend's
+/// count then stayed below its flows: least-conn sent it more).
+#[test]
+fn a_flow_whose_backend_went_down_is_counted_closed_once() {
+    in_netns(|| {
+        let mut fx = rr_fixture_with_table(64);
+        let old = handshake(&fx, 40_300, 80, 8080);
+        assert_eq!(counts_of(&fx, old), (1, 0, 0));
+        set_down(&mut fx, &[old]);
+        let new = fx.forward(&tcp(CLIENT, 40_300, VIP, 80, PSH | ACK).bytes());
+        assert_ne!(new, old, "re-dispatched");
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_300, VIP, 80, PSH | ACK).bytes()), new);
+        assert_eq!(counts_of(&fx, old), (1, 1, 0), "the old backend's flow closed, once");
+        assert_eq!(counts_of(&fx, new), (1, 0, 0), "and opened on its new backend");
+        assert_eq!(fx.active_flows("web"), 1);
+
+        // Every backend down: the flow's packets are dropped, and it stays
+        // active on its backend.
+        let all: Vec<Ipv4Addr> = RR_BACKENDS.iter().map(|b| b.0).collect();
+        set_down(&mut fx, &all);
+        let ack = tcp(CLIENT, 40_300, VIP, 80, PSH | ACK).bytes();
+        for _ in 0..3 {
+            assert_eq!(fx.run(&ack, fx.if_a).0, XDP_DROP);
+        }
+        assert_eq!(fx.counter("no_backend"), 3);
+        assert_eq!(counts_of(&fx, new), (1, 0, 0), "no live backend took the flow: nothing counted");
+        set_down(&mut fx, &[]);
+        assert_eq!(fx.forward(&ack), new, "the flow goes on on its backend");
+        assert_eq!(fx.active_flows("web"), 1);
+        // A second flow, then both reset: every count comes back to none.
+        let other = handshake(&fx, 40_301, 80, 8080);
+        assert_eq!(fx.active_flows("web"), 2);
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_300, VIP, 80, RST).bytes()), new);
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_301, VIP, 80, RST).bytes()), other);
+        assert_eq!(fx.active_flows("web"), 0);
+        assert_eq!(fx.connection_counts("web"), (3, 3, 0));
+    });
+}
+
+/// While the sweeper has an entry marked for removal
+/// (`lb_common::FLOW_DOOMED`, between its check of the entry and its swap
+/// of the slot's claim), the entry's close is the sweeper's to count:
+/// the datapath counts no close of it, neither a reset's nor that of the
+/// new entry that replaces it. A SYN takes its tuple up as a new flow,
+/// counted as one. (The sweeper's side, which counts the close when its
+/// removal goes through or its mark comes off a closed or replaced entry,
+/// runs inside one program run and is exercised by the race tests below,
+/// which check that every connection opened is counted closed or expired
+/// exactly once.)
+#[test]
+fn an_entry_the_sweeper_has_marked_leaves_its_close_to_the_sweeper() {
+    in_netns(|| {
+        let fx = rr_fixture_with_table(64);
+        let syn = |port, seq| Frame { seq, ..tcp(CLIENT, port, VIP, 80, SYN) }.bytes();
+        // A half-open flow, marked: a new connection on its tuple.
+        fx.forward(&syn(40_400, 1));
+        assert!(fx.dp.set_flow_state_bits(&key4(40_400), lb_common::FLOW_DOOMED).unwrap());
+        let new_flows = |fx: &Fixture| RR_BACKENDS.map(|(a, _)| fx.new_flows("web", a)).iter().sum::<u64>();
+        fx.forward(&syn(40_400, 2));
+        let f = fx.dp.flow(&key4(40_400)).unwrap().expect("the new connection's entry");
+        assert_eq!(f.state & lb_common::FLOW_DOOMED, 0, "a new entry in the marked one's place: {:#x}", f.state);
+        assert_eq!(f.syn_seq, 2);
+        assert_eq!(new_flows(&fx), 2);
+        assert_eq!(fx.connection_counts("web"), (2, 0, 0), "the marked entry's close is the sweeper's");
+        // An established flow, marked, then reset: no close counted.
+        let b = handshake(&fx, 40_401, 80, 8080);
+        assert!(fx.dp.set_flow_state_bits(&key4(40_401), lb_common::FLOW_DOOMED).unwrap());
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_401, VIP, 80, RST).bytes()), b);
+        assert_eq!(fx.connection_counts("web"), (3, 0, 0), "the marked entry's close is the sweeper's");
+        // Unmarked, the same reset on another flow is counted at once.
+        let c = handshake(&fx, 40_402, 80, 8080);
+        assert_eq!(fx.forward(&tcp(CLIENT, 40_402, VIP, 80, RST).bytes()), c);
+        assert_eq!(fx.connection_counts("web"), (4, 1, 0));
+    });
+}
+
 #[test]
 fn a_service_without_backends_drops_new_flows_and_counts_them() {
     in_netns(|| {
@@ -1205,6 +1306,20 @@ fn a_reset_handshake_taken_up_again_keeps_its_entry_while_the_sweeper_removes_it
     new_flows_beside_a_sweeper(Reuse::SameSyns);
 }
 
+#[test]
+fn connections_on_reused_tuples_that_the_sweeper_expires_are_each_counted_closed_once() {
+    // Open flows the sweeper expires (its clock 11 s ahead, every timeout
+    // 5 s) while their tuples' new connections renew them and resets close
+    // them: every connection opened must be counted closed or expired
+    // exactly once (the harness checks it for every variant). The datapath
+    // counts no close of an entry the sweeper has marked, the sweeper
+    // counts the close of one it removes or finds closed or replaced when
+    // its mark comes off; before, a reset between the sweeper's mark and
+    // its removal was counted twice, once by the datapath and once as
+    // expired.
+    new_flows_beside_a_sweeper(Reuse::Expiring);
+}
+
 /// Which tuples `new_flows_beside_a_sweeper` reuses, and how.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Reuse {
@@ -1215,6 +1330,11 @@ enum Reuse {
     NewConnections,
     /// The same, every round's SYNs the same.
     SameSyns,
+    /// As `NewConnections`, with resets every other round only, and every
+    /// open flow due to expire at each sweep: the sweeper judges and
+    /// removes live flows too (its clock ahead), so a flow's next packet
+    /// may find no entry and go elsewhere, which this variant allows.
+    Expiring,
 }
 
 /// New flows on CPU 1 (SYN, then its next packet, which must go where the
@@ -1231,7 +1351,7 @@ fn new_flows_beside_a_sweeper(reuse: Reuse) {
             Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
                 c.conntrack_max = 32;
                 c.flood.new_flow_rate_per_cpu = Some(0);
-                c.flood.half_open_timeout = 3600;
+                c.flood.half_open_timeout = if reuse == Reuse::Expiring { 5 } else { 3600 };
             });
         let prog_fd = {
             use std::os::fd::{AsFd as _, AsRawFd as _};
@@ -1263,6 +1383,8 @@ fn new_flows_beside_a_sweeper(reuse: Reuse) {
                         // connection, not its reset handshake resumed (`resumed`,
                         // which keeps the entry and its backend).
                         let seq = if reuse == Reuse::SameSyns { 0 } else { round.wrapping_mul(0x0101_0101) };
+                        // Expiring: the even rounds' flows are left open.
+                        let reset = reuse != Reuse::Expiring || round % 2 == 1;
                         let syns: Vec<Frame> = (first..first + 12)
                             .map(|cport| Frame { seq, ..Frame::tcp(client, cport, VIP, 80, SYN) })
                             .collect();
@@ -1274,7 +1396,7 @@ fn new_flows_beside_a_sweeper(reuse: Reuse) {
                                 moved.push(format!("{client}:{} SYN to {b}, next packet to {next}", syn.sport));
                             }
                         }
-                        for syn in syns {
+                        for syn in syns.into_iter().filter(|_| reset) {
                             run_by_fd(prog_fd, &Frame { tcp_flags: RST, ..syn }.bytes(), if_a);
                         }
                         flows += 12;
@@ -1284,30 +1406,50 @@ fn new_flows_beside_a_sweeper(reuse: Reuse) {
             })
         };
         // The sweeper on CPU 0, as fast as it goes, 11 s ahead: closed
-        // flows are past their linger and removed, nothing else is due.
+        // flows are past their linger and removed, nothing else is due
+        // (Expiring: every open flow is, its idle timeout 5 s).
         let mut zero = nix::sched::CpuSet::new();
         zero.set(0).unwrap();
         nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &zero).unwrap();
+        let idle = if reuse == Reuse::Expiring { 5 } else { u64::MAX / 2 };
         let t0 = std::time::Instant::now();
-        let (mut sweeps, mut removed) = (0u64, 0u64);
+        let (mut sweeps, mut removed, mut expired, mut marked) = (0u64, 0u64, 0u64, 0u64);
         while t0.elapsed() < std::time::Duration::from_secs(8) {
             let now = lb_userspace::dataplane::monotonic_coarse_secs() + 11;
-            let r = fx.dp.sweep(now, u64::MAX / 2, u64::MAX / 2).expect("sweep");
+            let r = fx.dp.sweep(now, idle, idle).expect("sweep");
             sweeps += 1;
             removed += r.removed;
+            expired += r.expired;
+            marked += r.closed_while_marked;
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let (flows, moved) = worker.join().expect("worker");
         eprintln!(
-            "{flows} new flows, {sweeps} sweeps removing {removed} entries, table_full {}",
+            "{flows} new flows, {sweeps} sweeps removing {removed} entries ({expired} expired, {marked} of them \
+             closed or replaced while marked), table_full {}",
             fx.counter("table_full")
         );
         assert!(flows > 10_000 && removed > 10_000, "too little happened to tell: {flows} flows, {removed} removed");
-        assert!(
-            moved.is_empty(),
-            "{} of {flows} flows lost their entry right after their SYN: {:?}",
-            moved.len(),
-            &moved[..moved.len().min(5)]
+        if reuse == Reuse::Expiring {
+            assert!(expired > 10_000, "too few open flows expired to tell: {expired}");
+        } else {
+            assert!(
+                moved.is_empty(),
+                "{} of {flows} flows lost their entry right after their SYN: {:?}",
+                moved.len(),
+                &moved[..moved.len().min(5)]
+            );
+        }
+        // Everything swept, every connection opened was counted closed or
+        // expired exactly once.
+        let now = lb_userspace::dataplane::monotonic_coarse_secs() + 100_000;
+        fx.dp.sweep(now, 1, 1).expect("the last sweep");
+        assert_eq!(fx.entries(), 0);
+        let (opened, closed, expired) = fx.connection_counts("web");
+        assert_eq!(
+            opened,
+            closed + expired,
+            "connections opened {opened}, closed {closed}, expired {expired}: not each counted once"
         );
     });
 }

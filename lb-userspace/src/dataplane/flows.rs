@@ -96,6 +96,12 @@ impl<B: Buckets> FlowTable<B> {
         self.array(e / B::PER).and_then(|a| a.get(&(e % B::PER), 0)).map_err(map_err(B::NAME))
     }
 
+    /// Write element `e` (tests: one slot's value changed as the datapath
+    /// would, between packets).
+    pub(super) fn set_element(&self, e: u32, b: B) -> Result<(), DataplaneError> {
+        self.array(e / B::PER).and_then(|mut a| a.set(e % B::PER, b, 0)).map_err(map_err(B::NAME))
+    }
+
     /// Call `f` with (element index, element) for each element in use of
     /// array `i`, read in one batch. Returns how many elements that was.
     pub(super) fn read_array(&self, i: u32, mut f: impl FnMut(u32, &B)) -> Result<u32, DataplaneError> {

@@ -1232,7 +1232,7 @@ impl Dataplane {
     pub fn forget_flows(&mut self, keys: &[FlowKey]) -> Result<u64, DataplaneError> {
         let items: Vec<SweepItem> =
             keys.iter().map(|&key| SweepItem { key, state: 0, last_seen: 0, removed: 0, slot: SWEEP_BY_KEY }).collect();
-        Ok(self.remove_unchanged(&items)?.iter().filter(|i| i.removed != 0).count() as u64)
+        Ok(self.remove_unchanged(&items)?.iter().filter(|i| i.removed == 1).count() as u64)
     }
 
     /// [`Dataplane::forget_flows`] for IPv6 flows.
@@ -1241,7 +1241,7 @@ impl Dataplane {
             .iter()
             .map(|&key| SweepItem6 { key, state: 0, last_seen: 0, removed: 0, slot: SWEEP_BY_KEY })
             .collect();
-        Ok(self.remove_unchanged6(&items)?.iter().filter(|i| i.removed != 0).count() as u64)
+        Ok(self.remove_unchanged6(&items)?.iter().filter(|i| i.removed == 1).count() as u64)
     }
 
     /// Whether `addr`'s bit is set in the address filter the datapath
@@ -1299,6 +1299,29 @@ impl Dataplane {
     /// The slot of `key`'s IPv6 entry, if it has one (tests).
     pub fn flow_slot6(&self, key: &FlowKey6) -> Result<Option<u32>, DataplaneError> {
         find_slot(&self.maps.flows6, self.flow_seed, key).map(|f| f.map(|(at, _)| at))
+    }
+
+    /// Set `bits` in the state word of `key`'s IPv4 entry (tests: the
+    /// sweeper's mark, `lb_common::FLOW_DOOMED`, as `lb_sweep` leaves it
+    /// between its check and its removal while its CPU is interrupted).
+    /// False when `key` has no entry. Not atomic against the datapath:
+    /// only while no packet runs.
+    pub fn set_flow_state_bits(&self, key: &FlowKey, bits: u64) -> Result<bool, DataplaneError> {
+        let Some((at, _)) = find_slot(&self.maps.flows, self.flow_seed, key)? else { return Ok(false) };
+        let element = at / SLOT_BUCKET;
+        let mut b = self.maps.flows.element(element)?;
+        b[(at % SLOT_BUCKET) as usize].value.state |= bits;
+        self.maps.flows.set_element(element, b)?;
+        Ok(true)
+    }
+
+    /// A backend's connection counts: opened, closed and expired, its
+    /// counts shared and per CPU together, unclamped (tests: every flow
+    /// opened is closed or expired exactly once).
+    pub fn connection_counts(&self, id: u32) -> Result<(u64, u64, u64), DataplaneError> {
+        let c = self.conns_of(id)?;
+        let e = self.maps.expired.get(&id, 0).map_err(map_err(names::EXPIRED))?;
+        Ok((c.opened, c.closed, e))
     }
 
     /// Active flows of a backend: opened - closed - expired, its counts

@@ -7,8 +7,8 @@ use lb_common::{
     COPIED, COUNTS_BATCH, CountsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
     Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED,
     INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH,
-    SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem, SweepItem6,
-    flow_closed, maps as names,
+    SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_CLOSED, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem,
+    SweepItem6, flow_closed, maps as names,
 };
 
 use super::{
@@ -37,8 +37,9 @@ trait Table {
     fn item(k: &Self::K, slot: u32, state: u64, last_seen: u64) -> Self::Item;
     /// The claim, key and value of slot `i` of an element.
     fn parts(b: &Self::Bucket, i: usize) -> (u64, &Self::K, &Self::V);
-    /// Whether `lb_sweep` removed the item's entry.
-    fn removed(i: &Self::Item) -> bool;
+    /// What `lb_sweep` did with the item's entry: 0 nothing, 1 removed,
+    /// `SWEEP_CLOSED`.
+    fn removed(i: &Self::Item) -> u32;
 }
 
 struct V4;
@@ -57,8 +58,8 @@ impl Table for V4 {
     fn parts(b: &FlowBucket, i: usize) -> (u64, &FlowKey, &Flow) {
         (b[i].claim, &b[i].key, &b[i].value)
     }
-    fn removed(i: &SweepItem) -> bool {
-        i.removed != 0
+    fn removed(i: &SweepItem) -> u32 {
+        i.removed
     }
     fn view(k: &FlowKey, f: &Flow) -> (u8, u8, u64, u64, u32, u32) {
         (f.dir, k.proto, f.state, f.last_seen, f.backend_id, f.service_id)
@@ -89,8 +90,8 @@ impl Table for V6 {
     fn parts(b: &FlowBucket6, i: usize) -> (u64, &FlowKey6, &Flow6) {
         (b[i].claim, &b[i].key, &b[i].value)
     }
-    fn removed(i: &SweepItem6) -> bool {
-        i.removed != 0
+    fn removed(i: &SweepItem6) -> u32 {
+        i.removed
     }
     fn view(k: &FlowKey6, f: &Flow6) -> (u8, u8, u64, u64, u32, u32) {
         (f.dir, k.proto, f.state, f.last_seen, f.backend_id, f.service_id)
@@ -243,17 +244,25 @@ fn sweep_chunk<T: Table>(
     // The flow's own entry went first: if a packet raced us and it is gone
     // already, nothing is counted twice.
     for (d, item) in doomed.iter().zip(&done) {
-        if !T::removed(item) {
-            continue;
+        match T::removed(item) {
+            1 => {
+                removed_here += 1;
+                replies.extend(d.reply);
+                if d.half_open {
+                    report.half_open_expired += 1;
+                }
+            }
+            // Not removed, but its close is ours to count: the flow,
+            // judged open, was closed or replaced while `lb_sweep` had it
+            // marked (the datapath counts no close of a marked entry).
+            // Its entry (or the one in its place) stays, and so does its
+            // reply entry.
+            SWEEP_CLOSED => report.closed_while_marked += 1,
+            _ => continue,
         }
-        removed_here += 1;
-        replies.extend(d.reply);
         if let Some(b) = d.expired_from {
             *expired_by.entry(b).or_default() += 1;
             report.expired += 1;
-        }
-        if d.half_open {
-            report.half_open_expired += 1;
         }
     }
     report.removed += removed_here;
@@ -261,7 +270,7 @@ fn sweep_chunk<T: Table>(
     if !replies.is_empty() {
         let items: Vec<T::Item> = replies.iter().map(|k| T::item(k, SWEEP_BY_KEY, 0, 0)).collect();
         let gone = remove_unchanged::<T>(remover, &items)?;
-        report.entries_removed += gone.iter().filter(|i| T::removed(i)).count() as u64;
+        report.entries_removed += gone.iter().filter(|i| T::removed(i) == 1).count() as u64;
     }
     Ok(())
 }
@@ -594,6 +603,9 @@ pub struct SweepReport {
     pub expired: u64,
     /// Of those, half-open flows expired early (`flood.half_open_timeout`).
     pub half_open_expired: u64,
+    /// Of `expired`, flows not removed but counted all the same: closed or
+    /// replaced while `lb_sweep` had them marked (`lb_common::SWEEP_CLOSED`).
+    pub closed_while_marked: u64,
     /// Milliseconds from the sweep's start to its end, pauses between its
     /// parts included.
     pub duration_ms: u64,
