@@ -1305,6 +1305,14 @@ pub const COUNTS_BATCH: u32 = 54;
 /// (the reply entry of a flow removed in the same request).
 pub const SWEEP_BY_KEY: u32 = u32::MAX;
 
+/// [`SweepItem::last_seen`] of a request to remove the entry in `slot`
+/// only if the slot's claim (tag, state and generation: [`SLOT_GEN`]) is
+/// still the item's `state`, whatever the entry holds: a reply entry
+/// that no forward entry names any more (its flow's tuple taken by a new
+/// connection on another backend), which the sweeper found so in two
+/// sweeps running. No entry's last packet is this second.
+pub const SWEEP_BY_CLAIM: u64 = u64::MAX;
+
 /// Items per `lb_sweep` run. A BPF_PROG_TEST_RUN frame of an XDP program
 /// holds at most a page less the XDP headroom (256 bytes) and the
 /// `skb_shared_info` tailroom (320): 3,520 bytes. IPv4: 8 + 64 x 40 =

@@ -26,8 +26,8 @@ use core::{
 use lb_common::{
     COPIED, COUNTS_BATCH, CountsAdd, DIR_REPLY, FLOW_COPY, FLOW_DOOMED, FLOW_REOPENED, Flow, Flow6, FlowKey, FlowKey6,
     INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED, INSERT_REPLACED, INSERTED, InsertItem, InsertItem6,
-    MERGED_BITS, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_CLOSED, SWEEP_COUNTS, SWEEP_INSERT, SlotKey,
-    SweepHeader, SweepItem, SweepItem6, flow_closed,
+    MERGED_BITS, SWEEP_BATCH, SWEEP_BATCH6, SWEEP_BY_CLAIM, SWEEP_BY_KEY, SWEEP_CLOSED, SWEEP_COUNTS, SWEEP_INSERT,
+    SlotKey, SweepHeader, SweepItem, SweepItem6, flow_closed,
 };
 
 use crate::{
@@ -502,7 +502,11 @@ fn remove_unchanged<I: Item, const N: usize>(
         let (key, at, state, seen) = unsafe { (*item).judged() };
         let removed = if at == SWEEP_BY_KEY {
             let at = I::slot_of(&key);
-            at & table::MISS == 0 && table::remove_if(slots, mask, I::COUNT, at, &key, |_| true, |_| {})
+            at & table::MISS == 0 && table::remove_if(slots, mask, I::COUNT, at, &key, |_, _| true, |_| {})
+        } else if seen == SWEEP_BY_CLAIM {
+            // A reply entry no forward entry names (`lb_common::SWEEP_BY_CLAIM`):
+            // `state` is the claim it was found with.
+            table::remove_if(slots, mask, I::COUNT, at, &key, |_, claim| claim == state, |_| {})
         } else {
             // SAFETY: `remove_if` hands over a value of the table.
             table::remove_if(
@@ -511,7 +515,7 @@ fn remove_unchanged<I: Item, const N: usize>(
                 I::COUNT,
                 at,
                 &key,
-                |v| unsafe { doom::<I>(v, state, seen, item) },
+                |v, _| unsafe { doom::<I>(v, state, seen, item) },
                 |v| unsafe { undoom::<I>(v, state, item) },
             )
         };

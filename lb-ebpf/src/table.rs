@@ -780,9 +780,10 @@ impl Seen {
     }
 }
 
-/// Remove the entry in slot `at` if it is `key`'s and `take` says its
-/// value is as the sweeper judged it (and marks it: `lb_common::FLOW_DOOMED`)
-/// (and give its room back to `count`); then, when the slot after it is
+/// Remove the entry in slot `at` if it is `key`'s and `take`, handed its
+/// value and the slot's claim as read, says it is as the sweeper judged
+/// it (and marks it: `lb_common::FLOW_DOOMED`; or the claim is the one
+/// judged, `lb_common::SWEEP_BY_CLAIM`) (and give its room back to `count`); then, when the slot after it is
 /// empty, turn the run of removed slots that ends here back to empty
 /// ([`clear_run`], in the table of `count`'s family, which is `table`).
 /// When the swap of the claim fails (the entry was replaced since its
@@ -795,7 +796,7 @@ pub(crate) fn remove_if<K: SlotKey, V>(
     count: Count,
     at: u32,
     key: &K,
-    take: impl Fn(*mut V) -> bool,
+    take: impl Fn(*mut V, u64) -> bool,
     undo: impl Fn(*mut V),
 ) -> bool {
     let Some(slot) = slot_at(table, at & mask) else { return false };
@@ -807,7 +808,7 @@ pub(crate) fn remove_if<K: SlotKey, V>(
         // replaced since (a replacement takes the next generation), even
         // by one that ended before the swap (the claim READY again).
         let claim = read_volatile(&raw const (*slot).claim);
-        if claim & SLOT_MATCH != want || !(*slot).key.same(key) || !take(&raw mut (*slot).value) {
+        if claim & SLOT_MATCH != want || !(*slot).key.same(key) || !take(&raw mut (*slot).value, claim) {
             return false;
         }
         let (_, won) = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
@@ -1095,7 +1096,7 @@ fn take_back<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, count: Coun
     if at >= MISS {
         return 0;
     }
-    u32::from(remove_if(table, mask, count, at, key, |_| true, |_| {}))
+    u32::from(remove_if(table, mask, count, at, key, |_, _| true, |_| {}))
 }
 
 /// [`flow6`]'s global function.

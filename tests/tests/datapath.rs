@@ -324,6 +324,68 @@ fn a_flow_is_one_entry_unless_its_backend_endpoint_is_shared_and_replies_find_th
     });
 }
 
+/// A flow of a service that shares its backend endpoints keeps a reply
+/// entry keyed by its backend's side. When the client reuses the tuple
+/// for a new connection that round robin sends to another backend, the
+/// new entry replaces the forward entry in place and makes a reply entry
+/// of its own: the old reply entry is named by no forward entry any
+/// more, and nothing removed it (it held its room in the table for
+/// good). The sweeper removes it once two sweeps found it so, and never
+/// a live flow's.
+#[test]
+fn a_reply_entry_left_behind_by_a_reused_tuple_is_removed_by_the_sweeper() {
+    in_netns(|| {
+        let two = [(BACKEND, 8080), (THIRD, 8080)];
+        let mut fx = Fixture::new(vec![
+            service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &two),
+            service_with("alt", 81, Protocol::Tcp, Scheduler::Rr, &two),
+        ]);
+        let cport = 47_000;
+        let syn = |seq| Frame { seq, ..tcp(CLIENT, cport, VIP, 81, SYN) }.bytes();
+        let to = |fx: &Fixture, f: &[u8]| {
+            let (action, out) = fx.run(f, fx.if_a);
+            let dst = Frame::parse(&out).unwrap().dst;
+            assert_eq!(action, if dst == BACKEND { XDP_REDIRECT } else { XDP_PASS }, "to {dst}");
+            dst
+        };
+        let first = to(&fx, &syn(1));
+        assert_eq!(to(&fx, &tcp(CLIENT, cport, VIP, 81, RST).bytes()), first);
+        let second = to(&fx, &syn(2));
+        assert_ne!(second, first, "round robin: the new connection's backend");
+        let reply_key = |b: Ipv4Addr| {
+            lb_common::FlowKey::new(
+                u32::from_ne_bytes(b.octets()),
+                u32::from_ne_bytes(CLIENT.octets()),
+                8080u16.to_be(),
+                cport.to_be(),
+                lb_common::PROTO_TCP,
+            )
+            .reply()
+        };
+        assert!(fx.dp.flow_slot(&reply_key(first)).unwrap().is_some(), "the old reply entry");
+        assert!(fx.dp.flow_slot(&reply_key(second)).unwrap().is_some(), "the new reply entry");
+        let now = lb_userspace::dataplane::monotonic_coarse_secs();
+        let r = fx.dp.sweep(now, u64::MAX / 2, u64::MAX / 2).unwrap();
+        assert_eq!((r.entries, r.entries_removed), (3, 0), "found once, kept: {r:?}");
+        let r = fx.dp.sweep(now, u64::MAX / 2, u64::MAX / 2).unwrap();
+        assert_eq!((r.entries, r.removed, r.orphans_removed, r.entries_removed), (3, 0, 1, 1), "{r:?}");
+        assert_eq!(fx.dp.flow_slot(&reply_key(first)).unwrap(), None, "the old reply entry stayed");
+        // The live flow keeps both its entries, sweep after sweep, and its
+        // backend's answers go back from its service's VIP port.
+        for _ in 0..3 {
+            assert_eq!(fx.entries(), 2);
+        }
+        let answer = Frame { dmac: GW_B_MAC, smac: BACKEND_MAC, ..tcp(second, 8080, CLIENT, cport, SYN | ACK) };
+        let (action, out) = fx.run(&answer.bytes(), fx.if_b);
+        let got = Frame::parse(&out).unwrap();
+        assert_eq!((action, got.src, got.sport), (XDP_REDIRECT, VIP, 81));
+        let later = lb_userspace::dataplane::monotonic_coarse_secs() + 100_000;
+        let r = fx.dp.sweep(later, 1, 1).unwrap();
+        assert_eq!((r.removed, r.entries_removed), (1, 2), "{r:?}");
+        assert_eq!(fx.entries(), 0);
+    });
+}
+
 /// The reply-entry hint (a TCP SYN to a VIP with its bit loads its flow's
 /// second slot early) names exactly the IPv4 TCP VIPs whose services keep
 /// reply entries, port by port on one address, and follows the

@@ -295,6 +295,10 @@ pub struct Dataplane {
     conntrack_max_ipv6: u32,
     /// The flow tables' slot-hash seed (the program's `FLOW_HASH_SEED`).
     flow_seed: u64,
+    /// Reply entries that no forward entry named when the last sweep
+    /// read them, by slot, with their key and claim (IPv4, IPv6): removed
+    /// when the next sweep finds them so again (`sweep.rs`).
+    orphans: (sweep::Orphans<FlowKey>, sweep::Orphans<FlowKey6>),
     /// A migration from an older pinned layout, finished after attaching.
     migration: Option<layout::Migration>,
     /// The older layout of the pinned datapath this one took up in place
@@ -959,6 +963,7 @@ impl Dataplane {
             conntrack_max,
             conntrack_max_ipv6,
             flow_seed,
+            orphans: Default::default(),
             migration: None,
             taken_up_from: None,
             swapped: false,

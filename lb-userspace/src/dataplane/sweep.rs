@@ -1,14 +1,14 @@
 //! Expiring idle flows from the flow table (the datapath only sees FIN and
 //! RST), and the datapath's idle clock.
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use aya::programs::{ProgramError, TestRun as _, TestRunOptions, Xdp};
 use lb_common::{
     COPIED, COUNTS_BATCH, CountsAdd, DIR_DSR, DIR_FORWARD, DIR_REPLY, FLOW_ESTABLISHED, FLOW_FIN_CLIENT, FLOW_REOPENED,
     Flow, Flow6, FlowBucket, FlowBucket6, FlowKey, FlowKey6, INSERT_BATCH, INSERT_BATCH6, INSERT_EXISTS, INSERT_MERGED,
     INSERT_REPLACED, INSERTED, InsertItem, InsertItem6, PROTO_TCP, SLOT_BUCKET, SLOT_READY, SLOT_STATE, SWEEP_BATCH,
-    SWEEP_BATCH6, SWEEP_BY_KEY, SWEEP_CLOSED, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader, SweepItem,
-    SweepItem6, flow_closed, maps as names,
+    SWEEP_BATCH6, SWEEP_BY_CLAIM, SWEEP_BY_KEY, SWEEP_CLOSED, SWEEP_COUNTS, SWEEP_INSERT, SWEEP_PROGRAM, SweepHeader,
+    SweepItem, SweepItem6, flow_closed, maps as names,
 };
 
 use super::{
@@ -19,7 +19,7 @@ use super::{
 
 /// One flow table's key and value types, seen the same way by the sweep.
 trait Table {
-    type K: aya::Pod + Copy;
+    type K: aya::Pod + Copy + Eq + std::hash::Hash;
     type V: aya::Pod + Copy;
     /// An element of the table's array: `SLOT_BUCKET` slots.
     type Bucket: Buckets;
@@ -40,7 +40,16 @@ trait Table {
     /// What `lb_sweep` did with the item's entry: 0 nothing, 1 removed,
     /// `SWEEP_CLOSED`.
     fn removed(i: &Self::Item) -> u32;
+    /// The key of the forward entry a reply entry (`k`, `v`) belongs to:
+    /// the client's 5-tuple towards the VIP the reply entry names.
+    fn forward_key(k: &Self::K, v: &Self::V) -> Self::K;
+    /// `key`'s entry in `table` (of slot-hash seed `seed`), if it has one.
+    fn lookup(table: &FlowTable<Self::Bucket>, seed: u64, key: &Self::K) -> Result<Option<Self::V>, DataplaneError>;
 }
+
+/// Reply entries that no forward entry named, by slot: the key and the
+/// claim each was read with.
+pub(super) type Orphans<K> = HashMap<u32, (K, u64)>;
 
 struct V4;
 struct V6;
@@ -60,6 +69,19 @@ impl Table for V4 {
     }
     fn removed(i: &SweepItem) -> u32 {
         i.removed
+    }
+    fn forward_key(k: &FlowKey, f: &Flow) -> FlowKey {
+        FlowKey {
+            src_addr: k.dst_addr,
+            dst_addr: f.nat_addr,
+            src_port: k.dst_port,
+            dst_port: f.nat_port,
+            proto: k.proto,
+            _pad: [0; 3],
+        }
+    }
+    fn lookup(table: &FlowTable<FlowBucket>, seed: u64, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
+        super::find_slot(table, seed, key).map(|f| f.map(|(_, s)| s.value))
     }
     fn view(k: &FlowKey, f: &Flow) -> (u8, u8, u64, u64, u32, u32) {
         (f.dir, k.proto, f.state, f.last_seen, f.backend_id, f.service_id)
@@ -93,6 +115,19 @@ impl Table for V6 {
     fn removed(i: &SweepItem6) -> u32 {
         i.removed
     }
+    fn forward_key(k: &FlowKey6, f: &Flow6) -> FlowKey6 {
+        FlowKey6 {
+            src_addr: k.dst_addr,
+            dst_addr: f.nat_addr,
+            src_port: k.dst_port,
+            dst_port: f.nat_port,
+            proto: k.proto,
+            _pad: [0; 3],
+        }
+    }
+    fn lookup(table: &FlowTable<FlowBucket6>, seed: u64, key: &FlowKey6) -> Result<Option<Flow6>, DataplaneError> {
+        super::find_slot(table, seed, key).map(|f| f.map(|(_, s)| s.value))
+    }
     fn view(k: &FlowKey6, f: &Flow6) -> (u8, u8, u64, u64, u32, u32) {
         (f.dir, k.proto, f.state, f.last_seen, f.backend_id, f.service_id)
     }
@@ -125,6 +160,8 @@ struct Doomed<K> {
 
 /// What a sweep decides, for the limits in force.
 struct Limits {
+    /// The flow tables' slot-hash seed.
+    seed: u64,
     now: u64,
     tcp_idle: u64,
     udp_idle: u64,
@@ -196,6 +233,7 @@ fn sweep_chunk<T: Table>(
     l: &Limits,
     report: &mut SweepReport,
     expired_by: &mut HashMap<u32, u64>,
+    orphans: (&Orphans<T::K>, &mut Orphans<T::K>),
 ) -> Result<(), DataplaneError> {
     // Judged once, as read. A closed flow's 5-tuple comes back when its
     // client reuses the port: the new connection's SYN replaces the entry
@@ -206,6 +244,9 @@ fn sweep_chunk<T: Table>(
     // `lb_sweep`'s: in the kernel, each entry goes only if its state bits
     // and last packet are still those judged here (see `lb-ebpf/src/sweep.rs`).
     let mut doomed: Vec<Doomed<T::K>> = Vec::new();
+    // The reply entries read, and the reply keys the forward entries read
+    // name (see `orphans_of`).
+    let (mut replies_read, mut named) = (Vec::new(), HashSet::new());
     let mut read_one = |element: u32, b: &T::Bucket| {
         for i in 0..SLOT_BUCKET as usize {
             let (claim, k, f) = T::parts(b, i);
@@ -215,8 +256,12 @@ fn sweep_chunk<T: Table>(
             let slot = element * SLOT_BUCKET + i as u32;
             report.entries += 1;
             let (dir, proto, state, last_seen, backend, service) = T::view(k, f);
+            if dir == DIR_FORWARD {
+                named.insert(T::reply_key(k, f));
+            }
             let verdict = judge(dir, proto, state, last_seen, service, l);
             if verdict == Verdict::Reply {
+                replies_read.push(ReplyRead { slot, key: *k, claim, forward: T::forward_key(k, f) });
                 continue;
             }
             report.scanned += 1;
@@ -272,7 +317,61 @@ fn sweep_chunk<T: Table>(
         let gone = remove_unchanged::<T>(remover, &items)?;
         report.entries_removed += gone.iter().filter(|i| T::removed(i) == 1).count() as u64;
     }
+    let items = orphans_of::<T>(table, l.seed, &replies_read, &named, orphans)?;
+    if !items.is_empty() {
+        let gone = remove_unchanged::<T>(remover, &items)?.iter().filter(|i| T::removed(i) == 1).count() as u64;
+        report.orphans_removed += gone;
+        report.entries_removed += gone;
+    }
     Ok(())
+}
+
+/// A reply entry as a sweep read it.
+struct ReplyRead<K> {
+    slot: u32,
+    key: K,
+    claim: u64,
+    /// The key of the forward entry it belongs to.
+    forward: K,
+}
+
+/// The reply entries among `read` that no forward entry names (their
+/// flow's tuple taken by a new connection on another backend: the new
+/// entry replaced the forward entry in place and made a reply entry of
+/// its own, and nothing else ever removes the old one, which held its
+/// room in the table for good). `named`: the reply keys of the forward
+/// entries read in the same part; a reply entry not among them is looked
+/// up by its forward key (its forward entry may lie in another part).
+/// One found so is noted in `orphans.1` with the claim it was read with;
+/// the removal requests returned are for those that `orphans.0`, the last
+/// sweep's, noted with the same claim: found so twice, seconds apart. A
+/// new flow's reply entry goes in just before its forward entry, so a
+/// read between the two finds it alone once, never twice. The request
+/// removes it only if its claim is still the one read
+/// (`lb_common::SWEEP_BY_CLAIM`): a new flow that made that reply entry
+/// anew since (the same tuple on the same backend) bumped its claim's
+/// generation.
+fn orphans_of<T: Table>(
+    table: &FlowTable<T::Bucket>,
+    seed: u64,
+    read: &[ReplyRead<T::K>],
+    named: &HashSet<T::K>,
+    (last, next): (&Orphans<T::K>, &mut Orphans<T::K>),
+) -> Result<Vec<T::Item>, DataplaneError> {
+    let mut items = Vec::new();
+    for r in read.iter().filter(|r| !named.contains(&r.key)) {
+        if T::lookup(table, seed, &r.forward)?
+            .is_some_and(|f| T::view(&r.forward, &f).0 == DIR_FORWARD && T::reply_key(&r.forward, &f) == r.key)
+        {
+            continue;
+        }
+        if last.get(&r.slot) == Some(&(r.key, r.claim)) {
+            items.push(T::item(&r.key, r.slot, r.claim, SWEEP_BY_CLAIM));
+        } else {
+            next.insert(r.slot, (r.key, r.claim));
+        }
+    }
+    Ok(items)
 }
 
 /// Array elements a sweep reads per part: about 8,192 slots (whole
@@ -511,6 +610,7 @@ impl Dataplane {
             self.services.values().filter_map(|s| s.config.udp_idle_timeout.map(|t| (s.id, u64::from(t)))).collect();
         SweepRun {
             limits: Limits {
+                seed: self.flow_seed,
                 now,
                 tcp_idle,
                 udp_idle,
@@ -521,6 +621,7 @@ impl Dataplane {
             v6: TableWalk::default(),
             report: SweepReport::default(),
             expired_by: HashMap::new(),
+            orphans: Default::default(),
             started: std::time::Instant::now(),
         }
     }
@@ -532,7 +633,7 @@ impl Dataplane {
     /// anything else (lbd's agent lets other work have its lock).
     pub fn sweep_step(&mut self, run: &mut SweepRun) -> Result<Option<SweepReport>, DataplaneError> {
         let remover = self.remover()?;
-        let SweepRun { limits, v4, v6, report, expired_by, started } = run;
+        let SweepRun { limits, v4, v6, report, expired_by, orphans, started } = run;
         // A table the datapath counts empty as its walk would start is not
         // read: an IPv4-only gateway's sweep reads no IPv6 slots (120 bytes
         // each, 60% of the tables' memory). An entry inserted meanwhile is
@@ -544,9 +645,17 @@ impl Dataplane {
             v6.skip();
         }
         if !v4.done() {
-            sweep_chunk::<V4>(&self.maps.flows, v4, remover, limits, report, expired_by)?;
+            let o = (&self.orphans.0, &mut orphans.0);
+            sweep_chunk::<V4>(&self.maps.flows, v4, remover, limits, report, expired_by, o)?;
+            if v4.done() {
+                self.orphans.0 = std::mem::take(&mut orphans.0);
+            }
         } else if !v6.done() {
-            sweep_chunk::<V6>(&self.maps.flows6, v6, remover, limits, report, expired_by)?;
+            let o = (&self.orphans.1, &mut orphans.1);
+            sweep_chunk::<V6>(&self.maps.flows6, v6, remover, limits, report, expired_by, o)?;
+            if v6.done() {
+                self.orphans.1 = std::mem::take(&mut orphans.1);
+            }
         }
         // Counted at once, part by part: a sweep may be left half done
         // (lbd stopping or restarting between parts), and the flows it
@@ -573,6 +682,9 @@ pub struct SweepRun {
     v6: TableWalk,
     report: SweepReport,
     expired_by: HashMap<u32, u64>,
+    /// The reply entries this sweep found named by no forward entry
+    /// (IPv4, IPv6): the next sweep's to check again.
+    orphans: (Orphans<FlowKey>, Orphans<FlowKey6>),
     started: std::time::Instant,
 }
 
@@ -606,6 +718,9 @@ pub struct SweepReport {
     /// Of `expired`, flows not removed but counted all the same: closed or
     /// replaced while `lb_sweep` had them marked (`lb_common::SWEEP_CLOSED`).
     pub closed_while_marked: u64,
+    /// Reply entries removed that no forward entry named (see
+    /// `orphans_of`), in `entries_removed` too.
+    pub orphans_removed: u64,
     /// Milliseconds from the sweep's start to its end, pauses between its
     /// parts included.
     pub duration_ms: u64,
@@ -629,7 +744,14 @@ mod tests {
     const NOW: u64 = 100_000;
 
     fn limits(udp_by_service: &HashMap<u32, u64>) -> Limits {
-        Limits { now: NOW, tcp_idle: 900, udp_idle: 300, half_open: 10, udp_by_service: udp_by_service.clone() }
+        Limits {
+            seed: 0,
+            now: NOW,
+            tcp_idle: 900,
+            udp_idle: 300,
+            half_open: 10,
+            udp_by_service: udp_by_service.clone(),
+        }
     }
 
     /// An IPv6 flow entry, judged as the sweep judges FLOWS6's.
