@@ -19,6 +19,7 @@ use lb_testkit::{
 use lb_tests::fixture::*;
 use lb_userspace::{
     config::{Protocol, ServiceConfig},
+    dataplane::BackendRuntime,
     sched::Scheduler,
 };
 
@@ -566,6 +567,51 @@ fn an_old_backends_late_ipv6_packet_for_a_reused_tuple_is_dropped_not_leaked() {
         // The new backend's answer is the new flow's reply, from the VIP.
         let (action, out) = fx.run(&from(new, SYN | ACK).bytes(), fx.if_b);
         assert_eq!((action, assert_valid6(&out).src), (XDP_REDIRECT, VIP6));
+    });
+}
+
+/// As for IPv4 (`datapath.rs`): a flow whose backend went down is counted
+/// closed once, when a new entry on a live backend replaces its entry, and
+/// not at all while no live backend can take it (its packets dropped).
+#[test]
+fn an_ipv6_flow_whose_backend_went_down_is_counted_closed_once() {
+    in_netns(|| {
+        let backends = [(BACKEND6, 8080), (BACKEND6_UNRESOLVED, 8080)];
+        let service =
+            ServiceConfig { vip: VIP6.into(), ..service_with("web6", 80, Protocol::Tcp, Scheduler::Rr, &backends) };
+        let mut fx = Fixture::new(vec![service.clone()]);
+        let to = |fx: &Fixture, flags: u8| {
+            let (action, out) = fx.run(&tcp6(CLIENT6, 40_040, VIP6, 80, flags).bytes(), fx.if_a);
+            let dst = assert_valid6(&out).dst;
+            assert_eq!(action, if dst == BACKEND6 { XDP_REDIRECT } else { XDP_PASS }, "to {dst}");
+            dst
+        };
+        let set_down = |fx: &mut Fixture, down: &[Ipv6Addr]| {
+            let down: Vec<std::net::IpAddr> = down.iter().map(|&a| a.into()).collect();
+            fx.dp
+                .apply(std::slice::from_ref(&service), &|_, b| BackendRuntime {
+                    weight: if down.contains(&b.address) { 0 } else { b.admin_weight() },
+                    down: down.contains(&b.address),
+                })
+                .unwrap();
+        };
+        let old = to(&fx, SYN);
+        assert_eq!(fx.connection_counts("web6"), (1, 0, 0));
+        set_down(&mut fx, &[old]);
+        let new = to(&fx, ACK);
+        assert_ne!(new, old, "re-dispatched");
+        assert_eq!(to(&fx, ACK), new);
+        assert_eq!(fx.connection_counts("web6"), (2, 1, 0), "closed on the old backend once, opened on the new");
+        set_down(&mut fx, &[BACKEND6, BACKEND6_UNRESOLVED]);
+        for _ in 0..3 {
+            assert_eq!(fx.run(&tcp6(CLIENT6, 40_040, VIP6, 80, ACK).bytes(), fx.if_a).0, XDP_DROP);
+        }
+        assert_eq!(fx.connection_counts("web6"), (2, 1, 0), "no live backend took the flow: nothing counted");
+        set_down(&mut fx, &[]);
+        assert_eq!(to(&fx, ACK), new, "the flow goes on on its backend");
+        assert_eq!(fx.active_flows("web6"), 1);
+        assert_eq!(to(&fx, RST), new);
+        assert_eq!(fx.connection_counts("web6"), (2, 2, 0));
     });
 }
 
