@@ -783,8 +783,9 @@ impl Seen {
 /// Remove the entry in slot `at` if it is `key`'s and `take`, handed its
 /// value and the slot's claim as read, says it is as the sweeper judged
 /// it (and marks it: `lb_common::FLOW_DOOMED`; or the claim is the one
-/// judged, `lb_common::SWEEP_BY_CLAIM`) (and give its room back to `count`); then, when the slot after it is
-/// empty, turn the run of removed slots that ends here back to empty
+/// judged, `lb_common::SWEEP_BY_CLAIM`), and give its room back to
+/// `count`; then, when the slot after it is empty, turn the run of
+/// removed slots that ends here back to empty
 /// ([`clear_run`], in the table of `count`'s family, which is `table`).
 /// When the swap of the claim fails (the entry was replaced since its
 /// claim was read), `undo` takes the mark off again. True when the entry

@@ -342,9 +342,9 @@ struct ReplyRead<K> {
 /// room in the table for good). `named`: the reply keys of the forward
 /// entries read in the same part; a reply entry not among them is looked
 /// up by its forward key (its forward entry may lie in another part).
-/// One found so is noted in `orphans.1` with the claim it was read with;
-/// the removal requests returned are for those that `orphans.0`, the last
-/// sweep's, noted with the same claim: found so twice, seconds apart. A
+/// One found so is noted in `next` with the claim it was read with; the
+/// removal requests returned are for those that `last`, the last sweep's
+/// notes, holds with the same claim: found so twice, seconds apart. A
 /// new flow's reply entry goes in just before its forward entry, so a
 /// read between the two finds it alone once, never twice. The request
 /// removes it only if its claim is still the one read
