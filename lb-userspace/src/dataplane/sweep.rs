@@ -54,95 +54,60 @@ pub(super) type Orphans<K> = HashMap<u32, (K, u64)>;
 struct V4;
 struct V6;
 
-impl Table for V4 {
-    type K = FlowKey;
-    type V = Flow;
-    type Bucket = FlowBucket;
-    type Item = SweepItem;
-    const FAMILY: u32 = 4;
-    const BATCH: usize = SWEEP_BATCH as usize;
-    fn item(k: &FlowKey, slot: u32, state: u64, last_seen: u64) -> SweepItem {
-        SweepItem { key: *k, state, last_seen, removed: 0, slot }
-    }
-    fn parts(b: &FlowBucket, i: usize) -> (u64, &FlowKey, &Flow) {
-        (b[i].claim, &b[i].key, &b[i].value)
-    }
-    fn removed(i: &SweepItem) -> u32 {
-        i.removed
-    }
-    fn forward_key(k: &FlowKey, f: &Flow) -> FlowKey {
-        FlowKey {
-            src_addr: k.dst_addr,
-            dst_addr: f.nat_addr,
-            src_port: k.dst_port,
-            dst_port: f.nat_port,
-            proto: k.proto,
-            _pad: [0; 3],
+/// `Table` for one family: the two differ only in their types (an IPv6
+/// key's addresses are four words, an IPv4 key's one), so one body
+/// serves both.
+macro_rules! table_of_family {
+    ($family:ident, $key:ident, $value:ident, $bucket:ident, $item:ident, $number:literal, $batch:ident) => {
+        impl Table for $family {
+            type K = $key;
+            type V = $value;
+            type Bucket = $bucket;
+            type Item = $item;
+            const FAMILY: u32 = $number;
+            const BATCH: usize = $batch as usize;
+            fn item(k: &$key, slot: u32, state: u64, last_seen: u64) -> $item {
+                $item { key: *k, state, last_seen, removed: 0, slot }
+            }
+            fn parts(b: &$bucket, i: usize) -> (u64, &$key, &$value) {
+                (b[i].claim, &b[i].key, &b[i].value)
+            }
+            fn removed(i: &$item) -> u32 {
+                i.removed
+            }
+            fn forward_key(k: &$key, f: &$value) -> $key {
+                $key {
+                    src_addr: k.dst_addr,
+                    dst_addr: f.nat_addr,
+                    src_port: k.dst_port,
+                    dst_port: f.nat_port,
+                    proto: k.proto,
+                    _pad: [0; 3],
+                }
+            }
+            fn lookup(table: &FlowTable<$bucket>, seed: u64, key: &$key) -> Result<Option<$value>, DataplaneError> {
+                super::find_slot(table, seed, key).map(|f| f.map(|(_, s)| s.value))
+            }
+            fn view(k: &$key, f: &$value) -> (u8, u8, u64, u64, u32, u32) {
+                (f.dir, k.proto, f.state, f.last_seen, f.backend_id, f.service_id)
+            }
+            fn reply_key(k: &$key, f: &$value) -> $key {
+                $key {
+                    src_addr: f.nat_addr,
+                    dst_addr: k.src_addr,
+                    src_port: f.nat_port,
+                    dst_port: k.src_port,
+                    proto: k.proto,
+                    _pad: [0; 3],
+                }
+                .reply()
+            }
         }
-    }
-    fn lookup(table: &FlowTable<FlowBucket>, seed: u64, key: &FlowKey) -> Result<Option<Flow>, DataplaneError> {
-        super::find_slot(table, seed, key).map(|f| f.map(|(_, s)| s.value))
-    }
-    fn view(k: &FlowKey, f: &Flow) -> (u8, u8, u64, u64, u32, u32) {
-        (f.dir, k.proto, f.state, f.last_seen, f.backend_id, f.service_id)
-    }
-    fn reply_key(k: &FlowKey, f: &Flow) -> FlowKey {
-        FlowKey {
-            src_addr: f.nat_addr,
-            dst_addr: k.src_addr,
-            src_port: f.nat_port,
-            dst_port: k.src_port,
-            proto: k.proto,
-            _pad: [0; 3],
-        }
-        .reply()
-    }
+    };
 }
 
-impl Table for V6 {
-    type K = FlowKey6;
-    type V = Flow6;
-    type Bucket = FlowBucket6;
-    type Item = SweepItem6;
-    const FAMILY: u32 = 6;
-    const BATCH: usize = SWEEP_BATCH6 as usize;
-    fn item(k: &FlowKey6, slot: u32, state: u64, last_seen: u64) -> SweepItem6 {
-        SweepItem6 { key: *k, state, last_seen, removed: 0, slot }
-    }
-    fn parts(b: &FlowBucket6, i: usize) -> (u64, &FlowKey6, &Flow6) {
-        (b[i].claim, &b[i].key, &b[i].value)
-    }
-    fn removed(i: &SweepItem6) -> u32 {
-        i.removed
-    }
-    fn forward_key(k: &FlowKey6, f: &Flow6) -> FlowKey6 {
-        FlowKey6 {
-            src_addr: k.dst_addr,
-            dst_addr: f.nat_addr,
-            src_port: k.dst_port,
-            dst_port: f.nat_port,
-            proto: k.proto,
-            _pad: [0; 3],
-        }
-    }
-    fn lookup(table: &FlowTable<FlowBucket6>, seed: u64, key: &FlowKey6) -> Result<Option<Flow6>, DataplaneError> {
-        super::find_slot(table, seed, key).map(|f| f.map(|(_, s)| s.value))
-    }
-    fn view(k: &FlowKey6, f: &Flow6) -> (u8, u8, u64, u64, u32, u32) {
-        (f.dir, k.proto, f.state, f.last_seen, f.backend_id, f.service_id)
-    }
-    fn reply_key(k: &FlowKey6, f: &Flow6) -> FlowKey6 {
-        FlowKey6 {
-            src_addr: f.nat_addr,
-            dst_addr: k.src_addr,
-            src_port: f.nat_port,
-            dst_port: k.src_port,
-            proto: k.proto,
-            _pad: [0; 3],
-        }
-        .reply()
-    }
-}
+table_of_family!(V4, FlowKey, Flow, FlowBucket, SweepItem, 4, SWEEP_BATCH);
+table_of_family!(V6, FlowKey6, Flow6, FlowBucket6, SweepItem6, 6, SWEEP_BATCH6);
 
 /// A flow the sweep would remove, as the walk judged it.
 struct Doomed<K> {
