@@ -910,6 +910,13 @@ const MISS_TOMB: u32 = 1 << 30;
 /// The index bits of a lookup's answer.
 const HINT_AT: u32 = MISS_TOMB - 1;
 
+/// Whether a lookup's answer is its key's entry (neither a miss nor
+/// `NO_SLOT`).
+#[inline(always)]
+pub(crate) fn found(at: u32) -> bool {
+    at < MISS
+}
+
 /// The IPv4 flow entry of `key`, for the rarer paths: the slot's two
 /// lookups are made in a call of their own ([`flow_in`]).
 #[inline(always)]

@@ -37,7 +37,7 @@ use crate::{
     maps::{BACKEND_ADDRS6, BACKENDS, ENDPOINTS6, KEYS6, NETDEV_GEN, SCRATCH6, VIP_ADDRS6, VIPS6},
     no_backend, now_secs, opening_state,
     parse::{ETH_HLEN, ETH_P_IPV6, EthHdr, ICMP6_TOO_BIG, IP6_HLEN, TCP_FIN, TCP_RST, TcpHdr, UdpHdr, ptr_at},
-    rate_ok, resumed, select, set_state, stats, syn_held, syn_on_open, syn_only, table, track_close,
+    rate_ok, resumed, select, set_state, stats, syn_held, syn_on_open, syn_only, table, takes_over, track_close,
 };
 
 const AF_INET6: u8 = 10;
@@ -677,7 +677,8 @@ fn plan_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> u32 {
     };
     let opening = pkt.proto != PROTO_TCP || pkt.is_syn();
     let reply_entry = svc.flags & SVC_F_REPLY_ENTRY != 0;
-    if reply_entry || rate_ok(limit, now) {
+    // SAFETY: this CPU's scratch slot; a plain load.
+    if reply_entry || takes_over(unsafe { (*k).hint }) || rate_ok(limit, now) {
         let tuple = pkt.tuple();
         let id = if opening { select::pick(svc, tuple) } else { select::pick_stateless(svc, tuple) };
         return prepare_entry(pkt, k, svc, id, now);

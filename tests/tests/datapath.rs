@@ -1549,6 +1549,65 @@ fn new_flows_above_the_rate_get_a_backend_but_no_entry() {
 }
 
 #[test]
+fn a_new_connection_above_the_rate_on_a_tuple_with_an_entry_takes_the_entry_over() {
+    in_netns(|| {
+        // The limit is per CPU: stay on one.
+        let mut one = nix::sched::CpuSet::new();
+        one.set(0).unwrap();
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
+        let mut fx =
+            Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &RR_BACKENDS)], |c| {
+                c.flood.new_flow_rate_per_cpu = Some(5);
+            });
+        // A client port's connection, closed by a reset: its entry
+        // lingers (closed) for the port's next connection.
+        let cport = 42_000;
+        let first = handshake(&fx, cport, 80, 8080);
+        assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 80, RST).bytes()), first);
+        // Fresh tuples until one is over this second's limit, then at once
+        // the port's next connection, in the same second (tried again if
+        // the clock's second turned in between).
+        let mut fresh = 43_000;
+        let taken = (0..5).find_map(|_| {
+            let second = lb_userspace::dataplane::monotonic_coarse_secs();
+            let limited = fx.counter("flood_rate");
+            while fx.counter("flood_rate") == limited {
+                fx.forward(&tcp(CLIENT, fresh, VIP, 80, SYN).bytes());
+                fresh += 1;
+            }
+            let syn = Frame { seq: 7_000_000, ..tcp(CLIENT, cport, VIP, 80, SYN) };
+            let b = fx.forward(&syn.bytes());
+            let same_second = lb_userspace::dataplane::monotonic_coarse_secs() == second;
+            same_second.then_some((b, fx.counter("flood_rate") - limited - 1))
+        });
+        let (b, limited_since) = taken.expect("five tries, each across a second's turn");
+        // The backend's answer goes back to the client, and the rest of
+        // the connection to that backend. Routed without an entry, the
+        // SYN-ACK met the closed entry and was dropped as stale: the
+        // client waited a second for its SYN's retransmission.
+        assert_eq!(
+            fx.run(&from_backend(b, 8080, cport, SYN | ACK).bytes(), fx.if_b).0,
+            XDP_REDIRECT,
+            "the SYN-ACK of the port's new connection (stale_backend {})",
+            fx.counter("stale_backend")
+        );
+        assert_eq!(fx.counter("stale_backend"), 0);
+        assert_eq!(fx.forward(&tcp(CLIENT, cport, VIP, 80, ACK).bytes()), b);
+        assert_eq!(fx.run(&from_backend(b, 8080, cport, ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        assert_eq!(fx.counter("stale_backend"), 0);
+        // It took the closed entry over: not limited, no new entry.
+        assert_eq!(limited_since, 0, "the port's new connection was rate limited");
+        let entries = fx.entries();
+        let with_entries = (fresh - 43_000) as u64 - fx.counter("flood_rate");
+        assert_eq!(entries, 1 + with_entries, "the closed entry replaced in place");
+        // The port's two connections, each counted once.
+        let all: u64 = RR_BACKENDS.iter().map(|&(a, _)| fx.new_flows("web", a)).sum();
+        assert_eq!(all, 2 + (fresh - 43_000) as u64);
+        assert_eq!(fx.active_flows("web"), 1 + with_entries);
+    });
+}
+
+#[test]
 fn half_open_flows_expire_early_and_active_counts_return_to_exactly_zero() {
     in_netns(|| {
         let mut fx = Fixture::new(vec![

@@ -615,6 +615,61 @@ fn an_ipv6_flow_whose_backend_went_down_is_counted_closed_once() {
     });
 }
 
+/// As for IPv4 (`datapath.rs`): a new connection above the new-flow rate
+/// on a tuple whose closed entry lingers takes that entry over, and its
+/// backend's SYN-ACK goes back to the client.
+#[test]
+fn a_new_ipv6_connection_above_the_rate_on_a_tuple_with_an_entry_takes_the_entry_over() {
+    in_netns(|| {
+        // The limit is per CPU: stay on one.
+        let mut one = nix::sched::CpuSet::new();
+        one.set(0).unwrap();
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
+        let backends = [(BACKEND6, 8080), (BACKEND6_UNRESOLVED, 8080)];
+        let service =
+            ServiceConfig { vip: VIP6.into(), ..service_with("web6", 80, Protocol::Tcp, Scheduler::Rr, &backends) };
+        let mut fx = Fixture::with_config(vec![service], |c| c.flood.new_flow_rate_per_cpu = Some(5));
+        let to = |fx: &Fixture, f: Frame6| {
+            let (action, out) = fx.run(&f.bytes(), fx.if_a);
+            let dst = assert_valid6(&out).dst;
+            assert_eq!(action, if dst == BACKEND6 { XDP_REDIRECT } else { XDP_PASS }, "to {dst}");
+            dst
+        };
+        let from = |b: Ipv6Addr, flags: u8| Frame6::tcp(b, 8080, CLIENT6, 40_050, flags).macs(GW_B_MAC, BACKEND_MAC);
+        let first = to(&fx, tcp6(CLIENT6, 40_050, VIP6, 80, SYN));
+        assert_eq!(fx.run(&from(first, SYN | ACK).bytes(), fx.if_b).0, XDP_REDIRECT);
+        assert_eq!(to(&fx, tcp6(CLIENT6, 40_050, VIP6, 80, ACK)), first);
+        assert_eq!(to(&fx, tcp6(CLIENT6, 40_050, VIP6, 80, RST)), first);
+        let mut fresh = 41_000;
+        let taken = (0..5).find_map(|_| {
+            let second = lb_userspace::dataplane::monotonic_coarse_secs();
+            let limited = fx.counter("flood_rate");
+            while fx.counter("flood_rate") == limited {
+                to(&fx, tcp6(CLIENT6, fresh, VIP6, 80, SYN));
+                fresh += 1;
+            }
+            let b = to(&fx, Frame6 { seq: 7_000_000, ..tcp6(CLIENT6, 40_050, VIP6, 80, SYN) });
+            let same_second = lb_userspace::dataplane::monotonic_coarse_secs() == second;
+            same_second.then_some((b, fx.counter("flood_rate") - limited - 1))
+        });
+        let (b, limited_since) = taken.expect("five tries, each across a second's turn");
+        let (action, out) = fx.run(&from(b, SYN | ACK).bytes(), fx.if_b);
+        assert_eq!(
+            action,
+            XDP_REDIRECT,
+            "the SYN-ACK of the port's new connection (stale_backend {})",
+            fx.counter("stale_backend")
+        );
+        assert_eq!(assert_valid6(&out).src, VIP6);
+        assert_eq!(to(&fx, tcp6(CLIENT6, 40_050, VIP6, 80, ACK)), b);
+        assert_eq!(fx.counter("stale_backend"), 0);
+        assert_eq!(limited_since, 0, "the port's new connection was rate limited");
+        let with_entries = u64::from(fresh - 41_000) - fx.counter("flood_rate");
+        assert_eq!(fx.entries(), 1 + with_entries, "the closed entry replaced in place");
+        assert_eq!(fx.active_flows("web6"), 1 + with_entries);
+    });
+}
+
 /// As for IPv4 (`datapath.rs`): a client reusing its address and port
 /// for the service sharing an endpoint, right after its connection to the
 /// owner closed, gets the backend's SYN-ACK and later replies as from the
