@@ -66,6 +66,12 @@ fn v7_lbd(lab: &Lab) -> PathBuf {
     release_lbd(lab, "LB_UPGRADE_FROM_V7_LBD", "upgrade-from-v7", "the layout-7 release's")
 }
 
+/// The layout-8 release's lbd (flow-table claims without a generation,
+/// no sweeper's mark): where `cargo xtask test` built it.
+fn v8_lbd(lab: &Lab) -> PathBuf {
+    release_lbd(lab, "LB_UPGRADE_FROM_V8_LBD", "upgrade-from-v8", "the layout-8 release's")
+}
+
 /// An older release's lbd, which `cargo xtask test` builds into
 /// target/`dir` and names in the environment variable `var`.
 fn release_lbd(lab: &Lab, var: &str, dir: &str, what: &str) -> PathBuf {
@@ -560,6 +566,33 @@ fn an_upgrade_from_layout_7_takes_its_maps_up_in_place_and_counts_per_cpu_from_t
     println!("connection counts (opened, closed): per CPU {per_cpu:?}, shared {shared:?}");
     assert!(per_cpu.0 > 0, "no flow was counted per CPU: {per_cpu:?}");
     assert!(shared.0 > 0, "no flow was counted in the shared counts: {shared:?}");
+    emptied_then_stopped(&lab, &mut lbd, &bin);
+}
+
+/// The upgrade an operator of the last release makes: layout 8's tables
+/// (claims without the generation layout 9 keeps in them, and no
+/// sweeper's mark) taken up in place under load. Nothing fails, no live
+/// connection moves, the new program and its sweeper go on with the
+/// entries the old one made (a reply entry for each `alt` flow among
+/// them) until every one is removed, and every count carries on.
+#[test]
+fn an_upgrade_from_layout_8_takes_its_tables_up_in_place_under_load() {
+    let _serial = serial();
+    lb_tests::require_root().expect("needs root");
+    let prefix = "lbt-upgrade8";
+    let services = web_and_alt("least-conn");
+    let Staged { lab, mut lbd, bin, exe, maps, .. } = start_release_with(prefix, v8_lbd, &services);
+    assert_eq!(pinned_layout(&maps), 8, "not the layout-8 release");
+    lab.reset_backend_counts().unwrap();
+    let old_program = lbd.program_id().unwrap();
+    upgrade_under_load_as(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:81", false);
+    let log = lbd.log_text();
+    assert!(log.contains("taking it up in place"), "{log}");
+    assert!(!log.contains("migrating the pinned"), "{log}");
+    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
+    let counts = lab.connections_served().unwrap();
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
     emptied_then_stopped(&lab, &mut lbd, &bin);
 }
 

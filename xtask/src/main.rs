@@ -379,6 +379,7 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     let v5_lbd = build_upgrade_from(UPGRADE_FROM_V5, "upgrade-from-v5")?;
     let v6_lbd = build_upgrade_from(UPGRADE_FROM_V6, "upgrade-from-v6")?;
     let v7_lbd = build_upgrade_from(UPGRADE_FROM_V7, "upgrade-from-v7")?;
+    let v8_lbd = build_upgrade_from(UPGRADE_FROM_V8, "upgrade-from-v8")?;
     let result = run(cargo()
         .args(["test", "--no-fail-fast"])
         .args(extra)
@@ -389,7 +390,8 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         .env("LB_UPGRADE_FROM_V4_LBD", v4_lbd)
         .env("LB_UPGRADE_FROM_V5_LBD", v5_lbd)
         .env("LB_UPGRADE_FROM_V6_LBD", v6_lbd)
-        .env("LB_UPGRADE_FROM_V7_LBD", v7_lbd));
+        .env("LB_UPGRADE_FROM_V7_LBD", v7_lbd)
+        .env("LB_UPGRADE_FROM_V8_LBD", v8_lbd));
     // The labs' bpf filesystem, once no lab (the user's own included)
     // has anything pinned in it.
     if let Err(e) = lb_tests::lab::release_bpffs() {
@@ -425,6 +427,10 @@ const UPGRADE_FROM_V6: &str = "0aeaa9d4b82e9c8b5dc518ee20a38edd850c632c";
 /// The release the seventh upgrade test upgrades from: the last commit of
 /// layout 7 (entry and connection counts in shared words only).
 const UPGRADE_FROM_V7: &str = "89292715ea1976990305219f0411426b92040d98";
+
+/// The release the eighth upgrade test upgrades from: the last commit of
+/// layout 8 (flow-table claims without a generation, no sweeper's mark).
+const UPGRADE_FROM_V8: &str = "50e88d675519afe8484272e2a32d20d93a8e36b0";
 
 /// Build the lbd of commit `commit` from this repository's history, once,
 /// into target/`name` (its source is extracted with `git archive`);
