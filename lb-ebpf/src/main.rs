@@ -783,8 +783,9 @@ pub(crate) fn no_backend() -> u32 {
 }
 
 /// Whether a new flow takes over its tuple's entry, which the packet's
-/// lookup found (`hint`) closed, open on a backend gone down, or open
-/// under a SYN of a new connection. The rate limit does not apply: the
+/// lookup found (`hint`): closed, open on a backend gone down, or one the
+/// sweeper is removing (a SYN on any other open entry keeps its backend
+/// in place, `syn_on_open`). The rate limit does not apply: the
 /// entry's slot is replaced in place, so the table does not grow, and the
 /// slot was just read. Routed without an entry instead, the flow would
 /// leave the old one in place, and its backend's answers would meet it:
