@@ -137,7 +137,6 @@ fn failed_up_leaves_nothing_behind() {
         topology: lb_tests::lab::Topology::Tuned,
         dsr: false,
         nodes: 2,
-        client_queues: 1,
     };
     let err = Lab::up(spec).err().expect("up must fail");
     let msg = format!("{err:#}");

@@ -260,15 +260,6 @@ pub struct LabSpec {
     pub dsr: bool,
     /// Balancer nodes of the `ecmp` topology (2..=8; ignored otherwise).
     pub nodes: usize,
-    /// Receive and transmit queues of the client's veth pair in the
-    /// `tuned`, `default` and `mixed` topologies (1: one, as veth has by
-    /// default). Native XDP on a veth takes the frames sent into it through
-    /// a ring of 256 per receive queue, and the sender drops what finds it
-    /// full (its TX `dropped`); the kernel's own path has a backlog of
-    /// 1,000 packets instead. With one queue per CPU, as a NIC with RSS
-    /// has, many connections' bursts at once (hundreds of clients) no longer
-    /// lose SYNs there (see README, Benchmarks).
-    pub client_queues: usize,
 }
 
 impl Default for LabSpec {
@@ -281,7 +272,6 @@ impl Default for LabSpec {
             topology: Topology::Tuned,
             dsr: false,
             nodes: 2,
-            client_queues: 1,
         }
     }
 }
@@ -971,13 +961,10 @@ impl Lab {
         match topo {
             Topology::Ecmp => bail!("the ecmp lab has no gateway (built by build_ecmp)"),
             Topology::Tuned | Topology::Default | Topology::Mixed => {
-                let q = self.spec.client_queues.max(1).to_string();
-                let queues = ["numtxqueues", q.as_str(), "numrxqueues", q.as_str()];
-                let mut args = vec!["link", "add", "eth0"];
-                args.extend(queues);
-                args.extend(["type", "veth", "peer", "name", "eth0", "netns", gw_ns.as_str()]);
-                args.extend(queues);
-                self.ip_ns("client", &args)?;
+                self.ip_ns(
+                    "client",
+                    &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &gw_ns],
+                )?;
                 self.ip_ns("gw", &["link", "add", "eth1", "type", "veth", "peer", "name", "p0", "netns", &sw_ns])?;
                 self.ip_batch("sw", &ports(0))?;
                 gw.push_str("addr add 10.10.0.1/16 dev eth0\nlink set eth0 up\naddr add 10.20.0.1/24 dev eth1\nlink set eth1 up\n");

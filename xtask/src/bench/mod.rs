@@ -101,19 +101,7 @@ pub(crate) fn bench(opts: &Options) -> anyhow::Result<()> {
         elapsed("per-packet part", t0);
     }
     if opts.parts.contains(&Part::E2e) || opts.parts.contains(&Part::Scenarios) {
-        // The client's link with a queue per CPU, as a gateway's NIC has
-        // with RSS: on veth, native XDP's ring of 256 frames per receive
-        // queue otherwise drops hundreds of clients' SYNs and requests
-        // (the breakpoint search), where `direct`, HAProxy and nginx go
-        // through the kernel's backlog of 1,000 (LabSpec::client_queues).
-        let queues = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-        let lab = Lab::up(LabSpec {
-            prefix: PREFIX.into(),
-            bin_dir: release_dir(),
-            client_queues: queues,
-            ..LabSpec::default()
-        })?;
-        results["client_queues"] = json!(queues);
+        let lab = Lab::up(LabSpec { prefix: PREFIX.into(), bin_dir: release_dir(), ..LabSpec::default() })?;
         let env = Env::new(&lab)?;
         // (lab-client, the open-loop load generator and the P4 study's
         // client, is optimised as wrk is: a debug build held a whole CPU

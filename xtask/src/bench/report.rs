@@ -316,8 +316,7 @@ CPU is whole-machine busy time per request from /proc/stat (on veth an XDP balan
 kernel.bpf_stats_enabled is off in every throughput cell; `XDP ns/req` is the XDP program's own run time, measured in a separate {} s cell with it on (in the first repetition only, unless `--full`). \
 Hash methods: ours Maglev over the 5-tuple, HAProxy `balance hash src_port` (consistent), nginx `hash $remote_addr$remote_port consistent`. \
 What differs: HAProxy hashes the client port alone and ours adds the VIP address and port; with one client address and one VIP in the lab, all three hash what varies between connections, the client port. \
-wrk runs from one client address, so the lab's servers and proxies keep no TIME_WAIT sockets (`tcp_max_tw_buckets=0`): otherwise each cell's SYNs collide with the previous cell's 4-tuples. \
-The client's veth pair has a receive and a transmit queue per CPU, as a gateway's NIC has with RSS: native XDP on a veth takes frames through a ring of 256 per receive queue (the kernel's own path, which `direct` and the proxies take, through a backlog of 1,000), and with one queue hundreds of clients' bursts overflowed it (SYNs dropped at the sender, retransmitted a second later).\n",
+wrk runs from one client address, so the lab's servers and proxies keep no TIME_WAIT sockets (`tcp_max_tw_buckets=0`): otherwise each cell's SYNs collide with the previous cell's 4-tuples.\n",
         e["secs_per_run"], e["reps"], e["xdp_cell_secs"]
     );
     let summary = e["summary"].as_array().cloned().unwrap_or_default();
