@@ -1598,11 +1598,11 @@ fn a_new_connection_above_the_rate_on_a_tuple_with_an_entry_takes_the_entry_over
         // It took the closed entry over: not limited, no new entry.
         assert_eq!(limited_since, 0, "the port's new connection was rate limited");
         let entries = fx.entries();
-        let with_entries = (fresh - 43_000) as u64 - fx.counter("flood_rate");
+        let with_entries = u64::from(fresh - 43_000) - fx.counter("flood_rate");
         assert_eq!(entries, 1 + with_entries, "the closed entry replaced in place");
         // The port's two connections, each counted once.
         let all: u64 = RR_BACKENDS.iter().map(|&(a, _)| fx.new_flows("web", a)).sum();
-        assert_eq!(all, 2 + (fresh - 43_000) as u64);
+        assert_eq!(all, 2 + u64::from(fresh - 43_000));
         assert_eq!(fx.active_flows("web"), 1 + with_entries);
     });
 }
