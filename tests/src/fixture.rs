@@ -316,6 +316,14 @@ pub fn fixture_config(services: Vec<ServiceConfig>) -> Config {
     }
 }
 
+/// Run the calling thread on `cpu` alone: what the datapath keeps per
+/// CPU (the new-flow rate, the per-CPU counts) is then that CPU's.
+pub fn on_cpu(cpu: usize) {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu).unwrap();
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).unwrap();
+}
+
 pub fn in_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     let ns = Netns::new();
     ns.run(f)

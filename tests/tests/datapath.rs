@@ -1424,9 +1424,7 @@ fn new_flows_beside_a_sweeper(reuse: Reuse) {
         let worker = {
             let stop = stop.clone();
             std::thread::spawn(move || {
-                let mut one = nix::sched::CpuSet::new();
-                one.set(1).unwrap();
-                nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
+                on_cpu(1);
                 let (mut flows, mut moved) = (0u64, Vec::new());
                 'run: for round in 0u32.. {
                     let client = Ipv4Addr::from(
@@ -1470,9 +1468,7 @@ fn new_flows_beside_a_sweeper(reuse: Reuse) {
         // The sweeper on CPU 0, as fast as it goes, 11 s ahead: closed
         // flows are past their linger and removed, nothing else is due
         // (Expiring: every open flow is, its idle timeout 5 s).
-        let mut zero = nix::sched::CpuSet::new();
-        zero.set(0).unwrap();
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &zero).unwrap();
+        on_cpu(0);
         let idle = if reuse == Reuse::Expiring { 5 } else { u64::MAX / 2 };
         let t0 = std::time::Instant::now();
         let (mut sweeps, mut removed, mut expired, mut marked) = (0u64, 0u64, 0u64, 0u64);
@@ -1520,9 +1516,7 @@ fn new_flows_beside_a_sweeper(reuse: Reuse) {
 fn new_flows_above_the_rate_get_a_backend_but_no_entry() {
     in_netns(|| {
         // The limit is per CPU: stay on one.
-        let mut one = nix::sched::CpuSet::new();
-        one.set(0).unwrap();
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
+        on_cpu(0);
         let backends = [(BACKEND, 8080), (BACKEND_UNRESOLVED, 8080), (THIRD, 8080)];
         let mut fx =
             Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &backends)], |c| {
@@ -1552,9 +1546,7 @@ fn new_flows_above_the_rate_get_a_backend_but_no_entry() {
 fn a_new_connection_above_the_rate_on_a_tuple_with_an_entry_takes_the_entry_over() {
     in_netns(|| {
         // The limit is per CPU: stay on one.
-        let mut one = nix::sched::CpuSet::new();
-        one.set(0).unwrap();
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
+        on_cpu(0);
         let mut fx =
             Fixture::with_config(vec![service_with("web", 80, Protocol::Tcp, Scheduler::Rr, &RR_BACKENDS)], |c| {
                 c.flood.new_flow_rate_per_cpu = Some(5);

@@ -622,9 +622,7 @@ fn an_ipv6_flow_whose_backend_went_down_is_counted_closed_once() {
 fn a_new_ipv6_connection_above_the_rate_on_a_tuple_with_an_entry_takes_the_entry_over() {
     in_netns(|| {
         // The limit is per CPU: stay on one.
-        let mut one = nix::sched::CpuSet::new();
-        one.set(0).unwrap();
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
+        on_cpu(0);
         let backends = [(BACKEND6, 8080), (BACKEND6_UNRESOLVED, 8080)];
         let service =
             ServiceConfig { vip: VIP6.into(), ..service_with("web6", 80, Protocol::Tcp, Scheduler::Rr, &backends) };

@@ -550,16 +550,10 @@ fn an_upgrade_from_layout_7_takes_its_maps_up_in_place_and_counts_per_cpu_from_t
     // backend's active count returns to 0 as the connections close,
     // whichever program counted their opening and their close.
     upgrade_under_load_as(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:81", false);
-    let log = lbd.log_text();
-    assert!(log.contains("taking it up in place"), "{log}");
-    assert!(!log.contains("migrating the pinned"), "{log}");
-    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
+    taken_up_in_place(&lab, &lbd, &maps);
     for name in ADDED_IN_8 {
         assert!(maps.join(name).exists(), "{name} was not pinned");
     }
-    let counts = lab.connections_served().unwrap();
-    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
-    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
     // From the take-up on, `web`'s new flows were counted per CPU, `alt`'s
     // in the shared counts (which also hold what the old program counted).
     let (per_cpu, shared) = (pinned_conns(&maps, "CONNS_CPU"), pinned_conns(&maps, "CONNS"));
@@ -586,13 +580,7 @@ fn an_upgrade_from_layout_8_takes_its_tables_up_in_place_under_load() {
     lab.reset_backend_counts().unwrap();
     let old_program = lbd.program_id().unwrap();
     upgrade_under_load_as(&lab, &mut lbd, &bin, &exe, old_program, "10.10.0.100:81", false);
-    let log = lbd.log_text();
-    assert!(log.contains("taking it up in place"), "{log}");
-    assert!(!log.contains("migrating the pinned"), "{log}");
-    assert_eq!(pinned_layout(&maps), lb_common::LAYOUT_VERSION);
-    let counts = lab.connections_served().unwrap();
-    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
-    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
+    taken_up_in_place(&lab, &lbd, &maps);
     emptied_then_stopped(&lab, &mut lbd, &bin);
 }
 
@@ -630,6 +618,19 @@ fn map_info(maps: &Path, name: &str) -> serde_json::Value {
     let out = Command::new("bpftool").args(["-j", "map", "show", "pinned"]).arg(maps.join(name)).output().unwrap();
     assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// After an upgrade from a layout taken up in place (7 or 8): lbd says
+/// so and migrated nothing, the pinned layout is this build's, and lbd's
+/// new-flow count equals the connections the backends served.
+fn taken_up_in_place(lab: &Lab, lbd: &Lbd, maps: &Path) {
+    let log = lbd.log_text();
+    assert!(log.contains("taking it up in place"), "{log}");
+    assert!(!log.contains("migrating the pinned"), "{log}");
+    assert_eq!(pinned_layout(maps), lb_common::LAYOUT_VERSION);
+    let counts = lab.connections_served().unwrap();
+    let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
+    assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
 }
 
 /// After an upgrade from layout `from`: lbd says it migrated, the pinned
