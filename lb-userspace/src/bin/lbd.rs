@@ -239,6 +239,12 @@ async fn serve(
     if let Err(e) = agent.dp.finish_migration() {
         warn!(error = %e, "finishing the migration of the pinned datapath");
     }
+    // The signal handlers before the control socket answers: a caller
+    // that takes an answer for "started" may send SIGHUP or SIGUSR2 at
+    // once, and before the handlers their default action ended lbd (a
+    // restart test under a CPU-bound process met that).
+    let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    let mut sigusr2 = signal(SignalKind::user_defined2()).context("installing the SIGUSR2 handler")?;
     let agent = Arc::new(Mutex::new(agent));
     let api = tokio::spawn(api::serve(listener, agent.clone()));
     let exporter = tokio::spawn(lb_userspace::metrics::serve(metrics, agent.clone()));
@@ -256,8 +262,6 @@ async fn serve(
         lb_userspace::tasks::ANNOUNCE_PERIOD,
         keep_bird.clone(),
     ));
-    let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
-    let mut sigusr2 = signal(SignalKind::user_defined2()).context("installing the SIGUSR2 handler")?;
     let logs = logger.map(|mut fd| {
         tokio::spawn(async move {
             loop {
