@@ -293,20 +293,21 @@ impl Balancer {
         }
     }
 
-    /// Where `connections` client connections go: the balancer's VIP, or
-    /// for `direct` the three backends themselves, the connections split
-    /// between them (the client picks the backend, the gateway's kernel
-    /// routes).
+    /// Where `connections` client connections go, split in three parts:
+    /// for `direct` the three backends themselves (the client picks the
+    /// backend, the gateway's kernel routes), for a balancer its VIP three
+    /// times. Every path thus gets the same client, three wrk processes
+    /// of one thread with the same connections each; a balancer's client
+    /// used to be one wrk of two threads, which gave it a thread less
+    /// than `direct` (README, "e2e").
     fn targets(self, connections: u32) -> Vec<(String, u32)> {
-        let vip = match self {
-            Self::Direct => {
-                return BACKENDS.iter().map(|b| format!("{b}:8080")).zip(split(connections, 3)).collect();
-            }
-            Self::Ours => VIP_OURS,
-            Self::Haproxy => VIP_HAPROXY,
-            Self::Nginx => VIP_NGINX,
+        let addrs: Vec<String> = match self {
+            Self::Direct => BACKENDS.iter().map(|b| format!("{b}:8080")).collect(),
+            Self::Ours => vec![format!("{VIP_OURS}:80"); 3],
+            Self::Haproxy => vec![format!("{VIP_HAPROXY}:80"); 3],
+            Self::Nginx => vec![format!("{VIP_NGINX}:80"); 3],
         };
-        vec![(format!("{vip}:80"), connections)]
+        addrs.into_iter().zip(split(connections, 3)).filter(|(_, c)| *c > 0).collect()
     }
 }
 
@@ -542,10 +543,10 @@ fn run_load(env: &Env, b: Balancer, load: &Load, how: Measure) -> anyhow::Result
 }
 
 /// The client processes of one load on `parts` (target, connections):
-/// wrk, one process per target (wrk connects every thread to one address;
-/// `direct` has three, its connections split between them), or for an
-/// open-loop load one `lab-client paced` for every path, whose connections
-/// go to the targets in turn.
+/// wrk, one process of one thread per part (wrk connects every thread to
+/// one address, and `direct` has three), or for an open-loop load one
+/// `lab-client paced` for every path, whose connections go to the
+/// targets in turn.
 fn load_commands(lab: &Lab, parts: &[(String, u32)], load: &Load) -> Vec<Command> {
     if let Some(rate) = load.rate {
         let targets: Vec<&str> = parts.iter().map(|(t, _)| t.as_str()).collect();
@@ -558,13 +559,11 @@ fn load_commands(lab: &Lab, parts: &[(String, u32)], load: &Load) -> Vec<Command
         ]);
         return vec![cmd];
     }
-    let spread = parts.len() > 1;
     parts
         .iter()
         .map(|(t, c)| {
-            let threads = if spread { 1 } else { (*c).min(2) };
             let mut cmd = lab.cmd("client", "wrk");
-            cmd.args(["-t", &threads.to_string(), "-c", &c.to_string(), "-d", &format!("{}s", load.secs)]).args([
+            cmd.args(["-t", "1", "-c", &c.to_string(), "-d", &format!("{}s", load.secs)]).args([
                 "--timeout",
                 "5s",
                 "--latency",

@@ -311,7 +311,9 @@ fn e2e_section(md: &mut String, e: &Value, dir: &Path, verdicts: &mut Vec<(Strin
     let _ = writeln!(
         md,
         "{} s per run, {} interleaved repetitions, medians. `direct` is the floor: the same load spread over the same three backends without a balancer \
-(three wrk processes, one per backend, the connections split between them, routed through the gateway's kernel; its p50 is their request-weighted mean and its p99 the worst of the three). \
+(wrk to each backend, routed through the gateway's kernel). \
+Every path gets the same client: three wrk processes of one thread, the connections split between them, `direct`'s one per backend and a balancer's all to its VIP; \
+a cell's p50 is their request-weighted mean and its p99 the worst of the three. \
 CPU is whole-machine busy time per request from /proc/stat (on veth an XDP balancer's work runs in the sender's softirq, so compare against `direct`). \
 kernel.bpf_stats_enabled is off in every throughput cell; `XDP ns/req` is the XDP program's own run time, measured in a separate {} s cell with it on (in the first repetition only, unless `--full`). \
 Hash methods: ours Maglev over the 5-tuple, HAProxy `balance hash src_port` (consistent), nginx `hash $remote_addr$remote_port consistent`. \
