@@ -70,7 +70,7 @@ Every figure below was measured in this one run on this machine; figures on a sh
         e2e_section(&mut body, e, dir, &mut verdicts)?;
     }
     if let Some(s) = r.get("scenarios") {
-        scenario_section(&mut body, s, dir)?;
+        scenario_section(&mut body, s, dir, &mut verdicts)?;
     }
     let met = verdicts.iter().filter(|v| v.1).count();
     let _ = writeln!(md, "## Targets: {met} of {} met\n", verdicts.len());
@@ -562,7 +562,7 @@ fn e2e_verdicts(summary: &[Value]) -> Vec<(String, bool)> {
     out
 }
 
-fn scenario_section(md: &mut String, s: &Value, dir: &Path) -> anyhow::Result<()> {
+fn scenario_section(md: &mut String, s: &Value, dir: &Path, verdicts: &mut Vec<(String, bool)>) -> anyhow::Result<()> {
     let _ = writeln!(md, "## The published evaluations\n\n### P4 data-plane study: requests over 3 backends\n");
     let _ =
         writeln!(md, "| method | requests | be1 | be2 | be3 | Jain | failed |\n|---|---:|---:|---:|---:|---:|---:|");
@@ -585,6 +585,20 @@ fn scenario_section(md: &mut String, s: &Value, dir: &Path) -> anyhow::Result<()
     bar_chart("Jain's fairness index per size", "", &bars, &dir.join("p4-jain.svg"))?;
     let _ =
         writeln!(md, "\n![Jain per size](p4-jain.svg)\n\nTargets: WRR 1.000 at every size; Maglev at least 0.99.\n");
+    for (method, name, least) in [("wrr", "WRR", 0.9995), ("hash", "Maglev", 0.99)] {
+        let worst = s["p4"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p["method"] == method)
+            .map(|p| f(&p["jain"]))
+            .fold(f64::NAN, f64::min);
+        // NaN (no cell of the method ran) is not met.
+        verdicts.push((
+            format!("P4 study: {name} Jain's index {worst:.5} at its worst size (at least {least})"),
+            worst >= least,
+        ));
+    }
     let _ = writeln!(md, "### k6-style scenarios (new connection per request)\n");
     let _ = writeln!(
         md,
@@ -625,8 +639,41 @@ fn scenario_section(md: &mut String, s: &Value, dir: &Path) -> anyhow::Result<()
     }
     let _ = writeln!(
         md,
-        "\nTargets: zero failed requests for our balancer in average load and stress; its breaking point higher than HAProxy's.\n"
+        "\nTargets: zero failed requests for our balancer in average load and stress; its breaking point at least HAProxy's \
+(a balancer the search did not break counts as breaking above its limit).\n"
     );
+    for k in
+        s["k6"].as_array().into_iter().flatten().filter(|k| k["balancer"] == "ours" && k["scenario"] != "breakpoint")
+    {
+        let failed = k["failed"].as_f64();
+        verdicts.push((
+            format!(
+                "k6-style {}: ours {} failed requests (at most 0)",
+                k["scenario"].as_str().unwrap_or(""),
+                k["failed"]
+            ),
+            failed == Some(0.0),
+        ));
+    }
+    // Where a balancer broke, in clients; one the search did not break
+    // counts as one step above its limit.
+    let broke = |name: &str| {
+        s["k6"].as_array().into_iter().flatten().find(|k| k["scenario"] == "breakpoint" && k["balancer"] == name).map(
+            |k| {
+                k["broke_at"]
+                    .as_u64()
+                    .map_or((k["limit"].as_u64().unwrap_or(0) * 2, format!("not broken up to {}", k["limit"])), |c| {
+                        (c, format!("broke at {c} clients"))
+                    })
+            },
+        )
+    };
+    if let (Some((ours, ours_text)), Some((hap, hap_text))) = (broke("ours"), broke("haproxy")) {
+        verdicts
+            .push((format!("breakpoint: ours {ours_text}, HAProxy {hap_text} (ours at least HAProxy's)"), ours >= hap));
+    } else {
+        verdicts.push(("breakpoint: ours or HAProxy has no breakpoint search in the results".into(), false));
+    }
     Ok(())
 }
 
@@ -682,5 +729,46 @@ mod tests {
             "{text}"
         );
         assert!(datapath_note(&[&direct]).is_none(), "no note without a cell of ours");
+    }
+    #[test]
+    fn the_scenarios_targets_are_judged() {
+        let bp = |b: &str, broke: Value| json!({ "scenario": "breakpoint", "balancer": b, "steps": [], "broke_at": broke, "limit": 3200 });
+        let s = |ours_broke: Value, ours_failed: f64| {
+            json!({
+                "p4": [
+                    { "method": "wrr", "requests": 20000, "per_backend": [6667, 6667, 6666], "jain": 1.0, "failed": 0 },
+                    { "method": "hash", "requests": 20000, "per_backend": [6695, 6716, 6589], "jain": 0.98, "failed": 0 },
+                ],
+                "k6": [
+                    { "scenario": "average load", "balancer": "ours", "hold": {}, "failed": ours_failed },
+                    { "scenario": "average load", "balancer": "haproxy", "hold": {}, "failed": 3.0 },
+                    bp("ours", ours_broke),
+                    bp("haproxy", Value::Null),
+                ],
+            })
+        };
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let judge = |v: &Value| {
+            let mut verdicts = Vec::new();
+            scenario_section(&mut String::new(), v, dir.path(), &mut verdicts).expect("the section renders");
+            verdicts
+        };
+        let v = judge(&s(json!(3200), 0.0));
+        let got: Vec<(&str, bool)> = v.iter().map(|(w, ok)| (w.as_str(), *ok)).collect();
+        assert_eq!(
+            got,
+            [
+                ("P4 study: WRR Jain's index 1.00000 at its worst size (at least 0.9995)", true),
+                ("P4 study: Maglev Jain's index 0.98000 at its worst size (at least 0.99)", false),
+                ("k6-style average load: ours 0.0 failed requests (at most 0)", true),
+                (
+                    "breakpoint: ours broke at 3200 clients, HAProxy not broken up to 3200 (ours at least HAProxy's)",
+                    false
+                ),
+            ]
+        );
+        let v = judge(&s(Value::Null, 2.0));
+        assert!(!v[2].1, "a failed request of ours misses: {v:?}");
+        assert!(v[3].1, "neither broken up to the limit is met: {v:?}");
     }
 }
