@@ -730,6 +730,7 @@ mod tests {
         );
         assert!(datapath_note(&[&direct]).is_none(), "no note without a cell of ours");
     }
+
     #[test]
     fn the_scenarios_targets_are_judged() {
         let bp = |b: &str, broke: Value| json!({ "scenario": "breakpoint", "balancer": b, "steps": [], "broke_at": broke, "limit": 3200 });
