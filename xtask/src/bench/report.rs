@@ -658,15 +658,11 @@ fn scenario_section(md: &mut String, s: &Value, dir: &Path, verdicts: &mut Vec<(
     // Where a balancer broke, in clients; one the search did not break
     // counts as one step above its limit.
     let broke = |name: &str| {
-        s["k6"].as_array().into_iter().flatten().find(|k| k["scenario"] == "breakpoint" && k["balancer"] == name).map(
-            |k| {
-                k["broke_at"]
-                    .as_u64()
-                    .map_or((k["limit"].as_u64().unwrap_or(0) * 2, format!("not broken up to {}", k["limit"])), |c| {
-                        (c, format!("broke at {c} clients"))
-                    })
-            },
-        )
+        let k = s["k6"].as_array()?.iter().find(|k| k["scenario"] == "breakpoint" && k["balancer"] == name)?;
+        Some(match k["broke_at"].as_u64() {
+            Some(c) => (c, format!("broke at {c} clients")),
+            None => (k["limit"].as_u64().unwrap_or(0) * 2, format!("not broken up to {}", k["limit"])),
+        })
     };
     if let (Some((ours, ours_text)), Some((hap, hap_text))) = (broke("ours"), broke("haproxy")) {
         verdicts
