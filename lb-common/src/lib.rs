@@ -328,7 +328,10 @@ pub mod counter {
     /// one, or a SYN on a half-open one, dropped while a migration copies
     /// the old datapath's last flows (`Flood::hold_until`), and any SYN
     /// that would open a flow while its program swap is under way
-    /// ([`HOLD_NEW`](crate::HOLD_NEW)); its sender retransmits.
+    /// ([`HOLD_NEW`](crate::HOLD_NEW)); and a new flow's packet whose
+    /// entry another CPU, inserting the same flow at the same moment, is
+    /// still writing after many reads (`PUT_JOIN` in lb-ebpf's
+    /// `table.rs`): its sender retransmits.
     pub const HELD: u32 = 12;
     /// Packet too big for its egress device's MTU: never redirected (a
     /// redirected frame above the MTU is dropped silently). With DF set

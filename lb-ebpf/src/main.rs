@@ -750,6 +750,10 @@ fn new_flow(pkt: &Packet, key: &FlowKey, svc: &Service, now: u64, hint: u32) -> 
         match insert_flow(pkt, key, svc, id, now, hint) {
             Insert::Done(nat) => return Ok(nat),
             Insert::NoBackend => return Err(no_backend()),
+            Insert::Held => {
+                stats::count(counter::HELD);
+                return Err(xdp_action::XDP_DROP);
+            }
             Insert::Full if reply_entry => {
                 stats::count(counter::DROP_FLOW_TABLE);
                 return Err(xdp_action::XDP_DROP);
@@ -834,6 +838,9 @@ pub(crate) enum Insert<N> {
     NoBackend,
     /// The flow table is full.
     Full,
+    /// Another CPU is still writing this flow's entry: the packet is
+    /// dropped and counted as held (`counter::HELD`).
+    Held,
 }
 
 /// The close state a flow's entry starts with: a TCP packet that opens
@@ -888,7 +895,9 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         // the forward entry exists, replies can come.
         // SAFETY: see above; the shared reference lives for the call only,
         // and nothing writes the slot meanwhile.
-        if !table::put_flow(&reply_key(pkt, backend.addr, backend.port), table::NO_SLOT) {
+        if table::put_flow(&reply_key(pkt, backend.addr, backend.port), table::NO_SLOT, table::PUT_REPLACE)
+            != table::Put::Done
+        {
             return Insert::Full;
         }
         DIR_FORWARD
@@ -903,15 +912,33 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         (*e).state = state;
         (*e).last_seen = now;
     }
-    // SAFETY: as above.
-    if !table::put_flow(key, hint) {
-        // The reply entry without its flow would never be swept (the
-        // sweeper removes it with its forward entry): taken back, with
-        // its room in the table.
-        if dir == DIR_FORWARD {
-            table::lb_take_back(&reply_key(pkt, backend.addr, backend.port));
+    // In place of the entry the lookup found (a new flow taking over its
+    // tuple's entry), or in a free slot. Not over an entry that another
+    // CPU put in since the lookup: that is this very flow's (its packets
+    // on two CPUs at once), which this packet joins, copied into the
+    // scratch entry: it goes where that entry says, and that CPU alone
+    // counts the flow. (Replacing it counted the flow twice, and under a
+    // scheduler whose two picks differ sent its packets to two backends.)
+    // When that CPU is still writing the entry (`Put::Busy`), the packet
+    // is held: dropped, its sender's retransmission finds the entry.
+    match table::put_flow(key, hint, table::PUT_JOIN) {
+        table::Put::Done => {}
+        table::Put::Exists => {
+            if dir == DIR_FORWARD {
+                joined_reply(pkt, id);
+            }
+            // SAFETY: this CPU's scratch slot, as above; plain loads.
+            return Insert::Done(unsafe { Nat::of(e) });
         }
-        return Insert::Full;
+        put => {
+            // The reply entry without its flow would never be swept (the
+            // sweeper removes it with its forward entry): taken back, with
+            // its room in the table.
+            if dir == DIR_FORWARD {
+                table::lb_take_back(&reply_key(pkt, backend.addr, backend.port));
+            }
+            return if put == table::Put::Busy { Insert::Held } else { Insert::Full };
+        }
     }
     // A TCP packet other than a SYN that takes an entry belongs to a
     // connection already counted (routed without an entry until now):
@@ -924,6 +951,25 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         stats::flow_closed(id, state);
     }
     Insert::Done(Nat { backend_id: id, addr: backend.addr, port: backend.port })
+}
+
+/// A new flow that joined the entry another CPU put in for it (copied
+/// into this CPU's scratch entry, `insert_flow`): the reply entry this
+/// packet put in for its own pick, backend `id`, taken back, unless it is
+/// the joined entry's own (its backend the same, and so its key and
+/// value). Its own frame: a rare path, kept off the balancer's main
+/// frame (inlined, it took the deepest chain of frames past the
+/// verifier's 512 bytes).
+#[inline(never)]
+fn joined_reply(pkt: &Packet, id: u32) {
+    let Some(e) = SCRATCH.get_ptr(0) else { return };
+    // SAFETY: this CPU's scratch slot; a plain load.
+    if unsafe { (*e).backend_id } == id {
+        return;
+    }
+    if let Some(b) = BACKENDS.get(id) {
+        table::lb_take_back(&reply_key(pkt, b.addr, b.port));
+    }
 }
 
 /// The reply entry's key of a new flow of `pkt` to the backend endpoint

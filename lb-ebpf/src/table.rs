@@ -78,8 +78,13 @@ use crate::maps::{
 
 /// Reads of a claim a writer holds (`SLOT_BUSY`) before an insert gives
 /// up on that slot: the writer is another CPU between two instructions
-/// of its own insert (XDP runs without preemption), tens of nanoseconds.
-const SPIN: u32 = 64;
+/// of its own insert (XDP runs without preemption), tens of nanoseconds,
+/// but its stores of the entry wait for the cache line this loop keeps
+/// reading. With 64, two CPUs inserting the same 20,000 new flows at
+/// once (BPF_PROG_TEST_RUN, Intel Xeon VM, December 2026) gave up on 299
+/// of them, with 1,024 on 2: so many reads are cheap (only an insert
+/// that meets a writer on a slot with its key's tag spins at all).
+const SPIN: u32 = 1024;
 
 /// A flow table's slots, by index.
 pub(crate) trait SlotTable<K, V> {
@@ -360,10 +365,26 @@ pub(crate) enum Put {
     Done = 1,
     /// `key` has an entry, and `replace` was not asked.
     Exists = 2,
+    /// [`PUT_JOIN`]: another CPU is still writing `key`'s entry after
+    /// [`SPIN`] reads of its claim.
+    Busy = 3,
+}
+
+impl Put {
+    /// A global function's answer (`Put as u32`) back.
+    #[inline(always)]
+    pub(crate) fn of(answer: u32) -> Self {
+        match answer {
+            1 => Self::Done,
+            2 => Self::Exists,
+            3 => Self::Busy,
+            _ => Self::Full,
+        }
+    }
 }
 
 /// Insert `value` as `key`'s entry, or, if `replace`, replace the entry
-/// `key` has.
+/// `key` has; `join`: [`PUT_JOIN`] was asked (see `Put::Busy`).
 ///
 /// Slots are tracked by index, and the free one's claim by its state bits
 /// alone, packed into one word; the mask (`mask`, a constant the verifier
@@ -372,6 +393,11 @@ pub(crate) enum Put {
 /// balancer's deepest chain of calls, whose stack frames together may
 /// take 512 bytes at most, and every value kept across the loop's map
 /// lookups (helper calls) costs a stack slot.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "inlined into its two global functions; the flags as one word, decoded here, made the verifier's walk \
+              pass its million instructions"
+)]
 #[inline(always)]
 pub(crate) fn put<K: SlotKey, V: Copy + Entry>(
     table: &impl SlotTable<K, V>,
@@ -380,6 +406,7 @@ pub(crate) fn put<K: SlotKey, V: Copy + Entry>(
     key: &K,
     value: impl Fn() -> Option<*const V>,
     replace: bool,
+    join: bool,
     hint: u32,
 ) -> Put {
     if hint != NO_SLOT
@@ -449,6 +476,17 @@ pub(crate) fn put<K: SlotKey, V: Copy + Entry>(
                 return Put::Exists;
             }
             seen = seen.own(busy);
+        }
+        // Still written after all the reads (its writer interrupted, or
+        // its vCPU descheduled, between its swap and its publish): maybe
+        // this very key's entry, whose key may not even be written yet. A
+        // joining insert ([`PUT_JOIN`]) puts in no second entry that might
+        // be the same flow's (no lookup would find it, and the flow would
+        // be counted twice): it gives up. (Another key with the same
+        // 32-bit tag, its writer stalled too, costs a packet that its
+        // sender retransmits.)
+        if join && claim == SLOT_BUSY | tag {
+            return Put::Busy;
         }
     }
     let Some(at) = seen.free_at() else { return Put::Full };
@@ -960,13 +998,17 @@ fn flow_in(at: u32) -> *mut Flow {
     slot_at(&FLOW_SLOTS, at).map_or(core::ptr::null_mut(), |s| unsafe { &raw mut (*s).value })
 }
 
-/// Insert or replace the IPv4 flow entry of `key` with this CPU's scratch
-/// entry (`SCRATCH`, where the caller built it); `hint`: the answer of
-/// the lookup of `key` this packet made (or `NO_SLOT`).
+/// Insert the IPv4 flow entry of `key` from this CPU's scratch entry
+/// (`SCRATCH`, where the caller built it); `hint`: the answer of the
+/// lookup of `key` this packet made (or `NO_SLOT`). `how`: a constant,
+/// [`PUT_REPLACE`] (in place of any entry `key` has: a reply entry's
+/// stale one) or [`PUT_JOIN`] (in place of the entry the lookup found;
+/// an entry another CPU put in since the lookup is kept, answered as
+/// `Put::Exists` with a copy of it in the scratch entry).
 #[inline(always)]
-pub(crate) fn put_flow(key: &FlowKey, hint: u32) -> bool {
-    let Some(value) = SCRATCH.get_ptr(0) else { return false };
-    lb_put_flow(key, value, 1, hint) == Put::Done as u32
+pub(crate) fn put_flow(key: &FlowKey, hint: u32, how: u32) -> Put {
+    let Some(value) = SCRATCH.get_ptr_mut(0) else { return Put::Full };
+    Put::of(lb_put_flow(key, value, how, hint))
 }
 
 /// The IPv6 flow entry of `key`.
@@ -995,11 +1037,11 @@ fn flow6_in(at: u32) -> *mut Flow6 {
 }
 
 /// Insert or replace the IPv6 flow entry of `key` with this CPU's scratch
-/// entry (`SCRATCH6`); `hint` as in [`put_flow`].
+/// entry (`SCRATCH6`); `hint` and `how` as in [`put_flow`].
 #[inline(always)]
-pub(crate) fn put_flow6(key: &FlowKey6, hint: u32) -> bool {
-    let Some(value) = SCRATCH6.get_ptr(0) else { return false };
-    lb_put_flow6(key, value, 1, hint) == Put::Done as u32
+pub(crate) fn put_flow6(key: &FlowKey6, hint: u32, how: u32) -> Put {
+    let Some(value) = SCRATCH6.get_ptr_mut(0) else { return Put::Full };
+    Put::of(lb_put_flow6(key, value, how, hint))
 }
 
 /// [`flow`]'s global function: the slot of `key`'s entry, or on a miss
@@ -1118,7 +1160,8 @@ pub(crate) extern "C" fn lb_flow_slot6(key: *const FlowKey6) -> u32 {
 
 /// [`put_flow`]'s global function: `value` inserted as `key`'s entry,
 /// or, with `replace` ([`PUT_REPLACE`]) set, put in place of the one
-/// `key` has; with [`PUT_SWEPT`] set too, for the sweeper (its room taken
+/// `key` has ([`PUT_JOIN`]: see there);
+/// with [`PUT_SWEPT`] set too, for the sweeper (its room taken
 /// from the shared count only: see `Count`). `hint`: a lookup's answer
 /// for `key` (`NO_SLOT`: none). Answers what `put` did as a number (`Put
 /// as u32`).
@@ -1131,7 +1174,12 @@ pub(crate) extern "C" fn lb_put_flow(key: *const FlowKey, value: *const Flow, re
         return Put::Full as u32;
     }
     let count = if replace & PUT_SWEPT != 0 { Count::V4Shared } else { Count::V4 };
-    put(&FLOW_SLOTS, flow_mask, count, key, || Some(value), replace & PUT_REPLACE != 0, hint) as u32
+    let join = replace & PUT_JOIN != 0;
+    let done = put(&FLOW_SLOTS, flow_mask, count, key, || Some(value), replaces(replace, hint), join, hint);
+    if done == Put::Exists && join {
+        return copy_entry(&FLOW_SLOTS, flow_mask(), key, value.cast_mut()) as u32;
+    }
+    done as u32
 }
 
 /// [`put_flow6`]'s global function (as `lb_put_flow`).
@@ -1144,10 +1192,53 @@ pub(crate) extern "C" fn lb_put_flow6(key: *const FlowKey6, value: *const Flow6,
         return Put::Full as u32;
     }
     let count = if replace & PUT_SWEPT != 0 { Count::V6Shared } else { Count::V6 };
-    put(&FLOW_SLOTS6, flow_mask6, count, key, || Some(value), replace & PUT_REPLACE != 0, hint) as u32
+    let join = replace & PUT_JOIN != 0;
+    let done = put(&FLOW_SLOTS6, flow_mask6, count, key, || Some(value), replaces(replace, hint), join, hint);
+    if done == Put::Exists && join {
+        return copy_entry(&FLOW_SLOTS6, flow_mask6(), key, value.cast_mut()) as u32;
+    }
+    done as u32
+}
+
+/// Whether an insert with `replace` (its flags) replaces the entry its
+/// key has: with [`PUT_JOIN`], only the one its lookup found (`hint`).
+/// Decided here rather than by the caller: a flag computed in the
+/// balancer's main frame grew it past the verifier's stack limit.
+#[inline(always)]
+fn replaces(replace: u32, hint: u32) -> bool {
+    replace & PUT_REPLACE != 0 || (replace & PUT_JOIN != 0 && found(hint))
+}
+
+/// After a `Put::Exists` asked with [`PUT_JOIN`]: `key`'s entry copied
+/// into `value` (the caller's scratch entry), answered `Put::Exists`; or
+/// `Put::Full` when it is gone again, or was replaced while it was
+/// copied (its claim read before and after the copy differ).
+#[inline(always)]
+fn copy_entry<K: SlotKey, V>(table: &impl SlotTable<K, V>, mask: u32, key: &K, value: *mut V) -> Put {
+    let at = find(table, mask, key, false);
+    if !found(at) {
+        return Put::Full;
+    }
+    let Some(slot) = slot_at(table, at) else { return Put::Full };
+    // SAFETY: a valid map value and the caller's scratch entry; the claim
+    // read as in `find`, the value's words as in `copy_words`.
+    unsafe {
+        let before = read_volatile(&raw const (*slot).claim);
+        copy_words::<_, u64>(value, &raw const (*slot).value);
+        if read_volatile(&raw const (*slot).claim) != before || before & SLOT_STATE != SLOT_READY {
+            return Put::Full;
+        }
+    }
+    Put::Exists
 }
 
 /// [`lb_put_flow`]'s `replace` flags: the entry `key` has is replaced ...
 pub(crate) const PUT_REPLACE: u32 = 1;
-/// ... and the insert is the sweeper's.
+/// ... and the insert is the sweeper's; ...
 pub(crate) const PUT_SWEPT: u32 = 2;
+/// ... or the entry `key` has is replaced only when it is the one the
+/// caller's lookup found (`hint`); any other, which another CPU put in
+/// since that lookup, is kept and copied into `value` (`Put::Exists`):
+/// the same flow's packet on two CPUs at once joins that CPU's entry
+/// (`insert_flow` in main.rs).
+pub(crate) const PUT_JOIN: u32 = 4;

@@ -636,18 +636,25 @@ fn new_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> Result<Nat6, u32> {
         let reply = code == PLAN_INSERT_REPLY;
         // SAFETY: this CPU's scratch slot, where `plan_flow` wrote the
         // keys; the reference lives for the call only.
-        let ok = !reply || table::put_flow6(unsafe { &(*k).other }, table::NO_SLOT);
+        let ok =
+            !reply || table::put_flow6(unsafe { &(*k).other }, table::NO_SLOT, table::PUT_REPLACE) == table::Put::Done;
         if ok && reply {
             forward_entry(pkt, k, DIR_FORWARD, now);
         }
-        // SAFETY: as above.
-        let inserted = ok && table::put_flow6(unsafe { &(*k).flow }, unsafe { (*k).hint });
-        if ok && reply && !inserted {
+        // In place of the entry the lookup found, or in a free slot; not
+        // over one another CPU put in since (as for IPv4: `insert_flow`).
+        let put = if ok {
+            // SAFETY: as above; a plain load.
+            table::put_flow6(unsafe { &(*k).flow }, unsafe { (*k).hint }, table::PUT_JOIN)
+        } else {
+            table::Put::Full
+        };
+        if ok && reply && (put == table::Put::Full || put == table::Put::Busy) {
             // The reply entry without its flow: taken back (as for IPv4).
             // SAFETY: as above.
             table::lb_take_back6(unsafe { &raw const (*k).other });
         }
-        code = settle_flow(pkt, k, inserted);
+        code = settle_flow(pkt, k, put as u32);
     }
     if code == PLAN_NAT {
         // SAFETY: as above; a plain copy.
@@ -687,14 +694,26 @@ fn plan_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> u32 {
     stateless(pkt, k, opening)
 }
 
-/// After the inserts (`inserted`: all went in): the flow counted, or,
-/// without an entry, its consistent-hash answer (see `new_flow`).
+/// After the inserts (`put`: the flow's, as `table::Put`; `Done` only
+/// when the reply entry went in too): the flow counted, or the entry
+/// another CPU put in for it joined (`joined6`), or the packet held while
+/// that CPU still writes it, or, without an entry, its consistent-hash
+/// answer (see `new_flow`).
 #[inline(never)]
-fn settle_flow(pkt: &Packet6, k: *mut Keys6, inserted: bool) -> u32 {
+fn settle_flow(pkt: &Packet6, k: *mut Keys6, put: u32) -> u32 {
     // SAFETY: this CPU's scratch slots; plain loads.
     let (id, reply_entry, scheduler) =
         unsafe { ((*k).nat.backend_id, (*k).svc.flags & SVC_F_REPLY_ENTRY != 0, (*k).svc.scheduler) };
-    if inserted {
+    if put == table::Put::Exists as u32 && joined6(k, id, reply_entry) {
+        return PLAN_NAT;
+    }
+    // Another CPU still writing this flow's entry: held (see
+    // `insert_flow` in main.rs).
+    if put == table::Put::Busy as u32 {
+        stats::count(counter::HELD);
+        return xdp_action::XDP_DROP;
+    }
+    if put == table::Put::Done as u32 {
         let state = opening_state(pkt.proto, pkt.tcp_flags) | stats::conns_class(scheduler);
         if pkt.proto != PROTO_TCP || pkt.is_syn() {
             stats::new_flow(id);
@@ -713,6 +732,31 @@ fn settle_flow(pkt: &Packet6, k: *mut Keys6, inserted: bool) -> u32 {
     }
     stats::count(counter::TABLE_FULL);
     stateless(pkt, k, pkt.proto != PROTO_TCP || pkt.is_syn())
+}
+
+/// A new flow whose entry another CPU put in between this packet's
+/// lookup and its insert, copied into this CPU's `SCRATCH6` slot by the
+/// insert (as for IPv4: `insert_flow`): its rewrite into `Keys6::nat`,
+/// counted by that CPU alone; this packet's reply entry, for its own pick
+/// `id`, taken back when the entry names another backend.
+#[inline(always)]
+fn joined6(k: *mut Keys6, id: u32, reply: bool) -> bool {
+    let Some(e) = SCRATCH6.get_ptr(0) else { return false };
+    // SAFETY: this CPU's scratch slot; a plain load.
+    let theirs = unsafe { (*e).backend_id };
+    if reply && theirs != id {
+        // SAFETY: this CPU's scratch slot, where `plan_flow` wrote the
+        // keys; the pointer is read for the call only.
+        table::lb_take_back6(unsafe { &raw const (*k).other });
+    }
+    // SAFETY: this CPU's scratch slots; plain loads and stores, the
+    // address word by word (see `copy_addr6`).
+    unsafe {
+        (*k).nat.backend_id = theirs;
+        copy_addr6(&raw mut (*k).nat.addr, &raw const (*e).nat_addr);
+        (*k).nat.port = (*e).nat_port;
+    }
+    true
 }
 
 /// No entry: the consistent-hash answer, the same for every packet of

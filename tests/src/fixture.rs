@@ -328,3 +328,126 @@ pub fn in_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T 
     let ns = Netns::new();
     ns.run(f)
 }
+
+/// One run of the XDP program over `frame` (received on `ifindex`) by
+/// the program's fd, for a thread other than the fixture's owner (which
+/// may sweep meanwhile: `Dataplane::sweep` takes it mutably); answers the
+/// output frame. aya's `test_run` needs the `Program`, hence the raw
+/// `BPF_PROG_TEST_RUN` here.
+pub fn run_by_fd_raw(prog_fd: i32, frame: &[u8], ifindex: u32) -> Vec<u8> {
+    let ctx = lb_testkit::xdp_ctx(frame.len(), ifindex);
+    let mut out = vec![0u8; frame.len() + 256];
+    // union bpf_attr's test member: prog_fd, retval, data_size_in,
+    // data_size_out, data_in, data_out, repeat, duration, ctx_size_in,
+    // ctx_size_out, ctx_in, ctx_out, flags, cpu, batch_size.
+    let mut attr = [0u8; 80];
+    attr[0..4].copy_from_slice(&(prog_fd as u32).to_ne_bytes());
+    attr[8..12].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    attr[12..16].copy_from_slice(&(out.len() as u32).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(frame.as_ptr() as u64).to_ne_bytes());
+    attr[24..32].copy_from_slice(&(out.as_mut_ptr() as u64).to_ne_bytes());
+    attr[40..44].copy_from_slice(&(ctx.len() as u32).to_ne_bytes());
+    attr[48..56].copy_from_slice(&(ctx.as_ptr() as u64).to_ne_bytes());
+    // SAFETY: BPF_PROG_TEST_RUN (10) with an attr whose pointers name
+    // live buffers of the sizes given; the kernel writes `out` and attr.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, 10, attr.as_mut_ptr(), attr.len()) };
+    assert_eq!(rc, 0, "BPF_PROG_TEST_RUN: {}", std::io::Error::last_os_error());
+    let size_out = u32::from_ne_bytes(attr[12..16].try_into().unwrap()) as usize;
+    out.truncate(size_out);
+    out
+}
+
+/// The same new flows on CPUs 0 and 1 at once: both send flow `i`'s SYN
+/// (`frame(i, flags)`, a new client address a flow) once both have come
+/// to it (a spinning rendezvous: a sleeping one starts them far apart),
+/// for 6 s or 20,000 flows. `fx` has one service, `service`, round robin
+/// over its backends (whose one counter for all CPUs gives the two picks
+/// different backends), with room for every flow and no rate limit; `dst`
+/// reads an output frame's destination. Asserts one entry a flow, both
+/// packets at its backend (or one held: dropped untouched, and counted),
+/// and every flow counted new and open once.
+pub fn same_new_flows_on_two_cpus(
+    fx: &mut Fixture,
+    service: &str,
+    vip: IpAddr,
+    frame: impl Fn(u32, u8) -> Vec<u8> + Copy + Send + 'static,
+    dst: fn(&[u8]) -> IpAddr,
+) {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering::SeqCst},
+    };
+    const FLOWS: u32 = 20_000;
+    let prog_fd = {
+        use std::os::fd::{AsFd as _, AsRawFd as _};
+        fx.dp.program().fd().expect("program fd").as_fd().as_raw_fd()
+    };
+    let if_a = fx.if_a;
+    let gate = Arc::new(AtomicU32::new(0));
+    let done = Arc::new(AtomicU32::new(FLOWS));
+    let send = move |cpu: usize, gate: Arc<AtomicU32>, done: Arc<AtomicU32>| {
+        on_cpu(cpu);
+        let t0 = std::time::Instant::now();
+        let mut went = Vec::new();
+        for i in 0..FLOWS {
+            gate.fetch_add(1, SeqCst);
+            while gate.load(SeqCst) < 2 * (i + 1) {
+                std::hint::spin_loop();
+            }
+            if i >= done.load(SeqCst) {
+                break;
+            }
+            went.push(dst(&run_by_fd_raw(prog_fd, &frame(i, lb_testkit::frame::tcp::SYN), if_a)));
+            if t0.elapsed() > std::time::Duration::from_secs(6) {
+                done.fetch_min(i + 1, SeqCst);
+            }
+        }
+        went
+    };
+    let other = {
+        let (gate, done) = (gate.clone(), done.clone());
+        std::thread::spawn(move || send(1, gate, done))
+    };
+    let mine = send(0, gate, done.clone());
+    let theirs = other.join().expect("the other CPU's sender");
+    let flows = done.load(SeqCst) as usize;
+    assert!(flows >= 1_000, "too few flows to tell: {flows}");
+    // A packet that met the other CPU still writing the flow's entry is
+    // held (dropped, untouched: its sender retransmits), and counted.
+    let held = mine[..flows].iter().chain(&theirs[..flows]).filter(|&&d| d == vip).count() as u64;
+    let split: Vec<String> = (0..flows)
+        .filter(|&i| mine[i] != theirs[i] && mine[i] != vip && theirs[i] != vip)
+        .map(|i| format!("flow {i}: {} on CPU 0, {} on CPU 1", mine[i], theirs[i]))
+        .collect();
+    assert!(
+        split.is_empty(),
+        "{} of {flows} flows went to two backends: {:?}",
+        split.len(),
+        &split[..split.len().min(5)]
+    );
+    let backends: Vec<IpAddr> = fx
+        .dp
+        .services()
+        .find(|s| s.config.name == service)
+        .expect("the service")
+        .backends
+        .iter()
+        .map(|b| b.config.address)
+        .collect();
+    let counted: u64 = backends.iter().map(|&b| fx.new_flows(service, b)).sum();
+    let (opened, closed, expired) = fx.connection_counts(service);
+    eprintln!(
+        "{flows} flows on two CPUs at once: {counted} counted new, {opened} opened, {closed} closed, {held} held"
+    );
+    assert_eq!(fx.counter("held"), held, "packets held");
+    assert_eq!(fx.entries(), flows as u64, "one entry a flow");
+    assert_eq!(counted, flows as u64, "new flows counted");
+    assert_eq!((opened, closed, expired), (flows as u64, 0, 0), "connections opened, closed, expired");
+    assert_eq!(fx.active_flows(service), flows as u64, "active flows");
+    // Each flow's entry names the backend its packets went to.
+    for i in (0..flows).step_by(97) {
+        let went = if mine[i] == vip { theirs[i] } else { mine[i] };
+        let (_, out) = fx.run(&frame(i as u32, lb_testkit::frame::tcp::ACK), if_a);
+        assert_eq!(dst(&out), went, "flow {i}'s ACK");
+    }
+}

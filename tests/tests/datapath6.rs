@@ -619,6 +619,32 @@ fn an_ipv6_flow_whose_backend_went_down_is_counted_closed_once() {
 /// on a tuple whose closed entry lingers takes that entry over, and its
 /// backend's SYN-ACK goes back to the client.
 #[test]
+fn a_new_ipv6_flow_on_two_cpus_at_once_is_one_flow_counted_once() {
+    // As `a_new_flow_on_two_cpus_at_once_is_one_flow_counted_once`
+    // (datapath.rs), for IPv6: one entry, one backend, counted once.
+    in_netns(|| {
+        let backends: Vec<(Ipv6Addr, u16)> =
+            (0x11..0x17).map(|i| (Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, i), 8080)).collect();
+        let web6 =
+            ServiceConfig { vip: VIP6.into(), ..service_with("web6", 80, Protocol::Tcp, Scheduler::Rr, &backends) };
+        let mut fx = Fixture::with_config(vec![web6], |c| {
+            // Room for every flow: none is routed without an entry.
+            c.conntrack_max_ipv6 = 32_768;
+            c.flood.new_flow_rate_per_cpu = Some(0);
+        });
+        let client =
+            |i: u32| Ipv6Addr::from(u128::from(Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 0)) + u128::from(i));
+        same_new_flows_on_two_cpus(
+            &mut fx,
+            "web6",
+            VIP6.into(),
+            move |i, flags| tcp6(client(i), 40_000, VIP6, 80, flags).bytes(),
+            |out| Frame6::parse(out).expect("an IPv6 frame").dst.into(),
+        );
+    });
+}
+
+#[test]
 fn a_new_ipv6_connection_above_the_rate_on_a_tuple_with_an_entry_takes_the_entry_over() {
     in_netns(|| {
         // The limit is per CPU: stay on one.
