@@ -1160,11 +1160,11 @@ pub(crate) extern "C" fn lb_flow_slot6(key: *const FlowKey6) -> u32 {
 
 /// [`put_flow`]'s global function: `value` inserted as `key`'s entry,
 /// or, with `replace` ([`PUT_REPLACE`]) set, put in place of the one
-/// `key` has ([`PUT_JOIN`]: see there);
-/// with [`PUT_SWEPT`] set too, for the sweeper (its room taken
-/// from the shared count only: see `Count`). `hint`: a lookup's answer
-/// for `key` (`NO_SLOT`: none). Answers what `put` did as a number (`Put
-/// as u32`).
+/// `key` has (with [`PUT_JOIN`] instead: see there; `value` is then
+/// written too, the caller's scratch entry); with [`PUT_SWEPT`] set too,
+/// for the sweeper (its room taken from the shared count only: see
+/// `Count`). `hint`: a lookup's answer for `key` (`NO_SLOT`: none).
+/// Answers what `put` did as a number (`Put as u32`).
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub(crate) extern "C" fn lb_put_flow(key: *const FlowKey, value: *const Flow, replace: u32, hint: u32) -> u32 {
