@@ -425,16 +425,15 @@ pub fn same_new_flows_on_two_cpus(
         split.len(),
         &split[..split.len().min(5)]
     );
-    let backends: Vec<IpAddr> = fx
+    let counted: u64 = fx
         .dp
         .services()
         .find(|s| s.config.name == service)
         .expect("the service")
         .backends
         .iter()
-        .map(|b| b.config.address)
-        .collect();
-    let counted: u64 = backends.iter().map(|&b| fx.new_flows(service, b)).sum();
+        .map(|b| fx.dp.backend_stats(b.id).expect("backend stats").new_flows)
+        .sum();
     let (opened, closed, expired) = fx.connection_counts(service);
     eprintln!(
         "{flows} flows on two CPUs at once: {counted} counted new, {opened} opened, {closed} closed, {held} held"
