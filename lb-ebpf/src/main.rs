@@ -893,15 +893,12 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         // The backend's endpoint names another service's VIP: this flow's
         // replies need an entry of their own, inserted first so that once
         // the forward entry exists, replies can come.
-        // Its lost swap (`Put::Busy`: often the same flow's entry from
-        // another CPU, whose slots start where this one's do) holds the
-        // packet: a race, not a full table.
         // SAFETY: see above; the shared reference lives for the call only,
         // and nothing writes the slot meanwhile.
-        match table::put_flow(&reply_key(pkt, backend.addr, backend.port), table::NO_SLOT, table::PUT_REPLACE) {
-            table::Put::Done => {}
-            table::Put::Busy => return Insert::Held,
-            _ => return Insert::Full,
+        if table::put_flow(&reply_key(pkt, backend.addr, backend.port), table::NO_SLOT, table::PUT_REPLACE)
+            != table::Put::Done
+        {
+            return Insert::Full;
         }
         DIR_FORWARD
     } else {
@@ -922,9 +919,8 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
     // scratch entry: it goes where that entry says, and that CPU alone
     // counts the flow. (Replacing it counted the flow twice, and under a
     // scheduler whose two picks differ sent its packets to two backends.)
-    // When that CPU is still writing the entry, or took the free slot
-    // first (`Put::Busy`), the packet is held: dropped, its sender's
-    // retransmission finds the entry.
+    // When that CPU is still writing the entry (`Put::Busy`), the packet
+    // is held: dropped, its sender's retransmission finds the entry.
     match table::put_flow(key, hint, table::PUT_JOIN) {
         table::Put::Done => {}
         table::Put::Exists => {
