@@ -331,7 +331,9 @@ pub mod counter {
     /// ([`HOLD_NEW`](crate::HOLD_NEW)); and a new flow's packet whose
     /// entry another CPU, inserting the same flow at the same moment, is
     /// still writing after many reads (`PUT_JOIN` in lb-ebpf's
-    /// `table.rs`): its sender retransmits.
+    /// `table.rs`), or whose insert lost the free slot it was taking to
+    /// another CPU's insert at that moment (`Put::Busy`): its sender
+    /// retransmits.
     pub const HELD: u32 = 12;
     /// Packet too big for its egress device's MTU: never redirected (a
     /// redirected frame above the MTU is dropped silently). With DF set

@@ -895,10 +895,13 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         // the forward entry exists, replies can come.
         // SAFETY: see above; the shared reference lives for the call only,
         // and nothing writes the slot meanwhile.
-        if table::put_flow(&reply_key(pkt, backend.addr, backend.port), table::NO_SLOT, table::PUT_REPLACE)
-            != table::Put::Done
-        {
-            return Insert::Full;
+        // Its lost swap (`Put::Busy`: often the same flow's entry from
+        // another CPU, whose slots start where this one's do) holds the
+        // packet: a race, not a full table.
+        match table::put_flow(&reply_key(pkt, backend.addr, backend.port), table::NO_SLOT, table::PUT_REPLACE) {
+            table::Put::Done => {}
+            table::Put::Busy => return Insert::Held,
+            _ => return Insert::Full,
         }
         DIR_FORWARD
     } else {
@@ -919,8 +922,9 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
     // scratch entry: it goes where that entry says, and that CPU alone
     // counts the flow. (Replacing it counted the flow twice, and under a
     // scheduler whose two picks differ sent its packets to two backends.)
-    // When that CPU is still writing the entry (`Put::Busy`), the packet
-    // is held: dropped, its sender's retransmission finds the entry.
+    // When that CPU is still writing the entry, or took the free slot
+    // first (`Put::Busy`), the packet is held: dropped, its sender's
+    // retransmission finds the entry.
     match table::put_flow(key, hint, table::PUT_JOIN) {
         table::Put::Done => {}
         table::Put::Exists => {

@@ -26,9 +26,10 @@
 //! - An insert takes the first free slot of the key's probe sequence
 //!   after making sure the key is not further on; two CPUs inserting the
 //!   same key race for the same slot, and the table keeps one entry (a
-//!   loser that saw the slot being written waits and replaces the entry;
-//!   one that lost the compare-and-swap itself gets `Put::Full`, and its
-//!   packet goes by consistent hash, counted `table_full`).
+//!   loser that saw the slot being written waits for the entry, which a
+//!   new flow's insert joins and a reply entry's replaces;
+//!   one that lost the compare-and-swap itself gets `Put::Busy`, and its
+//!   packet is held, counted `held`, for its sender to retransmit).
 //!   An entry that is replaced (a new connection on a closed flow's
 //!   5-tuple) is rewritten in place under the claim (`SLOT_BUSY`), which
 //!   lookups skip: the kernel's hash swapped a whole new element in
@@ -365,8 +366,9 @@ pub(crate) enum Put {
     Done = 1,
     /// `key` has an entry, and `replace` was not asked.
     Exists = 2,
-    /// [`PUT_JOIN`]: another CPU is still writing `key`'s entry after
-    /// [`SPIN`] reads of its claim.
+    /// Another CPU took the free slot (or the entry) this insert was
+    /// about to claim, or, with [`PUT_JOIN`], is still writing `key`'s
+    /// entry after [`SPIN`] reads of its claim: a race, not a full table.
     Busy = 3,
 }
 
@@ -494,8 +496,17 @@ pub(crate) fn put<K: SlotKey, V: Copy + Entry>(
     let Some(value) = value() else { return Put::Full };
     let fresh = seen.free_state() != SLOT_READY;
     let old = if fresh { seen.free_state() } else { SLOT_READY | tag };
-    if !claim_and_write(slot, old, tag, fresh, count, key, value) {
-        return Put::Full;
+    // A lost swap is another CPU's insert in the slot since the probe,
+    // maybe this very key's (the same flow's packet on two CPUs, or a
+    // shared endpoint's reply entry meeting the flow entry of the same
+    // flow on another CPU, whose slots start at the same one): `Busy`,
+    // whose packet is held and retransmitted, not `Full`, which routes
+    // a flow without an entry (by consistent hash: maybe another backend
+    // than that CPU's entry names) or drops it as if the table had no
+    // room.
+    let done = claim_and_write(slot, old, tag, fresh, count, key, value);
+    if done != Put::Done {
+        return done;
     }
     if fresh {
         keep_reachable(table, mask(), start, at);
@@ -553,7 +564,7 @@ fn put_at<K: SlotKey, V: Copy + Entry>(
     let (at, slot, old) =
         if now & SLOT_MATCH == old { (at, slot, old) } else { next_free(table, mask, h, at, now, fresh)? };
     let value = value()?;
-    if !claim_and_write(slot, old, tag, fresh, count, key, value) {
+    if claim_and_write(slot, old, tag, fresh, count, key, value) != Put::Done {
         return None;
     }
     if fresh {
@@ -705,8 +716,9 @@ impl Entry for Flow6 {
 /// publishing it once whole (`tag`: the key's tag, in a claim's high
 /// half; `fresh`: a new entry, counted against the limit, of generation
 /// 0, rather than the key's own being replaced, which takes the next
-/// generation). False when the table holds its limit or the slot's claim
-/// is no longer `old`.
+/// generation). `Put::Done`; `Put::Full` when the table holds its limit;
+/// `Put::Busy` when the slot's claim is no longer `old` (another CPU
+/// took the slot since it was read).
 #[inline(always)]
 fn claim_and_write<K, V: Entry>(
     slot: *mut Slot<K, V>,
@@ -716,10 +728,10 @@ fn claim_and_write<K, V: Entry>(
     count: Count,
     key: &K,
     value: *const V,
-) -> bool {
+) -> Put {
     // A new entry counts against the table's limit first.
     if fresh && !count.take() {
-        return false;
+        return Put::Full;
     }
     // SAFETY: a valid map value. The compare-and-swap makes this CPU the
     // slot's only writer; readers skip it until the add below publishes
@@ -736,7 +748,7 @@ fn claim_and_write<K, V: Entry>(
         } else {
             let now = read_volatile(&raw const (*slot).claim);
             if now & SLOT_MATCH != old {
-                return false;
+                return Put::Busy;
             }
             (now, now.wrapping_add(SLOT_GEN_ONE) & SLOT_GEN)
         };
@@ -749,7 +761,7 @@ fn claim_and_write<K, V: Entry>(
             if fresh {
                 count.give_back();
             }
-            return false;
+            return Put::Busy;
         }
         if !fresh && count.datapaths() {
             V::close_replaced(&raw mut (*slot).value);
@@ -758,7 +770,7 @@ fn claim_and_write<K, V: Entry>(
         copy_words::<_, u64>(&raw mut (*slot).value, value);
         atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*slot).claim, SLOT_READY - SLOT_BUSY);
     }
-    true
+    Put::Done
 }
 
 /// What `put`'s probe loop found, in one word (every value kept across

@@ -634,20 +634,26 @@ fn new_flow(pkt: &Packet6, k: *mut Keys6, now: u64) -> Result<Nat6, u32> {
     let mut code = plan_flow(pkt, k, now);
     if code == PLAN_INSERT || code == PLAN_INSERT_REPLY {
         let reply = code == PLAN_INSERT_REPLY;
-        // SAFETY: this CPU's scratch slot, where `plan_flow` wrote the
-        // keys; the reference lives for the call only.
-        let ok =
-            !reply || table::put_flow6(unsafe { &(*k).other }, table::NO_SLOT, table::PUT_REPLACE) == table::Put::Done;
+        let first = if reply {
+            // SAFETY: this CPU's scratch slot, where `plan_flow` wrote the
+            // keys; the reference lives for the call only.
+            table::put_flow6(unsafe { &(*k).other }, table::NO_SLOT, table::PUT_REPLACE)
+        } else {
+            table::Put::Done
+        };
+        let ok = first == table::Put::Done;
         if ok && reply {
             forward_entry(pkt, k, DIR_FORWARD, now);
         }
         // In place of the entry the lookup found, or in a free slot; not
         // over one another CPU put in since (as for IPv4: `insert_flow`).
+        // A reply entry's failure is the flow's (its lost swap, `Busy`,
+        // holds the packet).
         let put = if ok {
             // SAFETY: as above; a plain load.
             table::put_flow6(unsafe { &(*k).flow }, unsafe { (*k).hint }, table::PUT_JOIN)
         } else {
-            table::Put::Full
+            first
         };
         if ok && reply && (put == table::Put::Full || put == table::Put::Busy) {
             // The reply entry without its flow: taken back (as for IPv4).

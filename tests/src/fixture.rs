@@ -360,18 +360,21 @@ pub fn run_by_fd_raw(prog_fd: i32, frame: &[u8], ifindex: u32) -> Vec<u8> {
 /// The same new flows on CPUs 0 and 1 at once: both send flow `i`'s SYN
 /// (`frame(i, flags)`, a new client address a flow) once both have come
 /// to it (a spinning rendezvous: a sleeping one starts them far apart),
-/// for 6 s or 20,000 flows. `fx` has one service, `service`, round robin
-/// over its backends (whose one counter for all CPUs gives the two picks
-/// different backends), with room for every flow and no rate limit; `dst`
-/// reads an output frame's destination. Asserts one entry a flow, both
-/// packets at its backend (or one held: dropped untouched, and counted),
-/// and every flow counted new and open once.
+/// for 6 s or 20,000 flows. `service` is round robin over its backends
+/// (whose one counter for all CPUs gives the two picks different
+/// backends), and `fx` has room for every flow and no rate limit; `dst`
+/// reads an output frame's destination. Asserts `entries_per_flow`
+/// entries a flow (2 where the service shares its backends' endpoints
+/// with another: a reply entry too), both packets at its backend (or one
+/// held: dropped untouched, and counted), and every flow counted new and
+/// open once.
 pub fn same_new_flows_on_two_cpus(
     fx: &mut Fixture,
     service: &str,
     vip: IpAddr,
     frame: impl Fn(u32, u8) -> Vec<u8> + Copy + Send + 'static,
     dst: fn(&[u8]) -> IpAddr,
+    entries_per_flow: u64,
 ) {
     use std::sync::{
         Arc,
@@ -438,8 +441,11 @@ pub fn same_new_flows_on_two_cpus(
     eprintln!(
         "{flows} flows on two CPUs at once: {counted} counted new, {opened} opened, {closed} closed, {held} held"
     );
+    // Every packet not forwarded was held, none dropped as if the table
+    // were full: it has room for every flow.
     assert_eq!(fx.counter("held"), held, "packets held");
-    assert_eq!(fx.entries(), flows as u64, "one entry a flow");
+    assert_eq!((fx.counter("flow_table"), fx.counter("table_full")), (0, 0), "dropped or routed as if full");
+    assert_eq!(fx.entries(), entries_per_flow * flows as u64, "entries: {entries_per_flow} a flow");
     assert_eq!(counted, flows as u64, "new flows counted");
     assert_eq!((opened, closed, expired), (flows as u64, 0, 0), "connections opened, closed, expired");
     assert_eq!(fx.active_flows(service), flows as u64, "active flows");
