@@ -893,11 +893,11 @@ fn insert_flow(pkt: &Packet, key: &FlowKey, svc: &Service, id: u32, now: u64, hi
         // The backend's endpoint names another service's VIP: this flow's
         // replies need an entry of their own, inserted first so that once
         // the forward entry exists, replies can come.
-        // SAFETY: see above; the shared reference lives for the call only,
-        // and nothing writes the slot meanwhile.
         // Its lost swap (`Put::Busy`: often the same flow's entry from
         // another CPU, whose slots start where this one's do) holds the
         // packet: a race, not a full table.
+        // SAFETY: see above; the shared reference lives for the call only,
+        // and nothing writes the slot meanwhile.
         match table::put_flow(&reply_key(pkt, backend.addr, backend.port), table::NO_SLOT, table::PUT_REPLACE) {
             table::Put::Done => {}
             table::Put::Busy => return Insert::Held,
