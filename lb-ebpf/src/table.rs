@@ -28,8 +28,10 @@
 //!   same key race for the same slot, and the table keeps one entry (a
 //!   loser that saw the slot being written waits for the entry, which a
 //!   new flow's insert joins and a reply entry's replaces;
-//!   one that lost the compare-and-swap itself gets `Put::Busy`, and its
-//!   packet is held, counted `held`, for its sender to retransmit).
+//!   one that lost the compare-and-swap itself to another insert gets
+//!   `Put::Busy`, and its packet is held, counted `held`, for its sender
+//!   to retransmit; one that lost it to a removal takes the freed slot:
+//!   see `claim_and_write`).
 //!   An entry that is replaced (a new connection on a closed flow's
 //!   5-tuple) is rewritten in place under the claim (`SLOT_BUSY`), which
 //!   lookups skip: the kernel's hash swapped a whole new element in
@@ -496,22 +498,12 @@ pub(crate) fn put<K: SlotKey, V: Copy + Entry>(
     let Some(value) = value() else { return Put::Full };
     let fresh = seen.free_state() != SLOT_READY;
     let old = if fresh { seen.free_state() } else { SLOT_READY | tag };
-    // A lost swap is another CPU's insert in the slot since the probe,
-    // maybe this very key's (the same flow's packet on two CPUs, or a
-    // shared endpoint's reply entry meeting the flow entry of the same
-    // flow on another CPU, whose slots start at the same one): `Busy`,
-    // whose packet is held and retransmitted, not `Full`, which routes
-    // a flow without an entry (by consistent hash: maybe another backend
-    // than that CPU's entry names) or drops it as if the table had no
-    // room.
-    let done = claim_and_write(slot, old, tag, fresh, count, key, value);
-    if done != Put::Done {
-        return done;
-    }
-    if fresh {
-        keep_reachable(table, mask(), start, at);
-    }
-    Put::Done
+    // A swap lost to another CPU's insert answers `Busy`, whose packet is
+    // held, not `Full`, which routes a flow without an entry (by
+    // consistent hash: maybe another backend than that CPU's entry of the
+    // same flow names) or drops it as if the table had no room; a slot a
+    // removal freed meanwhile is taken once more (`claim_and_write`).
+    claim_and_write(slot, old, tag, fresh, true, count, key, value, || keep_reachable(table, mask(), start, at))
 }
 
 /// `put` in the slot a lookup of `key` just found (`hint`, as
@@ -564,11 +556,11 @@ fn put_at<K: SlotKey, V: Copy + Entry>(
     let (at, slot, old) =
         if now & SLOT_MATCH == old { (at, slot, old) } else { next_free(table, mask, h, at, now, fresh)? };
     let value = value()?;
-    if claim_and_write(slot, old, tag, fresh, count, key, value) != Put::Done {
+    // No second try here: a lost slot sends the insert to `put`'s probe.
+    if claim_and_write(slot, old, tag, fresh, false, count, key, value, || keep_reachable(table, mask, h as u32, at))
+        != Put::Done
+    {
         return None;
-    }
-    if fresh {
-        keep_reachable(table, mask, h as u32, at);
     }
     Some(Put::Done)
 }
@@ -716,18 +708,36 @@ impl Entry for Flow6 {
 /// publishing it once whole (`tag`: the key's tag, in a claim's high
 /// half; `fresh`: a new entry, counted against the limit, of generation
 /// 0, rather than the key's own being replaced, which takes the next
-/// generation). `Put::Done`; `Put::Full` when the table holds its limit;
-/// `Put::Busy` when the slot's claim is no longer `old` (another CPU
-/// took the slot since it was read).
+/// generation), then, for a new entry, run `reach` (`keep_reachable`).
+/// `Put::Done`; `Put::Full` when the table holds its limit.
+///
+/// When the slot's claim is no longer `old`, either another CPU's insert
+/// took it (being written, or whole: maybe this very key's, the same
+/// flow's packet on another CPU, or a shared endpoint's reply entry
+/// meeting the same flow's entry, whose slots start at the same one):
+/// `Put::Busy`, a race, whose packet is held for its sender to
+/// retransmit. Or a removal freed it (the sweeper's, or a reply entry
+/// that another CPU's insert took back; the entry being replaced may be
+/// the one removed): with `retry` the slot is taken once more, from the
+/// claim found, as a new entry (once: `Put::Full` when a second removal
+/// beats it too); without, `Put::Full`. (Answering `Busy`
+/// there held a SYN whose closed entry the sweeper had just removed, and
+/// under round robin its next packet, finding no entry, went by
+/// consistent hash to another backend: 1 of 183,408 flows in a run of
+/// the datapath test that reuses tuples beside a sweeper. `Full` dropped
+/// a shared endpoint's new flow as `flow_table`.)
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn claim_and_write<K, V: Entry>(
     slot: *mut Slot<K, V>,
     old: u64,
     tag: u64,
     fresh: bool,
+    retry: bool,
     count: Count,
     key: &K,
     value: *const V,
+    reach: impl FnOnce(),
 ) -> Put {
     // A new entry counts against the table's limit first.
     if fresh && !count.take() {
@@ -742,26 +752,51 @@ fn claim_and_write<K, V: Entry>(
         // (read again here: the caller compared its tag and state), to
         // the next generation, so that a sweeper that read the old entry's
         // claim cannot remove the new one (`remove_if`). The line was just
-        // read: a hit.
-        let (old, generation) = if fresh {
+        // read: a hit. A claim that differs already counts as a lost swap.
+        let (expect, generation) = if fresh {
             (old, 0)
         } else {
             let now = read_volatile(&raw const (*slot).claim);
-            if now & SLOT_MATCH != old {
-                return Put::Busy;
-            }
             (now, now.wrapping_add(SLOT_GEN_ONE) & SLOT_GEN)
         };
-        let (_, won) = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
-            &raw mut (*slot).claim,
-            old,
-            SLOT_BUSY | generation | tag,
-        );
+        let claim = SLOT_BUSY | generation | tag;
+        let (found, won) = if expect & SLOT_MATCH == old {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                &raw mut (*slot).claim,
+                expect,
+                claim,
+            )
+        } else {
+            (expect, false)
+        };
+        let mut fresh = fresh;
         if !won {
-            if fresh {
+            let state = found & SLOT_STATE;
+            let removed = state == SLOT_EMPTY || state == SLOT_TOMB;
+            // A new entry keeps its count for the second try.
+            if fresh && !(retry && removed) {
                 count.give_back();
             }
-            return Put::Busy;
+            if !removed {
+                return Put::Busy;
+            }
+            if !retry || (!fresh && !count.take()) {
+                return Put::Full;
+            }
+            fresh = true;
+            let (again, won) = atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                &raw mut (*slot).claim,
+                found,
+                claim,
+            );
+            if !won {
+                count.give_back();
+                // Lost again: to an insert, a race as above; to a second
+                // removal (a removed slot made empty again, as the
+                // sweeper does right after removing), no more tries.
+                let state = again & SLOT_STATE;
+                return if state == SLOT_BUSY || state == SLOT_READY { Put::Busy } else { Put::Full };
+            }
         }
         if !fresh && count.datapaths() {
             V::close_replaced(&raw mut (*slot).value);
@@ -769,6 +804,9 @@ fn claim_and_write<K, V: Entry>(
         copy_words::<_, u64>(&raw mut (*slot).key, key);
         copy_words::<_, u64>(&raw mut (*slot).value, value);
         atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*slot).claim, SLOT_READY - SLOT_BUSY);
+        if fresh {
+            reach();
+        }
     }
     Put::Done
 }
