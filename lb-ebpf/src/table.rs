@@ -720,12 +720,12 @@ impl Entry for Flow6 {
 /// that another CPU's insert took back; the entry being replaced may be
 /// the one removed): with `retry` the slot is taken once more, from the
 /// claim found, as a new entry (once: `Put::Full` when a second removal
-/// beats it too); without, `Put::Full`. (Answering `Busy`
-/// there held a SYN whose closed entry the sweeper had just removed, and
-/// under round robin its next packet, finding no entry, went by
-/// consistent hash to another backend: 1 of 183,408 flows in a run of
-/// the datapath test that reuses tuples beside a sweeper. `Full` dropped
-/// a shared endpoint's new flow as `flow_table`.)
+/// beats it too); without, `Put::Full`. (Answering `Busy` there held a
+/// SYN whose closed entry the sweeper had just removed, and under round
+/// robin its next packet, finding no entry, went by consistent hash to
+/// another backend: 1 of 183,408 flows in a run of the datapath test
+/// that reuses tuples beside a sweeper. `Full` drops a shared endpoint's
+/// new flow as `flow_table`.)
 #[inline(always)]
 #[expect(
     clippy::too_many_arguments,
