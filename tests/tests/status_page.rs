@@ -61,6 +61,17 @@ fn refreshed(b: &mut Browser, n: u64) {
     }
 }
 
+/// The client's stop file: written when dropped, also when the test fails
+/// before it means to stop the client, so that the client ends. (In
+/// `/tmp/{PREFIX}-*`, which the lab removes as it goes down after a test
+/// that passed.)
+struct Stop(std::path::PathBuf);
+impl Drop for Stop {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.0, b"");
+    }
+}
+
 fn state_of(rows: &[(String, String, String, u64)], service: &str, backend: &str) -> String {
     rows.iter().find(|r| r.0 == service && r.1 == backend).map(|r| r.2.clone()).unwrap_or_default()
 }
@@ -92,12 +103,19 @@ fn the_status_page_shows_every_backend_live_in_a_browser() {
     assert_eq!(have, want, "the page's backend rows");
     assert!(r.iter().all(|r| r.2 == "up"), "every backend up: {r:?}");
 
-    // Traffic, with the page watching: a screenshot meanwhile.
+    // Traffic, with the page watching: a screenshot meanwhile. The client
+    // goes on until the screenshot is taken (its stop file): a fixed count
+    // of 40,000 connections was over before the page's third refresh on a
+    // quiet machine, and the screenshot showed the traffic already done.
+    let stop = Stop(format!("/tmp/{PREFIX}-client-stop").into());
+    // Left by an earlier run that failed.
+    let _ = std::fs::remove_file(&stop.0);
     let exe = s.lab.spec.bin_dir.join("lab-client");
     let client = s
         .lab
         .cmd("client", &exe)
-        .args(["conns", "--target", "10.10.0.100:80", "--count", "40000", "--sources-range", "10.10.1.1-10.10.1.100"])
+        .args(["conns", "--target", "10.10.0.100:80", "--sources-range", "10.10.1.1-10.10.1.100", "--stop-file"])
+        .arg(&stop.0)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -107,6 +125,7 @@ fn the_status_page_shows_every_backend_live_in_a_browser() {
     let shot = s.lab.spec.bin_dir.parent().unwrap_or(&s.lab.spec.bin_dir).join("status-page.png");
     b.screenshot(&shot).unwrap();
     let moving = rows(&mut b);
+    drop(stop);
     let so_far: u64 = moving.iter().filter(|r| r.0 == "web").map(|r| r.3).sum();
     assert!(so_far > 0, "no connection shown while the traffic flows: {moving:?}");
     let out = client.wait_with_output().unwrap();
@@ -114,13 +133,14 @@ fn the_status_page_shows_every_backend_live_in_a_browser() {
     // lbd's log (a backend down meanwhile?) and its counters (which path
     // the packets took) say what happened to a failed connection.
     assert_eq!(
-        (r["ok"].as_u64(), r["failed"].as_u64()),
-        (Some(40000), Some(0)),
+        r["failed"].as_u64(),
+        Some(0),
         "{}\nlbd's log:\n{}\nlbd's counters: {}",
         r["errors"],
         s.lbd.log_text(),
         s.lbd.counters_text()
     );
+    let total = r["ok"].as_u64().expect("the client's count of connections");
     let alt = s.lab.client(&["conns", "--target", "10.10.0.101:80", "--count", "100"]).unwrap();
     assert_eq!(alt["failed"].as_u64(), Some(0), "{alt}");
 
@@ -135,13 +155,16 @@ fn the_status_page_shows_every_backend_live_in_a_browser() {
     let accepted: Vec<u64> = counts.iter().map(|c| c.connections).collect();
     let summed: Vec<u64> = (0..3).map(|i| web_shown[i] + alt_shown.get(i).copied().unwrap_or(0)).collect();
     println!(
-        "screenshot {} taken mid-traffic (web rows then: {:?}); after 40,000 + 100 connections the page shows web {web_shown:?} + alt {alt_shown:?} = {summed:?}, the backends accepted {accepted:?}",
+        "screenshot {} taken mid-traffic (web rows then: {:?}); after {total} + 100 connections the page shows web {web_shown:?} + alt {alt_shown:?} = {summed:?}, the backends accepted {accepted:?}",
         shot.display(),
         moving.iter().filter(|r| r.0 == "web").map(|r| r.3).collect::<Vec<_>>()
     );
     assert_eq!(summed, accepted, "the page's new connections are the backends' own counts");
-    assert!(so_far < 40_000, "the screenshot was not taken while the traffic flowed ({so_far} shown by then)");
-    assert_eq!(web_shown.iter().sum::<u64>(), 40000);
+    assert!(
+        so_far < total,
+        "the screenshot was not taken while the traffic flowed ({so_far} of {total} shown by then)"
+    );
+    assert_eq!(web_shown.iter().sum::<u64>(), total);
     assert_eq!(alt_shown.iter().sum::<u64>(), 100);
     // The header shows each family's flow table against its own size
     // (the lab config's conntrack_max, which the IPv6 table takes too):
