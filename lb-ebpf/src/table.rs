@@ -774,8 +774,7 @@ fn claim_and_write<K, V: Entry>(
         };
         let mut fresh = fresh;
         if !won {
-            let state = found & SLOT_STATE;
-            let removed = state == SLOT_EMPTY || state == SLOT_TOMB;
+            let removed = freed(found);
             // A new entry keeps its count for the second try.
             if fresh && !(retry && removed) {
                 count.give_back();
@@ -797,8 +796,7 @@ fn claim_and_write<K, V: Entry>(
                 // Lost again: to an insert, a race as above; to a second
                 // removal (a removed slot made empty again, as the
                 // sweeper does right after removing), no more tries.
-                let state = again & SLOT_STATE;
-                return if state == SLOT_BUSY || state == SLOT_READY { Put::Busy } else { Put::Full };
+                return if taken(again) { Put::Busy } else { Put::Full };
             }
         }
         if !fresh && count.datapaths() {
@@ -812,6 +810,22 @@ fn claim_and_write<K, V: Entry>(
         }
     }
     Put::Done
+}
+
+/// Whether a claim a lost swap found says a removal freed the slot (empty
+/// or removed) rather than another insert's entry (being written, or
+/// whole): `claim_and_write`'s two answers to a lost swap.
+#[inline(always)]
+fn freed(claim: u64) -> bool {
+    let state = claim & SLOT_STATE;
+    state == SLOT_EMPTY || state == SLOT_TOMB
+}
+
+/// The other side of [`freed`], as the second lost swap asks it.
+#[inline(always)]
+fn taken(claim: u64) -> bool {
+    let state = claim & SLOT_STATE;
+    state == SLOT_BUSY || state == SLOT_READY
 }
 
 /// What `put`'s probe loop found, in one word (every value kept across

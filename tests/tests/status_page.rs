@@ -20,6 +20,7 @@ use std::{
 use lb_tests::{
     browser::Browser,
     harness::{Running, web},
+    lab::StopLoads,
     lbd::wait_for,
 };
 
@@ -61,17 +62,6 @@ fn refreshed(b: &mut Browser, n: u64) {
     }
 }
 
-/// The client's stop file: written when dropped, also when the test fails
-/// before it means to stop the client, so that the client ends. (In
-/// `/tmp/{PREFIX}-*`, which the lab removes as it goes down after a test
-/// that passed.)
-struct Stop(std::path::PathBuf);
-impl Drop for Stop {
-    fn drop(&mut self) {
-        let _ = std::fs::write(&self.0, b"");
-    }
-}
-
 fn state_of(rows: &[(String, String, String, u64)], service: &str, backend: &str) -> String {
     rows.iter().find(|r| r.0 == service && r.1 == backend).map(|r| r.2.clone()).unwrap_or_default()
 }
@@ -107,15 +97,18 @@ fn the_status_page_shows_every_backend_live_in_a_browser() {
     // goes on until the screenshot is taken (its stop file): a fixed count
     // of 40,000 connections was over before the page's third refresh on a
     // quiet machine, and the screenshot showed the traffic already done.
-    let stop = Stop(format!("/tmp/{PREFIX}-client-stop").into());
+    // In `/tmp/{PREFIX}-*`, which the lab removes as it goes down after a
+    // test that passed.
+    let stop_file = std::path::PathBuf::from(format!("/tmp/{PREFIX}-client-stop"));
     // Left by an earlier run that failed.
-    let _ = std::fs::remove_file(&stop.0);
+    let _ = std::fs::remove_file(&stop_file);
+    let stop = StopLoads(&stop_file);
     let exe = s.lab.spec.bin_dir.join("lab-client");
     let client = s
         .lab
         .cmd("client", &exe)
         .args(["conns", "--target", "10.10.0.100:80", "--sources-range", "10.10.1.1-10.10.1.100", "--stop-file"])
-        .arg(&stop.0)
+        .arg(&stop_file)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

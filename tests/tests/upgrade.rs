@@ -18,7 +18,7 @@ use std::{
 
 use lb_tests::{
     harness::{config_dir, serial, socket_for, web},
-    lab::{Lab, LabSpec},
+    lab::{Lab, LabSpec, StopLoads},
     lbd::{
         Lbd, kill_once_pinned, pinned_conns, pinned_layout, pinned_seed, wait_for, write_config, write_config_with,
         xdp_program_in_use,
@@ -644,16 +644,6 @@ fn migrated(lab: &Lab, lbd: &Lbd, maps: &Path, from: u32) {
     let counts = lab.connections_served().unwrap();
     let flows = wait_for(5, || Some(lbd.total_new_flows()).filter(|&n| n == counts));
     assert_eq!(flows, Some(counts), "lbd counted {} new flows, backends {counts}", lbd.total_new_flows());
-}
-
-/// Stops the loads started with its file as `--stop-file` when dropped:
-/// also when the test fails before it means to, so that the scope's join
-/// of the loads ends.
-struct StopLoads<'a>(&'a Path);
-impl Drop for StopLoads<'_> {
-    fn drop(&mut self) {
-        let _ = std::fs::write(self.0, b"");
-    }
 }
 
 /// The upgrade itself, under load: new connections from 230 sources and

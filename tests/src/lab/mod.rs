@@ -1399,6 +1399,16 @@ impl Drop for Lab {
     }
 }
 
+/// Stops the loads started with its file as `lab-client`'s `--stop-file`
+/// when dropped: also when the test fails before it means to, so that
+/// the loads end (and a scope's join of them, or a wait for them).
+pub struct StopLoads<'a>(pub &'a Path);
+impl Drop for StopLoads<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.0, b"");
+    }
+}
+
 /// Remove `/tmp/{prefix}-*`, the files and directories the lab `prefix`
 /// and its test wrote there. (Lab tests run one at a time, so none of
 /// them belongs to a lab still running.)
